@@ -1,0 +1,37 @@
+"""Torch reference for kv_write: quantize one flush group, pack it and scatter it into slots."""
+from __future__ import annotations
+
+import torch
+
+from plugins.formats import LayerScales, format_by_code
+
+
+def kv_write_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_fields: list[torch.Tensor],
+    group_fields: list[torch.Tensor],
+    k_group: torch.Tensor,
+    pages: torch.Tensor,
+    slots: torch.Tensor,
+    gid: int,
+    fmt_code: int,
+    scale_k: float,
+    scale_v: float,
+) -> None:
+    """Write ``n`` tokens ``k, v [n, H, D]`` into ``(pages[i], slots[i])``; only those slots change.
+
+    Write-through formats (group_size 1) may write tokens of several sequences in one call; a
+    quantized format writes exactly one flush group, whose key scales go to arena entry ``gid``.
+    """
+    fmt = format_by_code(fmt_code)
+    slot_enc, group_enc = fmt.encode(k, v, LayerScales(scale_k, scale_v))
+    names = [f.name for f in fmt.slot_fields(1, 16)]
+    p, s = pages.long(), slots.long()
+    for name, pool in zip(names, slot_fields):
+        pool[p, s] = slot_enc[name]
+    if group_fields:
+        gnames = [f.name for f in fmt.group_fields(1, 16)]
+        for name, arena in zip(gnames, group_fields):
+            arena[gid] = group_enc[name]
+        k_group[p, s] = gid

@@ -1,0 +1,94 @@
+"""Torch reference for paged decode attention over one format's pages (the oracle for the Triton kernel)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from plugins.formats import LayerScales, format_by_code
+
+
+def slot_validity(valid_bits: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[b, P*B]`` bool: slot s of page p is live iff bit s of ``valid_bits[p]`` is set; -1 pads."""
+    pages = block_table.clamp_min(0).long()
+    bits = valid_bits[pages].unsqueeze(-1)  # [b, P, 1]
+    shifts = torch.arange(block_size, device=bits.device, dtype=bits.dtype)
+    live = ((bits >> shifts) & 1).bool() & (block_table >= 0).unsqueeze(-1)
+    return live.reshape(block_table.shape[0], -1)
+
+
+def gather_dequant(
+    slot_fields: list[torch.Tensor],
+    group_fields: list[torch.Tensor],
+    k_group: torch.Tensor,
+    block_table: torch.Tensor,
+    fmt_code: int,
+    scale_k: float,
+    scale_v: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized K, V ``[b, P*B, H, D]`` fp32 for the pages in ``block_table`` (padding reads page 0)."""
+    fmt = format_by_code(fmt_code)
+    pages = block_table.clamp_min(0).long()
+    b, P = pages.shape
+    names = [f.name for f in fmt.slot_fields(1, 16)]
+    slot = {n: t[pages] for n, t in zip(names, slot_fields)}
+    group = {}
+    if group_fields:
+        gnames = [f.name for f in fmt.group_fields(1, 16)]
+        gid = k_group[pages].clamp_min(0).long()  # [b, P, B]
+        group = {n: t[gid] for n, t in zip(gnames, group_fields)}
+    k, v = fmt.decode(slot, group, LayerScales(scale_k, scale_v))
+    return k.reshape(b, -1, *k.shape[-2:]), v.reshape(b, -1, *v.shape[-2:])
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    slot_fields: list[torch.Tensor],
+    group_fields: list[torch.Tensor],
+    k_group: torch.Tensor,
+    valid_bits: torch.Tensor,
+    block_table: torch.Tensor,
+    fmt_code: int,
+    sm_scale: float,
+    scale_k: float,
+    scale_v: float,
+    return_logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode attention of one query token per sequence over its pages of one format.
+
+    Args:
+        q: ``[b, Hq, D]``. Query heads ``h*G .. h*G+G-1`` share KV head ``h``.
+        block_table: ``[b, P]`` int32 page ids, -1 padded.
+    Returns:
+        out ``[b, Hq, D]`` fp32 (normalized within these pages; 0 where nothing is live),
+        lse ``[b, Hq]`` fp32 (log-sum-exp of the scaled logits; -inf where nothing is live),
+        logits ``[b, Hq, P*B]`` fp32 scaled logits with -inf at dead slots (empty unless asked).
+    Partial results over several formats and the residual buffer merge with ``merge_partials``.
+    """
+    b, Hq, D = q.shape
+    k, v = gather_dequant(slot_fields, group_fields, k_group, block_table, fmt_code, scale_k, scale_v)
+    H = k.shape[2]
+    G = Hq // H
+    block_size = slot_fields[0].shape[1]
+    live = slot_validity(valid_bits, block_table, block_size)  # [b, n]
+    qf = q.float().view(b, H, G, D)
+    logits = torch.einsum("bhgd,bnhd->bhgn", qf, k) * sm_scale
+    logits = logits.masked_fill(~live[:, None, None, :], -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)  # [b, H, G]
+    p = torch.exp(logits - lse.unsqueeze(-1).clamp_min(-1e30))
+    p = torch.nan_to_num(p, nan=0.0)
+    out = torch.einsum("bhgn,bnhd->bhgd", p, v).reshape(b, Hq, D)
+    lse = lse.reshape(b, Hq)
+    logits_out = logits.reshape(b, Hq, -1) if return_logits else q.new_empty(0, dtype=torch.float32)
+    return out, lse, logits_out
+
+
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp merge of partial attentions ``(out [b,Hq,D], lse [b,Hq])`` into one."""
+    if len(parts) == 1:
+        return parts[0]
+    lses = torch.stack([lse for _, lse in parts])  # [n, b, Hq]
+    total = torch.logsumexp(lses, dim=0)
+    w = torch.nan_to_num(torch.exp(lses - total.clamp_min(-1e30)), nan=0.0)
+    out = sum(w[i].unsqueeze(-1) * parts[i][0] for i in range(len(parts)))
+    return out, total
