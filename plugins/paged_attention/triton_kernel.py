@@ -1,0 +1,204 @@
+"""Triton paged decode attention over one format's pages (spec §5.6); oracle: ``reference.py``.
+
+One program handles one (sequence, KV head, KV split) and all G query heads that share the KV head, so
+each page is read and dequantized once per KV head. The format is a constexpr: one specialization per
+format, no per-element branching. Each iteration covers ``PAGES`` pages (``PAGES * B`` slots) so the tiles
+stay useful at ``B = 8``; page ids, validity words and group ids are gathered per slot lane (each page's
+int32 word is read once per page from memory, the duplicate lanes hit cache). Dead slots are never loaded
+(masked loads) and get ``-inf`` logits, so stale codes in evicted slots cannot leak into the output.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from plugins.paged_attention.reference import merge_partials
+
+# format codes (plugins.formats), as constexprs so the jit functions can branch on them
+FP32, FP16, BF16, FP8, NVFP4, TERNARY, INT4, INT2, NVFP4O, TERNARYO = (tl.constexpr(c) for c in range(10))
+
+
+@triton.jit
+def _e4m3(b):
+    """E4M3fn bits (int32 0..255) to fp32 by building the fp32 bit pattern; 0x7F/0xFF are NaN."""
+    sign = (b >> 7) & 1
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # m * 2^-9
+    sub = tl.where(sign == 1, -sub, sub)
+    val = tl.where(e == 0, sub, normal)
+    return tl.where((e == 15) & (m == 7), float("nan"), val)
+
+
+@triton.jit
+def _e2m1(nib):
+    """E2M1 nibble (bit 3 sign, bits 2..0 index into [0, .5, 1, 1.5, 2, 3, 4, 6]) to fp32."""
+    e = (nib >> 1) & 3
+    m = nib & 1
+    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
+    return tl.where((nib & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _tern(c):
+    """2-bit sign-magnitude crumb: 01 -> +1, 11 -> -1, 00 and 10 (-0) -> 0."""
+    return tl.where(c == 1, 1.0, tl.where(c == 3, -1.0, 0.0))
+
+
+@triton.jit
+def _load_kv(f0, f1, f2, f3, g0, g1, kgrp_ptr, page, slot, live, h, offs_d, dmask, scale_k, scale_v,
+             FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, B: tl.constexpr):
+    """Dequantized K, V tiles ``[N, DP]`` fp32 of head ``h`` for the slot lanes ``(page, slot)``."""
+    row = (page.to(tl.int64) * B + slot) * H + h  # [N] slot-row index into [pages, B, H, ...]
+    m2 = live[:, None] & dmask[None, :]
+    d = offs_d[None, :]
+    if FMT <= BF16:
+        k = tl.load(f0 + row[:, None] * D + d, mask=m2, other=0.0).to(tl.float32)
+        v = tl.load(f1 + row[:, None] * D + d, mask=m2, other=0.0).to(tl.float32)
+    elif FMT == FP8:
+        k = _e4m3(tl.load(f0 + row[:, None] * D + d, mask=m2, other=0).to(tl.int32)) * scale_k
+        v = _e4m3(tl.load(f1 + row[:, None] * D + d, mask=m2, other=0).to(tl.int32)) * scale_v
+    else:
+        if FMT == NVFP4 or FMT == INT4 or FMT == NVFP4O:
+            shift = (d % 2) * 4
+            kc = (tl.load(f0 + row[:, None] * (D // 2) + d // 2, mask=m2, other=0).to(tl.int32) >> shift) & 15
+            vc = (tl.load(f1 + row[:, None] * (D // 2) + d // 2, mask=m2, other=0).to(tl.int32) >> shift) & 15
+        else:
+            shift = (d % 4) * 2
+            kc = (tl.load(f0 + row[:, None] * (D // 4) + d // 4, mask=m2, other=0).to(tl.int32) >> shift) & 3
+            vc = (tl.load(f1 + row[:, None] * (D // 4) + d // 4, mask=m2, other=0).to(tl.int32) >> shift) & 3
+        gid = tl.load(kgrp_ptr + page.to(tl.int64) * B + slot, mask=live, other=0)
+        grow = (tl.maximum(gid, 0).to(tl.int64) * H + h)[:, None] * D + d  # group field [gid, h, d]
+        vrow = row[:, None] * (D // 16) + d // 16  # per-token value scale [page, slot, h, d // 16]
+        if FMT == INT4 or FMT == INT2:
+            k = kc.to(tl.float32) * tl.load(g0 + grow, mask=m2, other=0.0).to(tl.float32) \
+                + tl.load(g1 + grow, mask=m2, other=0.0).to(tl.float32)
+            v = vc.to(tl.float32) * tl.load(f2 + vrow, mask=m2, other=0.0).to(tl.float32) \
+                + tl.load(f3 + vrow, mask=m2, other=0.0).to(tl.float32)
+        else:
+            if FMT == NVFP4 or FMT == NVFP4O:
+                ke = _e2m1(kc)
+                ve = _e2m1(vc)
+            else:
+                ke = _tern(kc)
+                ve = _tern(vc)
+            k = ke * _e4m3(tl.load(g0 + grow, mask=m2, other=0).to(tl.int32)) * scale_k
+            v = ve * _e4m3(tl.load(f2 + vrow, mask=m2, other=0).to(tl.int32)) * scale_v
+            if FMT == NVFP4O or FMT == TERNARYO:
+                k = k + tl.load(g1 + grow, mask=m2, other=0.0).to(tl.float32)
+    # a live slot may hold any finite code; dead lanes are already 0, keep NaN-free for the p @ V product
+    return k, tl.where(m2, v, 0.0)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, f0, f1, f2, f3, g0, g1, kgrp_ptr, bits_ptr, bt_ptr, out_ptr, lse_ptr, logits_ptr,
+    sm_scale, scale_k, scale_v, P, pages_per_split,
+    FMT: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
+    GP: tl.constexpr, DP: tl.constexpr, PAGES: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    RETURN_LOGITS: tl.constexpr,
+):
+    bi = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, DP)
+    offs_n = tl.arange(0, PAGES * B)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    qh = bi * H * G + h * G + offs_g  # query-head rows [GP] of q [b, H*G, D]
+    q = tl.load(q_ptr + qh[:, None] * D + offs_d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+    q = q.to(tl.float32)
+
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    p_lo = sp * pages_per_split
+    p_hi = tl.minimum(p_lo + pages_per_split, P)
+    for p0 in range(p_lo, p_hi, PAGES):
+        pidx = p0 + offs_n // B
+        slot = offs_n % B
+        in_tab = pidx < p_hi
+        page = tl.load(bt_ptr + bi * P + pidx, mask=in_tab, other=-1)
+        word = tl.load(bits_ptr + tl.maximum(page, 0), mask=page >= 0, other=0)
+        live = (page >= 0) & (((word >> slot) & 1) != 0)
+        k, v = _load_kv(f0, f1, f2, f3, g0, g1, kgrp_ptr, tl.maximum(page, 0), slot, live, h, offs_d, dmask,
+                        scale_k, scale_v, FMT, H, D, B)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # [GP, N]
+        s = tl.where(live[None, :], s, float("-inf"))
+        if RETURN_LOGITS:
+            lmask = gmask[:, None] & in_tab[None, :]
+            tl.store(logits_ptr + qh[:, None] * (P * B) + (pidx * B + slot)[None, :], s, mask=lmask)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all dead so far: keep exp() finite
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    orow = qh * NUM_SPLITS + sp  # out [b, Hq, S, D], lse [b, Hq, S]
+    tl.store(out_ptr + orow[:, None] * D + offs_d[None, :], out, mask=gmask[:, None] & dmask[None, :])
+    tl.store(lse_ptr + orow, lse, mask=gmask)
+
+
+def _num_splits(b: int, H: int, P: int, pages: int, device: torch.device) -> int:
+    """Flash-decoding split: only when (sequences x heads) cannot fill the GPU and pages are plenty."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if b * H >= sms:
+        return 1
+    return max(1, min(triton.cdiv(P, 4 * pages), triton.cdiv(2 * sms, b * H), 32))
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    slot_fields: list[torch.Tensor],
+    group_fields: list[torch.Tensor],
+    k_group: torch.Tensor,
+    valid_bits: torch.Tensor,
+    block_table: torch.Tensor,
+    fmt_code: int,
+    sm_scale: float,
+    scale_k: float,
+    scale_v: float,
+    return_logits: bool,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as ``paged_attention_ref``; ``num_splits`` overrides the split-KV heuristic."""
+    b, Hq, D = q.shape
+    B, H = slot_fields[0].shape[1], slot_fields[0].shape[2]
+    G = Hq // H
+    P = block_table.shape[1]
+    assert Hq == H * G and block_table.dtype == torch.int32 and valid_bits.dtype == torch.int32
+    assert all(t.is_contiguous() for t in [*slot_fields, *group_fields, valid_bits, k_group])
+    q, block_table = q.contiguous(), block_table.contiguous()
+    pages = max(1, min(triton.next_power_of_2(P), max(1, 32 // B)))  # ~32 slots per step: [G, 32, D] tiles
+    S = num_splits or _num_splits(b, H, P, pages, q.device)
+    S = max(1, min(S, P)) if P else 1
+    per_split = triton.cdiv(P, S) if P else 0
+    dev = q.device
+    out = torch.empty((b, Hq, S, D), device=dev, dtype=torch.float32)
+    lse = torch.empty((b, Hq, S), device=dev, dtype=torch.float32)
+    logits = torch.empty((b, Hq, P * B) if return_logits else (0,), device=dev, dtype=torch.float32)
+    if b == 0:
+        return out.sum(2), lse.sum(2), logits
+    f = list(slot_fields) + [slot_fields[0]] * (4 - len(slot_fields))
+    g = list(group_fields) + [slot_fields[0]] * (2 - len(group_fields))
+    _paged_attn_kernel[(b, H, S)](
+        q, *f, *g, k_group, valid_bits, block_table, out, lse, logits,
+        float(sm_scale), float(scale_k), float(scale_v), P, per_split,
+        FMT=fmt_code, H=H, G=G, D=D, B=B, GP=triton.next_power_of_2(G), DP=triton.next_power_of_2(D),
+        PAGES=pages, NUM_SPLITS=S, RETURN_LOGITS=return_logits,
+    )
+    if S == 1:
+        return out[:, :, 0], lse[:, :, 0], logits
+    o, l = merge_partials([(out[:, :, i], lse[:, :, i]) for i in range(S)])
+    return o, l, logits

@@ -1,0 +1,158 @@
+"""Triton paged attention against the torch reference, for every registered format (spec §9 items 18-20).
+
+Pools are filled through the reference ``kv_write`` (so every slot holds real codes of its format,
+as after eviction), validity bits are random, and block tables carry -1 padding.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from plugins.formats import FORMATS
+from plugins.kv_write.reference import kv_write_ref
+from plugins.paged_attention.reference import paged_attention_ref
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before Python starts)",
+)
+
+B = 8
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+# (b, H, G, D, P): sequences, KV heads, query heads per KV head, head dim, block-table width
+SHAPES = [(3, 2, 3, 32, 3), (2, 1, 1, 64, 4), (1, 2, 2, 16, 2)]
+
+
+def make_pool(fmt, H, D, num_pages, seed, scales=(0.7, 1.3)):
+    """Every slot written with real codes (random flush groups of <= group_size scattered slots)."""
+    g = torch.Generator().manual_seed(seed)
+    slot = [torch.zeros((num_pages, B, *f.shape), dtype=f.dtype) for f in fmt.slot_fields(H, D)]
+    n_slots = num_pages * B
+    groups = math.ceil(n_slots / fmt.group_size) if fmt.quantized else 1
+    group = [torch.zeros((groups, *f.shape), dtype=f.dtype) for f in fmt.group_fields(H, D)]
+    k_group = torch.full((num_pages, B), -1, dtype=torch.int32)
+    order = torch.randperm(n_slots, generator=g)
+    chunk = fmt.group_size if fmt.quantized else n_slots
+    offset = torch.randn(H, D, generator=g) * 3  # a per-channel key offset, as real keys have
+    for gid, i in enumerate(range(0, n_slots, chunk)):
+        idx = order[i : i + chunk]
+        k = torch.randn(len(idx), H, D, generator=g) * 2 + offset
+        v = torch.randn(len(idx), H, D, generator=g)
+        kv_write_ref(k, v, slot, group, k_group, idx // B, idx % B, gid, fmt.code, *scales)
+    bits = torch.randint(0, 1 << B, (num_pages,), generator=g, dtype=torch.int32)
+    to = lambda ts: [t.to(DEV) for t in ts]  # noqa: E731
+    return to(slot), to(group), k_group.to(DEV), bits.to(DEV)
+
+
+def make_table(b, P, num_pages, seed):
+    """Distinct pages per row, a random tail of -1 padding (row 0 keeps all P)."""
+    g = torch.Generator().manual_seed(seed)
+    bt = torch.stack([torch.randperm(num_pages, generator=g)[:P] for _ in range(b)]).int()
+    for r in range(1, b):
+        bt[r, P - int(torch.randint(0, P, (1,), generator=g)) :] = -1
+    return bt.to(DEV)
+
+
+def run_both(fmt, q, pool, bt, scales=(0.7, 1.3), **kw):
+    from plugins.paged_attention.triton_kernel import paged_attention_triton
+
+    slot, group, k_group, bits = pool
+    args = (q, slot, group, k_group, bits, bt, fmt.code, q.shape[-1] ** -0.5, *scales, True)
+    return paged_attention_triton(*args, **kw), paged_attention_ref(*args)
+
+
+def assert_same(got, want):
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}H{}G{}D{}P{}".format(*s))
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_matches_reference(name, shape):
+    b, H, G, D, P = shape
+    fmt = FORMATS[name]
+    pool = make_pool(fmt, H, D, num_pages=6, seed=D + G)
+    q = torch.randn(b, H * G, D, generator=torch.Generator().manual_seed(1)).to(DEV)
+    got, want = run_both(fmt, q, pool, make_table(b, P, 6, seed=b))
+    assert got[2].shape == (b, H * G, P * B)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("name", ["fp16", "nvfp4", "ternaryo", "int2"])
+def test_split_kv_matches(name):
+    fmt = FORMATS[name]
+    pool = make_pool(fmt, 2, 32, num_pages=8, seed=3)
+    q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(2)).to(DEV)
+    bt = make_table(2, 7, 8, seed=5)
+    got, want = run_both(fmt, q, pool, bt, num_splits=3)
+    assert_same(got, want)
+
+
+def test_all_dead_rows_give_zero_and_neg_inf():
+    fmt = FORMATS["fp32"]
+    slot, group, k_group, bits = make_pool(fmt, 1, 16, num_pages=3, seed=0)
+    bits[1] = 0
+    bt = torch.tensor([[-1, -1], [1, -1], [2, 0]], dtype=torch.int32, device=DEV)
+    q = torch.randn(3, 2, 16).to(DEV)
+    (out, lse, logits), want = run_both(fmt, q, (slot, group, k_group, bits), bt)
+    assert torch.all(out[:2] == 0) and torch.all(lse[:2] == -math.inf) and torch.all(logits[:2] == -math.inf)
+    assert_same((out, lse, logits), want)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_dead_slot_codes_change_nothing(name):
+    """§9 item 18: overwrite every evicted slot (codes, scales, group ids) with garbage."""
+    from plugins.paged_attention.triton_kernel import paged_attention_triton
+
+    fmt = FORMATS[name]
+    slot, group, k_group, bits = make_pool(fmt, 2, 16, num_pages=4, seed=7)
+    bt = torch.tensor([[0, 1, 2], [3, 2, -1]], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, 4, 16).to(DEV)
+    args = lambda s, kg: (q, s, group, kg, bits, bt, fmt.code, 0.25, 0.7, 1.3, True)  # noqa: E731
+    before = paged_attention_triton(*args(slot, k_group))
+    dead = ((bits[:, None] >> torch.arange(B, device=DEV, dtype=torch.int32)) & 1) == 0  # [pages, B]
+    g = torch.Generator().manual_seed(0)
+    junk = []
+    for t in slot:
+        noise = torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8).to(DEV) if t.dtype == torch.uint8 \
+            else torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEV)
+        junk.append(torch.where(dead.view(*dead.shape, *[1] * (t.dim() - 2)), noise, t))
+    kg = torch.where(dead, torch.randint(0, 10**6, k_group.shape, generator=g, dtype=torch.int32).to(DEV), k_group)
+    after = paged_attention_triton(*args(junk, kg))
+    for x, y in zip(before, after):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp8", "nvfp4o", "int4"])
+def test_page_order_permutation_invariant(name):
+    """§9 item 19: output and lse do not depend on the page order in the block table."""
+    from plugins.paged_attention.triton_kernel import paged_attention_triton
+
+    fmt = FORMATS[name]
+    slot, group, k_group, bits = make_pool(fmt, 2, 32, num_pages=6, seed=11)
+    bt = torch.tensor([[0, 1, 2, 3, 4, 5]], dtype=torch.int32, device=DEV)
+    q = torch.randn(1, 2, 32).to(DEV)
+    run = lambda t: paged_attention_triton(q, slot, group, k_group, bits, t, fmt.code, 0.2, 0.7, 1.3, False)  # noqa: E731
+    out, lse, _ = run(bt)
+    out2, lse2, _ = run(bt[:, torch.tensor([4, 0, 5, 2, 1, 3], device=DEV)].contiguous())
+    torch.testing.assert_close(out2, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse2, lse, atol=1e-5, rtol=1e-5)
+
+
+def test_op_dispatches_to_triton(monkeypatch):
+    import plugins.ops  # noqa: F401
+    import plugins.paged_attention.triton_kernel as tk
+
+    calls = []
+    real = tk.paged_attention_triton
+    monkeypatch.setattr(tk, "paged_attention_triton", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("TRTKV_KERNELS", "triton")
+    fmt = FORMATS["fp16"]
+    slot, group, k_group, bits = make_pool(fmt, 1, 16, num_pages=2, seed=0)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32, device=DEV)
+    q = torch.randn(1, 1, 16).to(DEV)
+    out, lse, logits = torch.ops.trtkv.paged_attention(q, slot, group, k_group, bits, bt, fmt.code, 0.25, 1.0, 1.0, False)
+    assert calls and out.shape == (1, 1, 16) and logits.numel() == 0
