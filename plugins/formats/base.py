@@ -12,6 +12,7 @@ Axis order inside a page is NHD: ``[page, slot, kv_head, ...]``.
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -91,3 +92,12 @@ class KVFormat(abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantize to fp32. ``slot[f]`` is ``[..., *shape]``; ``group[f]`` is already gathered
         per slot, so it is ``[..., *shape]`` with the same leading dims. Returns k, v ``[..., H, D]``."""
+
+
+@functools.cache
+def field_names(fmt_code: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(slot field names, group field names) of a format, in kernel argument order."""
+    from plugins.formats import format_by_code
+
+    fmt = format_by_code(fmt_code)
+    return tuple(f.name for f in fmt.slot_fields(1, 16)), tuple(f.name for f in fmt.group_fields(1, 16))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from plugins.formats import LayerScales, format_by_code
+from plugins.formats.base import field_names
 
 
 def kv_write_ref(
@@ -26,12 +27,11 @@ def kv_write_ref(
     """
     fmt = format_by_code(fmt_code)
     slot_enc, group_enc = fmt.encode(k, v, LayerScales(scale_k, scale_v))
-    names = [f.name for f in fmt.slot_fields(1, 16)]
+    names, gnames = field_names(fmt_code)
     p, s = pages.long(), slots.long()
     for name, pool in zip(names, slot_fields):
         pool[p, s] = slot_enc[name]
     if group_fields:
-        gnames = [f.name for f in fmt.group_fields(1, 16)]
         for name, arena in zip(gnames, group_fields):
             arena[gid] = group_enc[name]
         k_group[p, s] = gid

@@ -6,6 +6,7 @@ import math
 import torch
 
 from plugins.formats import LayerScales, format_by_code
+from plugins.formats.base import field_names
 
 
 def slot_validity(valid_bits: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -30,11 +31,10 @@ def gather_dequant(
     fmt = format_by_code(fmt_code)
     pages = block_table.clamp_min(0).long()
     b, P = pages.shape
-    names = [f.name for f in fmt.slot_fields(1, 16)]
+    names, gnames = field_names(fmt_code)
     slot = {n: t[pages] for n, t in zip(names, slot_fields)}
     group = {}
     if group_fields:
-        gnames = [f.name for f in fmt.group_fields(1, 16)]
         gid = k_group[pages].clamp_min(0).long()  # [b, P, B]
         group = {n: t[gid] for n, t in zip(gnames, group_fields)}
     k, v = fmt.decode(slot, group, LayerScales(scale_k, scale_v))
@@ -71,16 +71,35 @@ def paged_attention_ref(
     G = Hq // H
     block_size = slot_fields[0].shape[1]
     live = slot_validity(valid_bits, block_table, block_size)  # [b, n]
+    if not return_logits and q.device.type == "cpu":
+        return _attend_fused_cpu(q, k, v, live, sm_scale)
     qf = q.float().view(b, H, G, D)
-    logits = torch.einsum("bhgd,bnhd->bhgn", qf, k) * sm_scale
+    logits = torch.matmul(qf, k.permute(0, 2, 3, 1)) * sm_scale  # [b, H, G, n]
     logits = logits.masked_fill(~live[:, None, None, :], -math.inf)
     lse = torch.logsumexp(logits, dim=-1)  # [b, H, G]
-    p = torch.exp(logits - lse.unsqueeze(-1).clamp_min(-1e30))
-    p = torch.nan_to_num(p, nan=0.0)
-    out = torch.einsum("bhgn,bnhd->bhgd", p, v).reshape(b, Hq, D)
+    p = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    out = torch.matmul(p, v.transpose(1, 2)).reshape(b, Hq, D)
     lse = lse.reshape(b, Hq)
     logits_out = logits.reshape(b, Hq, -1) if return_logits else q.new_empty(0, dtype=torch.float32)
     return out, lse, logits_out
+
+
+def _attend_fused_cpu(q, k, v, live, sm_scale):
+    """Same math through aten's fused CPU attention, which also returns the log-sum-exp. GQA without
+    copying K/V: the G query heads of a group ride in the (non-causal) query-length dimension."""
+    b, Hq, D = q.shape
+    H = k.shape[2]
+    kh = k.permute(0, 2, 1, 3).contiguous()  # [b, H, n, D]
+    vh = v.permute(0, 2, 1, 3).contiguous()
+    mask = torch.zeros(live.shape, dtype=torch.float32).masked_fill_(~live, -math.inf)[:, None, None, :]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.float().view(b, H, Hq // H, D), kh, vh, 0.0, False, attn_mask=mask, scale=sm_scale)
+    out, lse = out.reshape(b, Hq, D), lse.reshape(b, Hq)
+    dead = ~live.any(-1)
+    if dead.any():  # a row with no live key: 0 output, -inf lse (the contract merge_partials relies on)
+        out[dead] = 0.0
+        lse[dead] = -math.inf
+    return out, lse, q.new_empty(0, dtype=torch.float32)
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

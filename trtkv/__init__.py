@@ -1,0 +1,10 @@
+"""trtkv: build, run, measure and serve reasoning LLMs with compressed KV caches."""
+__version__ = "0.1.0"
+
+
+def __getattr__(name):  # lazy: importing trtkv must not import torch
+    if name in ("Engine", "SamplingParams", "GenerationResult", "StreamEvent"):
+        from trtkv import api
+
+        return getattr(api, name)
+    raise AttributeError(name)

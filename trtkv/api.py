@@ -1,0 +1,262 @@
+"""Python API: ``Engine.load(path)``, ``engine.generate(prompts, SamplingParams(...))``, ``engine.stream(...)``,
+and a thread-safe ``submit`` with a background scheduler loop for servers (continuous batching)."""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import plugins  # noqa: F401  (registers torch.ops.trtkv.*)
+from trtkv.build.engine_dir import read_manifest, verify_weights
+from trtkv.cache.manager import CacheConfig
+from trtkv.errors import TrtkvError
+from trtkv.models.config import ModelArch
+from trtkv.models.loader import build_model, parse_dtype
+from trtkv.policies import make_policy
+from trtkv.runtime.core import EngineCore
+from trtkv.runtime.request import GenerationResult, Request, StreamEvent
+from trtkv.runtime.sampling import SamplingParams, make_generator
+from trtkv.runtime.scheduler import Scheduler
+from trtkv.tokenizer import load_tokenizer
+
+__all__ = ["Engine", "SamplingParams", "GenerationResult", "StreamEvent", "RequestHandle"]
+
+
+class RequestHandle:
+    """Iterate for ``StreamEvent``s of one submitted request (blocks until the next tokens)."""
+
+    def __init__(self, req: Request):
+        self._req = req
+
+    @property
+    def request_id(self) -> int:
+        return self._req.req_id
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        while True:
+            ev = self._req.events.get()
+            yield ev
+            if ev.finished:
+                return
+
+    def cancel(self) -> None:
+        self._req.cancelled = True
+
+    def result(self) -> GenerationResult:
+        for ev in self:
+            if ev.finished:
+                if ev.error:
+                    raise TrtkvError(ev.error)
+                return ev.result
+        raise TrtkvError("request ended without a result")
+
+
+class Engine:
+    def __init__(self, path: Path, manifest: dict[str, Any], model, tokenizer, policy, cache_cfg: CacheConfig,
+                 max_batch: int, scales=None):
+        self.path = path
+        self.manifest = manifest
+        self.model = model
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.arch: ModelArch = model.arch
+        eos = list(self.arch.eos_token_id) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        self.core = EngineCore(model, policy, cache_cfg, eos, tokenizer.decode, scales)
+        self.scheduler = Scheduler(self.core, max_batch)
+        self._next_id = 0
+        self._lock = threading.RLock()  # one thread drives the model at a time
+        self._inbox: queue.Queue[Request] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.requests_total = 0
+
+    # --- loading ----------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path, device: str | None = None, verify: bool = True,
+             policy_overrides: dict[str, Any] | None = None) -> "Engine":
+        path = Path(path)
+        m = read_manifest(path)
+        files = verify_weights(path, m) if verify else None
+        mm = m["model"]
+        try:
+            arch = ModelArch.from_dict(mm["arch"])
+            dtype = parse_dtype(mm["dtype"])
+        except (KeyError, TypeError) as e:
+            raise TrtkvError(f"{path}/engine.json has an invalid model section ({e}); rebuild the engine") from None
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cpu" and dtype != torch.float32:
+            dtype = torch.float32  # CPU matmuls in half precision are slow and inexact
+        if files is None and not mm.get("synthetic"):
+            from trtkv.models.loader import weight_files
+
+            files = weight_files(path / "weights")
+        model = build_model(arch, dtype, device, None if mm.get("synthetic") else files,
+                            seed=mm.get("synthetic_seed") or 0)
+        tokenizer = load_tokenizer(path / "tokenizer", arch)
+        params = dict(m["policy"].get("params", {}))
+        params.update(policy_overrides or {})
+        policy = make_policy(m["policy"]["name"], params)
+        policy.resolve_formats({torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype])
+        if hasattr(policy, "load_calibration"):
+            policy.load_calibration(m.get("calibration"))
+        c = m["cache"]
+        cache_cfg = CacheConfig(
+            num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+            block_size=int(c.get("block_size", 8)), residual_group=policy.residual_group(),
+            residual_dtype=torch.float16 if dtype == torch.float32 else dtype, eviction=c.get("eviction", "inplace"),
+            max_pages=c.get("max_pages"), device=device,
+        )
+        scales = _layer_scales(m.get("calibration"), arch.num_hidden_layers, policy)
+        return cls(path, m, model, tokenizer, policy, cache_cfg, int(c.get("max_batch", 64)), scales)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        mm = self.manifest["model"]
+        return {"path": str(self.path), "model": mm["alias"], "architecture": mm["architecture"],
+                "dtype": mm["dtype"], "policy": self.manifest["policy"]["name"],
+                "policy_params": self.policy.params(), "max_position_embeddings": self.arch.max_position_embeddings,
+                "block_size": self.core.cache.cfg.block_size, "max_batch": self.scheduler.max_batch}
+
+    # --- requests ---------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
+        return self.tokenizer.encode_prompt(prompt, chat)
+
+    def make_request(self, prompt: str, params: SamplingParams | None = None) -> Request:
+        params = (params or SamplingParams()).validate(self.arch.max_position_embeddings)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise TrtkvError("the prompt is empty; pass some text")
+        ids = self.encode_prompt(prompt, params.chat)
+        limit = self.arch.max_position_embeddings
+        if len(ids) >= limit:
+            raise TrtkvError(f"the prompt has {len(ids)} tokens but the model has {limit} positions; shorten it")
+        with self._lock:
+            rid = self._next_id
+            self._next_id += 1
+        req = Request(rid, prompt, ids, params, make_generator(params.seed), limit)
+        req.events = queue.Queue()
+        return req
+
+    def _emit(self, reqs: list[Request], done: list[Request]) -> None:
+        done_ids = {r.req_id for r in done}
+        for r in reqs:
+            fin = r.req_id in done_ids
+            delta, ids = r.take_pending()
+            if delta or ids or fin:
+                r.events.put(StreamEvent(delta, ids, fin, r.result if fin else None))
+
+    def _step(self) -> None:
+        before = list(self.scheduler.running) + list(self.scheduler.waiting)
+        try:
+            done = self.scheduler.step()
+        except TrtkvError as e:  # e.g. out of KV memory: fail the running requests, keep the engine alive
+            done = self._fail_all(str(e))
+        self._emit(before, done)
+
+    def _fail_all(self, msg: str) -> list[Request]:
+        failed = list(self.scheduler.running)
+        for r in failed:
+            r.finish_reason = "error"
+            if r.req_id in self.core.cache.seqs:
+                self.core.finish(r)
+            r.events.put(StreamEvent("", [], True, r.result, error=msg))
+        self.scheduler.running = []
+        return []
+
+    def generate(self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[GenerationResult]:
+        """Generate for several prompts batched together; results in prompt order."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.make_request(p, sp) for p, sp in zip(prompts, plist)]
+        if self._thread is not None:
+            handles = [self._enqueue(r) for r in reqs]
+            return [h.result() for h in handles]
+        with self._lock:
+            for r in reqs:
+                self.scheduler.add(r)
+            while not all(r.result for r in reqs):
+                self._step()
+        for r in reqs:
+            if r.finish_reason == "error":
+                raise TrtkvError(r.events.queue[-1].error if r.events.queue else "generation failed")
+        return [r.result for r in reqs]
+
+    def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[StreamEvent]:
+        req = self.make_request(prompt, params)
+        if self._thread is not None:
+            yield from self._enqueue(req)
+            return
+        with self._lock:
+            self.scheduler.add(req)
+            while True:
+                self._step()
+                while not req.events.empty():
+                    ev = req.events.get()
+                    yield ev
+                    if ev.finished:
+                        return
+
+    # --- background loop (servers) ----------------------------------------------------------
+    def start_background(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="trtkv-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: str, params: SamplingParams | None = None) -> RequestHandle:
+        req = self.make_request(prompt, params)
+        self.start_background()
+        return self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> RequestHandle:
+        self._inbox.put(req)
+        self._wake.set()
+        return RequestHandle(req)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            while True:
+                try:
+                    r = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                self.scheduler.add(r)
+                self.requests_total += 1
+            if not self.scheduler.has_work:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            with self._lock:
+                try:
+                    self._step()
+                except Exception as e:  # never let one bad step kill the server's engine thread
+                    self._fail_all(f"internal error: {type(e).__name__}: {e}")
+
+    def metrics(self) -> dict[str, Any]:
+        cache = self.core.cache
+        return {"kv_bytes_in_use": sum(cache.seq_bytes(s) for s in list(cache.seqs.values())),
+                "live_requests": len(self.scheduler.running) + len(self.scheduler.waiting),
+                "live_pages": cache.pages_in_use(), "evictions_total": cache.evictions_total,
+                "requests_total": self.requests_total, "kv_pool_bytes": cache.pool_bytes()}
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._wake.set()
+            self._thread.join(timeout=10)
+            self._thread = None
+
+
+def _layer_scales(calibration: dict | None, num_layers: int, policy) -> list:
+    from plugins.formats import LayerScales
+
+    scales = (calibration or {}).get("kv_scales")
+    if not scales:
+        return [LayerScales() for _ in range(num_layers)]
+    return [LayerScales(float(k), float(v)) for k, v in zip(scales["k"], scales["v"])]

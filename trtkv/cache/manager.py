@@ -1,0 +1,389 @@
+"""The paged KV cache: per-layer page pools per format, per-request block tables, residual buffers.
+
+A policy *decides* which token positions to evict and which format/thought a flush group gets; this
+manager *executes*: it allocates slots (reusing evicted slots of the same class in place — ThinKV's
+Continuous Thinking — before touching tail capacity or new pages), writes through the ``kv_write``
+plugin, flips validity bits on eviction (metadata only), or compacts by gather when configured to,
+and accounts every byte it holds.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from plugins.formats import KVFormat, LayerScales, get_format
+from trtkv.cache.pool import PagePool
+
+EVICTION_MODES = ("inplace", "compact")
+
+
+@dataclass
+class CacheConfig:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 8
+    residual_group: int = 1  # g: tokens held in full precision before a quantized flush (1 = write-through)
+    residual_dtype: torch.dtype = torch.float16
+    eviction: str = "inplace"  # "inplace": CT slot reuse; "compact": gather live tokens together (R-KV style)
+    max_pages: int | None = None  # per (layer, format) pool; None grows on demand
+    initial_pages: int = 8
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.eviction not in EVICTION_MODES:
+            raise ValueError(f"eviction must be one of {EVICTION_MODES}")
+        if not 1 <= self.block_size <= 31:
+            raise ValueError("block_size must be in [1, 31]")
+
+
+Cls = tuple[str, int]  # (format name, thought class): a page holds tokens of exactly one class
+
+
+class LayerTable:
+    """One request's pages in one layer. Positions map to (format, page, slot)."""
+
+    def __init__(self) -> None:
+        self.pages: dict[Cls, list[int]] = {}
+        self.open_page: dict[Cls, int] = {}  # the page of a class with never-written tail slots
+        self.reusable: dict[Cls, list[tuple[int, int, int]]] = {}  # heap of (page seq, page, slot)
+        self.page_seq: dict[tuple[str, int], int] = {}  # allocation order of live pages
+        self.loc: dict[int, tuple[str, int, int]] = {}  # position -> (format, page, slot)
+        self._flat: dict[str, list[int]] | None = None
+
+    def pages_of_format(self) -> dict[str, list[int]]:
+        if self._flat is None:
+            flat: dict[str, list[int]] = {}
+            for (fmt, _), pages in self.pages.items():
+                flat.setdefault(fmt, []).extend(pages)
+            self._flat = flat
+        return self._flat
+
+    @property
+    def live(self) -> int:
+        return len(self.loc)
+
+
+@dataclass
+class SeqKV:
+    """Cache state of one request."""
+
+    seq_id: int
+    layers: list[LayerTable]
+    buf_k: torch.Tensor | None = None  # [L, g, H, D] residual buffer
+    buf_v: torch.Tensor | None = None
+    buf_pos: list[list[int]] = field(default_factory=list)  # per layer, positions in the buffer
+    kv_bytes: int = 0  # running total: pages + key-scale groups + residual buffer
+    peak_bytes: int = 0
+    evicted_tokens: int = 0  # summed over layers
+
+    def add_bytes(self, n: int) -> None:
+        self.kv_bytes += n
+        if self.kv_bytes > self.peak_bytes:
+            self.peak_bytes = self.kv_bytes
+
+    def buffered(self, layer: int = 0) -> int:
+        return len(self.buf_pos[layer]) if self.buf_pos else 0
+
+
+class KVCacheManager:
+    def __init__(self, cfg: CacheConfig, scales: list[LayerScales] | None = None):
+        self.cfg = cfg
+        self.scales = scales or [LayerScales() for _ in range(cfg.num_layers)]
+        self.pools: list[dict[str, PagePool]] = [{} for _ in range(cfg.num_layers)]
+        self.seqs: dict[int, SeqKV] = {}
+        self._page_counter = 0
+        self.evictions_total = 0
+        self.compaction_moves = 0  # tokens copied by gather compaction
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_sequence(self, seq_id: int) -> SeqKV:
+        c = self.cfg
+        seq = SeqKV(seq_id, [LayerTable() for _ in range(c.num_layers)])
+        if c.residual_group > 1:
+            shape = (c.num_layers, c.residual_group, c.num_kv_heads, c.head_dim)
+            seq.buf_k = torch.zeros(shape, dtype=c.residual_dtype, device=c.device)
+            seq.buf_v = torch.zeros(shape, dtype=c.residual_dtype, device=c.device)
+            seq.buf_pos = [[] for _ in range(c.num_layers)]
+            seq.add_bytes(2 * seq.buf_k.numel() * seq.buf_k.element_size())
+        self.seqs[seq_id] = seq
+        return seq
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Return every page and key-scale group of the request to the pools, at once."""
+        seq = self.seqs.pop(seq_id)
+        for layer, table in enumerate(seq.layers):
+            for (fmt, _), pages in table.pages.items():
+                pool = self.pools[layer][fmt]
+                for p in pages:
+                    self._drop_page_tokens(seq, pool, p)
+                    pool.release_page(p)
+                    seq.add_bytes(-(pool.page_bytes + 4))
+
+    def _drop_page_tokens(self, seq: SeqKV, pool: PagePool, p: int) -> None:
+        bits = int(pool.valid[p])
+        for s in range(pool.B):
+            if bits >> s & 1:
+                if pool.group_specs and pool.decref_group(int(pool.k_group[p, s])):
+                    seq.add_bytes(-pool.group_bytes)
+                pool.mark_evicted(p, s)
+
+    # --- pools ------------------------------------------------------------------------------
+    def pool(self, layer: int, fmt: str) -> PagePool:
+        pools = self.pools[layer]
+        if fmt not in pools:
+            c = self.cfg
+            pools[fmt] = PagePool(get_format(fmt), c.num_kv_heads, c.head_dim, c.block_size, c.device,
+                                  c.initial_pages, c.max_pages)
+        return pools[fmt]
+
+    # --- slots ------------------------------------------------------------------------------
+    def alloc_slots(self, seq: SeqKV, layer: int, cls: Cls, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Reuse evicted slots of the same class first (oldest page, lowest slot), then the open page's
+        tail, and only then new pages."""
+        table, pool = seq.layers[layer], self.pool(layer, cls[0])
+        pages, slots = [], []
+        heap = table.reusable.get(cls)
+        while heap and len(pages) < n:
+            _, p, s = heapq.heappop(heap)
+            if table.page_seq.get((cls[0], p)) is None or pool.valid[p] >> s & 1:
+                continue  # stale entry: page released (and maybe reallocated) or slot refilled
+            pages.append(p)
+            slots.append(s)
+        while len(pages) < n:
+            p = table.open_page.get(cls)
+            if p is None:
+                p = pool.alloc_page(cls[1])
+                self._page_counter += 1
+                table.page_seq[(cls[0], p)] = self._page_counter
+                table.pages.setdefault(cls, []).append(p)
+                table.open_page[cls] = p
+                table._flat = None
+                seq.add_bytes(pool.page_bytes + 4)  # page + its block-table entry
+            take = min(pool.B - int(pool.hwm[p]), n - len(pages))
+            start = int(pool.hwm[p])
+            pages.extend([p] * take)
+            slots.extend(range(start, start + take))
+            pool.hwm[p] = start + take
+            if pool.hwm[p] >= pool.B:
+                del table.open_page[cls]
+        return np.asarray(pages, np.int64), np.asarray(slots, np.int64)
+
+    def write(self, seq: SeqKV, layer: int, k: torch.Tensor, v: torch.Tensor, positions: list[int],
+              cls: Cls, seg: int = -1) -> None:
+        """Store ``k, v [n, H, D]`` (one flush group for quantized formats) of one request."""
+        pool = self.pool(layer, cls[0])
+        pages, slots = self.alloc_slots(seq, layer, cls, len(positions))
+        gid = pool.alloc_group(len(positions))
+        if gid >= 0:
+            seq.add_bytes(pool.group_bytes)
+        sc = self.scales[layer]
+        torch.ops.trtkv.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
+                                 torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
+                                 gid, pool.fmt.code, sc.k, sc.v)
+        self._record(seq, layer, pool, cls[0], pages, slots, positions, seg)
+
+    def write_through(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor,
+                      positions: list[int], cls: Cls) -> None:
+        """One token per request ``k, v [b, H, D]`` into a write-through format, in one kernel call."""
+        pool = self.pool(layer, cls[0])
+        allocs = [self.alloc_slots(s, layer, cls, 1) for s in seqs]
+        pages = np.concatenate([a[0] for a in allocs])
+        slots = np.concatenate([a[1] for a in allocs])
+        sc = self.scales[layer]
+        torch.ops.trtkv.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
+                                 torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
+                                 -1, pool.fmt.code, sc.k, sc.v)
+        for i, s in enumerate(seqs):
+            self._record(s, layer, pool, cls[0], pages[i:i + 1], slots[i:i + 1], [positions[i]], -1)
+
+    def _record(self, seq, layer, pool, fmt, pages, slots, positions, seg) -> None:
+        pages, slots = pages.tolist(), slots.tolist()
+        pool.mark_written(pages, slots, positions, seg)
+        loc = seq.layers[layer].loc
+        for p, s, pos in zip(pages, slots, positions):
+            loc[pos] = (fmt, p, s)
+
+    # --- residual buffer --------------------------------------------------------------------
+    def buffer_append(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor,
+                      positions: list[int]) -> None:
+        for i, seq in enumerate(seqs):
+            n = len(seq.buf_pos[layer])
+            seq.buf_k[layer, n] = k[i]
+            seq.buf_v[layer, n] = v[i]
+            seq.buf_pos[layer].append(positions[i])
+
+    def flush(self, seq: SeqKV, layer: int, cls: Cls, seg: int = -1) -> None:
+        """Quantize the buffered tokens of one layer as one group and write them to pages."""
+        n = len(seq.buf_pos[layer])
+        if n == 0:
+            return
+        pos = seq.buf_pos[layer]
+        self.write(seq, layer, seq.buf_k[layer, :n].float(), seq.buf_v[layer, :n].float(), list(pos), cls, seg)
+        seq.buf_pos[layer] = []
+
+    # --- eviction ---------------------------------------------------------------------------
+    def evict(self, seq: SeqKV, layer: int, positions) -> int:
+        """Mark the tokens at ``positions`` evicted in one layer. In-place mode touches metadata only and
+        makes the slots reusable by later tokens of the same class; compact mode then gathers the
+        survivors together. Returns the number of tokens evicted."""
+        table = seq.layers[layer]
+        n = 0
+        for pos in (positions.tolist() if hasattr(positions, "tolist") else positions):
+            where = table.loc.pop(int(pos), None)
+            if where is None:
+                continue
+            fmt, p, s = where
+            pool = self.pools[layer][fmt]
+            if pool.group_specs and pool.decref_group(int(pool.k_group[p, s])):
+                seq.add_bytes(-pool.group_bytes)
+            pool.mark_evicted(p, s)
+            cls = (fmt, int(pool.page_class[p]))
+            heapq.heappush(table.reusable.setdefault(cls, []), (table.page_seq[(fmt, p)], p, s))
+            if pool.live[p] == 0 and table.open_page.get(cls) != p:
+                self._release(seq, table, pool, cls, p)
+            n += 1
+        seq.evicted_tokens += n
+        self.evictions_total += n
+        if n and self.cfg.eviction == "compact":
+            self.compact(seq, layer)
+        return n
+
+    def _release(self, seq: SeqKV, table: LayerTable, pool: PagePool, cls: Cls, p: int) -> None:
+        table.pages[cls].remove(p)
+        del table.page_seq[(cls[0], p)]
+        table._flat = None
+        pool.release_page(p)
+        seq.add_bytes(-(pool.page_bytes + 4))
+
+    def compact(self, seq: SeqKV, layer: int) -> None:
+        """Gather compaction: move every class's live tokens to the front of its pages and free the rest.
+
+        This copies K/V codes (what R-KV and AMS do after eviction); the in-place mode never does."""
+        table = seq.layers[layer]
+        for cls, pages in list(table.pages.items()):
+            pool = self.pools[layer][cls[0]]
+            src = [(p, s) for p in pages for s in range(pool.B) if pool.valid[p] >> s & 1]
+            dst = [(pages[i // pool.B], i % pool.B) for i in range(len(src))]
+            moves = [(a, b) for a, b in zip(src, dst) if a != b]
+            if moves:
+                sp = torch.tensor([a[0] for a, _ in moves], device=pool.device)
+                ss = torch.tensor([a[1] for a, _ in moves], device=pool.device)
+                dp = torch.tensor([b[0] for _, b in moves], device=pool.device)
+                ds = torch.tensor([b[1] for _, b in moves], device=pool.device)
+                for t in pool.fields:
+                    t[dp, ds] = t[sp, ss].clone()
+                pool.k_group[dp, ds] = pool.k_group[sp, ss].clone()
+                self.compaction_moves += len(moves)
+            pos = [int(pool.slot_pos[p, s]) for p, s in src]
+            segs = [int(pool.slot_seg[p, s]) for p, s in src]
+            keep_pages = pages[: (len(src) + pool.B - 1) // pool.B]
+            for p in pages:
+                pool.valid[p] = 0
+                pool.live[p] = 0
+                pool.hwm[p] = 0
+                pool.slot_pos[p] = -1
+                pool.slot_seg[p] = -1
+            for i, ((p, s), q) in enumerate(zip(dst, pos)):
+                pool.valid[p] |= np.int32(1 << s)
+                pool.live[p] += 1
+                pool.hwm[p] = max(pool.hwm[p], s + 1)
+                pool.slot_pos[p, s] = q
+                pool.slot_seg[p, s] = segs[i]
+                table.loc[q] = (cls[0], p, s)
+            pool._valid_dirty = True
+            for p in pages[len(keep_pages):]:
+                del table.page_seq[(cls[0], p)]
+                pool.release_page(p)
+                seq.add_bytes(-(pool.page_bytes + 4))
+            table.pages[cls] = list(keep_pages)
+            table.reusable[cls] = []
+            table.open_page.pop(cls, None)
+            if keep_pages and pool.hwm[keep_pages[-1]] < pool.B:
+                table.open_page[cls] = keep_pages[-1]
+            table._flat = None
+
+    # --- reads ------------------------------------------------------------------------------
+    def live_positions(self, seq: SeqKV, layer: int) -> np.ndarray:
+        """Positions held in pages (not the residual buffer), ascending."""
+        return np.fromiter(sorted(seq.layers[layer].loc), np.int64)
+
+    def gather_kv(self, seq: SeqKV, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized fp32 ``k, v [m, H, D]`` of paged tokens (read-only; for selection, not compaction)."""
+        loc = seq.layers[layer].loc
+        out_k = torch.empty(len(positions), self.cfg.num_kv_heads, self.cfg.head_dim, device=self.cfg.device)
+        out_v = torch.empty_like(out_k)
+        by_fmt: dict[str, list[tuple[int, int, int]]] = {}
+        for i, pos in enumerate(positions.tolist() if hasattr(positions, "tolist") else positions):
+            fmt, p, s = loc[int(pos)]
+            by_fmt.setdefault(fmt, []).append((i, p, s))
+        for fmt, items in by_fmt.items():
+            pool = self.pools[layer][fmt]
+            idx = torch.tensor([i for i, _, _ in items], device=pool.device)
+            pp = torch.tensor([p for _, p, _ in items], device=pool.device)
+            ss = torch.tensor([s for _, _, s in items], device=pool.device)
+            slot = {f.name: t[pp, ss] for f, t in zip(pool.slot_specs, pool.fields)}
+            group = {}
+            if pool.group_specs:
+                gid = pool.k_group[pp, ss].long()
+                group = {f.name: t[gid] for f, t in zip(pool.group_specs, pool.group_fields)}
+            k, v = pool.fmt.decode(slot, group, self.scales[layer])
+            out_k[idx], out_v[idx] = k, v
+        return out_k, out_v
+
+    def block_tables(self, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
+        """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""
+        out = []
+        per_seq = [s.layers[layer].pages_of_format() for s in seqs]
+        for fmt, pool in self.pools[layer].items():
+            rows = [d.get(fmt, ()) for d in per_seq]
+            width = max((len(r) for r in rows), default=0)
+            if width == 0:
+                continue
+            bt = np.full((len(seqs), width), -1, np.int32)
+            for i, r in enumerate(rows):
+                bt[i, : len(r)] = r
+            out.append((pool, torch.from_numpy(bt).to(pool.device)))
+        return out
+
+    # --- bytes ------------------------------------------------------------------------------
+    def seq_bytes(self, seq: SeqKV) -> int:
+        """Bytes the cache holds for this request: its pages (codes, scales, page metadata, block-table
+        entries), the key-scale groups its live tokens point at, and its residual buffer."""
+        return seq.kv_bytes
+
+    def recount_bytes(self, seq: SeqKV) -> int:
+        """The same total recomputed from the pools (the running counter's test oracle)."""
+        total = 0 if seq.buf_k is None else 2 * seq.buf_k.numel() * seq.buf_k.element_size()
+        for layer, table in enumerate(seq.layers):
+            groups: set[tuple[str, int]] = set()
+            for (fmt, _), pages in table.pages.items():
+                pool = self.pools[layer][fmt]
+                total += len(pages) * (pool.page_bytes + 4)
+            for fmt, p, s in table.loc.values():
+                pool = self.pools[layer][fmt]
+                if pool.group_specs:
+                    groups.add((fmt, int(pool.k_group[p, s])))
+            total += sum(self.pools[layer][f].group_bytes for f, _ in groups)
+        return total
+
+    def live_tokens(self, seq: SeqKV) -> list[int]:
+        return [t.live for t in seq.layers]
+
+    def pages_in_use(self) -> int:
+        return sum(p.in_use for pools in self.pools for p in pools.values())
+
+    def pool_bytes(self) -> int:
+        return sum(p.allocated_bytes() for pools in self.pools for p in pools.values())
+
+
+def fp16_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """What an uncompressed fp16 cache holds per token (the ``kv_bytes_full`` reference)."""
+    return num_layers * 2 * num_kv_heads * head_dim * 2
+
+
+def format_of(name: str) -> KVFormat:
+    return get_format(name)

@@ -1,0 +1,120 @@
+"""The policy contract: lifecycle hooks mirroring TensorRT-LLM's KV-cache compression manager.
+
+A policy *decides* (formats, which token positions to evict); the cache *executes*. Policies speak in
+token positions, never pages. Each policy is a dataclass whose fields are its parameters, so it
+serialises into ``engine.json`` and takes ``--set key=value`` overrides.
+
+Hooks, in the order the runtime calls them:
+    on_request_init(req)                 once, before prefill
+    on_prefill_end(req, stats)           after the prompt is in the cache and the first token sampled
+    on_decode_step_begin(req)            before each decode step's forward (room for the new token)
+    before_attention(req, layer)         per layer, after the step's write/flush, before attention
+    on_decode_step_end(req, stats)       after each decode step (scores, cadence-driven eviction)
+    on_request_finish(req)               free per-request state (the cache frees pages itself)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from trtkv.runtime.context import RequestContext
+
+
+@dataclass
+class StatsRequest:
+    """What the attention plugin should emit this step (only what the policy will read)."""
+
+    layers: tuple[int, ...] | None = None  # None = every layer
+    weights: bool = False  # per-slot attention weights (per query head) with their token positions
+    sparsity: bool = False  # per-KV-head sparsity and ThinKV's averaged-row sparsity
+    prefill_window: int = 0  # prefill: weights of the last w prompt queries over the prompt
+
+
+@dataclass
+class LayerStats:
+    positions: np.ndarray  # [n] token positions of the attended keys (-1: dead slot)
+    weights: torch.Tensor | None = None  # [Hq, n] softmax weights, 0 at dead slots; [w, Hq, P] at prefill
+    logits: torch.Tensor | None = None  # [Hq, n] scaled logits, -inf at dead slots
+    sparsity_heads: torch.Tensor | None = None  # [H] fraction of weights < 1% of the row max, per KV head
+    sparsity: float | None = None  # ThinKV: max-pool G query heads, softmax, mean over KV heads, then fraction
+
+
+@dataclass
+class StepStats:
+    step: int  # decode index i (token at position prompt_len + i); -1 for prefill
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+
+
+@dataclass
+class KVPolicy:
+    """Base policy: full-cache behaviour. Subclasses override the hooks they need."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    kv_format: str = "auto"  # storage format of every token ("auto": the model's dtype)
+    budget: int | None = None  # token budget per layer (None: unbounded)
+
+    # --- configuration ----------------------------------------------------------------------
+    def params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def resolve_formats(self, model_dtype: str) -> None:
+        """Replace "auto" by a concrete format once the engine's dtype is known."""
+        if self.kv_format == "auto":
+            self.kv_format = model_dtype
+
+    def formats(self) -> set[str]:
+        return {self.kv_format}
+
+    def residual_group(self) -> int:
+        """Tokens held in full precision before a flush: 16 when any format quantizes, else 1."""
+        from plugins.formats import get_format
+
+        return max(get_format(f).group_size for f in self.formats())
+
+    def flush_prompt_tail(self) -> bool:
+        """Quantize the prompt's last ``len % g`` tokens as a partial group (else they stay buffered)."""
+        return False
+
+    def stats_request(self, req: RequestContext, phase: str) -> StatsRequest | None:
+        return None
+
+    def write_class(self, req: RequestContext) -> tuple[str, int, int]:
+        """(format, thought class, segment id) of the next token / flush group of this request."""
+        return self.kv_format, 0, -1
+
+    def prefill_class(self, req: RequestContext) -> tuple[str, int, int]:
+        return self.write_class(req)
+
+    def max_live_tokens(self, prompt_len: int, max_tokens: int) -> int:
+        """Upper bound on tokens one request keeps per layer (admission control)."""
+        total = prompt_len + max_tokens
+        return total if self.budget is None else min(total, self.budget + 2 * self.residual_group())
+
+    # --- hooks ------------------------------------------------------------------------------
+    def on_request_init(self, req: RequestContext) -> None:
+        pass
+
+    def on_prefill_end(self, req: RequestContext, stats: StepStats) -> None:
+        pass
+
+    def on_decode_step_begin(self, req: RequestContext) -> None:
+        pass
+
+    def before_attention(self, req: RequestContext, layer: int) -> None:
+        pass
+
+    def on_decode_step_end(self, req: RequestContext, stats: StepStats) -> None:
+        pass
+
+    def on_request_finish(self, req: RequestContext) -> None:
+        pass
+
+    def extra_stats(self, req: RequestContext) -> dict[str, Any]:
+        """Policy-specific numbers for ``generate --json`` stats."""
+        return {}

@@ -1,0 +1,37 @@
+"""StreamingLLM (Xiao et al., 2023): attention sinks plus a recent window, evicting in place.
+
+The cache holds the first ``n_sink`` tokens and the most recent ``budget - n_sink``. Room for the
+incoming token is made *before* each step, so the cache never holds more than ``budget`` tokens and a
+new token lands in the slot its predecessor freed (no new pages once the window is full).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trtkv.policies.base import KVPolicy
+
+
+@dataclass
+class StreamingLLMPolicy(KVPolicy):
+    name = "streamingllm"
+    description = "attention sinks + recent window (Xiao et al. 2023)"
+    budget: int | None = 256
+    n_sink: int = 4
+
+    def __post_init__(self) -> None:
+        if self.budget is None or self.budget <= self.n_sink:
+            raise ValueError(f"streamingllm needs budget > n_sink ({self.n_sink})")
+
+    def _trim(self, req, room: int) -> None:
+        keep_recent = self.budget - self.n_sink - room
+        live = req.live_positions(0)
+        if len(live) + room <= self.budget:
+            return
+        evict = live[self.n_sink: len(live) - keep_recent] if keep_recent > 0 else live[self.n_sink:]
+        req.evict_all_layers(evict)
+
+    def on_prefill_end(self, req, stats) -> None:
+        self._trim(req, 0)
+
+    def on_decode_step_begin(self, req) -> None:
+        self._trim(req, 1)

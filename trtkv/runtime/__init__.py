@@ -1,0 +1,4 @@
+from trtkv.runtime.request import GenerationResult, StreamEvent
+from trtkv.runtime.sampling import SamplingParams
+
+__all__ = ["GenerationResult", "StreamEvent", "SamplingParams"]

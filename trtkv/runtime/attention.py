@@ -1,0 +1,90 @@
+"""Decode attention of a batch over the paged cache (one plugin call per format) plus residual buffers,
+merged by log-sum-exp; and the statistics policies ask for (weights, sparsity)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from plugins.paged_attention.reference import merge_partials
+from trtkv.cache.manager import KVCacheManager, SeqKV
+from trtkv.policies.base import LayerStats
+
+LN_ONE_PERCENT = math.log(0.01)
+
+
+def buffer_partial(seqs: list[SeqKV], layer: int, q: torch.Tensor, sm_scale: float):
+    """Attention of ``q [b, Hq, D]`` over each request's residual buffer: (out, lse, logits [b,Hq,g], pos)."""
+    b, Hq, D = q.shape
+    kb = torch.stack([s.buf_k[layer] for s in seqs]).float()  # [b, g, H, D]
+    vb = torch.stack([s.buf_v[layer] for s in seqs]).float()
+    g, H = kb.shape[1], kb.shape[2]
+    counts = torch.tensor([len(s.buf_pos[layer]) for s in seqs], device=q.device)
+    live = torch.arange(g, device=q.device)[None, :] < counts[:, None]  # [b, g]
+    qf = q.float().view(b, H, Hq // H, D)
+    logits = torch.einsum("bhgd,bnhd->bhgn", qf, kb) * sm_scale
+    logits = logits.masked_fill(~live[:, None, None, :], -math.inf)
+    lse = torch.logsumexp(logits, -1)
+    p = torch.nan_to_num(torch.exp(logits - lse.unsqueeze(-1).clamp_min(-1e30)), nan=0.0)
+    out = torch.einsum("bhgn,bnhd->bhgd", p, vb).reshape(b, Hq, D)
+    pos = np.full((b, g), -1, np.int64)
+    for i, s in enumerate(seqs):
+        pos[i, : len(s.buf_pos[layer])] = s.buf_pos[layer]
+    return out, lse.reshape(b, Hq), logits.reshape(b, Hq, g), pos
+
+
+def row_stats(logits: torch.Tensor, lse: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """From scaled logits ``[Hq, n]`` (-inf dead): softmax weights, per-KV-head sparsity, ThinKV sparsity.
+
+    Sparsity is the fraction of live keys whose weight is under 1% of the row max (H2O's definition,
+    computed in logit space). ThinKV's statistic max-pools the G query heads of each KV group, applies
+    softmax, averages the groups' rows and then counts (spec §2.2).
+    """
+    weights = torch.nan_to_num(torch.exp(logits - lse[:, None]), nan=0.0)
+    Hq, n = logits.shape
+    live = torch.isfinite(logits[0])
+    n_live = live.sum().clamp_min(1)
+    pooled = logits.view(num_kv_heads, Hq // num_kv_heads, n).amax(1)  # [H, n]
+    head_max = pooled.amax(-1, keepdim=True)
+    below = (pooled < head_max + LN_ONE_PERCENT) & live
+    sparsity_heads = below.sum(-1).float() / n_live
+    a = torch.nan_to_num(torch.softmax(pooled, -1), nan=0.0).mean(0)  # averaged row over KV groups
+    u = ((a < 0.01 * a.max()) & live).sum().float() / n_live
+    return weights, sparsity_heads, float(u)
+
+
+def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: torch.Tensor, sm_scale: float,
+                     want_stats: list[bool], want_sparsity: list[bool]) -> tuple[torch.Tensor, list[LayerStats | None]]:
+    parts, logit_parts = [], []
+    any_stats = any(want_stats) or any(want_sparsity)
+    sc = cache.scales[layer]
+    for pool, bt in cache.block_tables(layer, seqs):
+        o, lse, lg = torch.ops.trtkv.paged_attention(q, pool.fields, pool.group_fields, pool.k_group,
+                                                     pool.valid_bits(), bt, pool.fmt.code, sm_scale, sc.k, sc.v,
+                                                     any_stats)
+        parts.append((o, lse))
+        if any_stats:
+            pages = bt.clamp_min(0).cpu().numpy()
+            pos = pool.slot_pos[pages].reshape(len(seqs), -1)
+            pos = np.where((bt.cpu().numpy() >= 0)[:, :, None].repeat(pool.B, 2).reshape(len(seqs), -1), pos, -1)
+            logit_parts.append((lg, pos))
+    if cache.cfg.residual_group > 1 and any(s.buffered(layer) for s in seqs):
+        o, lse, lg, pos = buffer_partial(seqs, layer, q, sm_scale)
+        parts.append((o, lse))
+        if any_stats:
+            logit_parts.append((lg, pos))
+    out, lse = merge_partials(parts)
+    stats: list[LayerStats | None] = [None] * len(seqs)
+    if any_stats:
+        logits = torch.cat([lg for lg, _ in logit_parts], dim=-1)
+        positions = np.concatenate([p for _, p in logit_parts], axis=1)
+        H = cache.cfg.num_kv_heads
+        for i in range(len(seqs)):
+            if not (want_stats[i] or want_sparsity[i]):
+                continue
+            keep = positions[i] >= 0
+            lg_i = logits[i][:, torch.from_numpy(keep).to(logits.device)]
+            w, sh, u = row_stats(lg_i, lse[i], H)
+            stats[i] = LayerStats(positions=positions[i][keep], weights=w, logits=lg_i, sparsity_heads=sh, sparsity=u)
+    return out, stats

@@ -1,0 +1,195 @@
+"""The decode engine: prefill and batched decode over trtkv's paged cache, driven by a policy.
+
+Per decode step and layer (ThinKV's order, spec §3.4): project QKV with RoPE at the true absolute
+position, append to the residual buffer (or write through), flush a full buffer as one quantized
+group, let the policy act (``before_attention``), then attend over pages + buffer.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from trtkv.cache.manager import CacheConfig, KVCacheManager, fp16_bytes_per_token
+from trtkv.models.decoder import DecoderModel
+from trtkv.policies.base import KVPolicy, LayerStats, StatsRequest, StepStats
+from trtkv.runtime.attention import decode_attention, row_stats
+from trtkv.runtime.context import RequestContext
+from trtkv.runtime.request import GenerationResult, Request
+from trtkv.runtime.sampling import sample_next
+
+
+class EngineCore:
+    def __init__(self, model: DecoderModel, policy: KVPolicy, cache_cfg: CacheConfig, eos_ids: list[int],
+                 decode_text, scales=None):
+        self.model = model
+        self.arch = model.arch
+        self.policy = policy
+        self.cache = KVCacheManager(cache_cfg, scales)
+        self.eos_ids = set(eos_ids)
+        self.decode_text = decode_text  # ids -> str
+        self.device = model.model.embed_tokens.weight.device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.sm_scale = 1.0 / math.sqrt(self.arch.head_dim)
+        self.g = cache_cfg.residual_group
+        self.steps_total = 0
+
+    # --- prefill ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, req: Request) -> None:
+        seq = self.cache.add_sequence(req.req_id)
+        ctx = RequestContext(req.req_id, req.prompt_len, self.cache, seq, self.arch.num_hidden_layers)
+        req.ctx = ctx
+        pol = self.policy
+        pol.on_request_init(ctx)
+        sreq = pol.stats_request(ctx, "prefill") or StatsRequest()
+        T = req.prompt_len
+        ids = torch.tensor(req.prompt_ids, device=self.device)
+        positions = torch.arange(T, device=self.device)
+        cos, sin = self.model.rotary.cos_sin(positions, self.dtype)
+        x = self.model.embed(ids)
+        fmt, thought, seg = pol.prefill_class(ctx)
+        stats = StepStats(step=-1)
+        pos_list = list(range(T))
+        for layer in range(self.arch.num_hidden_layers):
+            q, k, v = self.model.qkv(layer, x, cos, sin)
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                  v.transpose(0, 1)[None], is_causal=True, scale=self.sm_scale,
+                                                  enable_gqa=True)[0].transpose(0, 1)
+            self._store_prompt(seq, layer, k, v, pos_list, (fmt, thought), seg)
+            if (sreq.weights or sreq.sparsity or sreq.prefill_window) and (sreq.layers is None or layer in sreq.layers):
+                stats.layers[layer] = self._prefill_stats(q, k, max(sreq.prefill_window, 1))
+            x = self.model.finish_layer(layer, x, attn)
+        logits = self.model.logits(x[-1:])
+        tok = sample_next(logits, [req.params], [req.generator])[0]
+        req.t_first = time.perf_counter()
+        ctx.step = 0
+        self._append_token(req, tok)
+        pol.on_prefill_end(ctx, stats)
+        req.peak_live_tokens = max(req.peak_live_tokens, ctx.num_live(0))
+
+    def _store_prompt(self, seq, layer, k, v, positions, cls, seg) -> None:
+        g = self.g
+        if g == 1:
+            self.cache.write(seq, layer, k, v, positions, cls, seg)
+            return
+        T = len(positions)
+        full = T - T % g
+        for s in range(0, full, g):
+            self.cache.write(seq, layer, k[s:s + g].float(), v[s:s + g].float(), positions[s:s + g], cls, seg)
+        if full < T:
+            if self.policy.flush_prompt_tail():
+                self.cache.write(seq, layer, k[full:].float(), v[full:].float(), positions[full:], cls, seg)
+            else:
+                self.cache.buffer_append(layer, [seq] * (T - full), k[full:], v[full:], positions[full:])
+
+    def _prefill_stats(self, q: torch.Tensor, k: torch.Tensor, window: int) -> LayerStats:
+        """Weights of the last ``window`` prompt queries over all prompt keys ``[w, Hq, T]``, and the
+        sparsity statistics of the last query."""
+        T, Hq, D = q.shape
+        H = k.shape[1]
+        w = min(window, T)
+        qw = q[T - w:].float().view(w, H, Hq // H, D)
+        logits = torch.einsum("whgd,thd->whgt", qw, k.float()) * self.sm_scale
+        causal = torch.arange(T, device=q.device)[None, :] > torch.arange(T - w, T, device=q.device)[:, None]
+        logits = logits.masked_fill(causal[:, None, None, :], -math.inf).reshape(w, Hq, T)
+        weights = torch.softmax(logits, -1)
+        _, sh, u = row_stats(logits[-1], torch.logsumexp(logits[-1], -1), H)
+        import numpy as np
+
+        return LayerStats(positions=np.arange(T), weights=weights, logits=logits[-1], sparsity_heads=sh, sparsity=u)
+
+    # --- decode -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode_step(self, reqs: list[Request]) -> None:
+        pol, cache = self.policy, self.cache
+        ctxs = [r.ctx for r in reqs]
+        seqs = [c.seq for c in ctxs]
+        for c in ctxs:
+            pol.on_decode_step_begin(c)
+        classes = [pol.write_class(c) for c in ctxs]
+        sreqs = [pol.stats_request(c, "decode") for c in ctxs]
+        positions = [c.position for c in ctxs]
+        ids = torch.tensor([r.generated[-1] for r in reqs], device=self.device)
+        cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=self.device), self.dtype)
+        x = self.model.embed(ids)
+        stats = [StepStats(step=c.step) for c in ctxs]
+        same_class = all(cl[:2] == classes[0][:2] for cl in classes)
+        for layer in range(self.arch.num_hidden_layers):
+            q, k, v = self.model.qkv(layer, x, cos, sin)
+            if self.g == 1:
+                if same_class:
+                    cache.write_through(layer, seqs, k, v, positions, classes[0][:2])
+                else:
+                    for i, s in enumerate(seqs):
+                        cache.write(s, layer, k[i:i + 1], v[i:i + 1], [positions[i]], classes[i][:2], classes[i][2])
+            else:
+                cache.buffer_append(layer, seqs, k, v, positions)
+                for i, s in enumerate(seqs):
+                    if s.buffered(layer) >= self.g:
+                        cache.flush(s, layer, classes[i][:2], classes[i][2])
+            for c in ctxs:
+                pol.before_attention(c, layer)
+            want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+            want_s = [bool(sr and sr.sparsity and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+            out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale, want_w, want_s)
+            for i, ls in enumerate(lstats):
+                if ls is not None:
+                    stats[i].layers[layer] = ls
+            x = self.model.finish_layer(layer, x, out)
+        logits = self.model.logits(x)
+        toks = sample_next(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        self.steps_total += 1
+        for r, c, st, tok in zip(reqs, ctxs, stats, toks):
+            r.decode_steps += 1
+            c.step += 1
+            self._append_token(r, tok)
+            pol.on_decode_step_end(c, st)
+            r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))
+
+    # --- tokens, stop conditions, results ---------------------------------------------------
+    def _append_token(self, req: Request, tok: int) -> None:
+        req.generated.append(tok)
+        p = req.params
+        if tok in self.eos_ids and not p.ignore_eos:
+            req.generated.pop()  # EOS is not part of the text
+            req.finish_reason = "stop"
+        else:
+            req.text = self.decode_text(req.generated)
+            for s in p.stop:
+                at = req.text.find(s, max(0, req.emitted_chars - len(s)))
+                if at >= 0:
+                    req.text = req.text[:at]
+                    req.finish_reason = "stop"
+                    break
+        if req.finish_reason is None and len(req.generated) >= req.max_new:
+            req.finish_reason = "length"
+
+    def finish(self, req: Request) -> GenerationResult:
+        """Collect stats, run the policy's finish hook and free the request's pages at once."""
+        req.t_end = time.perf_counter()
+        seq = req.ctx.seq
+        tokens_held = req.prompt_len + len(req.generated)
+        elapsed = (req.t_end - req.t_first) if req.t_first else 0.0
+        stats = {
+            "prompt_tokens": req.prompt_len,
+            "generated_tokens": len(req.generated),
+            "kv_bytes": self.cache.seq_bytes(seq),
+            "kv_bytes_full": tokens_held * fp16_bytes_per_token(self.arch.num_hidden_layers,
+                                                                self.arch.num_key_value_heads, self.arch.head_dim),
+            "peak_kv_bytes": seq.peak_bytes,
+            "tokens_per_s": (req.decode_steps / elapsed) if elapsed > 0 else 0.0,
+            "live_tokens": req.ctx.num_live(0),
+            "peak_live_tokens": req.peak_live_tokens,
+            "pages": sum(len(p) for p in seq.layers[0].pages.values()),
+            "evicted_tokens": seq.evicted_tokens // max(1, self.arch.num_hidden_layers),
+            "time_to_first_token_s": (req.t_first - req.t_submit) if req.t_first else None,
+        }
+        stats.update(self.policy.extra_stats(req.ctx))
+        self.policy.on_request_finish(req.ctx)
+        self.cache.free_sequence(req.req_id)
+        req.result = GenerationResult(req.text, list(req.generated), req.finish_reason or "cancelled", stats,
+                                      req.prompt)
+        return req.result

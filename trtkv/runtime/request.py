@@ -1,0 +1,90 @@
+"""One generation request: ids, sampling state, incremental text with stop strings, timings, events."""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trtkv.runtime.sampling import SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string) | "length" | "cancelled" | "error"
+    stats: dict[str, Any] = field(default_factory=dict)
+    prompt: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats}
+
+
+@dataclass
+class StreamEvent:
+    text: str  # new text since the previous event
+    token_ids: list[int]  # new token ids
+    finished: bool = False
+    result: GenerationResult | None = None  # on the last event
+    error: str | None = None
+
+
+class Request:
+    def __init__(self, req_id: int, prompt: str, prompt_ids: list[int], params: SamplingParams,
+                 generator: torch.Generator, max_positions: int):
+        self.req_id = req_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.generator = generator
+        self.max_new = min(params.max_tokens, max_positions - len(prompt_ids))
+        self.generated: list[int] = []
+        self.text = ""
+        self.emitted_chars = 0
+        self.emitted_tokens = 0
+        self.finish_reason: str | None = None
+        self.ctx = None  # RequestContext, set at admission
+        self.events: queue.Queue[StreamEvent] | None = None
+        self.cancelled = False
+        self.t_submit = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self.decode_steps = 0
+        self.peak_live_tokens = 0
+        self.result: GenerationResult | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def pending_text(self) -> tuple[str, list[int]]:
+        """Text and ids not emitted yet, holding back what could still become a stop string or an
+        incomplete UTF-8 character."""
+        text = self.text
+        if not self.finished:
+            hold = 0
+            if text.endswith("\ufffd"):
+                hold = 1
+            for s in self.params.stop:
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+            text = text[: len(text) - hold] if hold else text
+        delta = text[self.emitted_chars:]
+        ids = self.generated[self.emitted_tokens:]
+        return delta, ids
+
+    def take_pending(self) -> tuple[str, list[int]]:
+        delta, ids = self.pending_text()
+        self.emitted_chars += len(delta)
+        self.emitted_tokens += len(ids)
+        return delta, ids

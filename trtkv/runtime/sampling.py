@@ -1,0 +1,81 @@
+"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, per-request seeds)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from trtkv.errors import TrtkvError
+
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    chat: bool = True  # wrap the prompt in the model's chat template
+    ignore_eos: bool = False
+
+    def validate(self, max_positions: int | None = None) -> "SamplingParams":
+        def bad(msg: str) -> TrtkvError:
+            return TrtkvError(f"invalid sampling parameter: {msg}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        limit = max_positions or MAX_TOKENS_LIMIT
+        if self.max_tokens > limit:
+            raise bad(f"max_tokens {self.max_tokens} exceeds the model's {limit} positions")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature or self.temperature > 100:
+            raise bad(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0 or self.seed >= 2**63):
+            raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop strings must be non-empty strings")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return g
+
+
+def sample_next(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]) -> list[int]:
+    """One next token per row of ``logits [b, V]`` (fp32)."""
+    if all(p.greedy for p in params):
+        return logits.argmax(-1).tolist()
+    out = []
+    for row, p, g in zip(logits, params, gens):
+        if p.greedy:
+            out.append(int(row.argmax()))
+            continue
+        scores = row / p.temperature
+        if p.top_k > 0:
+            kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_scores, idx = torch.sort(scores, descending=False)
+            cum = sorted_scores.softmax(-1).cumsum(-1)
+            drop = cum <= (1 - p.top_p)
+            drop[-1] = False  # always keep the most likely token
+            scores = scores.scatter(0, idx, sorted_scores.masked_fill(drop, float("-inf")))
+        probs = scores.softmax(-1)
+        out.append(int(torch.multinomial(probs, 1, generator=g)))
+    return out

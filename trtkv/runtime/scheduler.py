@@ -1,0 +1,62 @@
+"""Continuous batching: admit waiting requests (by batch slots and free KV pages), prefill them, run one
+batched decode step over everything running, and free a finished request's pages at once."""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from trtkv.runtime.core import EngineCore
+from trtkv.runtime.request import Request
+
+
+class Scheduler:
+    def __init__(self, core: EngineCore, max_batch: int = 64):
+        self.core = core
+        self.max_batch = max_batch
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages_needed(self, req: Request) -> int:
+        core = self.core
+        toks = core.policy.max_live_tokens(req.prompt_len, req.max_new)
+        return math.ceil(toks / core.cache.cfg.block_size) + 2 * len(core.policy.formats())
+
+    def _can_admit(self, req: Request) -> bool:
+        max_pages = self.core.cache.cfg.max_pages
+        if max_pages is None:
+            return True
+        reserved = sum(self._pages_needed(r) for r in self.running)
+        return reserved + self._pages_needed(req) <= max_pages or not self.running
+
+    def step(self) -> list[Request]:
+        """One scheduler iteration; returns the requests that finished in it (already freed)."""
+        done = []
+        for r in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(r)
+            r.finish_reason = "cancelled"
+            done.append(r)
+        while self.waiting and len(self.running) < self.max_batch and self._can_admit(self.waiting[0]):
+            req = self.waiting.popleft()
+            self.core.prefill(req)
+            self.running.append(req)
+        active = [r for r in self.running if not r.finished and not r.cancelled]
+        if active:
+            self.core.decode_step(active)
+        still = []
+        for r in self.running:
+            if r.cancelled and not r.finished:
+                r.finish_reason = "cancelled"
+            if r.finished:
+                self.core.finish(r)
+                done.append(r)
+            else:
+                still.append(r)
+        self.running = still
+        return done
