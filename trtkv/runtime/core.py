@@ -35,6 +35,11 @@ class EngineCore:
         self.sm_scale = 1.0 / math.sqrt(self.arch.head_dim)
         self.g = cache_cfg.residual_group
         self.steps_total = 0
+        # Instrumentation for ``trtkv eval`` (off by default; each costs one attribute check per step):
+        self.force_stats: StatsRequest | None = None  # attention stats for every request, whatever the policy asks
+        self.keep_logits = False  # keep each step's fp32 logits ``[b, V]`` in ``last_logits``
+        self.last_logits: torch.Tensor | None = None
+        self.last_stats: list[StepStats] = []  # per request, the forced stats of the last decode step
 
     # --- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -63,6 +68,8 @@ class EngineCore:
                 stats.layers[layer] = self._prefill_stats(q, k, max(sreq.prefill_window, 1))
             x = self.model.finish_layer(layer, x, attn)
         logits = self.model.logits(x[-1:])
+        if self.keep_logits:
+            self.last_logits = logits
         tok = sample_next(logits, [req.params], [req.generator])[0]
         req.t_first = time.perf_counter()
         ctx.step = 0
@@ -116,6 +123,8 @@ class EngineCore:
         cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=self.device), self.dtype)
         x = self.model.embed(ids)
         stats = [StepStats(step=c.step) for c in ctxs]
+        fs = self.force_stats
+        forced = [StepStats(step=c.step) for c in ctxs] if fs is not None else None
         same_class = all(cl[:2] == classes[0][:2] for cl in classes)
         for layer in range(self.arch.num_hidden_layers):
             q, k, v = self.model.qkv(layer, x, cos, sin)
@@ -134,12 +143,22 @@ class EngineCore:
                 pol.before_attention(c, layer)
             want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
             want_s = [bool(sr and sr.sparsity and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
-            out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale, want_w, want_s)
+            policy_wants = [w or s for w, s in zip(want_w, want_s)]
+            force = forced is not None and (fs.layers is None or layer in fs.layers)
+            out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
+                                           [True] * len(seqs) if force else want_w, want_s)
             for i, ls in enumerate(lstats):
                 if ls is not None:
-                    stats[i].layers[layer] = ls
+                    if policy_wants[i]:  # a policy sees only the layers it asked for, forced or not
+                        stats[i].layers[layer] = ls
+                    if force:
+                        forced[i].layers[layer] = ls
             x = self.model.finish_layer(layer, x, out)
         logits = self.model.logits(x)
+        if self.keep_logits:
+            self.last_logits = logits
+        if forced is not None:
+            self.last_stats = forced
         toks = sample_next(logits, [r.params for r in reqs], [r.generator for r in reqs])
         self.steps_total += 1
         for r, c, st, tok in zip(reqs, ctxs, stats, toks):
@@ -151,6 +170,8 @@ class EngineCore:
 
     # --- tokens, stop conditions, results ---------------------------------------------------
     def _append_token(self, req: Request, tok: int) -> None:
+        if req.forced_tokens is not None and len(req.generated) < len(req.forced_tokens):
+            tok = req.forced_tokens[len(req.generated)]  # teacher forcing: the trace's token, not the sampled one
         req.generated.append(tok)
         p = req.params
         if tok in self.eos_ids and not p.ignore_eos:

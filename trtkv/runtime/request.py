@@ -43,6 +43,7 @@ class Request:
         self.generator = generator
         self.max_new = min(params.max_tokens, max_positions - len(prompt_ids))
         self.generated: list[int] = []
+        self.forced_tokens: list[int] | None = None  # teacher forcing (eval): appended instead of sampled tokens
         self.text = ""
         self.emitted_chars = 0
         self.emitted_tokens = 0

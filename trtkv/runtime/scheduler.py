@@ -3,7 +3,11 @@ batched decode step over everything running, and free a finished request's pages
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
+from collections.abc import Callable
+
+import torch
 
 from trtkv.runtime.core import EngineCore
 from trtkv.runtime.request import Request
@@ -15,6 +19,9 @@ class Scheduler:
         self.max_batch = max_batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # ``trtkv bench``: called as (phase "prefill" | "decode", requests, seconds) after each timed call,
+        # device-synchronised; None (the default) times nothing.
+        self.step_timer: Callable[[str, list[Request], float], None] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -44,11 +51,11 @@ class Scheduler:
             done.append(r)
         while self.waiting and len(self.running) < self.max_batch and self._can_admit(self.waiting[0]):
             req = self.waiting.popleft()
-            self.core.prefill(req)
+            self._run("prefill", self.core.prefill, req, [req])
             self.running.append(req)
         active = [r for r in self.running if not r.finished and not r.cancelled]
         if active:
-            self.core.decode_step(active)
+            self._run("decode", self.core.decode_step, active, active)
         still = []
         for r in self.running:
             if r.cancelled and not r.finished:
@@ -60,3 +67,18 @@ class Scheduler:
                 still.append(r)
         self.running = still
         return done
+
+    def _run(self, phase: str, fn, arg, reqs: list[Request]) -> None:
+        if self.step_timer is None:
+            fn(arg)
+            return
+        _sync(self.core.device)
+        t0 = time.perf_counter()
+        fn(arg)
+        _sync(self.core.device)
+        self.step_timer(phase, reqs, time.perf_counter() - t0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
