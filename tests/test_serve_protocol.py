@@ -1,0 +1,135 @@
+"""The serving wire contract without a server: validation, event mapping, error text."""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from trtkv.errors import TrtkvError
+from trtkv.runtime.sampling import SamplingParams
+from trtkv.serve import protocol
+from trtkv.serve.protocol import RequestError, parse_request
+
+
+
+def req(**fields):
+    out = {"text_input": np.array([b"hello"], dtype=np.object_)}
+    for k, v in fields.items():
+        out[k] = v if isinstance(v, np.ndarray) else np.array([v])
+    return out
+
+
+def test_defaults_and_fields():
+    p = parse_request(req(), 100, SamplingParams)
+    assert (p.prompt, p.stream, p.params.max_tokens, p.params.temperature) == ("hello", False, 100, 0.0)
+    p = parse_request(req(max_tokens=np.array([7], np.int32), temperature=np.array([0.5], np.float32),
+                          top_k=np.array([3], np.int32), seed=np.array([9], np.int64),
+                          stream=np.array([True]), ignore_eos=np.array([True]),
+                          stop=np.array([b"a", b"", b"bc"], dtype=np.object_)), 4096, SamplingParams)
+    assert p.stream and p.params.ignore_eos
+    assert (p.params.max_tokens, p.params.top_k, p.params.seed, p.params.stop) == (7, 3, 9, ("a", "bc"))
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"text_input": None}, "missing required input text_input"),
+    ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "exactly one prompt"),
+    ({"text_input": np.array([b" \n"], dtype=np.object_)}, "text_input is empty"),
+    ({"text_input": np.array([b"\xc3\x28"], dtype=np.object_)}, "not valid UTF-8"),
+    ({"max_tokens": np.array([0], np.int32)}, "max_tokens must be between 1 and 64"),
+    ({"max_tokens": np.array([65], np.int32)}, "max_tokens must be between 1 and 64"),
+    ({"max_tokens": np.array([1.5], np.float32)}, "max_tokens must be an integer"),
+    ({"temperature": np.array([np.nan], np.float32)}, "temperature must be finite"),
+    ({"top_p": np.array([1.5], np.float32)}, "top_p must be in (0, 1]"),
+    ({"top_k": np.array([-1], np.int32)}, "top_k must be >= 0"),
+    ({"stream": np.array([1], np.int32)}, "stream must be a boolean"),
+    ({"seed": np.array([-1], np.int64)}, "seed must be a non-negative integer"),
+])
+def test_bad_fields(fields, message):
+    inputs = req()
+    for k, v in fields.items():
+        if v is None:
+            inputs.pop(k)
+        else:
+            inputs[k] = v
+    with pytest.raises(RequestError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        parse_request(inputs, 64, SamplingParams)
+
+
+def test_request_error_formats_as_one_line():
+    try:
+        try:
+            raise KeyError("context that must not leak")
+        except KeyError:
+            raise RequestError("max_tokens must be > 0") from None
+    except RequestError as e:
+        text = "".join(traceback.format_exception(None, e, e.__traceback__))
+    assert text == "RequestError: max_tokens must be > 0\n"
+
+
+def ev(text, ids, finished=False, result=None, error=None):
+    return SimpleNamespace(text=text, token_ids=ids, finished=finished, result=result, error=error)
+
+
+RESULT = SimpleNamespace(text="a b", token_ids=[1, 2], finish_reason="length",
+                         stats={"prompt_tokens": 3, "generated_tokens": 2, "kv_bytes": 10, "kv_bytes_full": 20})
+
+
+def test_responses_stream_and_final():
+    events = [ev("a", [1]), ev("", []), ev(" b", [2], True, RESULT)]
+    streamed = list(protocol.responses(events, stream=True))
+    assert [r["text_output"][0] for r in streamed] == [b"a", b" b"]
+    assert streamed[0]["generated_tokens"][0] == 1 and "kv_bytes" not in streamed[0]
+    assert streamed[-1]["kv_bytes"].dtype == np.int64 and streamed[-1]["finish_reason"][0] == b"length"
+    (once,) = protocol.responses(events, stream=False)
+    assert once["text_output"][0] == b"a b" and once["prompt_tokens"][0] == 3
+
+
+def test_engine_error_event_raises():
+    with pytest.raises(TrtkvError, match="out of KV"):
+        list(protocol.responses([ev("a", [1]), ev("", [], True, RESULT, "out of KV memory")], True))
+
+
+class TinyEngine:
+    """submit() contract only: fails on demand, else one word per event."""
+
+    info = {"max_position_embeddings": 32}
+
+    def __init__(self, fail=None):
+        self.fail = fail
+
+    def submit(self, prompt, params):
+        if self.fail == "bad":
+            raise TrtkvError("the prompt has 99 tokens but the model has 32 positions; shorten it")
+        if self.fail == "bug":
+            raise ZeroDivisionError("oops")
+        words = [" w"] * params.max_tokens
+        res = SimpleNamespace(text="".join(words), token_ids=list(range(len(words))), finish_reason="length",
+                              stats={"prompt_tokens": 1, "generated_tokens": len(words)})
+        return iter([ev(w, [i], i == len(words) - 1, res if i == len(words) - 1 else None)
+                     for i, w in enumerate(words)])
+
+
+def run_infer(engine, **fields):
+    pytest.importorskip("pytriton")
+    from trtkv.serve.triton_server import make_infer_fn
+
+    infer = make_infer_fn(engine, SamplingParams)
+
+    async def go():
+        return [r async for r in infer([SimpleNamespace(data=req(**fields))])]
+
+    return asyncio.run(go())
+
+
+def test_infer_fn_streams_and_maps_errors():
+    out = run_infer(TinyEngine(), max_tokens=np.array([3], np.int32), stream=np.array([True]))
+    assert len(out) == 3 and out[-1][0]["generated_tokens"][0] == 3
+    with pytest.raises(RequestError, match="32 positions"):
+        run_infer(TinyEngine("bad"))
+    with pytest.raises(protocol.InternalError, match="ZeroDivisionError: oops"):
+        run_infer(TinyEngine("bug"))

@@ -1,0 +1,188 @@
+"""Serve a trtkv engine with Triton Inference Server through PyTriton.
+
+The engine owns batching: its background scheduler merges every request
+submitted with `engine.submit`, so Triton must hand requests over as soon as
+they arrive instead of batching or serialising them.  The model is therefore
+decoupled with Triton batching off (Triton's `execute` returns at once), and
+the PyTriton callable is an *async* generator: PyTriton runs all requests of
+a model on one asyncio loop, where a blocking generator would serve them one
+at a time.  Each request's blocking engine stream is pumped by its own thread
+into an asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sysconfig
+import threading
+
+from trtkv.serve import protocol
+from trtkv.serve.metrics import MetricsServer, render
+
+LOG = logging.getLogger(__name__)
+DEFAULT_MODEL_NAME = "trtkv"
+
+
+def ensure_libpython_on_path() -> None:
+    """Make Triton's Python stub load *this* interpreter's libpython.
+
+    The stub bundled with PyTriton links `libpython3.X.so` by soname; without
+    our LIBDIR first it can pick a system Python of the same minor version,
+    whose stdlib and ABI details differ from the venv's.  tritonserver
+    inherits this process's environment.
+    """
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    current = os.environ.get("LD_LIBRARY_PATH", "")
+    if libdir and libdir not in current.split(":"):
+        os.environ["LD_LIBRARY_PATH"] = f"{libdir}:{current}" if current else libdir
+
+
+def _tensors(ios):
+    from pytriton.model_config import Tensor
+
+    dtype = {**protocol.NUMPY_DTYPES, "STRING": bytes}
+    return [Tensor(name=io.name, dtype=dtype[io.dtype], shape=io.dims, optional=io.optional)
+            for io in ios]
+
+
+def _max_positions(engine) -> int:
+    info = getattr(engine, "info", None) or {}
+    return int(info.get("max_position_embeddings") or 2**31 - 1)
+
+
+def make_infer_fn(engine, sampling_params):
+    """The PyTriton callable: validate, submit, stream events back."""
+    max_positions = _max_positions(engine)
+
+    async def infer(requests):
+        if len(requests) != 1:  # cannot happen with batching off; refuse rather than mix streams
+            raise protocol.RequestError(f"expected one request per call, got {len(requests)}")
+        parsed = protocol.parse_request(requests[0].data, max_positions, sampling_params)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        abandoned = threading.Event()
+        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+
+        def pump():
+            handle = None
+            try:
+                handle = engine.submit(parsed.prompt, parsed.params)
+                for out in protocol.responses(handle, parsed.stream):
+                    if abandoned.is_set():
+                        handle.cancel()
+                        return
+                    put(("out", out))
+                put(("end", None))
+            except protocol.TrtkvError as e:
+                put(("err", protocol.RequestError(str(e))))
+            except Exception as e:  # engine bug: full trace in the server log only
+                LOG.exception("generation failed")
+                put(("err", protocol.InternalError(f"{type(e).__name__}: {e}")))
+
+        threading.Thread(target=pump, daemon=True, name="trtkv-request").start()
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "out":
+                    yield [value]
+                elif kind == "err":
+                    raise value
+                else:
+                    return
+        finally:
+            abandoned.set()
+
+    return infer
+
+
+class TritonService:
+    """A running PyTriton server for one engine; a context manager.
+
+    The caller keeps ownership of the engine (it is started, not shut down).
+    """
+
+    def __init__(self, engine, sampling_params, *, host="127.0.0.1", http_port=8000,
+                 grpc_port=8001, metrics_port=8002, trtkv_metrics_port=None,
+                 model_name=DEFAULT_MODEL_NAME, log_verbose=0):
+        self.engine, self.model_name, self.host = engine, model_name, host
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.trtkv_metrics_port = metrics_port + 1 if trtkv_metrics_port is None else trtkv_metrics_port
+        self._sampling_params, self._log_verbose = sampling_params, log_verbose
+        self._triton = self._metrics = None
+
+    def start(self) -> "TritonService":
+        from pytriton.model_config import ModelConfig
+        from pytriton.triton import Triton, TritonConfig
+
+        ensure_libpython_on_path()
+        self.engine.start_background()
+        config = TritonConfig(http_address=self.host, http_port=self.http_port,
+                              grpc_address=self.host, grpc_port=self.grpc_port,
+                              metrics_address=self.host, metrics_port=self.metrics_port,
+                              log_verbose=self._log_verbose, exit_timeout_secs=15)
+        self._triton = Triton(config=config)
+        try:
+            self._triton.bind(model_name=self.model_name,
+                              infer_func=make_infer_fn(self.engine, self._sampling_params),
+                              inputs=_tensors(protocol.INPUTS), outputs=_tensors(protocol.OUTPUTS),
+                              config=ModelConfig(batching=False, decoupled=True))
+            self._triton.run()
+            labels = {"model": self.model_name}
+            self._metrics = MetricsServer(self.host, self.trtkv_metrics_port,
+                                          lambda: render(self.engine.metrics(), labels)).start()
+            self.trtkv_metrics_port = self._metrics.port
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait(self) -> None:
+        """Block until Triton dies or SIGINT/SIGTERM arrives."""
+        while self._triton.is_alive():
+            threading.Event().wait(1.0)
+
+    def stop(self) -> None:
+        if self._metrics is not None:
+            self._metrics.stop()
+            self._metrics = None
+        if self._triton is not None:
+            self._triton.stop()
+            self._triton = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics_port=8002,
+          model_name=None, trtkv_metrics_port=None, log_verbose=0) -> None:
+    """Load an engine and serve it until SIGINT/SIGTERM; always shuts both down."""
+    from trtkv.api import Engine, SamplingParams
+
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+    engine = Engine.load(engine_path)
+    try:
+        with TritonService(engine, SamplingParams, host=host, http_port=http_port,
+                           grpc_port=grpc_port, metrics_port=metrics_port,
+                           trtkv_metrics_port=trtkv_metrics_port,
+                           model_name=model_name or DEFAULT_MODEL_NAME,
+                           log_verbose=log_verbose) as service:
+            LOG.info("serving %s as model %r: http %s:%d grpc %s:%d metrics :%d trtkv metrics :%d",
+                     engine_path, service.model_name, host, http_port, host, grpc_port,
+                     metrics_port, service.trtkv_metrics_port)
+            try:
+                service.wait()
+            except KeyboardInterrupt:
+                LOG.info("interrupted, shutting down")
+    finally:
+        engine.shutdown()
+
