@@ -71,7 +71,8 @@ def tritonserver(repo, host, http_port, grpc_port, metrics_port):
     signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGINT))
     try:
         sys.exit(proc.wait())
-    except KeyboardInterrupt:  # the terminal sent SIGINT to tritonserver too
+    except KeyboardInterrupt:  # tritonserver runs in its own session: forward
+        proc.send_signal(signal.SIGINT)
         try:
             sys.exit(proc.wait(timeout=30))
         except subprocess.TimeoutExpired:

@@ -131,6 +131,20 @@ def tritonserver_command(repo, host="127.0.0.1", http_port=8000, grpc_port=8001,
             "--exit-timeout-secs=10", *extra]
 
 
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def start_tritonserver(repo, env=None, **kwargs) -> subprocess.Popen:
-    """Start tritonserver on a repository; stop it with SIGINT (`.send_signal`)."""
-    return subprocess.Popen(tritonserver_command(repo, **kwargs), env=tritonserver_env(env))
+    """Start tritonserver on a repository; stop it with `.send_signal(SIGINT)`.
+
+    It gets its own session so a terminal's Ctrl-C reaches only the caller,
+    which forwards a single SIGINT (a second one makes Triton exit at once),
+    and it is sent SIGTERM if the caller dies.
+    """
+    return subprocess.Popen(tritonserver_command(repo, **kwargs), env=tritonserver_env(env),
+                            start_new_session=True, preexec_fn=_die_with_parent)
