@@ -9,9 +9,25 @@ from plugins.formats import LayerScales, format_by_code
 from plugins.formats.base import field_names
 
 
+_BIT_LUT: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _bit_table(block_size: int, device: torch.device) -> torch.Tensor:
+    """``[2**B, B]`` bool: row w lists the set bits of w (for B <= 12; one gather instead of shift/and)."""
+    key = (block_size, str(device))
+    if key not in _BIT_LUT:
+        w = torch.arange(1 << block_size, device=device)[:, None]
+        _BIT_LUT[key] = ((w >> torch.arange(block_size, device=device)) & 1).bool()
+    return _BIT_LUT[key]
+
+
 def slot_validity(valid_bits: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[b, P*B]`` bool: slot s of page p is live iff bit s of ``valid_bits[p]`` is set; -1 pads."""
+    """``[b, P*B]`` bool: slot s of page p is live iff bit s of ``valid_bits[p]`` is set; -1 pads (and a
+    padded entry reads page 0's word, so it is masked by the -1 test)."""
     pages = block_table.clamp_min(0).long()
+    if block_size <= 12:
+        words = torch.where(block_table >= 0, valid_bits[pages], 0).long()
+        return _bit_table(block_size, valid_bits.device)[words].reshape(block_table.shape[0], -1)
     bits = valid_bits[pages].unsqueeze(-1)  # [b, P, 1]
     shifts = torch.arange(block_size, device=bits.device, dtype=bits.dtype)
     live = ((bits >> shifts) & 1).bool() & (block_table >= 0).unsqueeze(-1)

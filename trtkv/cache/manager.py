@@ -145,8 +145,16 @@ class KVCacheManager:
         """Reuse evicted slots of the same class first (oldest page, lowest slot), then the open page's
         tail, and only then new pages."""
         table, pool = seq.layers[layer], self.pool(layer, cls[0])
-        pages, slots = [], []
         heap = table.reusable.get(cls)
+        if n == 1 and not heap:  # fast path: next tail slot of the open page
+            p = table.open_page.get(cls)
+            if p is not None:
+                s = int(pool.hwm[p])
+                pool.hwm[p] = s + 1
+                if s + 1 >= pool.B:
+                    del table.open_page[cls]
+                return np.array([p], np.int64), np.array([s], np.int64)
+        pages, slots = [], []
         while heap and len(pages) < n:
             _, p, s = heapq.heappop(heap)
             if table.page_seq.get((cls[0], p)) is None or pool.valid[p] >> s & 1:
@@ -191,8 +199,11 @@ class KVCacheManager:
         """One token per request ``k, v [b, H, D]`` into a write-through format, in one kernel call."""
         pool = self.pool(layer, cls[0])
         allocs = [self.alloc_slots(s, layer, cls, 1) for s in seqs]
-        pages = np.concatenate([a[0] for a in allocs])
-        slots = np.concatenate([a[1] for a in allocs])
+        if len(allocs) == 1:
+            pages, slots = allocs[0]
+        else:
+            pages = np.concatenate([a[0] for a in allocs])
+            slots = np.concatenate([a[1] for a in allocs])
         sc = self.scales[layer]
         torch.ops.trtkv.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
                                  torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
