@@ -64,10 +64,14 @@ def make_infer_fn(engine, sampling_params):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         abandoned = threading.Event()
-        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+
+        def put(item):
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # loop closed: the server is stopping
+                abandoned.set()
 
         def pump():
-            handle = None
             try:
                 handle = engine.submit(parsed.prompt, parsed.params)
                 for out in protocol.responses(handle, parsed.stream):
