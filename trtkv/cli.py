@@ -184,5 +184,109 @@ def info(engine) -> None:
     click.echo(json.dumps(read_manifest(engine), indent=2))
 
 
+# --- bench / eval -------------------------------------------------------------------------------
+def _command_line(name: str) -> str | None:
+    """The command as typed, for the results file (None when not run from a shell, e.g. in tests)."""
+    import shlex
+
+    return "trtkv " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == [name] else None
+
+
+@main.command()
+@click.argument("engines", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--prompt-len", type=int, default=512, show_default=True, help="Prompt tokens per request.")
+@click.option("--gen-len", type=int, default=256, show_default=True,
+              help="Generated tokens per request (EOS ignored, so exactly this many).")
+@click.option("--kv-memory", default=None, metavar="SIZE",
+              help="KV memory (e.g. 2GiB, 80GB) for the largest-batch-that-fits estimate.")
+@click.option("--repeat", type=int, default=1, show_default=True, help="Repeats, engines interleaved in each.")
+@click.option("--prompt", "prompt_source", type=click.Choice(["text", "ids"]), default="text", show_default=True,
+              help="Prompts: packaged reasoning-trace text tokenized and repeated to length, or random token ids.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Policy parameter override applied to every engine (repeatable).")
+@click.option("--device", default=None, help="cpu or cuda [cuda when available].")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--no-warmup", is_flag=True, help="Skip the short warm-up generation per engine.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True,
+              help="Directory for results.json, results.csv and the plots.")
+def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, repeat, prompt_source, sets, device, seed,
+          no_warmup, out) -> None:
+    """Latency, throughput and KV memory of ENGINES over batch sizes, measured in one run."""
+    from trtkv.bench import BenchConfig, load_engines, parse_batch_sizes, parse_size, run_bench
+    from trtkv.bench.report import print_bench
+    from trtkv.bench.runner import write_results
+
+    cfg = BenchConfig(batch_sizes=parse_batch_sizes(batch_sizes), prompt_len=prompt_len, gen_len=gen_len,
+                      kv_memory=parse_size(kv_memory) if kv_memory else None, repeat=repeat, warmup=not no_warmup,
+                      prompt_source=prompt_source, seed=seed).validate()
+    loaded = load_engines(list(engines), device=device, policy_overrides=parse_sets(sets) or None)
+    doc = run_bench(loaded, cfg, command=_command_line("bench"))
+    written = write_results(doc, out)
+    print_bench(doc)
+    click.echo(f"results written to {out}/ ({', '.join(p.name for p in written)})")
+
+
+@main.command("eval")
+@click.argument("engines", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--task", required=True, type=click.Choice(["fidelity", "gsm8k", "math500", "aime24", "aime25"]),
+              help="fidelity: teacher-forced trace replay against a full cache; else task accuracy.")
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="Data file (default: the shared data directory, else the packaged subset).")
+@click.option("--limit", type=int, default=None, help="Use only the first N traces/problems.")
+@click.option("--max-tokens", type=int, default=None,
+              help="Forced tokens per trace (fidelity, default 1024) or generated tokens (tasks, default 2048).")
+@click.option("--samples", type=int, default=1, show_default=True, help="Samples per problem (pass@1 over K).")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--reference", type=click.Path(path_type=Path), default=None,
+              help="Fidelity: a full engine of the same model [a full cache built on the engine's own weights].")
+@click.option("--recall-layers", default="8", show_default=True,
+              help="Fidelity: layers for attention recall: 'all', a count (evenly spaced) or indices 0,5,9.")
+@click.option("--topk", type=int, default=10, show_default=True, help="Fidelity: top-k attended tokens recalled.")
+@click.option("--batch", type=int, default=None, help="Requests run together [fidelity 4; tasks: engine max_batch].")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Policy parameter override applied to every engine (repeatable).")
+@click.option("--device", default=None, help="cpu or cuda [cuda when available].")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Directory for results.json and plots.")
+def eval_cmd(engines, task, data, limit, max_tokens, samples, temperature, top_p, seed, reference, recall_layers,
+             topk, batch, sets, device, out) -> None:
+    """Fidelity against a full cache, or accuracy on a math task, of ENGINES."""
+    from trtkv.bench.runner import load_engines, machine_info
+    from trtkv.eval import DataFileNotFoundError, load_problems, load_traces
+    from trtkv.eval.run import print_eval, run_accuracy, run_fidelity, write_eval
+
+    for name, v in (("--limit", limit), ("--max-tokens", max_tokens), ("--batch", batch), ("--topk", topk),
+                    ("--samples", samples)):
+        if v is not None and v <= 0:
+            raise TrtkvError(f"{name} must be positive, got {v}")
+    if not 0.0 <= temperature <= 100.0:
+        raise TrtkvError(f"--temperature must be in [0, 100], got {temperature}")
+    try:
+        items = load_traces(data, limit) if task == "fidelity" else load_problems(task, data, limit)
+    except DataFileNotFoundError as e:
+        raise TrtkvError(str(e)) from None
+    except (ValueError, KeyError, json.JSONDecodeError) as e:
+        raise TrtkvError(f"cannot read the {task} data ({type(e).__name__}: {e})") from None
+    overrides = parse_sets(sets) or None
+    loaded = load_engines(list(engines), device=device, policy_overrides=overrides)
+    ref = load_engines([reference], device=device)[0] if reference is not None else None
+    cfg = {"task": task, "data": str(data) if data else None, "limit": limit, "seed": seed}
+    if task == "fidelity":
+        cfg.update(max_tokens=max_tokens or 1024, recall_layers=recall_layers, topk=topk, batch=batch or 4)
+        records = run_fidelity(loaded, items, cfg["max_tokens"], ref, recall_layers, topk, cfg["batch"])
+        rows = None
+    else:
+        cfg.update(max_tokens=max_tokens or 2048, samples=samples, temperature=temperature, top_p=top_p)
+        records, rows = run_accuracy(loaded, task, items, samples, cfg["max_tokens"], temperature, top_p, seed, batch)
+    doc = {"kind": "trtkv-eval", "version": 1, "task": task, "command": _command_line("eval"),
+           "machine": machine_info(str(loaded[0].engine.core.device)), "config": cfg, "records": records}
+    print_eval(doc)
+    if out is not None:
+        written = write_eval(out, doc, rows)
+        click.echo(f"results written to {out}/ ({', '.join(p.name for p in written)})")
+
+
 if __name__ == "__main__":
     main()

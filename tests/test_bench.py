@@ -1,0 +1,91 @@
+"""``trtkv bench``: a small sweep of two engines on the tiny model writes every artifact with sane values."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from trtkv.bench import parse_batch_sizes, parse_size
+from trtkv.errors import TrtkvError
+
+PLOTS = ("latency_vs_batch.png", "throughput_vs_batch.png", "kv_vs_tokens.png")
+
+
+def test_parse_size_and_batches():
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1.5 GB") == 1_500_000_000
+    assert parse_size("4096") == 4096
+    assert parse_batch_sizes("1, 8,32,8") == (1, 8, 32)
+    for bad in ("2 lightyears", "", "-1GiB"):
+        with pytest.raises(TrtkvError):
+            parse_size(bad)
+    for bad in ("1,x", "0,2", ""):
+        with pytest.raises(TrtkvError):
+            parse_batch_sizes(bad)
+
+
+@pytest.mark.model
+def test_bench_two_engines(tiny_ckpt, engine_factory, tmp_path):
+    from trtkv.cli import main
+
+    full = engine_factory(tiny_ckpt, "full")
+    sl = engine_factory(tiny_ckpt, "streamingllm", budget=16)
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(main, ["bench", str(full), str(sl), "--batch-sizes", "1,2", "--prompt-len", "24",
+                                  "--gen-len", "12", "--kv-memory", "1MiB", "--repeat", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "largest batch that fits" in r.output and "method:" in r.output
+
+    doc = json.loads((out / "results.json").read_text())
+    assert [e["policy"] for e in doc["engines"]] == ["full", "streamingllm"]
+    assert doc["synthetic_weights"] is False and doc["config"]["kv_memory"] == 2**20
+    rows = {(x["engine"], x["batch"]): x for x in doc["results"]}
+    assert len(rows) == 4 and len(doc["runs"]) == 8  # 2 engines x 2 batch sizes x 2 repeats
+    names = [e["label"] for e in doc["engines"]]
+    for (name, b), x in rows.items():
+        assert x["output_tokens"] == b * 12  # ignore_eos: exactly gen_len tokens per request
+        assert x["max_concurrent"] == b
+        assert 0 < x["tpot_ms_p50"] <= x["tpot_ms_p90"] <= x["tpot_ms_p99"]
+        assert x["prefill_s_per_request"] > 0 and x["e2e_s"] > 0 and x["tokens_per_s"] > 0
+        assert x["bandwidth_gb_s"] > 0
+        assert x["kv_bytes_per_request_end"] <= x["kv_bytes_per_request_peak"]
+        assert x["kv_bytes_total_peak"] >= x["kv_bytes_per_request_end"] * b * 0.99
+        assert x["kv_pool_bytes"] >= x["kv_bytes_total_peak"] * 0.5
+        assert x["ratios_to_first"]["tokens_per_s"] > 0
+    for b in (1, 2):
+        assert rows[(names[0], b)]["ratios_to_first"]["tokens_per_s"] == 1.0
+        # the window of 16 tokens holds less than 36 tokens of the full cache, and evicts
+        assert rows[(names[1], b)]["kv_bytes_per_request_peak"] < rows[(names[0], b)]["kv_bytes_per_request_peak"]
+        assert rows[(names[1], b)]["evicted_tokens"] > 0 and rows[(names[0], b)]["evicted_tokens"] == 0
+    for name, fit in doc["max_batch_fit"].items():
+        assert fit["max_batch"] == 2**20 // fit["per_request_peak_kv_bytes"]
+    assert doc["max_batch_fit"][names[1]]["max_batch"] > doc["max_batch_fit"][names[0]]["max_batch"]
+
+    trace = doc["kv_trace"][names[0]]
+    assert trace["generated_tokens"][0] == 1 and trace["generated_tokens"][-1] == 12
+    assert trace["kv_bytes"] == sorted(trace["kv_bytes"])  # the full cache only grows
+    assert max(doc["kv_trace"][names[1]]["kv_bytes"]) <= max(trace["kv_bytes"])
+
+    with open(out / "results.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == 4 and "tpot_ms_p99" in csv_rows[0] and "ratio_tokens_per_s" in csv_rows[0]
+    for name in PLOTS:
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+
+
+def _one_line_error(p, needle):
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("trtkv: error:") and needle in lines[0], p.stderr
+
+
+def test_bench_bad_input(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "trtkv.cli", "bench", *a], capture_output=True,  # noqa: E731
+                                    text=True, timeout=120)
+    _one_line_error(run(str(tmp_path / "missing")), "no engine at")
+    _one_line_error(run(str(tmp_path), "--kv-memory", "lots"), "cannot read the size")

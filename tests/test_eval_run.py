@@ -1,0 +1,115 @@
+"""``trtkv eval``: teacher-forced fidelity with known answers, a tiny accuracy run, and bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from trtkv.eval.datasets import PACKAGE_DATA_DIR
+from trtkv.eval.run import _accuracy_summary, pick_layers
+
+TRACES = str(PACKAGE_DATA_DIR / "traces_small.jsonl")
+
+
+def test_pick_layers():
+    assert pick_layers(30, "all") == tuple(range(30))
+    assert pick_layers(30, 4) == (0, 10, 19, 29)
+    assert pick_layers(2, 8) == (0, 1)
+    assert pick_layers(30, "3,1") == (1, 3)
+
+
+def test_accuracy_summary_counts():
+    rows = [  # problem a: 2 of 3 correct, majority right; problem b: 1 of 3, majority wrong
+        {"problem": "a", "answer": "5", "correct": True}, {"problem": "a", "answer": "5", "correct": True},
+        {"problem": "a", "answer": "6", "correct": False}, {"problem": "b", "answer": "1", "correct": False},
+        {"problem": "b", "answer": "1", "correct": False}, {"problem": "b", "answer": "7", "correct": True}]
+    for r in rows:
+        r.update(generated_tokens=10, finish_reason="stop", kv_bytes=50, peak_kv_bytes=60, kv_bytes_full=100,
+                 tokens_per_s=1.0)
+    s = _accuracy_summary(rows, 2, 3)
+    assert s["pass@1"] == pytest.approx(0.5) and s["pass@3"] == 1.0 and s["accuracy"] == 0.5
+    assert s["kv_fraction_fp16_mean"] == 0.5 and s["truncated_fraction"] == 0.0
+
+
+@pytest.mark.model
+def test_fidelity_known_answers(tiny_ckpt, engine_factory, tmp_path):
+    """A full engine equals the reference exactly; a 16-token window over ~100-token prompts does not."""
+    from trtkv.cli import main
+
+    full = engine_factory(tiny_ckpt, "full")
+    sl = engine_factory(tiny_ckpt, "streamingllm", budget=16)
+    out = tmp_path / "fid"
+    r = CliRunner().invoke(main, ["eval", str(full), str(sl), "--task", "fidelity", "--data", TRACES, "--limit", "2",
+                                  "--max-tokens", "16", "--recall-layers", "all", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "results.json").read_text())
+    ref, f, s = doc["records"]
+    assert ref["is_reference"] and not f["is_reference"] and (f["policy"], s["policy"]) == ("full", "streamingllm")
+    assert f["traces"] == 2 and f["tokens"] == 32 and f["n_steps"] == 32 and f["recall_layers"] == [0, 1]
+    assert f["mean_kl"] == 0.0 and f["top1_agreement"] == 1.0 and f["attn_recall"] == 1.0
+    assert f["nll"] == pytest.approx(ref["nll"]) and f["kv_vs_reference_mean"] == 1.0
+    assert s["mean_kl"] > 1e-4 and s["attn_recall"] < 1.0 and s["top1_agreement"] <= 1.0
+    assert s["kv_vs_reference_mean"] < 0.5 and s["evicted_tokens_mean"] > 0
+    assert (out / "fidelity_vs_kv.png").read_bytes()[:4] == b"\x89PNG"
+    assert "mean KL" in r.output
+
+
+@pytest.mark.model
+def test_fidelity_explicit_reference(tiny_ckpt, engine_factory):
+    """The same comparison against a full engine the user names, driven through the Python API."""
+    from trtkv.bench.runner import load_engines
+    from trtkv.eval import load_traces
+    from trtkv.eval.run import run_fidelity
+
+    full = engine_factory(tiny_ckpt, "full")
+    engines = load_engines([full])
+    ref = load_engines([full])[0]
+    recs = run_fidelity(engines, load_traces(TRACES, 1), max_tokens=8, reference=ref, recall_layers=1,
+                        progress=False)
+    assert recs[-1]["mean_kl"] == 0.0 and recs[-1]["top1_agreement"] == 1.0 and recs[-1]["attn_recall"] == 1.0
+    assert not engines[0].engine.core.cache.seqs and not ref.engine.core.cache.seqs  # everything freed
+    assert engines[0].engine.core.force_stats is None and not engines[0].engine.core.keep_logits
+
+
+@pytest.mark.model
+def test_accuracy_two_gsm8k_problems(tiny_ckpt, engine_factory, tmp_path):
+    from trtkv.cli import main
+
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?", "answer": "3+4=7\n#### 7"},
+        {"question": "A box holds 12 eggs. How many eggs are in 2 boxes?", "answer": "12*2=24\n#### 24"},
+        {"question": "never read", "answer": "#### 0"})))
+    full = engine_factory(tiny_ckpt, "full")
+    sl = engine_factory(tiny_ckpt, "streamingllm", budget=16)
+    out = tmp_path / "acc"
+    r = CliRunner().invoke(main, ["eval", str(full), str(sl), "--task", "gsm8k", "--data", str(data), "--limit", "2",
+                                  "--max-tokens", "6", "--samples", "2", "--temperature", "0.7", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "results.json").read_text())
+    assert [x["policy"] for x in doc["records"]] == ["full", "streamingllm"]
+    for rec in doc["records"]:
+        assert rec["problems"] == 2 and rec["samples"] == 2
+        assert 0.0 <= rec["pass@1"] <= rec["pass@2"] <= 1.0 and 0.0 <= rec["accuracy"] <= 1.0
+        assert 0 < rec["mean_generated_tokens"] <= 6 and rec["peak_kv_bytes_mean"] > 0
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and {x["reference"] for x in rows} == {"7", "24"}
+    assert (out / "accuracy_vs_kv_gsm8k.png").is_file()
+    assert "pass@1" in r.output
+
+
+def _one_line_error(p, needle):
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("trtkv: error:") and needle in lines[0], p.stderr
+
+
+def test_eval_bad_input(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "trtkv.cli", "eval", *a], capture_output=True,  # noqa: E731
+                                    text=True, timeout=120)
+    _one_line_error(run(str(tmp_path), "--task", "mmlu"), "'mmlu' is not one of")
+    _one_line_error(run(str(tmp_path), "--task", "gsm8k", "--data", str(tmp_path / "none.jsonl")), "not found")
+    _one_line_error(run(str(tmp_path / "missing"), "--task", "fidelity", "--data", TRACES), "no engine at")

@@ -1,0 +1,146 @@
+"""PNG plots of ``trtkv bench`` and ``trtkv eval`` results (matplotlib, headless)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MiB = 2**20
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _title(doc: dict[str, Any], what: str) -> str:
+    cfg = doc.get("config", {})
+    t = f"{what} — prompt {cfg.get('prompt_len')}, gen {cfg.get('gen_len')}"
+    if doc.get("synthetic_weights"):
+        t += " (synthetic weights)"
+    return t
+
+
+def _series(doc: dict[str, Any], key: str) -> dict[str, tuple[list[int], list[float]]]:
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for r in doc["results"]:
+        if r.get(key) is None:
+            continue
+        xs, ys = out.setdefault(r["engine"], ([], []))
+        xs.append(r["batch"])
+        ys.append(r[key])
+    return out
+
+
+def _batch_axis(ax, doc: dict[str, Any]) -> None:
+    sizes = sorted({r["batch"] for r in doc["results"]})
+    if len(sizes) > 1 and sizes[-1] / sizes[0] >= 8:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([str(s) for s in sizes])
+    ax.set_xlabel("batch size (concurrent requests)")
+    ax.grid(alpha=0.3)
+
+
+def bench_plots(doc: dict[str, Any], out: Path) -> list[Path]:
+    plt = _plt()
+    paths = []
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, (xs, ys) in _series(doc, "tpot_ms_p50").items():
+        p90 = [r["tpot_ms_p90"] for r in doc["results"] if r["engine"] == name and r["tpot_ms_p50"] is not None]
+        line, = a1.plot(xs, ys, marker="o", label=f"{name} p50")
+        a1.plot(xs, p90, marker=".", ls="--", color=line.get_color(), alpha=0.6, label=f"{name} p90")
+    a1.set_ylabel("time per output token (ms)")
+    a1.set_title("decode step latency")
+    for name, (xs, ys) in _series(doc, "e2e_s").items():
+        a2.plot(xs, ys, marker="o", label=name)
+    a2.set_ylabel("end-to-end latency of the batch (s)")
+    a2.set_title("end-to-end latency")
+    for ax in (a1, a2):
+        _batch_axis(ax, doc)
+        ax.legend(fontsize=8)
+    fig.suptitle(_title(doc, "Latency vs batch"))
+    fig.tight_layout()
+    paths.append(_save(fig, out / "latency_vs_batch.png", plt))
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name, (xs, ys) in _series(doc, "tokens_per_s").items():
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_ylabel("output tokens/s (whole batch)")
+    _batch_axis(ax, doc)
+    ax.legend(fontsize=8)
+    ax.set_title(_title(doc, "Throughput vs batch"), fontsize=10)
+    fig.tight_layout()
+    paths.append(_save(fig, out / "throughput_vs_batch.png", plt))
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    drew_full = False
+    for name, tr in doc["kv_trace"].items():
+        if not tr["generated_tokens"]:
+            continue
+        ax.plot(tr["generated_tokens"], [b / MiB for b in tr["kv_bytes"]], label=name)
+        if not drew_full:
+            ax.plot(tr["generated_tokens"], [b / MiB for b in tr["kv_bytes_full_fp16"]], ls="--", color="gray",
+                    label="uncompressed fp16")
+            drew_full = True
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("KV bytes held by one request (MiB)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(_title(doc, "KV memory vs generated tokens"), fontsize=10)
+    fig.tight_layout()
+    paths.append(_save(fig, out / "kv_vs_tokens.png", plt))
+    return paths
+
+
+def fidelity_plot(records: list[dict[str, Any]], out: Path) -> Path:
+    """KL and top-1 agreement against KV memory (fraction of an fp16 full cache), one point per engine."""
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in records:
+        x = r.get("kv_fraction_fp16_mean")
+        if x is None:
+            continue
+        for ax, key in ((a1, "mean_kl"), (a2, "top1_agreement")):
+            if r.get(key) is None:
+                continue
+            ax.scatter([x], [r[key]], s=36)
+            ax.annotate(r["engine"], (x, r[key]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    a1.set_ylabel("mean KL(full ‖ engine) per token (nats)")
+    a2.set_ylabel("top-1 next-token agreement with full")
+    for ax in (a1, a2):
+        ax.set_xlabel("KV bytes held / uncompressed fp16 (mean over steps)")
+        ax.grid(alpha=0.3)
+    synth = any(r.get("synthetic_weights") for r in records)
+    fig.suptitle("Fidelity vs KV memory (teacher-forced traces)" + (" — synthetic weights" if synth else ""))
+    fig.tight_layout()
+    return _save(fig, out / "fidelity_vs_kv.png", plt)
+
+
+def accuracy_plot(records: list[dict[str, Any]], out: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for r in records:
+        x = r.get("peak_kv_bytes_mean")
+        if x is None:
+            continue
+        ax.scatter([x / MiB], [r["pass@1"]], s=36)
+        ax.annotate(r["engine"], (x / MiB, r["pass@1"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    ax.set_xlabel("mean per-request peak KV bytes (MiB)")
+    ax.set_ylabel("pass@1")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    task = records[0]["task"] if records else ""
+    ax.set_title(f"{task}: accuracy vs KV memory", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, out / f"accuracy_vs_kv_{task}.png", plt)
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

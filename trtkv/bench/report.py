@@ -1,0 +1,71 @@
+"""The terminal summary of a bench run (rich tables)."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def _fmt(x, spec: str = ".2f", scale: float = 1.0, none: str = "–") -> str:
+    return none if x is None else format(x * scale, spec)
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "–"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _mib(n) -> str:
+    return "–" if n is None else f"{n / 2**20:.2f}"
+
+
+def print_bench(doc: dict[str, Any], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
+    cfg = doc["config"]
+    first = doc["engines"][0]["label"]
+    cuda = doc["engines"][0]["device"].startswith("cuda")
+    title = (f"trtkv bench — prompt {cfg['prompt_len']} tokens, {cfg['gen_len']} generated, {cfg['repeat']} "
+             f"repeat(s), device {doc['engines'][0]['device']}")
+    t = Table(title=title + ": latency", title_justify="left")
+    for col in ("engine", "batch", "prefill/req s", "TPOT p50 ms", "p90", "p99", "e2e s", "tok/s", "× first",
+                "GB/s"):
+        t.add_column(col, justify="left" if col == "engine" else "right", no_wrap=col == "engine")
+    for r in doc["results"]:
+        t.add_row(r["engine"], str(r["batch"]), _fmt(r["prefill_s_per_request"], ".3f"), _fmt(r["tpot_ms_p50"], ".1f"),
+                  _fmt(r["tpot_ms_p90"], ".1f"), _fmt(r["tpot_ms_p99"], ".1f"), _fmt(r["e2e_s"], ".2f"),
+                  _fmt(r["tokens_per_s"], ".1f"), _fmt(r["ratios_to_first"]["tokens_per_s"], ".2f") + "×",
+                  _fmt(r["bandwidth_gb_s"], ".2f"))
+    console.print(t)
+    m = Table(title=title + ": KV memory (MiB)", title_justify="left")
+    for col in ("engine", "batch", "KV/req end", "KV/req peak", "vs fp16", "× first", "KV total peak",
+                "GPU peak" if cuda else "KV pool"):
+        m.add_column(col, justify="left" if col == "engine" else "right", no_wrap=col == "engine")
+    for r in doc["results"]:
+        full = r["kv_bytes_full_fp16_per_request"]
+        m.add_row(r["engine"], str(r["batch"]), _mib(r["kv_bytes_per_request_end"]),
+                  _mib(r["kv_bytes_per_request_peak"]),
+                  _fmt(r["kv_bytes_per_request_end"] / full if full else None, ".1%"),
+                  _fmt(r["ratios_to_first"]["kv_bytes_per_request_peak"], ".2f") + "×",
+                  _mib(r["kv_bytes_total_peak"]), _mib(r["peak_device_bytes"] if cuda else r["kv_pool_bytes"]))
+    console.print(m)
+    mem = "torch.cuda.max_memory_allocated" if cuda else "KV pools' capacity (process RSS is in results.json)"
+    console.print(f"[dim]× first: ratio to {first} at the same batch size (tok/s; per-request peak KV). GB/s = "
+                  f"(weight bytes + KV bytes held) / decode step time, the achieved memory bandwidth. vs fp16: KV "
+                  f"held at the end / an uncompressed fp16 cache of the same tokens. Last column: {mem}.[/dim]")
+    kv = doc["config"].get("kv_memory")
+    if kv:
+        ft = Table(title=f"largest batch that fits {_bytes(kv)} of KV memory", title_justify="left")
+        for col in ("engine", "per-request peak KV", "max batch", "uncompressed fp16 would fit"):
+            ft.add_column(col, justify="left" if col == "engine" else "right")
+        for name, f in doc["max_batch_fit"].items():
+            ft.add_row(name, _bytes(f["per_request_peak_kv_bytes"]), str(f["max_batch"]), str(f["fit_full_fp16"]))
+        console.print(ft)
+        console.print(f"[dim]method: {doc['fit_method']}[/dim]")
+    for note in doc.get("notes", []):
+        console.print(f"[yellow]note:[/yellow] {note}")
