@@ -57,7 +57,7 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, path: Path, manifest: dict[str, Any], model, tokenizer, policy, cache_cfg: CacheConfig,
-                 max_batch: int, scales=None):
+                 max_batch: int, kv_amax=None):
         self.path = path
         self.manifest = manifest
         self.model = model
@@ -65,7 +65,7 @@ class Engine:
         self.policy = policy
         self.arch: ModelArch = model.arch
         eos = list(self.arch.eos_token_id) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-        self.core = EngineCore(model, policy, cache_cfg, eos, tokenizer.decode, scales)
+        self.core = EngineCore(model, policy, cache_cfg, eos, tokenizer.decode, kv_amax)
         self.scheduler = Scheduler(self.core, max_batch)
         self._next_id = 0
         self._lock = threading.RLock()  # one thread drives the model at a time
@@ -111,8 +111,8 @@ class Engine:
             residual_dtype=torch.float16 if dtype == torch.float32 else dtype, eviction=c.get("eviction", "inplace"),
             max_pages=c.get("max_pages"), device=device,
         )
-        scales = _layer_scales(m.get("calibration"), arch.num_hidden_layers, policy)
-        return cls(path, m, model, tokenizer, policy, cache_cfg, int(c.get("max_batch", 64)), scales)
+        kv_amax = (m.get("calibration") or {}).get("kv_amax")
+        return cls(path, m, model, tokenizer, policy, cache_cfg, int(c.get("max_batch", 64)), kv_amax)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -251,12 +251,3 @@ class Engine:
             self._wake.set()
             self._thread.join(timeout=10)
             self._thread = None
-
-
-def _layer_scales(calibration: dict | None, num_layers: int, policy) -> list:
-    from plugins.formats import LayerScales
-
-    scales = (calibration or {}).get("kv_scales")
-    if not scales:
-        return [LayerScales() for _ in range(num_layers)]
-    return [LayerScales(float(k), float(v)) for k, v in zip(scales["k"], scales["v"])]

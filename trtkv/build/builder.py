@@ -64,6 +64,12 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
         raise TrtkvError(f"--set block_size={block_size}: must be between 1 and 31")
     if cache.get("eviction", "inplace") not in ("inplace", "compact"):
         raise TrtkvError("--set eviction=...: choose inplace or compact")
+    needed = pol.cache_eviction_mode()  # e.g. R-KV/AMS gather-and-compact
+    if needed is not None:
+        if cache.get("eviction", needed) != needed:
+            raise TrtkvError(f"policy {policy!r} with these parameters needs --set eviction={needed}, "
+                             f"not {cache['eviction']} (see `trtkv policies list`)")
+        cache["eviction"] = needed
 
     if out.exists() and any(out.iterdir()):
         if not force or not (out / "engine.json").exists():
@@ -93,6 +99,17 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
         from trtkv.models.config import ModelArch
 
         arch = ModelArch.from_hf_config(arch_cfg)
+        calibration = dict(calibration or {})
+        if not synthetic and "kv_amax" not in calibration and _quantizes(pol):
+            from trtkv.build.kv_scales import collect_kv_amax
+            from trtkv.models.loader import build_model
+            from trtkv.tokenizer import load_tokenizer
+
+            import torch
+
+            model = build_model(arch, torch.float32, "cpu", weight_files(tmp / "weights"))
+            calibration["kv_amax"] = collect_kv_amax(model, load_tokenizer(tok_dir, arch))
+            del model
         manifest = {
             "trtkv_version": __version__,
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -102,7 +119,7 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
             "policy": {"name": pol.name, "params": pol.params()},
             "cache": {"block_size": block_size, "eviction": cache.get("eviction", "inplace"),
                       "residual_group": pol.residual_group(), "max_batch": cache.get("max_batch", 64)},
-            "calibration": calibration,
+            "calibration": calibration or None,
             "kernels": {"paged_attention": "triton on CUDA, torch reference on CPU",
                         "kv_write": "triton on CUDA, torch reference on CPU"},
         }
@@ -114,6 +131,12 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _quantizes(policy) -> bool:
+    from plugins.formats import get_format
+
+    return any(get_format(f).quantized or get_format(f).name == "fp8" for f in policy.formats())
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -90,9 +90,10 @@ class SeqKV:
 
 
 class KVCacheManager:
-    def __init__(self, cfg: CacheConfig, scales: list[LayerScales] | None = None):
+    def __init__(self, cfg: CacheConfig, kv_amax: dict | None = None):
         self.cfg = cfg
-        self.scales = scales or [LayerScales() for _ in range(cfg.num_layers)]
+        self.kv_amax = kv_amax  # {"k": [per layer], "v": [per layer]} from calibration, or None
+        self._scales: dict[tuple[int, str], LayerScales] = {}
         self.pools: list[dict[str, PagePool]] = [{} for _ in range(cfg.num_layers)]
         self.seqs: dict[int, SeqKV] = {}
         self._page_counter = 0
@@ -130,6 +131,20 @@ class KVCacheManager:
                 if pool.group_specs and pool.decref_group(int(pool.k_group[p, s])):
                     seq.add_bytes(-pool.group_bytes)
                 pool.mark_evicted(p, s)
+
+    def layer_scales(self, layer: int, fmt: str) -> LayerScales:
+        """Static second-level / tensor scales of a format in a layer, from the calibrated K/V amax
+        (1.0 without calibration)."""
+        key = (layer, fmt)
+        if key not in self._scales:
+            from plugins.formats.quantized import calibrate_layer_scales
+
+            if self.kv_amax:
+                self._scales[key] = calibrate_layer_scales(float(self.kv_amax["k"][layer]),
+                                                           float(self.kv_amax["v"][layer]), get_format(fmt))
+            else:
+                self._scales[key] = LayerScales()
+        return self._scales[key]
 
     # --- pools ------------------------------------------------------------------------------
     def pool(self, layer: int, fmt: str) -> PagePool:
@@ -188,7 +203,7 @@ class KVCacheManager:
         gid = pool.alloc_group(len(positions))
         if gid >= 0:
             seq.add_bytes(pool.group_bytes)
-        sc = self.scales[layer]
+        sc = self.layer_scales(layer, cls[0])
         torch.ops.trtkv.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
                                  torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
                                  gid, pool.fmt.code, sc.k, sc.v)
@@ -204,7 +219,7 @@ class KVCacheManager:
         else:
             pages = np.concatenate([a[0] for a in allocs])
             slots = np.concatenate([a[1] for a in allocs])
-        sc = self.scales[layer]
+        sc = self.layer_scales(layer, cls[0])
         torch.ops.trtkv.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
                                  torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
                                  -1, pool.fmt.code, sc.k, sc.v)
@@ -341,7 +356,7 @@ class KVCacheManager:
             if pool.group_specs:
                 gid = pool.k_group[pp, ss].long()
                 group = {f.name: t[gid] for f, t in zip(pool.group_specs, pool.group_fields)}
-            k, v = pool.fmt.decode(slot, group, self.scales[layer])
+            k, v = pool.fmt.decode(slot, group, self.layer_scales(layer, fmt))
             out_k[idx], out_v[idx] = k, v
         return out_k, out_v
 

@@ -58,8 +58,8 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
                      want_stats: list[bool], want_sparsity: list[bool]) -> tuple[torch.Tensor, list[LayerStats | None]]:
     parts, logit_parts = [], []
     any_stats = any(want_stats) or any(want_sparsity)
-    sc = cache.scales[layer]
     for pool, bt in cache.block_tables(layer, seqs):
+        sc = cache.layer_scales(layer, pool.fmt.name)
         o, lse, lg = torch.ops.trtkv.paged_attention(q, pool.fields, pool.group_fields, pool.k_group,
                                                      pool.valid_bits(), bt, pool.fmt.code, sm_scale, sc.k, sc.v,
                                                      any_stats)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -23,11 +24,11 @@ from trtkv.runtime.sampling import sample_next
 
 class EngineCore:
     def __init__(self, model: DecoderModel, policy: KVPolicy, cache_cfg: CacheConfig, eos_ids: list[int],
-                 decode_text, scales=None):
+                 decode_text, kv_amax=None):
         self.model = model
         self.arch = model.arch
         self.policy = policy
-        self.cache = KVCacheManager(cache_cfg, scales)
+        self.cache = KVCacheManager(cache_cfg, kv_amax)
         self.eos_ids = set(eos_ids)
         self.decode_text = decode_text  # ids -> str
         self.device = model.model.embed_tokens.weight.device
@@ -35,6 +36,7 @@ class EngineCore:
         self.sm_scale = 1.0 / math.sqrt(self.arch.head_dim)
         self.g = cache_cfg.residual_group
         self.steps_total = 0
+        policy.bind_model(self.arch)
         # Instrumentation for ``trtkv eval`` (off by default; each costs one attribute check per step):
         self.force_stats: StatsRequest | None = None  # attention stats for every request, whatever the policy asks
         self.keep_logits = False  # keep each step's fp32 logits ``[b, V]`` in ``last_logits``
@@ -143,6 +145,7 @@ class EngineCore:
                 pol.before_attention(c, layer)
             want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
             want_s = [bool(sr and sr.sparsity and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+            want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
             policy_wants = [w or s for w, s in zip(want_w, want_s)]
             force = forced is not None and (fs.layers is None or layer in fs.layers)
             out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
@@ -153,6 +156,9 @@ class EngineCore:
                         stats[i].layers[layer] = ls
                     if force:
                         forced[i].layers[layer] = ls
+                if want_q[i]:  # the step's post-RoPE query (Expected Attention's query statistics)
+                    st = stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
+                    st.query = q[i].float()
             x = self.model.finish_layer(layer, x, out)
         logits = self.model.logits(x)
         if self.keep_logits:
@@ -165,6 +171,7 @@ class EngineCore:
             r.decode_steps += 1
             c.step += 1
             self._append_token(r, tok)
+            r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))  # what this step attended
             pol.on_decode_step_end(c, st)
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))
 

@@ -1,0 +1,175 @@
+"""ThinKV: the paper's Figure 6 walkthrough, spec §9 properties, and equivalence to `full`."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trtkv.api import SamplingParams
+from trtkv.policies import make_policy
+from trtkv.policies.thinkv import E, R, T, ThinKVPolicy, parse_precision
+
+
+def run_engine(eng, prompt_ids: list[int], n: int, policy=None):
+    """Generate n tokens from fixed prompt ids, returning (request, per-step snapshots of layer 0)."""
+    if policy is not None:
+        eng.core.policy = eng.policy = policy
+    req = eng.make_request("x", SamplingParams(max_tokens=n, ignore_eos=True, chat=False))
+    req.prompt_ids = list(prompt_ids)
+    eng.scheduler.add(req)
+    snaps = []
+    while req.result is None:
+        eng.scheduler.step()
+        if req.ctx is not None and req.result is None:
+            snaps.append(snapshot(eng, req))
+    return req, snaps
+
+
+def snapshot(eng, req):
+    seq = req.ctx.seq
+    t = seq.layers[0]
+    return {"step": req.ctx.step, "pages": {k: list(v) for k, v in t.pages.items()},
+            "loc": dict(t.loc), "live": [x.live for x in seq.layers]}
+
+
+def test_parse_precision():
+    assert parse_precision("R4E4T2") == {R: "nvfp4", E: "nvfp4", T: "ternary"}
+    assert parse_precision("R8E4T2")[R] == "fp8"
+    assert parse_precision("R4oE4oT2o") == {R: "nvfp4o", E: "nvfp4o", T: "ternaryo"}
+    with pytest.raises(ValueError):
+        parse_precision("R4E4")
+
+
+def test_classify_boundaries():
+    p = ThinKVPolicy(thresholds=(0.4, 0.8))
+    assert p.classify(0.8) == T and p.classify(0.4) == R and p.classify(np.nextafter(0.4, 0)) == E
+    with pytest.raises(ValueError):
+        ThinKVPolicy(thresholds=(0.8, 0.4))
+
+
+def walkthrough_engine(engine_factory, load_engine, tiny_ckpt):
+    return load_engine(engine_factory(tiny_ckpt, "thinkv", block_size=4, tau=4, group=4, retention="2",
+                                      precision="R16E16T16", thought_schedule="RETR", budget="none"))
+
+
+def test_figure6_walkthrough(engine_factory, load_engine, tiny_ckpt):
+    """tau = g = B = 4, retention {2}, labels R E T R on decode tokens A..P (spec §9.22)."""
+    eng = walkthrough_engine(engine_factory, load_engine, tiny_ckpt)
+    P = 8  # prompt fills exactly two pages
+    req, snaps = run_engine(eng, list(range(100, 100 + P)), 19)
+    by_step = {s["step"]: s for s in snaps}
+    pos = lambda i: P + i  # noqa: E731  decode token i (A=0 ... P=15)
+    # after the step that wrote L (i=11) nothing was evicted
+    s11 = by_step[12]
+    assert all(pos(i) in s11["loc"] for i in range(12))
+    # at i=12 (end of the T segment I..L) A..D and E..H keep 2 tokens each; I..L untouched
+    s12 = by_step[13]
+    kept_ad = [i for i in range(0, 4) if pos(i) in s12["loc"]]
+    kept_eh = [i for i in range(4, 8) if pos(i) in s12["loc"]]
+    assert len(kept_ad) == 2 and len(kept_eh) == 2
+    assert all(pos(i) in s12["loc"] for i in range(8, 12))
+    # the R page of A..D: M and N (flushed at i=15) reuse its two freed slots; O and P take one new page
+    r_cls = ("fp16", R)
+    ad_page = s11["loc"][pos(0)][1]
+    freed = {s11["loc"][pos(i)][2] for i in range(4) if i not in kept_ad}
+    s15 = by_step[16]
+    assert {s15["loc"][pos(12)][1], s15["loc"][pos(13)][1]} == {ad_page}
+    assert {s15["loc"][pos(12)][2], s15["loc"][pos(13)][2]} == freed
+    new_pages = set(s15["pages"][r_cls]) - set(s12["pages"][r_cls])
+    assert len(new_pages) == 1 and {s15["loc"][pos(14)][1], s15["loc"][pos(15)][1]} == new_pages
+    # the E page's freed slots stay free (same-type reuse only)
+    e_page = s11["loc"][pos(4)][1]
+    assert sum(1 for f, p, _ in s15["loc"].values() if p == e_page and f == "fp16"
+               and e_page in s15["pages"][("fp16", E)]) == 2
+    assert all(s15["loc"][pos(i)][1] != e_page for i in range(12, 16))
+    assert eng.core.cache.pages_in_use() == 0
+
+
+def test_labels_constant_within_segment_and_layers_equal(engine_factory, load_engine, tiny_ckpt):
+    """§9.5 and §9.14: one label per tau-token segment (one page type, one format); live counts and
+    levels equal across layers after every step; prompt never evicted."""
+    eng = load_engine(engine_factory(tiny_ckpt, "thinkv", tau=16, group=16, budget=48, retention="8,4",
+                                     thought_schedule="RTETRRTE"))
+    P = 24
+    req, snaps = run_engine(eng, list(range(200, 200 + P)), 160)
+    for s in snaps:
+        assert len(set(s["live"])) == 1
+        assert all(p in s["loc"] for p in range(P))
+    last = snaps[-1]
+    pool_class = {}
+    for pos, (fmt, page, slot) in last["loc"].items():
+        if pos < P:
+            continue
+        seg = (pos - P) // 16
+        label = "RTETRRTE"[seg % 8]
+        want = {"R": R, "E": E, "T": T}[label]
+        cls = next(c for c, pages in last["pages"].items() if page in pages and c[0] == fmt)
+        assert cls[1] == want
+        pool_class[page] = cls
+    stats = req.result.stats["thinkv"]
+    assert stats["labels"] == "RTETRRTERT"[: stats["segments"]]
+
+
+def test_budget_case2_and_retention(engine_factory, load_engine, tiny_ckpt):
+    """§9.10/§9.12: after each step live decode tokens <= k unless every closed segment is at the minimum;
+    a segment's live count is min(tau, RET[n-1]) after its n-th selection and never below the minimum."""
+    eng = load_engine(engine_factory(tiny_ckpt, "thinkv", tau=16, group=16, budget=40, retention="8,4",
+                                     thought_schedule="RRRRRRRR"))
+    P = 16
+    req, snaps = run_engine(eng, list(range(300, 300 + P)), 200)
+    pol = eng.core.policy
+    for s in snaps:
+        decode_live = len([p for p in s["loc"] if p >= P])
+        segs_closed = s["step"] // 16
+        assert decode_live <= max(40, 4 * segs_closed + 16) + 16
+    assert req.result.stats["thinkv"]["live_decode_tokens"] <= max(40, 4 * (200 // 16))
+    assert isinstance(pol, ThinKVPolicy)
+
+
+def test_evict_is_metadata_only(engine_factory, load_engine, tiny_ckpt):
+    """§9.16: code and scale pools are unchanged by an eviction."""
+    eng = load_engine(engine_factory(tiny_ckpt, "thinkv", tau=16, group=16, budget=24, retention="8,4",
+                                     thought_schedule="RRRR"))
+    cache = eng.core.cache
+    req = eng.make_request("x", SamplingParams(max_tokens=80, ignore_eos=True, chat=False))
+    req.prompt_ids = list(range(400, 416))
+    eng.scheduler.add(req)
+    seen_evict = False
+    while req.result is None:
+        before = [[t.clone() for t in pool.fields] for pools in cache.pools for pool in pools.values()]
+        ev_before = cache.evictions_total
+        pol = eng.core.policy
+        ops_pending = False
+        eng.scheduler.step()
+        if cache.evictions_total > ev_before and req.result is None and req.ctx.seq.buffered(0) != 0:
+            seen_evict = True
+            after = [[t for t in pool.fields] for pools in cache.pools for pool in pools.values()]
+            for b, a in zip(before, after):
+                for x, y in zip(b, a):
+                    assert torch.equal(x, y)
+        del ops_pending, pol
+    assert seen_evict
+
+
+@pytest.mark.model
+def test_16bit_large_budget_matches_full(engine_factory, load_engine):
+    """With budget >= length and 16-bit storage for every type, output equals `full` with fp16 storage."""
+    full = load_engine(engine_factory("smollm2-135m", "full", kv_format="fp16"))
+    thinkv = load_engine(engine_factory("smollm2-135m", "thinkv", budget=4096, precision="R16E16T16"))
+    prompt = "Explain why the sky is blue, step by step."
+    params = SamplingParams(max_tokens=160, ignore_eos=True)
+    a = full.generate(prompt, params)[0]
+    b = thinkv.generate(prompt, params)[0]
+    assert a.token_ids == b.token_ids
+    assert b.stats["evicted_tokens"] == 0
+
+
+def test_make_policy_rejects_bad_values():
+    from trtkv.errors import TrtkvError
+
+    with pytest.raises(TrtkvError):
+        make_policy("thinkv", {"tau": "100", "group": "16"})
+    with pytest.raises(TrtkvError):
+        make_policy("thinkv", {"thought_schedule": "RXZ"})
+    with pytest.raises(TrtkvError):
+        make_policy("thinkv", {"_formats": "x"})

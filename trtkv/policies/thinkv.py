@@ -1,0 +1,309 @@
+"""ThinKV (thought-adaptive KV compression), per shared/specs/thinkv.md.
+
+* Classification (§2): every ``tau`` decode steps the sparsity of the current query in the calibrated
+  layers L* labels the next ``tau`` tokens Reasoning / Execution / Transition; the prompt is R.
+* TBQ (§3): a flush group of ``group`` tokens is stored in the format of its thought type
+  (default R4E4T2: NVFP4, NVFP4, ternary).
+* TBE (§4): at the end of every T segment all earlier segments anneal one step down the retention
+  schedule (case 1); over budget, the oldest segment of the least important type anneals (case 2).
+  Survivors are chosen by k-means over post-RoPE keys (``torch.ops.trtkv.kmeans_select``).
+* CT (§5): evictions only flip validity bits; the cache reuses freed slots for later tokens of the
+  same thought type (pages are dedicated to one type).
+
+Variants: ``thinkv`` (TBQ + TBE), ``thinkv-tbq`` (quantize only), ``thinkv-tbe`` (evict only, 16-bit).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from trtkv.errors import TrtkvError
+from trtkv.policies.base import KVPolicy, StatsRequest
+
+T, E, R = 0, 1, 2  # thought codes (paper's pseudocode order)
+IMPORTANCE = {T: 0, E: 1, R: 2}
+LETTER = {"T": T, "E": E, "R": R}
+NAME = {T: "T", E: "E", R: "R"}
+BITS_TO_FORMAT = {"2": "ternary", "4": "nvfp4", "8": "fp8", "16": "fp16", "2o": "ternaryo", "4o": "nvfp4o",
+                  "4i": "int4", "2i": "int2", "32": "fp32"}
+
+
+def parse_precision(spec: str) -> dict[int, str]:
+    """``R4E4T2`` -> {R: nvfp4, E: nvfp4, T: ternary}. Suffix ``o``: keys with a per-channel offset
+    (nvfp4o/ternaryo); ``i``: INT4/INT2 (the paper's Table 10 ablation)."""
+    import re
+
+    parts = re.findall(r"([RET])(\d+[oi]?)", spec.upper().replace("O", "o").replace("I", "i"))
+    got = {LETTER[t]: BITS_TO_FORMAT.get(b) for t, b in parts}
+    if len(parts) != 3 or set(got) != {R, E, T} or None in got.values():
+        raise ValueError(f"precision {spec!r} must look like R4E4T2 (bits 2, 4, 8 or 16; suffix o or i)")
+    return got
+
+
+@dataclass
+class Segment:
+    sid: int
+    thought: int  # -1 until labelled
+    start: int  # decode index of its first token (-1: the prompt)
+    level: int = 0
+    live: int = 0  # tokens in pages (identical in every layer)
+    is_prefill: bool = False
+
+    def end(self, tau: int) -> int:
+        return self.start + tau
+
+
+@dataclass
+class ThinKVPolicy(KVPolicy):
+    name = "thinkv"
+    description = "ThinKV: thought-typed quantization (TBQ) + segment eviction with k-means (TBE), in-place reuse"
+    budget: int | None = 1024  # k: live decode tokens per layer (prompt and residual buffer excluded)
+    precision: str = "R4E4T2"
+    tau: int = 128  # refresh interval = segment length
+    group: int = 16  # g: residual buffer / quantization group
+    retention: tuple[int, ...] = (64, 32, 16, 8, 4)
+    tbq: bool = True
+    tbe: bool = True
+    anneal_triggering_t: bool = False
+    budget_mode: str = "soft"  # "soft": overflow counted; "hard": evict minimum-level segments entirely
+    kmeans_iters: int = 10
+    thresholds: tuple[float, ...] = ()  # (theta_low, theta_high) from calibration
+    layers: tuple[int, ...] = ()  # L* from calibration
+    thought_schedule: str = ""  # forced labels per segment, e.g. "RRTE..." (replay for synthetic weights, tests)
+    stats_every_step: bool = False
+    _formats: dict[int, str] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._formats = parse_precision(self.precision) if self.tbq else {}
+        if self.tau <= 0 or self.group <= 0 or self.tau % self.group:
+            raise ValueError(f"group ({self.group}) must divide tau ({self.tau})")
+        if self.group < 2:
+            raise ValueError("group must be >= 2 (a segment's label is known one step after it opens)")
+        if not self.retention or any(r <= 0 for r in self.retention) or list(self.retention) != sorted(
+                self.retention, reverse=True):
+            raise ValueError("retention must be a decreasing list of positive token counts, e.g. 64,32,16,8,4")
+        if self.budget_mode not in ("soft", "hard"):
+            raise ValueError("budget_mode must be soft or hard")
+        if self.thresholds and (len(self.thresholds) != 2 or not self.thresholds[0] < self.thresholds[1]):
+            raise ValueError("thresholds must be two increasing values theta_low,theta_high")
+        bad = set(self.thought_schedule.upper()) - set("RET")
+        if bad:
+            raise ValueError(f"thought_schedule may only contain R, E, T (got {''.join(sorted(bad))})")
+
+    def params(self) -> dict[str, Any]:
+        d = super().params()
+        d.pop("_formats", None)
+        return d
+
+    # --- formats ----------------------------------------------------------------------------
+    def resolve_formats(self, model_dtype: str) -> None:
+        super().resolve_formats(model_dtype)
+        if not self.tbq:  # 16-bit storage for every type; keep the buffer so labels precede writes
+            self._formats = {c: "fp16" for c in (R, E, T)}
+
+    def formats(self) -> set[str]:
+        return set(self._formats.values())
+
+    def residual_group(self) -> int:
+        return self.group
+
+    def flush_prompt_tail(self) -> bool:
+        return True  # decode groups then align with segments (spec §3.4)
+
+    def load_calibration(self, calibration: dict | None) -> None:
+        """Take L* and thresholds from the engine's calibration unless given explicitly."""
+        if not calibration:
+            return
+        if not self.layers and calibration.get("layers"):
+            self.layers = tuple(int(x) for x in calibration["layers"])
+        if not self.thresholds and calibration.get("thresholds"):
+            self.thresholds = tuple(float(x) for x in calibration["thresholds"])
+            if not self.thresholds[0] < self.thresholds[1]:
+                raise TrtkvError("calibration thresholds must satisfy theta_low < theta_high; recalibrate")
+
+    # --- per-request state ------------------------------------------------------------------
+    def on_request_init(self, req) -> None:
+        prefill = Segment(0, R, -1, is_prefill=True)
+        req.state.update(segments=[prefill], ops=[], tokens={R: 0, E: 0, T: 0}, evict_steps=0,
+                         overflows=0, anneals=0, labels=[], sparsity=[], buffered=0)
+
+    def _open(self, req) -> Segment:
+        return req.state["segments"][-1]
+
+    def _label_forced(self, index: int) -> int | None:
+        if not self.thought_schedule:
+            return None
+        return LETTER[self.thought_schedule[index % len(self.thought_schedule)].upper()]
+
+    def classify(self, u: float) -> int:
+        lo, hi = self.thresholds
+        return T if u >= hi else (R if u >= lo else E)
+
+    def write_class(self, req) -> tuple[str, int, int]:
+        seg = self._open(req)
+        thought = seg.thought if seg.thought >= 0 else R
+        return self._formats[thought], thought, seg.sid
+
+    def prefill_class(self, req) -> tuple[str, int, int]:
+        return self._formats[R], R, 0
+
+    def stats_request(self, req, phase: str):
+        if phase != "decode" or self.thought_schedule:
+            return None
+        if req.step % self.tau == 0 or self.stats_every_step:
+            return StatsRequest(layers=self.layers or None, sparsity=True)
+        return None
+
+    def on_prefill_end(self, req, stats) -> None:
+        req.state["segments"][0].live = req.seq.layers[0].live
+        req.state["buffered"] = req.seq.buffered(0)
+
+    # --- TBE decision (once per request and step, spec §4.6) --------------------------------
+    def on_decode_step_begin(self, req) -> None:
+        st, i = req.state, req.step
+        segs: list[Segment] = st["segments"]
+        ops: list[tuple[Segment, int]] = []
+        if i % self.tau == 0:
+            closed = segs[-1] if not segs[-1].is_prefill else None
+            segs.append(Segment(len(segs), self._label_forced(len(segs) - 1) if self.thought_schedule else -1, i))
+            if self.tbe and closed is not None and closed.thought == T:  # case 1: a transition just ended
+                st["anneals"] += 1
+                for seg in self._closed(req):
+                    if seg is closed and not self.anneal_triggering_t:
+                        continue
+                    if seg.level < len(self.retention):
+                        ops.append((seg, self._step_down(seg)))
+        if self.tbe and self.budget is not None:
+            will_flush = st["buffered"] + 1 >= self.group
+            live_after = sum(s.live for s in segs if not s.is_prefill) + (st["buffered"] + 1 if will_flush else 0)
+            while live_after > self.budget:  # case 2: least important type first, then oldest
+                cands = [s for s in self._closed(req) if s.level < len(self.retention)]
+                if not cands:
+                    if self.budget_mode == "hard":
+                        mins = [s for s in self._closed(req) if s.live > 0]
+                        if mins:
+                            seg = min(mins, key=lambda s: (IMPORTANCE[s.thought], s.start))
+                            ops.append((seg, 0))
+                            live_after -= seg.live
+                            seg.live = 0
+                            continue
+                    st["overflows"] += 1
+                    break
+                kind = min({s.thought for s in cands}, key=IMPORTANCE.__getitem__)
+                seg = min((s for s in cands if s.thought == kind), key=lambda s: s.start)
+                before = seg.live
+                ops.append((seg, self._step_down(seg)))
+                live_after -= before - seg.live
+        st["ops"] = [(seg, target) for seg, target in ops]
+        if any(True for _ in ops):
+            st["evict_steps"] += 1
+
+    def _closed(self, req) -> list[Segment]:
+        return [s for s in req.state["segments"][:-1] if not s.is_prefill]
+
+    def _step_down(self, seg: Segment) -> int:
+        target = min(seg.live, self.retention[min(seg.level, len(self.retention) - 1)])
+        seg.level += 1
+        seg.live = target
+        return target
+
+    def before_attention(self, req, layer: int) -> None:
+        """Apply this step's anneals in this layer (after its flush): k-means keeps ``target`` tokens.
+        Ops on distinct segments share one batched k-means call; a segment annealed twice in a step
+        (case 1, then case 2) is processed again in a later round, from its survivors."""
+        pending = list(req.state["ops"])
+        while pending:
+            seen, batch, later = set(), [], []
+            for seg, target in pending:
+                (later if seg.sid in seen else batch).append((seg, target))
+                seen.add(seg.sid)
+            self._anneal_layer(req, layer, batch)
+            pending = later
+
+    def _anneal_layer(self, req, layer: int, ops) -> None:
+        live = req.live_positions(layer)
+        P = req.prompt_len
+        jobs = []
+        for seg, target in ops:
+            lo, hi = np.searchsorted(live, [P + seg.start, P + seg.end(self.tau)])
+            members = live[lo:hi]
+            if len(members) > target:
+                jobs.append((members, target))
+        if not jobs:
+            return
+        m = max(len(mem) for mem, _ in jobs)
+        keys = [req.keys(layer, mem).reshape(len(mem), -1) for mem, _ in jobs]
+        feats = torch.zeros(len(jobs), m, keys[0].shape[1], device=keys[0].device)
+        for j, kf in enumerate(keys):
+            feats[j, : len(kf)] = kf
+        counts = torch.tensor([len(mem) for mem, _ in jobs], dtype=torch.int32, device=feats.device)
+        k_keep = torch.tensor([t for _, t in jobs], dtype=torch.int32, device=feats.device)
+        keep = torch.ops.trtkv.kmeans_select(feats, counts, k_keep, self.kmeans_iters).cpu().numpy()
+        for j, (members, target) in enumerate(jobs):
+            kept = keep[j][keep[j] >= 0]
+            mask = np.ones(len(members), bool)
+            mask[kept] = False
+            req.evict(layer, members[mask])
+
+    # --- after each step: label the open segment at refresh steps, account tokens -----------
+    def on_decode_step_end(self, req, stats) -> None:
+        st = req.state
+        seg = self._open(req)
+        i = stats.step
+        if i % self.tau == 0:
+            if seg.thought < 0:
+                if self.thresholds and stats.layers:
+                    u = float(np.mean([ls.sparsity for ls in stats.layers.values()]))
+                    st["sparsity"].append(u)
+                    seg.thought = self.classify(u)
+                else:
+                    seg.thought = R  # no calibration: everything is reasoning (no T, so no case-1 anneals)
+            st["labels"].append(NAME[seg.thought])
+        st["tokens"][seg.thought if seg.thought >= 0 else R] += 1
+        st["buffered"] = req.seq.buffered(0)
+        flushed_now = st["buffered"] == 0
+        if flushed_now:
+            seg.live += self.group
+        st["ops"] = []
+
+    def extra_stats(self, req) -> dict[str, Any]:
+        from plugins.formats import get_format
+
+        st = req.state
+        toks = st["tokens"]
+        n = max(1, sum(toks.values()))
+        bits = sum(get_format(self._formats[c]).element_bits * toks[c] for c in toks) / n
+        stored = [get_format(fmt).element_bits for fmt, _, _ in req.seq.layers[0].loc.values()]
+        steps = max(1, req.step)
+        return {
+            "thinkv": {
+                "avg_element_bits": round(bits, 3),  # paper's convention, over generated tokens
+                "avg_stored_bits": round(float(np.mean(stored)), 3) if stored else None,  # live paged tokens
+                "thought_shares": {NAME[c]: round(toks[c] / n, 4) for c in (R, E, T)},
+                "labels": "".join(st["labels"]),
+                "segments": len(st["segments"]) - 1,
+                "eviction_steps": st["evict_steps"],
+                "eviction_call_rate": round(st["evict_steps"] / steps, 5),
+                "transition_anneals": st["anneals"],
+                "budget_overflows": st["overflows"],
+                "live_decode_tokens": sum(s.live for s in st["segments"] if not s.is_prefill),
+            }
+        }
+
+
+@dataclass
+class ThinKVTBQPolicy(ThinKVPolicy):
+    name = "thinkv-tbq"
+    description = "ThinKV ablation: thought-based quantization only (no eviction)"
+    budget: int | None = None
+    tbe: bool = False
+
+
+@dataclass
+class ThinKVTBEPolicy(ThinKVPolicy):
+    name = "thinkv-tbe"
+    description = "ThinKV ablation: thought-based eviction only (16-bit storage)"
+    tbq: bool = False
