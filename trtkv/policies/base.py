@@ -33,6 +33,7 @@ class StatsRequest:
     weights: bool = False  # per-slot attention weights (per query head) with their token positions
     sparsity: bool = False  # per-KV-head sparsity and ThinKV's averaged-row sparsity
     prefill_window: int = 0  # prefill: weights of the last w prompt queries over the prompt
+    queries: bool = False  # decode: the step's post-RoPE query ``[Hq, D]`` (LayerStats.query)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class LayerStats:
     logits: torch.Tensor | None = None  # [Hq, n] scaled logits, -inf at dead slots
     sparsity_heads: torch.Tensor | None = None  # [H] fraction of weights < 1% of the row max, per KV head
     sparsity: float | None = None  # ThinKV: max-pool G query heads, softmax, mean over KV heads, then fraction
+    query: torch.Tensor | None = None  # [Hq, D] post-RoPE query of this decode step (StatsRequest.queries)
 
 
 @dataclass
@@ -90,6 +92,15 @@ class KVPolicy:
 
     def prefill_class(self, req: RequestContext) -> tuple[str, int, int]:
         return self.write_class(req)
+
+    def cache_eviction_mode(self) -> str | None:
+        """The cache eviction mode this policy requires ("inplace" or "compact"), or None for either.
+        ``trtkv build`` writes it into the engine's cache section (and rejects a conflicting ``--set``)."""
+        return None
+
+    def bind_model(self, arch: Any) -> None:
+        """Called once by the engine with the model architecture (``ModelArch``), for policies that need
+        head geometry or RoPE (e.g. Expected Attention). Not a parameter: nothing is serialised."""
 
     def max_live_tokens(self, prompt_len: int, max_tokens: int) -> int:
         """Upper bound on tokens one request keeps per layer (admission control)."""
