@@ -21,6 +21,17 @@ def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
 for _cls in (FullPolicy, StreamingLLMPolicy):
     register_policy(_cls)
 
+from trtkv.policies.ams import AMSPolicy  # noqa: E402
+from trtkv.policies.h2o import H2OPolicy  # noqa: E402
+from trtkv.policies.kivi import KIVIPolicy  # noqa: E402
+from trtkv.policies.lazyeviction import LazyEvictionPolicy  # noqa: E402
+from trtkv.policies.rkv import RKVPolicy  # noqa: E402
+from trtkv.policies.snapkv import SnapKVPolicy  # noqa: E402
+from trtkv.policies.tova import TOVAPolicy  # noqa: E402
+
+for _cls in (H2OPolicy, SnapKVPolicy, TOVAPolicy, RKVPolicy, KIVIPolicy, LazyEvictionPolicy, AMSPolicy):
+    register_policy(_cls)
+
 
 def policy_fields(cls: type[KVPolicy]) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}

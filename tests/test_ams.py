@@ -1,0 +1,527 @@
+"""AMS: the testable properties of shared/specs/ams.md §7 (numbers in the test names). Selection invariants
+are randomised over T, T_keep, scores and masses; engine properties run on the tiny random Llama.
+
+Not applicable in trtkv: the spec's per-(layer, KV head) keep sets (trtkv's cache evicts per layer, so the
+policy averages masses and scores over KV heads: one keep set per layer) and shared prefix blocks (13/15).
+Property 13 (paged == dense after compaction) is implied by 14, which compares every step's logits."""
+from __future__ import annotations
+
+import contextlib
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from policy_matrix import Probe, masked_reference_logits, one_thread
+
+from trtkv.api import SamplingParams
+from trtkv.models.rope import apply_rotary, inverse_frequencies
+from trtkv.policies import make_policy
+from trtkv.policies.ams import (allocate, ams_select, ea_log_expectation, expected_attention_scores, keydiff_scores,
+                                must_keep, rkv_scores, rope_average, segment, select, tova_scores, unrotate,
+                                usage, window_rows)
+from trtkv.policies.scoring import cosine_redundancy, normalize_mass
+
+assert one_thread  # autouse: one intra-op thread for this module
+
+PROMPT = "Once upon a time, in a land far away, there lived a wise old king who loved puzzles and riddles."
+OTHER = "The quick brown fox jumps over the lazy dog."
+SP = SamplingParams(max_tokens=90, ignore_eos=True, chat=False)
+BASE = {"budget": 24, "interval": 8, "hs": 8, "window": 4, "l_min": 4, "l_max": 16}
+CFG = dict(delta=0.1, l_min=16, l_max=256, q_min=1, n_sink=4, n_last=32)
+
+
+def rand_case(rng, T=None, T_keep=None):
+    T = T or int(rng.integers(2, 600))
+    T_keep = T_keep or int(rng.integers(1, T))
+    mu = rng.gamma(0.3, 1.0, T) * (rng.random(T) < 0.7)
+    g = rng.normal(size=T)
+    return T, T_keep, mu, g
+
+
+def segments_of(mu, cfg):
+    return segment(mu / mu.sum(), cfg["delta"], cfg["l_min"], cfg["l_max"])
+
+
+# --- 1-5: selection invariants --------------------------------------------------------------------------
+def test_1_identity_when_under_budget():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        T = int(rng.integers(1, 100))
+        keep, _ = ams_select(rng.random(T), rng.normal(size=T), T + int(rng.integers(0, 5)), **CFG)
+        assert keep.tolist() == list(range(T))
+
+
+@pytest.mark.parametrize("mode", ["reserve", "reference"])
+def test_2_exactly_t_keep_unique_sorted(mode):
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        T, T_keep, mu, g = rand_case(rng)
+        cfg = dict(CFG, delta=float(rng.choice([0.02, 0.1, 0.3])), l_min=int(rng.integers(1, 40)),
+                   l_max=int(rng.integers(40, 300)), q_min=int(rng.integers(0, 10)),
+                   n_sink=int(rng.integers(0, 8)), n_last=int(rng.integers(0, 64)))
+        keep, info = ams_select(mu, g, T_keep, mode=mode, **cfg)
+        assert len(keep) == T_keep and len(set(keep.tolist())) == T_keep
+        assert (np.diff(keep) > 0).all() and keep.min() >= 0 and keep.max() < T
+        if mode == "reserve":  # backfill never needed: quotas fill the budget exactly
+            assert sum(info["quotas"]) == T_keep - len(info["must"])
+
+
+def test_3_must_keep():
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        T, T_keep, mu, g = rand_case(rng)
+        n_sink, n_last = int(rng.integers(0, 8)), int(rng.integers(0, 64))
+        for mode in ("reserve", "reference"):
+            keep, info = ams_select(mu, g, T_keep, mode=mode, **dict(CFG, n_sink=n_sink, n_last=n_last))
+            must = set(info["must"].tolist())
+            assert must <= set(keep.tolist())
+            if T_keep >= n_sink + n_last:
+                assert must == set(range(n_sink)) | set(range(T - n_last, T))
+            elif mode == "reserve":  # sinks whole, suffix shortened
+                assert set(range(min(n_sink, T_keep))) <= must
+                assert len(must) == min(T_keep, n_sink + n_last)
+            else:  # reference: suffix whole, sinks shortened
+                assert set(range(T - min(n_last, T_keep), T)) <= must
+
+
+def test_4_quota_guarantee_reserve():
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        T, T_keep, mu, g = rand_case(rng)
+        q_min = int(rng.integers(0, 6))
+        cfg = dict(CFG, q_min=q_min, l_min=int(rng.integers(1, 20)), l_max=int(rng.integers(20, 200)))
+        keep, info = ams_select(mu, g, T_keep, **cfg)
+        must = set(info["must"].tolist())
+        kept = set(keep.tolist())
+        segs, q = info["segments"], info["quotas"]
+        total = T_keep - len(must)
+        assert sum(q) == total
+        caps = [sum(1 for j in range(a, b) if j not in must) for a, b in segs]
+        if sum(min(q_min, c) for c in caps) <= total:
+            for (a, b), qi, cap in zip(segs, q, caps):
+                assert qi <= cap and qi >= min(q_min, cap)
+                assert sum(1 for j in range(a, b) if j in kept and j not in must) == qi
+
+
+def test_5_segments_partition_and_bounds():
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        T = int(rng.integers(1, 2000))
+        mu = rng.gamma(0.2, 1.0, T) + 1e-12
+        mu /= mu.sum()
+        delta = float(rng.choice([0.005, 0.02, 0.1, 0.25, 1.0]))
+        l_min, l_max = int(rng.integers(1, 64)), int(rng.integers(64, 1024))
+        segs = segment(mu, delta, l_min, l_max)
+        assert segs[0][0] == 0 and segs[-1][1] == T
+        assert all(a < b for a, b in segs) and all(segs[i][1] == segs[i + 1][0] for i in range(len(segs) - 1))
+        assert all(b - a >= l_min for a, b in segs[:-1])
+        assert all(b - a <= l_max + l_min - 1 for a, b in segs)
+        assert len(segs) <= math.ceil(1 / delta - 1e-9) + math.ceil(T / l_max)
+
+
+# --- 6-7: mass and EMA credit (a fake request drives the policy's event code) ---------------------
+class FakeReq:
+    """The part of RequestContext AMS reads, over random post-RoPE K/V (one layer, no residual buffer)."""
+
+    def __init__(self, T, H=2, Hq=4, D=8, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.H, self.Hq, self.D, self.gen = H, Hq, D, g
+        self.num_layers = 1
+        self.kvs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cache = SimpleNamespace(cfg=SimpleNamespace(num_kv_heads=H, eviction="compact"))
+        self.state: dict = {}
+        self.add(T)
+
+    def add(self, n):
+        start = max(self.kvs, default=-1) + 1
+        for p in range(start, start + n):
+            self.kvs[p] = (torch.randn(self.H, self.D, generator=self.gen),
+                           torch.randn(self.H, self.D, generator=self.gen))
+        self.position = start + n
+
+    def live_positions(self, layer):
+        return np.array(sorted(self.kvs), dtype=np.int64)
+
+    def buffered_positions(self, layer):
+        return []
+
+    def num_live(self, layer):
+        return len(self.kvs)
+
+    def kv(self, layer, positions):
+        return (torch.stack([self.kvs[int(p)][0] for p in positions]),
+                torch.stack([self.kvs[int(p)][1] for p in positions]))
+
+    def keys(self, layer, positions):
+        return self.kv(layer, positions)[0]
+
+    def evict(self, layer, positions):
+        for p in positions:
+            self.kvs.pop(int(p), None)
+        return len(positions)
+
+    def queries(self, n):
+        return [(self.position - n + i, torch.randn(self.Hq, self.D, generator=self.gen)) for i in range(n)]
+
+
+def event(pol, req, rec):
+    pos = req.live_positions(0)
+    keys, _ = req.kv(0, pos)
+    w, rows, _ = pol.evidence(req, 0, pos, rec, keys, req.H)
+    return pos, rows
+
+
+def test_6_mass_is_a_distribution():
+    for seed in range(5):
+        req = FakeReq(200, seed=seed)
+        for ablation in ("none", "no_credit"):
+            pol = make_policy("ams", {"budget": 64, "interval": 32, "window": 16, "ablation": ablation})
+            pol.on_request_init(req)
+            pos, rows = event(pol, req, req.queries(32))
+            m_cur, m_used = pol.masses(req, 0, pos, rows, req.H)
+            for m in (m_cur, m_used):
+                assert (m >= 0).all() and abs(float(m.sum()) - 1) < 1e-6
+
+
+def test_7_ema_credit():
+    req = FakeReq(200)
+    pol = make_policy("ams", {"budget": 64, "interval": 32, "window": 16})
+    pol.on_request_init(req)
+    pos, rows = event(pol, req, req.queries(32))
+    m_cur, m_used = pol.masses(req, 0, pos, rows, req.H)
+    torch.testing.assert_close(m_used, m_cur, rtol=1e-5, atol=1e-9)  # first event: m_used == m_cur
+    credit = req.state["credit"]
+    keep = pol.select_layer(req, 0, pos, np.zeros(0, np.int64), req.queries(32), req.H)
+    c1 = credit.get(0, pos).clone()  # after this event's update
+    req.evict(0, np.setdiff1d(pos, pos[keep]))
+    kept = req.live_positions(0)
+    assert kept.tolist() == pos[keep].tolist()
+    assert torch.equal(credit.get(0, kept), c1[keep])  # c' = c[I]: the credit travels with its token
+    req.add(40)  # slots appended later read zero credit
+    assert (credit.get(0, np.arange(200, 240)) == 0).all()
+    # beta = 1: m_used == m_cur always
+    pol1 = make_policy("ams", {"budget": 64, "interval": 32, "window": 16, "beta": 1.0})
+    pol1.on_request_init(req)
+    for _ in range(3):
+        pos3, rows3 = event(pol1, req, req.queries(32))
+        a, b = pol1.masses(req, 0, pos3, rows3, req.H)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+    # use_credit = False: no credit stored
+    pol2 = make_policy("ams", {"budget": 64, "use_credit": False})
+    req.state.clear()
+    pol2.on_request_init(req)
+    pos4, rows4 = event(pol2, req, req.queries(32))
+    pol2.masses(req, 0, pos4, rows4, req.H)
+    assert req.state.get("credit") is None
+
+
+def test_7_credit_update_rule():
+    req = FakeReq(120, seed=3)
+    pol = make_policy("ams", {"budget": 48, "interval": 16, "window": 8})
+    pol.on_request_init(req)
+    pos, rows = event(pol, req, req.queries(16))
+    m1, _ = pol.masses(req, 0, pos, rows, req.H)
+    c1 = req.state["credit"].get(0, pos).clone()
+    torch.testing.assert_close(c1, (1 - pol.lam) * m1)
+    m2, used2 = pol.masses(req, 0, pos, rows, req.H)
+    c2 = req.state["credit"].get(0, pos)
+    torch.testing.assert_close(c2, pol.lam * c1 + (1 - pol.lam) * m2)
+    want = normalize_mass(pol.beta * m2 + (1 - pol.beta) * normalize_mass(c2))
+    torch.testing.assert_close(used2, want)
+
+
+# --- 8-10: degenerate cases, scale invariance, anti-wipe-out ---------------------------------------
+def test_8_one_segment_equals_global_topk():
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        T, T_keep, mu, g = rand_case(rng)
+        cfg = dict(CFG, delta=1.0, l_max=T + 1)
+        a, info = ams_select(mu, g, T_keep, **cfg)
+        b, _ = ams_select(mu, g, T_keep, ablation="global_topk", **cfg)
+        assert len(info["segments"]) == 1 and a.tolist() == b.tolist()
+
+
+def test_8_uniform_mass_even_segments():
+    for T, delta in [(200, 0.1), (333, 0.05), (1000, 0.02)]:
+        mu = np.full(T, 1.0 / T)
+        segs = segment(mu, delta, 1, T)
+        assert all(abs((b - a) - T * delta) <= 1 for a, b in segs[:-1])
+        q = allocate(segs, mu, T // 2, must_keep(T, T // 2, 0, 0), 1)
+        assert max(q) - min(q) <= 2
+
+
+def test_9_scale_invariance():
+    rng = np.random.default_rng(6)
+    for _ in range(100):
+        T, T_keep, mu, _ = rand_case(rng)
+        g = rng.permutation(T).astype(float)  # distinct scores: no ties
+        a, _ = ams_select(mu, g, T_keep, **CFG)
+        b, _ = ams_select(mu, 3.5 * g - 7.0, T_keep, **CFG)
+        assert a.tolist() == b.tolist()
+        u = rng.random(T)
+        assert segment(normalize_mass(torch.tensor(u)).numpy(), 0.1, 16, 256) == \
+            segment(normalize_mass(torch.tensor(u * 17.0)).numpy(), 0.1, 16, 256)
+
+
+def test_10_anti_wipe_out():
+    T, T_keep = 1000, 128
+    g = np.full(T, 1e-6)
+    g[500:700] = 1.0  # one salient region
+    mu = np.ones(T)
+    glob, _ = ams_select(mu, g, T_keep, ablation="global_topk", **CFG)
+    ams, info = ams_select(mu, g, T_keep, **dict(CFG, q_min=2))
+    must = set(info["must"].tolist())
+    empty_global = [s for s in info["segments"] if not any(a in glob for a in range(*s) if a not in must)]
+    assert empty_global  # global top-k wipes out whole segments
+    for a, b in info["segments"]:
+        cap = sum(1 for j in range(a, b) if j not in must)
+        assert sum(1 for j in ams if a <= j < b and j not in must) >= min(2, cap)
+
+
+# --- 11: window evidence ------------------------------------------------------------------------------
+def test_11_usage_pad_and_pool_edges():
+    rows = torch.rand(3, 4, 20)  # [W, Hq, T]
+    rows /= rows.sum(-1, keepdim=True)
+    u = usage(rows, 2, 5, "max")
+    a = rows.mean(0)
+    nw = 17
+    pooled = torch.nn.functional.avg_pool1d(a[:, :nw][:, None], 5, 1, 2, count_include_pad=True)[:, 0]
+    want = pooled.view(2, 2, nw).mean(1)
+    torch.testing.assert_close(u[:, :nw], want)
+    assert (u[:, nw:] == want.max()).all()  # the pad is one scalar: the max over heads and slots
+    assert torch.isclose(u[0, 0], (a[:2, :3].sum(-1) / 5).mean())  # zero-padded edge
+
+
+def test_11_recomputed_rows_equal_kernel_rows(engine_factory, load_engine, tiny_ckpt):
+    from trtkv.policies.base import StatsRequest
+
+    eng = load_engine(engine_factory(tiny_ckpt, "ams", **BASE))
+    pol, core = eng.core.policy, eng.core
+    kernel_rows: dict[int, dict[int, tuple]] = {}  # step -> layer -> (positions, weights)
+    checked = []
+    H = core.arch.num_key_value_heads
+
+    def on_decode_step_end(req, stats):
+        fs = core.last_stats[0]
+        kernel_rows[req.step] = {l: (ls.positions.copy(), ls.weights.clone()) for l, ls in fs.layers.items()}
+        type(pol).on_decode_step_end(pol, req, stats)
+
+    def select_layer(req, layer, pos, buf, rec, H_):
+        keys, _ = req.kv(layer, pos)
+        w, rows, _ = pol.evidence(req, layer, pos, rec, keys, H)
+        for i in range(w):
+            step = req.step - w + 1 + i
+            kp, kw = kernel_rows[step][layer]
+            order = np.searchsorted(pos, kp)
+            full = torch.zeros_like(rows[i])
+            full[:, order] = kw
+            torch.testing.assert_close(rows[i], full, rtol=0, atol=1e-6)
+        checked.append((req.step, layer, w))
+        return type(pol).select_layer(pol, req, layer, pos, buf, rec, H_)
+
+    core.force_stats = StatsRequest(weights=True)
+    pol.on_decode_step_end, pol.select_layer = on_decode_step_end, select_layer
+    try:
+        eng.generate(PROMPT, SP)
+    finally:
+        core.force_stats = None
+        del pol.on_decode_step_end, pol.select_layer
+    assert checked and all(w == 4 for _, _, w in checked)
+
+
+# --- 12, 14, 15, 16, 22, 23: the engine -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ams(engine_factory, load_engine, tiny_ckpt):
+    def get(**params):
+        return load_engine(engine_factory(tiny_ckpt, "ams", **{**BASE, **params}))
+    return get
+
+
+@contextlib.contextmanager
+def around_events(eng, fn):
+    pol = eng.core.policy
+
+    def _event(req):
+        before = fn(req, "before")
+        type(pol)._event(pol, req)
+        fn(req, "after", before)
+
+    pol._event = _event
+    try:
+        yield
+    finally:
+        del pol._event
+
+
+def test_12_15_gather_compact_bit_exact_and_no_leak(ams):
+    eng = ams()
+    cache = eng.core.cache
+    bs = cache.cfg.block_size
+    seen = []
+
+    def check(req, phase, before=None):
+        L = req.num_layers
+        if phase == "before":
+            return [(req.live_positions(l), req.kv(l, req.live_positions(l))) for l in range(L)], req.position
+        snap, next_pos = before
+        assert req.position == next_pos  # next_pos unchanged
+        for l in range(L):
+            pos_b, (k_b, v_b) = snap[l]
+            pos_a = req.live_positions(l)
+            if len(pos_b) <= BASE["budget"]:
+                continue
+            assert len(pos_a) == BASE["budget"]  # kv_len = T_keep
+            idx = np.searchsorted(pos_b, pos_a)
+            k_a, v_a = req.kv(l, pos_a)
+            assert torch.equal(k_a, k_b[idx]) and torch.equal(v_a, v_b[idx])  # K' = K[I], bit-exact
+            table = req.seq.layers[l]
+            pages = [p for ps in table.pages.values() for p in ps]
+            assert len(pages) == math.ceil(BASE["budget"] / bs)  # compact: old blocks went back
+            pool = next(iter(cache.pools[l].values()))
+            order = [int(pool.slot_pos[p, s]) for p in pages for s in range(pool.B) if pool.valid[p] >> s & 1]
+            assert order == sorted(order) and len(order) == BASE["budget"]  # pos compacted, strictly increasing
+        seen.append(req.step)
+
+    with around_events(eng, check):
+        res = eng.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True, chat=False))[0]
+    assert len(seen) >= 20 and res.stats["ams_events"] == len(seen)
+    assert cache.pages_in_use() == 0 and not cache.seqs
+
+
+@pytest.mark.parametrize("params", [{}, {"scorer": "keydiff", "mode": "reference"},
+                                    {"scorer": "rkv", "ablation": "fixed_segments"},
+                                    {"scorer": "expected_attention", "compaction": False}])
+def test_14_gather_equals_mask(ams, params):
+    eng = ams(**params)
+    with Probe(eng, record_sets=True, record_logits=True) as probe:
+        res = eng.generate(PROMPT, SP)[0]
+    rid = next(iter(probe.sets))
+    ref = masked_reference_logits(eng, eng.encode_prompt(PROMPT, False), res.token_ids, probe.sets[rid])
+    torch.testing.assert_close(torch.stack(probe.logits[rid]), ref, rtol=1e-4, atol=1e-4)
+    assert ref.argmax(-1).tolist() == res.token_ids and res.stats["ams_events"] > 0
+
+
+def test_16_batch_independence(ams):
+    eng = ams()
+    with Probe(eng, record_sets=True) as p1:
+        alone = eng.generate(PROMPT, SP)[0]
+    with Probe(eng, record_sets=True) as p2:
+        batch = eng.generate([OTHER, PROMPT], [SamplingParams(max_tokens=37, ignore_eos=True, chat=False), SP])
+    assert batch[1].token_ids == alone.token_ids
+    assert p2.sets[max(p2.sets)] == next(iter(p1.sets.values()))
+
+
+def test_22_large_t_keep_equals_full(ams, engine_factory, load_engine, tiny_ckpt):
+    ref = load_engine(engine_factory(tiny_ckpt, "full")).generate(PROMPT, SP)[0]
+    res = ams(budget=4096).generate(PROMPT, SP)[0]
+    assert res.token_ids == ref.token_ids and res.stats["ams_events"] == 0 and res.stats["ams_noop_events"] > 0
+
+
+@pytest.mark.parametrize("budget", [16, 40])
+def test_23_peak_is_max_prompt_tkeep_plus_interval(ams, budget):
+    res = ams(budget=budget).generate(PROMPT, SP)[0]
+    P = res.stats["prompt_tokens"]
+    assert res.stats["peak_live_tokens"] == max(P, budget) + BASE["interval"]
+
+
+# --- 17-20: scorers -----------------------------------------------------------------------------------
+def test_17_tova_scorer():
+    row = torch.softmax(torch.randn(6, 30), -1)
+    g = tova_scores(row, 3)
+    want = row.mean(0)
+    assert torch.allclose(g[:, :-1], want[None, :-1].expand(3, -1))
+    assert (g[:, -1] == want[:-1].max()).all() and (g[0] == g[1]).all()
+
+
+def test_18_expected_attention_zero_cov_one_future():
+    torch.manual_seed(0)
+    D, H, T, p0 = 8, 2, 12, 37
+    inv_freq = inverse_frequencies(D, 10000.0, None)[0]
+    mu = torch.randn(H, D)
+    q_pre = mu[None].expand(5, -1, -1).clone()  # identical queries: Σ = 0
+    keys, values = torch.randn(T, H, D), torch.randn(T, H, D)
+    values = values / values.norm(dim=-1, keepdim=True)  # ‖v‖ = 1
+    g = expected_attention_scores(q_pre, inv_freq, p0, 1, keys, values, epsilon=0.0, sink_slots=0)
+    emb = torch.cat([p0 * inv_freq, p0 * inv_freq])
+    q_rot = apply_rotary(mu[None], emb.cos()[None], emb.sin()[None])[0]  # R(p0) μ
+    want = torch.softmax(torch.einsum("hd,thd->ht", q_rot, keys) / math.sqrt(D), -1)
+    torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
+
+
+def test_18_expected_attention_covariance_term_monte_carlo():
+    torch.manual_seed(1)
+    D = 8
+    mu = torch.randn(1, D) * 0.5
+    A = torch.randn(D, D) * 0.3
+    cov = (A @ A.T)[None]
+    k = torch.randn(3, 1, D)
+    z = ea_log_expectation(mu.double(), cov.double(), k.double())[0]
+    q = torch.distributions.MultivariateNormal(mu[0].double(), cov[0].double()).sample((100000,))
+    mc = torch.exp(q @ k[:, 0].double().T / math.sqrt(D)).mean(0)
+    assert ((mc - z.exp()).abs() / z.exp() < 0.02).all()
+
+
+def test_18_rope_average_and_unrotate():
+    inv_freq = inverse_frequencies(16, 10000.0, None)[0]
+    q = torch.randn(5, 3, 16)
+    pos = torch.arange(10, 15)
+    emb = torch.cat([pos[:, None] * inv_freq, pos[:, None] * inv_freq], -1).float()
+    rotated = apply_rotary(q, emb.cos(), emb.sin())
+    torch.testing.assert_close(unrotate(rotated, pos, inv_freq), q, rtol=1e-5, atol=1e-5)
+    c, s = rope_average(inv_freq, 7, 1)
+    torch.testing.assert_close(c, torch.cat([7 * inv_freq, 7 * inv_freq]).cos())
+
+
+def test_19_keydiff():
+    e1, e2 = torch.eye(4)[0], torch.eye(4)[1]
+    keys = torch.stack([e1, e2, e1 - e2, e2 - e1, e1 + e2])[:, None, :]  # [T, 1, D]; anchor ∝ e1 + e2
+    g = keydiff_scores(keys)[0]
+    assert abs(float(g[4]) + 1) < 1e-6 and abs(float(g[2])) < 1e-6 and abs(float(g[3])) < 1e-6
+
+
+def test_20_rkv_redundancy_rule():
+    torch.manual_seed(2)
+    keys = torch.randn(1, 10, 16)
+    keys[0, 7] = keys[0, 3] * 2.0  # a duplicate pair (cosine 1)
+    red = cosine_redundancy(keys, 0.5, None)
+
+    kn = torch.nn.functional.normalize(keys[0], dim=-1)  # brute force of spec §2.10
+    S = kn @ kn.T
+    S.fill_diagonal_(0)
+    for i in range(10):
+        js = [j for j in range(10) if S[i, j] > 0.5]
+        if js:
+            S[i, max(js)] = 0
+    torch.testing.assert_close(red[0], torch.softmax(S.mean(1), 0))
+    assert S[3, 7] == 0 and S[7, 3] == 0
+
+
+def test_20_rkv_protected_slots_score_highest():
+    torch.manual_seed(3)
+    T, Hq, H = 40, 4, 2
+    rows = torch.softmax(torch.randn(8, Hq, T), -1)
+    g = rkv_scores(rows, torch.randn(T, H, 16), H)
+    protected = list(range(4)) + list(range(T - 8, T))
+    rest = [j for j in range(T) if j not in protected]
+    assert g[:, protected].min() > g[:, rest].max()
+
+
+def test_window_rows_causal_mask():
+    q = torch.randn(3, 4, 8)
+    k = torch.randn(10, 2, 8)
+    pos = np.arange(10)
+    rows = window_rows(q, np.array([7, 8, 9]), k, pos, 1 / math.sqrt(8))
+    assert (rows[0, :, 8:] == 0).all() and (rows[1, :, 9:] == 0).all()
+    torch.testing.assert_close(rows.sum(-1), torch.ones(3, 4))
+
+
+def test_reserve_select_matches_quotas():
+    rng = np.random.default_rng(7)
+    T, T_keep, mu, g = rand_case(rng, 300, 90)
+    segs = segment(mu / mu.sum(), 0.1, 8, 64)
+    must = must_keep(T, T_keep, 4, 16)
+    q = allocate(segs, mu / mu.sum(), T_keep, must, 2)
+    keep = select(segs, q, must, g, T_keep)
+    assert len(keep) == T_keep

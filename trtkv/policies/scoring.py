@@ -1,0 +1,237 @@
+"""Scoring helpers shared by the eviction policies: per-position tables, head reductions, 1-D pooling,
+cosine redundancy (R-KV), and "evict the lowest-scored tokens of one layer" with deterministic ties.
+
+Policies speak in absolute token positions; these helpers never touch pages. Everything a policy keeps per
+request lives in ``req.state`` so that ``on_request_finish`` frees it with one ``clear()``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+# --- per-position tables ----------------------------------------------------------------------
+class PositionTable:
+    """Dense values indexed by absolute token position, per layer: a ``[L, *inner, cap]`` tensor that grows
+    on demand. ``init`` (optional) fills newly grown columns from their positions (e.g. creation steps)."""
+
+    def __init__(self, num_layers: int, inner: tuple[int, ...] = (), fill: float = 0.0,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", init=None):
+        self.num_layers, self.inner, self.fill, self.dtype, self.init = num_layers, inner, fill, dtype, init
+        self.data = torch.full((num_layers, *inner, 0), fill, dtype=dtype, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def ensure(self, max_pos: int) -> None:
+        cap = self.data.shape[-1]
+        if max_pos < cap:
+            return
+        new_cap = max(64, 2 * cap, max_pos + 1)
+        grown = torch.full((self.num_layers, *self.inner, new_cap), self.fill, dtype=self.dtype, device=self.device)
+        grown[..., :cap] = self.data
+        if self.init is not None:
+            pos = torch.arange(cap, new_cap, device=self.device)
+            grown[..., cap:] = self.init(pos).to(self.dtype)
+        self.data = grown
+
+    def index(self, positions) -> torch.Tensor:
+        idx = torch.as_tensor(np.asarray(positions, dtype=np.int64), device=self.device)
+        if idx.numel():
+            self.ensure(int(idx.max()))
+        return idx
+
+    def get(self, layer: int, positions) -> torch.Tensor:
+        idx = self.index(positions)
+        return self.data[layer][..., idx]
+
+    def add(self, layer: int, positions, values: torch.Tensor) -> None:
+        idx = self.index(positions)
+        self.data[layer][..., idx] += values.to(self.device, self.dtype)
+
+    def set(self, layer: int, positions, values) -> None:
+        idx = self.index(positions)
+        if isinstance(values, torch.Tensor):
+            values = values.to(self.device, self.dtype)
+        self.data[layer][..., idx] = values
+
+
+# --- attention reductions ---------------------------------------------------------------------
+def group_mean(w: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[..., Hq, n]`` query-head rows -> ``[..., H, n]`` averaged over each KV head's query group."""
+    *lead, hq, n = w.shape
+    return w.reshape(*lead, num_kv_heads, hq // num_kv_heads, n).mean(-2)
+
+
+def head_reduce(w: torch.Tensor, how: str = "mean") -> torch.Tensor:
+    """``[Hq, n]`` -> ``[n]``: mean (or max) over all query heads of a layer."""
+    return w.amax(0) if how == "max" else w.mean(0)
+
+
+def pool1d(x: torch.Tensor, kernel: int, mode: str = "avg") -> torch.Tensor:
+    """Stride-1 pooling along the last dim, same length. ``avg``: zero padding, always divides by ``kernel``
+    (SnapKV/AMS); ``max``: -inf padding (R-KV). Even kernels are padded on the right by one extra."""
+    if kernel <= 1 or x.shape[-1] == 0:
+        return x
+    lead = x.shape[:-1]
+    y = x.reshape(-1, 1, x.shape[-1]).float()
+    left, right = (kernel - 1) // 2, kernel // 2
+    if mode == "max":
+        y = F.pad(y, (left, right), value=-math.inf)
+        y = F.max_pool1d(y, kernel, stride=1)
+    else:
+        y = F.pad(y, (left, right), value=0.0)
+        y = F.avg_pool1d(y, kernel, stride=1)
+    return y.reshape(*lead, x.shape[-1]).to(x.dtype)
+
+
+def normalize_mass(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """``N(x) = (relu(x) + eps) / sum(relu(x) + eps)`` along the last dim (AMS Eq. 1)."""
+    y = x.clamp_min(0) + eps
+    return y / y.sum(-1, keepdim=True)
+
+
+# --- redundancy (R-KV) ------------------------------------------------------------------------
+def cosine_redundancy(keys: torch.Tensor, threshold: float = 0.5, retain_ratio: float | None = None) -> torch.Tensor:
+    """R-KV redundancy of keys ``[H, n, D]`` -> ``[H, n]`` (higher = more redundant).
+
+    Cosine-similarity matrix with a zero diagonal; in each row, the most recent near-duplicates (similarity
+    above ``threshold``) are exempted — one of them (``retain_ratio=None``, the KVPress rule) or
+    ``max(1, floor(retain_ratio * count))`` of them (the R-KV release) — so the latest copy of a repeated
+    pattern stays; then the row mean, softmax-normalised over tokens.
+    """
+    H, n, _ = keys.shape
+    if n == 0:
+        return keys.new_zeros(H, 0)
+    kn = F.normalize(keys.float(), dim=-1)
+    S = kn @ kn.transpose(-1, -2)
+    S.diagonal(dim1=-2, dim2=-1).zero_()
+    near = S > threshold
+    count = near.sum(-1, keepdim=True)
+    if retain_ratio is None:
+        r = torch.ones_like(count)
+    else:
+        r = torch.clamp((count.float() * retain_ratio).floor().long(), min=1)
+    from_right = near.flip(-1).cumsum(-1).flip(-1)  # near-duplicates at this column or later
+    exempt = near & (from_right <= r)
+    S = S.masked_fill(exempt, 0.0)
+    return torch.softmax(S.mean(-1), dim=-1)
+
+
+def rkv_z(importance: torch.Tensor, keys: torch.Tensor, mix_lambda: float, kernel: int, threshold: float,
+          retain_ratio: float | None) -> torch.Tensor:
+    """R-KV's score ``λ·maxpool(I) − (1−λ)·R`` per KV head: importance ``[H, n]``, keys ``[H, n, D]``."""
+    imp = pool1d(importance.float(), kernel, "max")
+    red = cosine_redundancy(keys, threshold, retain_ratio).to(imp.device)
+    return mix_lambda * imp - (1.0 - mix_lambda) * red
+
+
+def kv_all(req, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized ``k, v [m, H, D]`` fp32 of positions held in pages *or* in the residual buffer."""
+    positions = np.asarray(positions, dtype=np.int64)
+    buf = req.buffered_positions(layer)
+    if not buf:
+        return req.kv(layer, positions)
+    in_buf = np.isin(positions, buf)
+    k, v = req.kv(layer, positions[~in_buf])
+    seq = req.seq
+    slot = {p: i for i, p in enumerate(seq.buf_pos[layer])}
+    bi = torch.tensor([slot[int(p)] for p in positions[in_buf]], dtype=torch.long, device=seq.buf_k.device)
+    out_k = torch.empty(len(positions), *k.shape[1:], dtype=torch.float32, device=k.device)
+    out_v = torch.empty_like(out_k)
+    m = torch.from_numpy(in_buf).to(k.device)
+    out_k[~m], out_v[~m] = k, v
+    out_k[m] = seq.buf_k[layer, bi].float().to(k.device)
+    out_v[m] = seq.buf_v[layer, bi].float().to(k.device)
+    return out_k, out_v
+
+
+# --- selection --------------------------------------------------------------------------------
+def lowest(positions: np.ndarray, scores, k: int) -> np.ndarray:
+    """The ``k`` positions with the lowest score; ties: the older position first (deterministic)."""
+    if k <= 0 or len(positions) == 0:
+        return positions[:0]
+    s = scores.detach().float().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores, float)
+    order = np.lexsort((positions, s))
+    return positions[order[:k]]
+
+
+def top_keep(positions: np.ndarray, scores, k: int) -> np.ndarray:
+    """The ``k`` positions with the highest score; ties: the more recent position first."""
+    if k <= 0 or len(positions) == 0:
+        return positions[:0]
+    s = scores.detach().float().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores, float)
+    order = np.lexsort((-positions, -s))
+    return np.sort(positions[order[:k]])
+
+
+def all_positions(req, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(paged positions ascending, buffered positions) of one layer. Buffered tokens (the full-precision
+    residual group of quantized formats) are attended and counted but cannot be evicted."""
+    return req.live_positions(layer), np.asarray(req.buffered_positions(layer), dtype=np.int64)
+
+
+def evict_lowest(req, layer: int, target: int, scores_of, protect: Sequence[int] | np.ndarray = ()) -> int:
+    """Evict the lowest-scored paged tokens of ``layer`` until it holds at most ``target`` tokens.
+
+    ``scores_of(positions) -> [n]`` scores candidate positions; ``protect`` positions are evicted only if
+    the candidates run out (lowest score first then too). Buffered tokens are never evicted. Returns the
+    number of tokens evicted."""
+    excess = req.num_live(layer) - target
+    if excess <= 0:
+        return 0
+    paged = req.live_positions(layer)
+    prot = np.isin(paged, np.asarray(protect, dtype=np.int64))
+    cand = paged[~prot]
+    chosen = lowest(cand, scores_of(cand), min(excess, len(cand))) if len(cand) else cand
+    if len(chosen) < excess:
+        rest = paged[prot]
+        chosen = np.concatenate([chosen, lowest(rest, scores_of(rest), excess - len(chosen))])
+    return req.evict(layer, chosen)
+
+
+def recent_positions(req, layer: int, n: int) -> np.ndarray:
+    """The ``n`` most recent positions held (paged and buffered) by one layer."""
+    paged, buf = all_positions(req, layer)
+    allp = np.concatenate([paged, buf]) if len(buf) else paged
+    if n <= 0:
+        return allp[:0]
+    return np.sort(allp)[-n:]
+
+
+def lookup(positions: np.ndarray, values, default: float = 0.0):
+    """``f(query_positions) -> np.ndarray`` reading ``values [n]`` (given at ``positions [n]``, any order);
+    positions not given read ``default``."""
+    vals = values.detach().float().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values, float)
+    order = np.argsort(positions, kind="stable")
+    sp, sv = np.asarray(positions)[order], vals[order]
+
+    def f(query) -> np.ndarray:
+        query = np.asarray(query, dtype=np.int64)
+        if len(sp) == 0:
+            return np.full(len(query), default)
+        i = np.clip(np.searchsorted(sp, query), 0, len(sp) - 1)
+        return np.where(sp[i] == query, sv[i], default)
+
+    return f
+
+
+def rows_by_position(stats_layer, num_kv_heads: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Decode ``LayerStats`` -> (positions [n], group-mean attention rows [H, n])."""
+    return stats_layer.positions, group_mean(stats_layer.weights, num_kv_heads)
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def check_positive(**kwargs) -> None:
+    for k, v in kwargs.items():
+        if v is None or v < 1:
+            raise ValueError(f"{k} must be a positive integer; got {v!r}")
