@@ -93,10 +93,12 @@ class BlockScaledFormat(KVFormat):
         return slot, group
 
     def decode(self, slot, group, scales: LayerScales):
-        kc = self.element_decode(unpack(slot["k"], self.code_bits))
-        vc = self.element_decode(unpack(slot["v"], self.code_bits))
-        k = (kc * e4m3_decode(group["k_scale"])) * self._glob(scales.k, kc)
-        v = (vc * per_channel(e4m3_decode(slot["v_scale"]))) * self._glob(scales.v, vc)
+        from .lut import decode_packed, e4m3_lookup
+
+        kc = decode_packed(slot["k"], self.element_decode, self.code_bits)
+        vc = decode_packed(slot["v"], self.element_decode, self.code_bits)
+        k = (kc * e4m3_lookup(group["k_scale"])) * self._glob(scales.k, kc)
+        v = (vc * per_channel(e4m3_lookup(slot["v_scale"]))) * self._glob(scales.v, vc)
         if self.key_offset:
             k = k + group["k_offset"].float()
         return k, v

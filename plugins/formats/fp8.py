@@ -28,7 +28,9 @@ class FP8Format(KVFormat):
         return {"k": e4m3_encode(k.float() / _t(scales.k, k)), "v": e4m3_encode(v.float() / _t(scales.v, v))}, {}
 
     def decode(self, slot, group, scales: LayerScales):
-        k, v = e4m3_decode(slot["k"]), e4m3_decode(slot["v"])
+        from .lut import e4m3_lookup
+
+        k, v = e4m3_lookup(slot["k"]), e4m3_lookup(slot["v"])
         return k * _t(scales.k, k), v * _t(scales.v, v)
 
     def saturated(self, k, v, scales: LayerScales) -> tuple[torch.Tensor, torch.Tensor]:

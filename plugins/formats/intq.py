@@ -67,7 +67,10 @@ class IntFormat(KVFormat):
         return slot, {"k_scale": k_scale, "k_zero": k_zero}
 
     def decode(self, slot, group, scales: LayerScales):
-        kc, vc = unpack(slot["k"], self.bits).float(), unpack(slot["v"], self.bits).float()
+        from .lut import decode_packed, identity_codes
+
+        kc = decode_packed(slot["k"], identity_codes, self.bits)
+        vc = decode_packed(slot["v"], identity_codes, self.bits)
         k = kc * group["k_scale"].float() + group["k_zero"].float()
         v = vc * per_channel(slot["v_scale"].float()) + per_channel(slot["v_zero"].float())
         return k, v

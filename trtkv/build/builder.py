@@ -42,7 +42,9 @@ def default_dtype(device: str) -> str:
 
 def build_engine(model: str, policy: str, out: Path, budget: int | None = None, settings: dict[str, str] | None = None,
                  dtype: str | None = None, synthetic: bool = False, calibration: dict | None = None,
-                 device: str = "cpu", force: bool = True, seed: int = 0, quiet: bool = False) -> Path:
+                 device: str = "cpu", force: bool = True, seed: int = 0, quiet: bool = False,
+                 calibration_file: str | Path | None = None, calib_prompts: int | None = None,
+                 calib_max_tokens: int | None = None) -> Path:
     spec = resolve_model(model)
     pol_params, cache = split_settings(policy, settings or {})
     if budget is not None:
@@ -100,6 +102,9 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
 
         arch = ModelArch.from_hf_config(arch_cfg)
         calibration = dict(calibration or {})
+        if hasattr(pol, "load_calibration") and not calibration:
+            calibration = _thought_calibration(model, pol, synthetic, calibration_file, calib_prompts,
+                                               calib_max_tokens, device, arch, quiet)
         if not synthetic and "kv_amax" not in calibration and _quantizes(pol):
             from trtkv.build.kv_scales import collect_kv_amax
             from trtkv.models.loader import build_model
@@ -131,6 +136,31 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _thought_calibration(model, pol, synthetic, calibration_file, calib_prompts, calib_max_tokens, device, arch,
+                         quiet) -> dict:
+    """ThinKV's layers and thresholds: a given file, the calibration shipped for the alias, or a fresh run."""
+    import sys
+
+    from trtkv.build.calibration import calibrate_for_build, load_calibration, summary_lines
+
+    def log(msg: str) -> None:
+        if not quiet or "WARNING" in msg or msg.startswith("!"):
+            print(msg, file=sys.stderr, flush=True)
+
+    if calibration_file is not None:
+        art = load_calibration(calibration_file, arch.num_hidden_layers)
+        for line in summary_lines(art):
+            log(line)
+        return art
+    if pol.thought_schedule:
+        return {}  # labels are replayed; no thresholds needed
+    if synthetic:
+        raise TrtkvError("ThinKV on synthetic weights has no real attention patterns: pass a thought schedule "
+                         "(--set thought_schedule=RRETRR...) or --calibration FILE from a real model")
+    return calibrate_for_build(model, device=device, n_prompts=calib_prompts, max_tokens=calib_max_tokens,
+                               num_model_layers=arch.num_hidden_layers, log=log)
 
 
 def _quantizes(policy) -> bool:

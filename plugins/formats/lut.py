@@ -1,0 +1,42 @@
+"""Lookup-table decoding for the torch references: one gather per byte instead of per-element arithmetic.
+
+Tables are built from the formats' own elementwise decoders, so values are identical; they exist
+only because CPU decode of every page at every step is dominated by op count.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from .packing import unpack
+
+
+@functools.cache
+def _byte_table(decode: Callable[[torch.Tensor], torch.Tensor], bits: int, device: str) -> torch.Tensor:
+    """``[256, 8/bits]`` fp32: the decoded elements packed in each byte value."""
+    codes = unpack(torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None], bits)  # [256, per]
+    return decode(codes).float().to(device)
+
+
+def decode_packed(packed: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor], bits: int) -> torch.Tensor:
+    """``[..., n]`` uint8 -> ``[..., n * 8/bits]`` fp32 decoded elements."""
+    table = _byte_table(decode, bits, str(packed.device))
+    return table[packed.long()].reshape(*packed.shape[:-1], -1)
+
+
+@functools.cache
+def _e4m3_table(device: str) -> torch.Tensor:
+    from .e4m3 import e4m3_decode
+
+    return e4m3_decode(torch.arange(256, dtype=torch.int32).to(torch.uint8)).to(device)
+
+
+def e4m3_lookup(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E4M3 bit patterns, by table."""
+    return _e4m3_table(str(bits.device))[bits.long()]
+
+
+def identity_codes(codes: torch.Tensor) -> torch.Tensor:
+    return codes.float()
