@@ -1,0 +1,173 @@
+"""The paged cache under random write / evict / reuse / free sequences (hypothesis).
+
+Invariants after every operation: no two live tokens share a slot; validity bits, live counts and the
+position map agree; no page is both free and held, or held twice; key-scale arena refcounts equal the
+live slots pointing at them; the running byte counter equals a recount; freeing everything leaks
+nothing. Plus: reuse-before-allocate, attention over quantized pages equals dense attention over the
+dequantized live tokens, and compaction changes no attention output.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import plugins  # noqa: F401
+from trtkv.cache.manager import CacheConfig, KVCacheManager
+from trtkv.runtime.attention import decode_attention
+
+H, D, L = 2, 16, 2
+CLASSES = [("fp32", 0), ("fp32", 1), ("nvfp4", 2), ("int2", 0)]
+
+
+def make_cache(eviction="inplace", block=4, g=4):
+    return KVCacheManager(CacheConfig(num_layers=L, num_kv_heads=H, head_dim=D, block_size=block, residual_group=g,
+                                      residual_dtype=torch.float32, eviction=eviction, initial_pages=2))
+
+
+def check_invariants(cache: KVCacheManager) -> None:
+    for layer in range(L):
+        held: dict[tuple[str, int], int] = {}
+        for seq in cache.seqs.values():
+            table = seq.layers[layer]
+            for (fmt, _), pages in table.pages.items():
+                for p in pages:
+                    assert (fmt, p) not in held, "page held twice"
+                    held[(fmt, p)] = seq.seq_id
+            slots = {}
+            for pos, (fmt, p, s) in table.loc.items():
+                assert (fmt, p, s) not in slots, "two live tokens share a slot"
+                slots[(fmt, p, s)] = pos
+                assert held.get((fmt, p)) == seq.seq_id, "live token on a page its request does not hold"
+        for fmt, pool in cache.pools[layer].items():
+            free = set(pool.free)
+            refs = np.zeros_like(pool.group_ref)
+            for p in range(pool.capacity):
+                bits = int(pool.valid[p])
+                assert bin(bits).count("1") == pool.live[p]
+                if (fmt, p) in held:
+                    assert p not in free, "page both free and held"
+                else:
+                    assert p in free and bits == 0, "page leaked"
+                for s in range(pool.B):
+                    if bits >> s & 1 and pool.group_specs:
+                        refs[int(pool.k_group[p, s])] += 1
+            assert pool.in_use == sum(1 for f, _ in held if f == fmt)
+            if pool.group_specs:
+                assert np.array_equal(refs, pool.group_ref), "arena refcounts disagree with live slots"
+    for seq in cache.seqs.values():
+        assert cache.seq_bytes(seq) == cache.recount_bytes(seq), "byte accounting drifted"
+
+
+op = st.one_of(
+    st.tuples(st.just("add")),
+    st.tuples(st.just("write"), st.integers(0, 3), st.integers(0, 3), st.integers(1, 4)),
+    st.tuples(st.just("evict"), st.integers(0, 3), st.integers(0, 1), st.lists(st.integers(0, 200), max_size=8)),
+    st.tuples(st.just("free"), st.integers(0, 3)),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=40), eviction=st.sampled_from(["inplace", "compact"]))
+def test_random_write_evict_reuse(ops, eviction):
+    cache = make_cache(eviction)
+    next_pos: dict[int, int] = {}
+    gen = torch.Generator().manual_seed(0)
+    for o in ops:
+        ids = sorted(cache.seqs)
+        if o[0] == "add" or not ids:
+            sid = len(next_pos)
+            cache.add_sequence(sid)
+            next_pos[sid] = 0
+        elif o[0] == "write":
+            seq = cache.seqs[ids[o[1] % len(ids)]]
+            cls = CLASSES[o[2]]
+            n = o[3]
+            pos = list(range(next_pos[seq.seq_id], next_pos[seq.seq_id] + n))
+            next_pos[seq.seq_id] += n
+            for layer in range(L):
+                k = torch.randn(n, H, D, generator=gen)
+                cache.write(seq, layer, k, torch.randn(n, H, D, generator=gen), pos, cls)
+        elif o[0] == "evict":
+            seq = cache.seqs[ids[o[1] % len(ids)]]
+            cache.evict(seq, o[2], [p % max(1, next_pos[seq.seq_id]) for p in o[3]])
+        else:
+            cache.free_sequence(ids[o[1] % len(ids)])
+        check_invariants(cache)
+    for sid in list(cache.seqs):
+        cache.free_sequence(sid)
+    assert cache.pages_in_use() == 0
+    for pools in cache.pools:
+        for pool in pools.values():
+            assert len(pool.group_free) == len(pool.group_ref)
+
+
+def test_reuse_before_allocate():
+    """§9.15: with n freed slots of class c, writing n class-c tokens takes no new page; another class
+    never lands in them."""
+    cache = make_cache(block=4)
+    seq = cache.add_sequence(0)
+    for start in range(0, 12, 4):
+        cache.write(seq, 0, torch.randn(4, H, D), torch.randn(4, H, D), list(range(start, start + 4)), ("fp32", 0))
+    cache.evict(seq, 0, [1, 2, 5])
+    before = cache.pools[0]["fp32"].in_use
+    cache.write(seq, 0, torch.randn(1, H, D), torch.randn(1, H, D), [100], ("fp32", 1))  # other class: new page
+    assert cache.pools[0]["fp32"].in_use == before + 1
+    cache.write(seq, 0, torch.randn(3, H, D), torch.randn(3, H, D), [12, 13, 14], ("fp32", 0))
+    assert cache.pools[0]["fp32"].in_use == before + 1
+    assert {seq.layers[0].loc[p][1:] for p in (12, 13, 14)} <= {seq.layers[0].loc[p][1:] for p in (12, 13, 14)}
+    assert all(seq.layers[0].loc[p][1] != seq.layers[0].loc[100][1] for p in (12, 13, 14))
+
+
+def dense_attention(q, k, v, sm_scale):
+    b, Hq, _ = q.shape
+    G = Hq // H
+    out = []
+    for i in range(b):
+        kk = k[i].repeat_interleave(G, 1).transpose(0, 1)  # [Hq, n, D]
+        vv = v[i].repeat_interleave(G, 1).transpose(0, 1)
+        w = torch.softmax((q[i][:, None, :] @ kk.transpose(1, 2)).squeeze(1) * sm_scale, -1)
+        out.append((w[:, None, :] @ vv).squeeze(1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp8", "nvfp4", "ternary", "int4", "int2", "nvfp4o"])
+@pytest.mark.parametrize("eviction", ["inplace", "compact"])
+def test_attention_equals_dense_over_dequantized_live_tokens(fmt, eviction):
+    torch.manual_seed(1)
+    cache = make_cache(eviction, block=8, g=16)
+    seqs = [cache.add_sequence(i) for i in range(2)]
+    for seq, n in zip(seqs, (40, 23)):
+        for start in range(0, n, 16):
+            pos = list(range(start, min(n, start + 16)))
+            cache.write(seq, 0, torch.randn(len(pos), H, D) * 3, torch.randn(len(pos), H, D), pos, (fmt, 0))
+    cache.evict(seqs[0], 0, [0, 5, 6, 7, 17, 30, 31])
+    cache.evict(seqs[1], 0, list(range(8, 16)))
+    q = torch.randn(2, 4, D)
+    out, _ = decode_attention(cache, 0, seqs, q, 1 / math.sqrt(D), [False, False], [False, False])
+    ks, vs = zip(*[cache.gather_kv(s, 0, cache.live_positions(s, 0)) for s in seqs])
+    ref = torch.stack([dense_attention(q[i:i + 1], ks[i][None], vs[i][None], 1 / math.sqrt(D))[0] for i in range(2)])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_evicted_slots_contribute_nothing():
+    torch.manual_seed(2)
+    cache = make_cache(block=8, g=16)
+    seq = cache.add_sequence(0)
+    cache.write(seq, 0, torch.randn(16, H, D), torch.randn(16, H, D), list(range(16)), ("nvfp4", 0))
+    cache.evict(seq, 0, [3, 4, 9])
+    q = torch.randn(1, 4, D)
+    a, _ = decode_attention(cache, 0, [seq], q, 0.25, [False], [False])
+    pool = cache.pools[0]["nvfp4"]
+    garbage = torch.Generator().manual_seed(3)
+    for t in pool.fields:  # scribble over every dead slot's codes and value scales
+        for p in range(pool.capacity):
+            for s in range(pool.B):
+                if not int(pool.valid[p]) >> s & 1:
+                    t[p, s] = torch.randint(0, 255, t[p, s].shape, dtype=torch.uint8, generator=garbage)
+    b, _ = decode_attention(cache, 0, [seq], q, 0.25, [False], [False])
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
