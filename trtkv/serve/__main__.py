@@ -50,13 +50,17 @@ def serve(engine, host, http_port, grpc_port, metrics_port, trtkv_metrics_port, 
 
 @main.command()
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
-@click.argument("repo", type=click.Path(file_okay=False))
+@click.argument("repo", type=click.Path(file_okay=False), required=False)
+@click.option("--out", "out", type=click.Path(file_okay=False), default=None, help="Model repository to write.")
 @click.option("--model-name", default="trtkv", show_default=True)
-def deploy(engine, repo, model_name):
-    """Write a Triton model repository REPO serving ENGINE."""
+def deploy(engine, repo, out, model_name):
+    """Write a Triton model repository (--out REPO) serving ENGINE."""
     from trtkv.serve.deploy import deploy as write
 
-    click.echo(f"model written to {write(engine, repo, model_name)}")
+    target = out or repo
+    if not target:
+        raise click.UsageError("give the repository to write with --out REPO")
+    click.echo(f"model written to {write(engine, target, model_name)}")
 
 
 @main.command()
