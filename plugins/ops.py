@@ -4,6 +4,11 @@ Registered through ``torch.library.Library`` (the C++ dispatcher calls straight 
 kernel): ``torch.library.custom_op``'s Python wrapper costs ~0.5 ms per call with mutable list
 arguments, which at 30 layers per decoded token would dominate CPU decode. Each op dispatches to its
 Triton kernel when ``plugins.backend.use_triton`` says so, else to the torch reference beside it.
+
+The eager runtime calls the Python entry points below (``plugins.ops.kv_write`` ...) directly: they
+are exactly the kernels registered behind ``torch.ops.trtkv.*``, minus the dispatcher's boxing of the
+``Tensor[]`` arguments (~50-80 us per call on CPU). ``torch.ops.trtkv.*`` is the interface for
+users, tests, ``torch.compile`` and export.
 """
 from __future__ import annotations
 

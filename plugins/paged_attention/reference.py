@@ -102,20 +102,16 @@ def paged_attention_ref(
 
 def _attend_fused_cpu(q, k, v, live, sm_scale):
     """Same math through aten's fused CPU attention, which also returns the log-sum-exp. GQA without
-    copying K/V: the G query heads of a group ride in the (non-causal) query-length dimension."""
+    copying K/V: the G query heads of a group ride in the (non-causal) query-length dimension. A row
+    with no live key comes back as output 0 with lse 0; its lse is set to -inf (merge_partials' contract)."""
     b, Hq, D = q.shape
     H = k.shape[2]
-    kh = k.permute(0, 2, 1, 3).contiguous()  # [b, H, n, D]
-    vh = v.permute(0, 2, 1, 3).contiguous()
-    mask = torch.zeros(live.shape, dtype=torch.float32).masked_fill_(~live, -math.inf)[:, None, None, :]
+    mask = torch.where(live, 0.0, -math.inf)[:, None, None, :]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.float().view(b, H, Hq // H, D), kh, vh, 0.0, False, attn_mask=mask, scale=sm_scale)
-    out, lse = out.reshape(b, Hq, D), lse.reshape(b, Hq)
-    dead = ~live.any(-1)
-    if dead.any():  # a row with no live key: 0 output, -inf lse (the contract merge_partials relies on)
-        out[dead] = 0.0
-        lse[dead] = -math.inf
-    return out, lse, q.new_empty(0, dtype=torch.float32)
+        q.float().view(b, H, Hq // H, D), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), 0.0, False,
+        attn_mask=mask, scale=sm_scale)
+    lse = torch.where(live.any(-1, keepdim=True), lse.reshape(b, Hq), -math.inf)
+    return out.reshape(b, Hq, D), lse, q.new_empty(0, dtype=torch.float32)
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from plugins.formats import KVFormat, LayerScales, get_format
+from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.pool import PagePool
 
 EVICTION_MODES = ("inplace", "compact")
@@ -204,7 +205,7 @@ class KVCacheManager:
         if gid >= 0:
             seq.add_bytes(pool.group_bytes)
         sc = self.layer_scales(layer, cls[0])
-        torch.ops.trtkv.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
+        plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
                                  torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
                                  gid, pool.fmt.code, sc.k, sc.v)
         self._record(seq, layer, pool, cls[0], pages, slots, positions, seg)
@@ -220,7 +221,7 @@ class KVCacheManager:
             pages = np.concatenate([a[0] for a in allocs])
             slots = np.concatenate([a[1] for a in allocs])
         sc = self.layer_scales(layer, cls[0])
-        torch.ops.trtkv.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
+        plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
                                  torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
                                  -1, pool.fmt.code, sc.k, sc.v)
         for i, s in enumerate(seqs):
@@ -363,6 +364,11 @@ class KVCacheManager:
     def block_tables(self, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""
         out = []
+        if len(seqs) == 1:  # no padding to do
+            for fmt, pages in seqs[0].layers[layer].pages_of_format().items():
+                pool = self.pools[layer][fmt]
+                out.append((pool, torch.tensor([pages], dtype=torch.int32, device=pool.device)))
+            return out
         per_seq = [s.layers[layer].pages_of_format() for s in seqs]
         for fmt, pool in self.pools[layer].items():
             rows = [d.get(fmt, ()) for d in per_seq]

@@ -121,10 +121,10 @@ class DecoderModel(nn.Module):
         norm, qkv_w, qkv_b, nq, nk = self._fused[layer][:5]
         T = x.shape[0]
         qkv = F.linear(norm(x), qkv_w, qkv_b)
-        q = qkv[:, :nq].view(T, arch.num_attention_heads, arch.head_dim)
-        k = qkv[:, nq:nq + nk].view(T, arch.num_key_value_heads, arch.head_dim)
+        Hq = arch.num_attention_heads
+        qk = apply_rotary(qkv[:, :nq + nk].view(T, Hq + arch.num_key_value_heads, arch.head_dim), cos, sin)
         v = qkv[:, nq + nk:].reshape(T, arch.num_key_value_heads, arch.head_dim)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return qk[:, :Hq], qk[:, Hq:], v
 
     def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj + MLP. ``attn [T, Hq, D]``."""

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from plugins.paged_attention.reference import merge_partials
+from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.manager import KVCacheManager, SeqKV
 from trtkv.policies.base import LayerStats
 
@@ -60,7 +61,7 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     any_stats = any(want_stats) or any(want_sparsity)
     for pool, bt in cache.block_tables(layer, seqs):
         sc = cache.layer_scales(layer, pool.fmt.name)
-        o, lse, lg = torch.ops.trtkv.paged_attention(q, pool.fields, pool.group_fields, pool.k_group,
+        o, lse, lg = plugin_ops.paged_attention(q, pool.fields, pool.group_fields, pool.k_group,
                                                      pool.valid_bits(), bt, pool.fmt.code, sm_scale, sc.k, sc.v,
                                                      any_stats)
         parts.append((o, lse))
