@@ -155,7 +155,8 @@ def test_evict_is_metadata_only(engine_factory, load_engine, tiny_ckpt):
 def test_16bit_large_budget_matches_full(engine_factory, load_engine):
     """With budget >= length and 16-bit storage for every type, output equals `full` with fp16 storage."""
     full = load_engine(engine_factory("smollm2-135m", "full", kv_format="fp16"))
-    thinkv = load_engine(engine_factory("smollm2-135m", "thinkv", budget=4096, precision="R16E16T16"))
+    thinkv = load_engine(engine_factory("smollm2-135m", "thinkv", budget=4096, precision="R16E16T16",
+                                        thought_schedule="RET"))  # replayed labels: no calibration run
     prompt = "Explain why the sky is blue, step by step."
     params = SamplingParams(max_tokens=160, ignore_eos=True)
     a = full.generate(prompt, params)[0]
