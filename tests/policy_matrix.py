@@ -19,7 +19,8 @@ import torch.nn.functional as F
 MATRIX: list[dict] = [
     {"name": "full", "params": [{}, {"kv_format": "fp16"}], "smol": {}},
     {"name": "streamingllm", "params": [{"budget": 48}, {"budget": 20}]},
-    {"name": "h2o", "params": [{"budget": 48}, {"budget": 24, "recent_ratio": 0.25, "evict_every": 4}]},
+    {"name": "h2o", "params": [{"budget": 48}, {"budget": 24, "recent_ratio": 0.25, "evict_every": 4,
+                                                      "prefill_queries": 8}]},
     {"name": "snapkv", "params": [{"budget": 48, "window_size": 8, "decode_every": 16},
                                   {"budget": 16, "window_size": 8}],
      "smol": {"budget": 64, "window_size": 16, "decode_every": 16}},
@@ -187,8 +188,9 @@ def masked_reference_logits(engine, prompt_ids: list[int], generated: list[int],
 
 
 def coherent(text: str) -> tuple[bool, str]:
-    """Basic coherence of generated English: mostly printable, mostly word-like tokens, not one token or
-    one short loop repeated. Returns (ok, reason)."""
+    """Basic coherence of generated English: mostly printable, mostly word-like tokens, no single word
+    dominating or repeated back to back. (A small model's sentence-level loops pass: SmolLM2-135M loops
+    even with the full cache.) Returns (ok, reason)."""
     if not text.strip():
         return False, "empty"
     printable = sum(ch.isprintable() or ch in "\n\t" for ch in text) / len(text)
@@ -198,8 +200,13 @@ def coherent(text: str) -> tuple[bool, str]:
     wordlike = sum(any(c.isalpha() for c in w) for w in words) / len(words)
     distinct = len(set(words)) / len(words)
     top_share = max(words.count(w) for w in set(words)) / len(words)
-    ok = printable > 0.97 and wordlike > 0.6 and distinct > 0.2 and top_share < 0.2
-    return ok, f"printable={printable:.2f} wordlike={wordlike:.2f} distinct={distinct:.2f} top={top_share:.2f}"
+    run, longest = 1, 1
+    for a, b in zip(words, words[1:]):
+        run = run + 1 if a == b else 1
+        longest = max(longest, run)
+    ok = printable > 0.97 and wordlike > 0.6 and distinct > 0.1 and top_share < 0.2 and longest <= 4
+    return ok, (f"printable={printable:.2f} wordlike={wordlike:.2f} distinct={distinct:.2f} top={top_share:.2f} "
+                f"longest_run={longest}")
 
 
 __all__ = ["one_thread", "MATRIX", "LEVELS", "cases", "smol_params", "evicts", "full_precision", "Probe",

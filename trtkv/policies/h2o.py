@@ -9,13 +9,15 @@ Parameters
     recent_ratio    share of the budget for the recent window (paper: 0.5, heavy:recent = 1:1)
     evict_every     evict every k decode steps instead of every step (LazyEviction's "windowed" baseline,
                     its Table 4); 1 = the paper. The cap still holds: each eviction makes room for k tokens.
+    prefill_queries prompt queries whose attention seeds the scores: 0 = all of them (the paper); w > 0 =
+                    only the last w, bounding the O(prompt^2) prefill statistics of very long prompts.
 
 Choices where the paper is not specific
     * trtkv's cache evicts per (layer, token), so H2O's per-head scores are summed over all query heads of a
       layer and one keep set is chosen per layer.
     * Scores are accumulated from the prompt's full attention matrix at prefill (so a prompt longer than the
       budget is cut to heavy hitters + recent at prefill, as the paper's generation setting does), which
-      costs O(prompt^2) memory per layer once.
+      costs O(prompt^2 * heads) memory per layer once (see ``prefill_queries``).
     * Eviction runs after the step's attention and makes room for the next token, so no step ever attends
       more than ``budget`` tokens (the paper momentarily holds budget+1). Ties evict the older token first.
 """
@@ -34,9 +36,12 @@ class H2OPolicy(KVPolicy):
     budget: int | None = 256
     recent_ratio: float = 0.5
     evict_every: int = 1
+    prefill_queries: int = 0
 
     def __post_init__(self) -> None:
         check_positive(budget=self.budget, evict_every=self.evict_every)
+        if self.prefill_queries < 0:
+            raise ValueError(f"prefill_queries must be >= 0 (0: all prompt queries); got {self.prefill_queries}")
         if not 0.0 <= self.recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio must be in [0, 1]; got {self.recent_ratio}")
         if self.recent + self.evict_every > self.budget:
@@ -52,7 +57,8 @@ class H2OPolicy(KVPolicy):
 
     def stats_request(self, req, phase: str) -> StatsRequest | None:
         if phase == "prefill":
-            return StatsRequest(weights=True, prefill_window=req.prompt_len)
+            w = req.prompt_len if self.prefill_queries == 0 else min(self.prefill_queries, req.prompt_len)
+            return StatsRequest(weights=True, prefill_window=w)
         return StatsRequest(weights=True)  # accumulation needs every step's attention
 
     def on_request_init(self, req) -> None:

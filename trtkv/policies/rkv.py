@@ -98,10 +98,10 @@ class RKVPolicy(KVPolicy):
     def on_request_init(self, req) -> None:
         req.state["events"] = 0
 
-    def _compress(self, req, layer: int, importance_of) -> None:
+    def _compress(self, req, layer: int, importance_of) -> bool:
         """Cut one layer to ``budget``: protect the window and the sinks, rank the rest by Z."""
         if req.num_live(layer) <= self.budget:
-            return
+            return False
         paged = req.live_positions(layer)
         buf = np.asarray(req.buffered_positions(layer), dtype=np.int64)
         pos = np.sort(np.concatenate([paged, buf]))
@@ -114,14 +114,15 @@ class RKVPolicy(KVPolicy):
                            self.sim_threshold, self.retain_ratio)
             keep = top_keep(hist, z, n_keep)
             req.evict(layer, hist[~np.isin(hist, keep)])
+        return True
 
     def on_prefill_end(self, req, stats) -> None:
         H = req.cache.cfg.num_kv_heads
+        acted = False
         for layer, ls in stats.layers.items():
             rows = group_mean(ls.weights, H).mean(0)  # [w, Hq, T] -> [H, T] (positions = 0..T-1)
-            self._compress(req, layer, lambda h, r=rows: r[:, torch.as_tensor(h, device=r.device)])
-        if stats.layers:
-            req.state["events"] += 1
+            acted |= self._compress(req, layer, lambda h, r=rows: r[:, torch.as_tensor(h, device=r.device)])
+        req.state["events"] += int(acted)
 
     def on_decode_step_end(self, req, stats) -> None:
         t = req.step
@@ -136,9 +137,10 @@ class RKVPolicy(KVPolicy):
         if t % self.buffer or acc is None:
             return
         n_rows = min(self.window_size, t)
+        acted = False
         for layer in range(req.num_layers):
-            self._compress(req, layer, lambda h, l=layer: acc.get(l, h) / n_rows)
-        req.state["events"] += 1
+            acted |= self._compress(req, layer, lambda h, l=layer: acc.get(l, h) / n_rows)
+        req.state["events"] += int(acted)
         req.state.pop("imp", None)
 
     def extra_stats(self, req) -> dict:
