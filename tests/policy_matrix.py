@@ -35,6 +35,15 @@ MATRIX: list[dict] = [
                                {"budget": 24, "interval": 8, "hs": 8, "window": 4, "l_min": 4, "l_max": 16,
                                 "scorer": "expected_attention"}],
      "smol": {"budget": 64, "interval": 16, "hs": 16, "window": 8}},
+    {"name": "thinkv", "params": [{"budget": 48, "tau": 16, "group": 16, "retention": "8,4", "thought_schedule": "RTER"},
+                                  {"budget": 24, "tau": 16, "group": 16, "retention": "4", "thought_schedule": "TRET",
+                                   "precision": "R8E4T2"}],
+     "smol": {"budget": 32, "tau": 32, "group": 16, "retention": "16,8,4", "thought_schedule": "RRTE"}},
+    {"name": "thinkv-tbq", "params": [{"thought_schedule": "RTE"}, {"precision": "R4oE4oT2o", "thought_schedule": "TTR"}],
+     "smol": {"thought_schedule": "RRTE"}},
+    {"name": "thinkv-tbe", "params": [{"budget": 48, "tau": 16, "group": 16, "retention": "8,4", "thought_schedule": "RTER"},
+                                      {"budget": 24, "tau": 16, "group": 16, "retention": "4", "thought_schedule": "T"}],
+     "smol": {"budget": 32, "tau": 32, "group": 16, "retention": "16,8,4", "thought_schedule": "RRTE"}},
 ]
 
 LEVELS = ("easy", "hard")
@@ -63,7 +72,9 @@ def evicts(name: str, params: dict) -> bool:
 def full_precision(name: str, params: dict) -> bool:
     from trtkv.policies import make_policy
 
-    return make_policy(name, params).kv_format in ("auto", "fp32")
+    pol = make_policy(name, params)
+    pol.resolve_formats("fp32")  # the tiny test model runs in fp32
+    return pol.formats() <= {"fp32"}
 
 
 @pytest.fixture(autouse=True, scope="module")

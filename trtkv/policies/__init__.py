@@ -9,6 +9,7 @@ from trtkv.errors import TrtkvError
 from trtkv.policies.base import KVPolicy, LayerStats, StatsRequest, StepStats
 from trtkv.policies.full import FullPolicy
 from trtkv.policies.streamingllm import StreamingLLMPolicy
+from trtkv.policies.thinkv import ThinKVPolicy, ThinKVTBEPolicy, ThinKVTBQPolicy
 
 POLICIES: dict[str, type[KVPolicy]] = {}
 
@@ -18,7 +19,7 @@ def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
     return cls
 
 
-for _cls in (FullPolicy, StreamingLLMPolicy):
+for _cls in (FullPolicy, StreamingLLMPolicy, ThinKVPolicy, ThinKVTBQPolicy, ThinKVTBEPolicy):
     register_policy(_cls)
 
 from trtkv.policies.ams import AMSPolicy  # noqa: E402
@@ -34,7 +35,7 @@ for _cls in (H2OPolicy, SnapKVPolicy, TOVAPolicy, RKVPolicy, KIVIPolicy, LazyEvi
 
 
 def policy_fields(cls: type[KVPolicy]) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
+    return {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
 
 
 def _coerce(cls: type[KVPolicy], key: str, value: Any) -> Any:
@@ -43,10 +44,13 @@ def _coerce(cls: type[KVPolicy], key: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     text = value.strip()
-    args = typing.get_args(t)
+    import types
+
+    is_union = typing.get_origin(t) in (typing.Union, types.UnionType)
+    args = typing.get_args(t) if is_union else ()
     if text.lower() in ("none", "null") and type(None) in args:
         return None
-    base = next((a for a in args if a is not type(None)), t) if args else t
+    base = next((a for a in args if a is not type(None)), t) if is_union else t
     try:
         if base is bool:
             if text.lower() in ("1", "true", "yes", "on"):
@@ -88,7 +92,7 @@ def describe_policies() -> list[dict[str, Any]]:
     out = []
     for name, cls in sorted(POLICIES.items()):
         params = {}
-        for f in dataclasses.fields(cls):
+        for f in policy_fields(cls).values():
             default = f.default if f.default is not dataclasses.MISSING else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             params[f.name] = default

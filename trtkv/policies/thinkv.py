@@ -113,6 +113,15 @@ class ThinKVPolicy(KVPolicy):
     def flush_prompt_tail(self) -> bool:
         return True  # decode groups then align with segments (spec §3.4)
 
+    def max_live_tokens(self, prompt_len: int, max_tokens: int) -> int:
+        """Soft bound (spec §5.8): the prompt, max(k, min retention x segments), the open segment and a
+        flush group; without TBE every token stays."""
+        if not self.tbe or self.budget is None:
+            return prompt_len + max_tokens
+        segments = -(-max_tokens // self.tau)
+        decode = max(self.budget, self.retention[-1] * segments) + self.tau + self.group
+        return prompt_len + min(max_tokens, decode)
+
     def load_calibration(self, calibration: dict | None) -> None:
         """Take L* and thresholds from the engine's calibration unless given explicitly."""
         if not calibration:
@@ -268,6 +277,9 @@ class ThinKVPolicy(KVPolicy):
         if flushed_now:
             seg.live += self.group
         st["ops"] = []
+
+    def on_request_finish(self, req) -> None:
+        req.state.clear()
 
     def extra_stats(self, req) -> dict[str, Any]:
         from plugins.formats import get_format
