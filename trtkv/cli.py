@@ -126,7 +126,14 @@ def policies_list(as_json: bool) -> None:
               help="Weight/compute dtype [fp32 on CPU, bf16 on GPU].")
 @click.option("--synthetic-weights", is_flag=True, help="Random weights of the registry shape (speed/memory work).")
 @click.option("--seed", type=int, default=0, help="Seed of synthetic weights.")
-def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed) -> None:
+@click.option("--calibration", "calibration_file", type=click.Path(path_type=Path), default=None,
+              help="ThinKV: reuse a calibration JSON (from `trtkv calibrate`).")
+@click.option("--calib-prompts", type=click.IntRange(min=1), default=None,
+              help="ThinKV: calibration prompts when calibrating at build time [16 on CPU, 100 on GPU].")
+@click.option("--calib-max-tokens", type=click.IntRange(min=8), default=None,
+              help="ThinKV: tokens generated per calibration prompt [192 on CPU, 2048 on GPU].")
+def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed, calibration_file, calib_prompts,
+          calib_max_tokens) -> None:
     """Build an engine directory for MODEL and POLICY."""
     from trtkv.build.builder import build_engine
 
@@ -134,7 +141,8 @@ def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed) -> N
         raise TrtkvError(f"--budget must be positive, got {budget}")
     out = out or Path("engines") / f"{Path(model).name}-{policy}"
     path = build_engine(model, policy, out, budget=budget, settings=parse_sets(sets), dtype=dtype,
-                        synthetic=synthetic_weights, seed=seed)
+                        synthetic=synthetic_weights, seed=seed, calibration_file=calibration_file,
+                        calib_prompts=calib_prompts, calib_max_tokens=calib_max_tokens)
     click.echo(f"engine written to {path}")
 
 
@@ -182,6 +190,67 @@ def info(engine) -> None:
     from trtkv.build.engine_dir import read_manifest
 
     click.echo(json.dumps(read_manifest(engine), indent=2))
+
+
+# --- calibrate ----------------------------------------------------------------------------------
+@main.command()
+@click.argument("model")
+@click.option("--prompts", "n_prompts", type=int, default=100, show_default=True,
+              help="Number of calibration prompts (the first N of the set).")
+@click.option("--max-tokens", type=int, default=1024, show_default=True, help="New tokens per prompt.")
+@click.option("--stride", type=int, default=1, show_default=True, help="Record every S-th decode step.")
+@click.option("--layers", "num_layers", type=int, default=4, show_default=True,
+              help="Number of calibration layers ℓ* to select.")
+@click.option("--min-keys", type=int, default=64, show_default=True,
+              help="Only record steps whose attention row has at least this many keys.")
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="Calibration prompts JSONL (default: the calibration set, see trtkv.eval.datasets).")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Artifact JSON [calibration-MODEL.json].")
+@click.option("--plot", type=click.Path(path_type=Path), default=None,
+              help="Evidence PNG (per-layer sparsity densities) [OUT with .png].")
+@click.option("--no-plot", is_flag=True, help="Do not write the PNG.")
+@click.option("--target-shares", default="E=0.2,R=0.6,T=0.2", show_default=True,
+              help="Thought shares the fallback rule matches when no layer is tri-modal.")
+@click.option("--temperature", type=float, default=None,
+              help="Sampling temperature [the model's generation_config default, else greedy].")
+@click.option("--batch-size", type=int, default=None, help="Prompts decoded together [8 on CPU, 32 on CUDA].")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default=None, help="cpu or cuda [cuda when available].")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+              help="Compute dtype of the temporary engine [fp32 on CPU, bf16 on GPU].")
+@click.option("--synthetic-weights", is_flag=True, help="Random weights of the registry shape (testing only).")
+def calibrate(model, n_prompts, max_tokens, stride, num_layers, min_keys, data, out, plot, no_plot, target_shares,
+              temperature, batch_size, seed, device, dtype, synthetic_weights) -> None:
+    """ThinKV calibration: pick the sparsity layers and thought thresholds for MODEL.
+
+    MODEL is a registry alias, a checkpoint directory or an engine directory. A temporary full-cache
+    engine generates on the calibration prompts while ThinKV's attention sparsity is recorded; the
+    artifact feeds `trtkv build --policy thinkv --calibration FILE`.
+    """
+    import time
+
+    from trtkv.build import calibration as cal
+
+    for name, v in (("--prompts", n_prompts), ("--max-tokens", max_tokens), ("--stride", stride),
+                    ("--layers", num_layers), ("--min-keys", min_keys)):
+        if v <= 0:
+            raise TrtkvError(f"{name} must be positive, got {v}")
+    if batch_size is not None and batch_size <= 0:
+        raise TrtkvError(f"--batch-size must be positive, got {batch_size}")
+    shares = cal.parse_shares(target_shares)
+    out = out or Path(f"calibration-{Path(model.rstrip('/')).name}.json")
+    png = None if no_plot else (plot or out.with_suffix(".png"))
+    t0 = time.perf_counter()
+    art = cal.calibrate(model, n_prompts, max_tokens, stride, num_layers, data, min_keys=min_keys,
+                        batch_size=batch_size, temperature=temperature, seed=seed, target_shares=shares,
+                        device=device, dtype=dtype, synthetic=synthetic_weights, plot=png,
+                        log=lambda s: click.echo(s, err=True))
+    cal.save_calibration(art, out)
+    for line in cal.summary_lines(art):
+        click.echo(line, err=line.startswith(("!", "WARNING")))
+    click.echo(f"calibration written to {out}" + (f", plot {png}" if png else "")
+               + f" ({time.perf_counter() - t0:.1f} s)")
 
 
 # --- bench / eval -------------------------------------------------------------------------------
@@ -286,6 +355,17 @@ def eval_cmd(engines, task, data, limit, max_tokens, samples, temperature, top_p
     if out is not None:
         written = write_eval(out, doc, rows)
         click.echo(f"results written to {out}/ ({', '.join(p.name for p in written)})")
+
+
+# --- serving (commands live in trtkv.serve; their heavy imports happen when they run) -------------
+def _add_serving_commands() -> None:
+    from trtkv.serve.__main__ import deploy, serve, tritonserver
+
+    for cmd in (serve, deploy, tritonserver):
+        main.add_command(cmd)
+
+
+_add_serving_commands()
 
 
 if __name__ == "__main__":
