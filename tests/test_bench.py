@@ -89,3 +89,17 @@ def test_bench_bad_input(tmp_path):
                                     text=True, timeout=120)
     _one_line_error(run(str(tmp_path / "missing")), "no engine at")
     _one_line_error(run(str(tmp_path), "--kv-memory", "lots"), "cannot read the size")
+
+
+@pytest.mark.model
+def test_load_engines_overrides_and_shared_weights(tiny_ckpt, engine_factory):
+    from trtkv.bench import load_engines
+
+    full = engine_factory(tiny_ckpt, "full")
+    sl = engine_factory(tiny_ckpt, "streamingllm", budget=16)
+    a, b = load_engines([full, sl], policy_overrides={"n_sink": "2"})
+    assert b.engine.policy.n_sink == 2 and "n_sink" not in a.engine.policy.params()
+    assert a.engine.model is b.engine.model is b.engine.core.model  # one copy of identical weights
+    assert a.label != b.label
+    with pytest.raises(TrtkvError, match="--set bogus"):
+        load_engines([full, sl], policy_overrides={"bogus": "1"})

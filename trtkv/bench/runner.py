@@ -105,19 +105,65 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
 
 
 # --- engines ----------------------------------------------------------------------------------------
-def load_engines(paths: list[Path], device: str | None = None,
-                 policy_overrides: dict[str, Any] | None = None) -> list[BenchEngine]:
-    """Load every engine (checking all paths first, so a typo fails before minutes of loading)."""
+def load_engines(paths: list[Path], device: str | None = None, policy_overrides: dict[str, Any] | None = None,
+                 share_weights: bool = True) -> list[BenchEngine]:
+    """Load every engine (checking all paths first, so a typo fails before minutes of loading).
+
+    ``policy_overrides`` (``--set``) go to each engine whose policy has that parameter (so a ThinKV-only
+    setting can be passed in a run that also has full engines); a key no engine takes is an error, and a
+    value ``@FILE`` is replaced by the file's text. With
+    ``share_weights``, engines of the same model, weights and dtype share one model object: at most two
+    copies of the weights exist while loading, one after (what lets several 8B engines share one GPU)."""
     from trtkv.api import Engine
     from trtkv.build.engine_dir import read_manifest
+    from trtkv.policies import POLICIES, policy_fields
 
     if not paths:
         raise TrtkvError("name at least one engine directory")
-    for p in paths:
-        read_manifest(p)
-    labels = _labels(paths)
-    return [BenchEngine(lbl, Path(p), Engine.load(p, device=device, policy_overrides=policy_overrides))
-            for lbl, p in zip(labels, paths)]
+    manifests = [read_manifest(p) for p in paths]
+    overrides = {k: _value_or_file(k, v) for k, v in (policy_overrides or {}).items()}
+    per_engine, used = [], set()
+    for m in manifests:
+        cls = POLICIES.get(m["policy"]["name"])
+        mine = {k: v for k, v in overrides.items() if cls is not None and k in policy_fields(cls)}
+        used |= set(mine)
+        per_engine.append(mine or None)
+    unused = sorted(set(overrides) - used)
+    if unused:
+        raise TrtkvError(f"--set {unused[0]}: none of the engines' policies "
+                         f"({', '.join(sorted({m['policy']['name'] for m in manifests}))}) has that parameter")
+    out: list[BenchEngine] = []
+    shared: dict[tuple, Any] = {}
+    for lbl, p, ov in zip(_labels(paths), paths, per_engine):
+        e = Engine.load(p, device=device, policy_overrides=ov)
+        key = model_key(e)
+        if share_weights and key in shared:
+            e.model = e.core.model = shared[key]  # drop this engine's copy of identical weights
+            if e.core.device.type == "cuda":
+                torch.cuda.empty_cache()
+        else:
+            shared[key] = e.model
+        out.append(BenchEngine(lbl, Path(p), e))
+    return out
+
+
+def _value_or_file(key: str, value: Any) -> Any:
+    """``--set key=@FILE`` passes the file's text (e.g. a recorded ThinKV thought schedule)."""
+    if not (isinstance(value, str) and value.startswith("@")):
+        return value
+    path = Path(value[1:]).expanduser()
+    try:
+        return path.read_text().strip()
+    except OSError as e:
+        raise TrtkvError(f"--set {key}=@{path}: cannot read the file ({e.strerror or e})") from None
+
+
+def model_key(engine) -> tuple:
+    """Engines with equal keys run the same weights (same model, weights hash or synthetic seed, dtype)."""
+    mm = engine.manifest["model"]
+    weights = ("synthetic", mm.get("synthetic_seed")) if mm.get("synthetic") else mm.get("weights_sha256")
+    return (mm["alias"], weights, str(engine.core.dtype), str(engine.core.device),
+            json.dumps(mm["arch"], sort_keys=True))
 
 
 def _labels(paths: list[Path]) -> list[str]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from trtkv.bench.runner import model_key
 from trtkv.errors import TrtkvError
 
 ACCURACY_TASKS = ("gsm8k", "math500", "aime24", "aime25")
@@ -34,13 +35,6 @@ REFERENCE_LABEL = "full (reference)"
 
 
 # --- engines and references -------------------------------------------------------------------------
-def model_key(engine) -> tuple:
-    """Engines with equal keys run the same weights, so one full-cache reference serves them all."""
-    mm = engine.manifest["model"]
-    weights = ("synthetic", mm.get("synthetic_seed")) if mm.get("synthetic") else mm.get("weights_sha256")
-    return mm["alias"], weights, str(engine.core.dtype), json.dumps(mm["arch"], sort_keys=True)
-
-
 def reference_core(engine):
     """A full-cache ``EngineCore`` on ``engine``'s model object, KV stored in the model's dtype."""
     from trtkv.policies.full import FullPolicy
