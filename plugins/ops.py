@@ -17,7 +17,7 @@ import torch
 from plugins.backend import use_triton
 from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
-from plugins.paged_attention.reference import paged_attention_ref
+from plugins.paged_attention.reference import _FLOAT_CODES, dense_attention_cpu, paged_attention_ref
 
 _lib = torch.library.Library("trtkv", "DEF")
 _lib.define(
@@ -43,14 +43,20 @@ def kv_write(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_co
 
 
 def paged_attention(q, slot_fields, group_fields, k_group, valid_bits, block_table, fmt_code, sm_scale, scale_k,
-                    scale_v, return_logits):
-    """Decode attention over one format's pages: ``(out, lse, logits)`` (see paged_attention/reference.py)."""
+                    scale_v, return_logits, dense_run=None):
+    """Decode attention over one format's pages: ``(out, lse, logits)`` (see paged_attention/reference.py).
+
+    ``dense_run=(first_page, n)`` (Python callers only) promises that the single sequence's live tokens
+    are slots ``0..n-1`` of the ascending page run starting at ``first_page``; the CPU reference then
+    reads a view of the pool instead of gathering."""
     args = (q, slot_fields, group_fields, k_group, valid_bits, block_table, fmt_code, sm_scale, scale_k, scale_v,
             return_logits)
     if use_triton(q):
         from plugins.paged_attention.triton_kernel import paged_attention_triton
 
         return paged_attention_triton(*args)
+    if dense_run is not None and not return_logits and q.device.type == "cpu" and fmt_code in _FLOAT_CODES:
+        return dense_attention_cpu(q, slot_fields, dense_run, sm_scale)
     return paged_attention_ref(*args)
 
 

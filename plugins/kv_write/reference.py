@@ -28,10 +28,15 @@ def kv_write_ref(
     fmt = format_by_code(fmt_code)
     slot_enc, group_enc = fmt.encode(k, v, LayerScales(scale_k, scale_v))
     names, gnames = field_names(fmt_code)
-    p, s = pages.long(), slots.long()
-    for name, pool in zip(names, slot_fields):
-        pool[p, s] = slot_enc[name]
+    if pages.numel() == 1 and pages.device.type == "cpu":  # one token: a view copy beats index_put
+        p, s = int(pages), int(slots)
+        for name, pool in zip(names, slot_fields):
+            pool[p, s] = slot_enc[name][0]
+    else:
+        p, s = pages.long(), slots.long()
+        for name, pool in zip(names, slot_fields):
+            pool[p, s] = slot_enc[name]
     if group_fields:
         for name, arena in zip(gnames, group_fields):
             arena[gid] = group_enc[name]
-        k_group[p, s] = gid
+        k_group[pages.long(), slots.long()] = gid

@@ -44,17 +44,26 @@ def gather_dequant(
     scale_v: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized K, V ``[b, P*B, H, D]`` fp32 for the pages in ``block_table`` (padding reads page 0)."""
-    fmt = format_by_code(fmt_code)
     pages = block_table.clamp_min(0).long()
-    b, P = pages.shape
-    names, gnames = field_names(fmt_code)
-    slot = {n: t[pages] for n, t in zip(names, slot_fields)}
-    group = {}
-    if group_fields:
-        gid = k_group[pages].clamp_min(0).long()  # [b, P, B]
-        group = {n: t[gid] for n, t in zip(gnames, group_fields)}
-    k, v = fmt.decode(slot, group, LayerScales(scale_k, scale_v))
+    b = pages.shape[0]
+    if fmt_code in _FLOAT_CODES:  # stored as-is: the gather is the dequantization
+        flat = pages.view(-1)
+        kp, vp = slot_fields[0], slot_fields[1]
+        k = kp.view(kp.shape[0], -1).index_select(0, flat).view(b, -1, *kp.shape[2:]).float()
+        v = vp.view(vp.shape[0], -1).index_select(0, flat).view(b, -1, *vp.shape[2:]).float()
+        return k, v
+    else:
+        names, gnames = field_names(fmt_code)
+        slot = {n: t[pages] for n, t in zip(names, slot_fields)}
+        group = {}
+        if group_fields:
+            gid = k_group[pages].clamp_min(0).long()  # [b, P, B]
+            group = {n: t[gid] for n, t in zip(gnames, group_fields)}
+        k, v = format_by_code(fmt_code).decode(slot, group, LayerScales(scale_k, scale_v))
     return k.reshape(b, -1, *k.shape[-2:]), v.reshape(b, -1, *v.shape[-2:])
+
+
+_FLOAT_CODES = (0, 1, 2)  # fp32, fp16, bf16 (plugins/formats/floating.py)
 
 
 def paged_attention_ref(
@@ -86,9 +95,9 @@ def paged_attention_ref(
     H = k.shape[2]
     G = Hq // H
     block_size = slot_fields[0].shape[1]
+    if not return_logits and q.device.type == "cpu" and block_size <= 12:
+        return _attend_fused_cpu(q, k, v, valid_bits, block_table, sm_scale)
     live = slot_validity(valid_bits, block_table, block_size)  # [b, n]
-    if not return_logits and q.device.type == "cpu":
-        return _attend_fused_cpu(q, k, v, live, sm_scale)
     qf = q.float().view(b, H, G, D)
     logits = torch.matmul(qf, k.permute(0, 2, 3, 1)) * sm_scale  # [b, H, G, n]
     logits = logits.masked_fill(~live[:, None, None, :], -math.inf)
@@ -100,18 +109,44 @@ def paged_attention_ref(
     return out, lse, logits_out
 
 
-def _attend_fused_cpu(q, k, v, live, sm_scale):
+def _attend_fused_cpu(q, k, v, valid_bits, block_table, sm_scale):
     """Same math through aten's fused CPU attention, which also returns the log-sum-exp. GQA without
-    copying K/V: the G query heads of a group ride in the (non-causal) query-length dimension. A row
-    with no live key comes back as output 0 with lse 0; its lse is set to -inf (merge_partials' contract)."""
+    copying K/V: the G query heads of a group ride in the (non-causal) query-length dimension. The
+    additive mask comes straight from the validity words by table. A row with no live key comes back
+    as output 0 with lse 0; its lse is set to -inf (merge_partials' contract)."""
     b, Hq, D = q.shape
     H = k.shape[2]
-    mask = torch.where(live, 0.0, -math.inf)[:, None, None, :]
+    words = torch.where(block_table >= 0, valid_bits[block_table.clamp_min(0).long()], 0).long()  # [b, P]
+    mask = _mask_table(block_table.shape[1] and k.shape[1] // block_table.shape[1], q.device)[words]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.float().view(b, H, Hq // H, D), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), 0.0, False,
-        attn_mask=mask, scale=sm_scale)
-    lse = torch.where(live.any(-1, keepdim=True), lse.reshape(b, Hq), -math.inf)
+        attn_mask=mask.view(b, 1, 1, -1), scale=sm_scale)
+    lse = torch.where((words != 0).any(-1, keepdim=True), lse.reshape(b, Hq), -math.inf)
     return out.reshape(b, Hq, D), lse, q.new_empty(0, dtype=torch.float32)
+
+
+def dense_attention_cpu(q, slot_fields, dense_run, sm_scale):
+    """Attention of one sequence whose live tokens are the first ``n`` slots of a page run: a view of
+    the pool, no gather and no mask (see plugins.ops.paged_attention)."""
+    first, n = dense_run
+    kp, vp = slot_fields[0], slot_fields[1]
+    B = kp.shape[1]
+    H, D = kp.shape[2], kp.shape[3]
+    k = kp.view(-1, H, D)[first * B: first * B + n].float()
+    v = vp.view(-1, H, D)[first * B: first * B + n].float()
+    Hq = q.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.float().view(1, H, Hq // H, D), k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None], 0.0, False,
+        scale=sm_scale)
+    return out.reshape(1, Hq, D), lse.reshape(1, Hq), q.new_empty(0, dtype=torch.float32)
+
+
+def _mask_table(block_size: int, device) -> torch.Tensor:
+    """``[2**B, B]`` fp32 additive mask rows (0 live, -inf dead) per validity word."""
+    key = (block_size, str(device), "mask")
+    if key not in _BIT_LUT:
+        _BIT_LUT[key] = torch.where(_bit_table(block_size, device), 0.0, -math.inf)
+    return _BIT_LUT[key]
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

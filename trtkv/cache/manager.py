@@ -54,6 +54,8 @@ class LayerTable:
         self.page_seq: dict[tuple[str, int], int] = {}  # allocation order of live pages
         self.loc: dict[int, tuple[str, int, int]] = {}  # position -> (format, page, slot)
         self._flat: dict[str, list[int]] | None = None
+        self._bt: list | None = None  # cached single-request block tables, reset with _flat
+        self.holes = False  # an eviction ever hit this table (its live slots are no longer a prefix)
 
     def pages_of_format(self) -> dict[str, list[int]]:
         if self._flat is None:
@@ -185,7 +187,7 @@ class KVCacheManager:
                 table.page_seq[(cls[0], p)] = self._page_counter
                 table.pages.setdefault(cls, []).append(p)
                 table.open_page[cls] = p
-                table._flat = None
+                table._flat = table._bt = None
                 seq.add_bytes(pool.page_bytes + 4)  # page + its block-table entry
             take = min(pool.B - int(pool.hwm[p]), n - len(pages))
             start = int(pool.hwm[p])
@@ -258,6 +260,7 @@ class KVCacheManager:
         makes the slots reusable by later tokens of the same class; compact mode then gathers the
         survivors together. Returns the number of tokens evicted."""
         table = seq.layers[layer]
+        table.holes = True
         n = 0
         for pos in (positions.tolist() if hasattr(positions, "tolist") else positions):
             where = table.loc.pop(int(pos), None)
@@ -282,7 +285,7 @@ class KVCacheManager:
     def _release(self, seq: SeqKV, table: LayerTable, pool: PagePool, cls: Cls, p: int) -> None:
         table.pages[cls].remove(p)
         del table.page_seq[(cls[0], p)]
-        table._flat = None
+        table._flat = table._bt = None
         pool.release_page(p)
         seq.add_bytes(-(pool.page_bytes + 4))
 
@@ -331,7 +334,7 @@ class KVCacheManager:
             table.open_page.pop(cls, None)
             if keep_pages and pool.hwm[keep_pages[-1]] < pool.B:
                 table.open_page[cls] = keep_pages[-1]
-            table._flat = None
+            table._flat = table._bt = None
 
     # --- reads ------------------------------------------------------------------------------
     def live_positions(self, seq: SeqKV, layer: int) -> np.ndarray:
@@ -364,11 +367,13 @@ class KVCacheManager:
     def block_tables(self, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""
         out = []
-        if len(seqs) == 1:  # no padding to do
-            for fmt, pages in seqs[0].layers[layer].pages_of_format().items():
-                pool = self.pools[layer][fmt]
-                out.append((pool, torch.tensor([pages], dtype=torch.int32, device=pool.device)))
-            return out
+        if len(seqs) == 1:  # no padding to do; the tensor is cached until the page list changes
+            table = seqs[0].layers[layer]
+            if table._bt is None:
+                table._bt = [(self.pools[layer][fmt], torch.tensor([pages], dtype=torch.int32,
+                                                                 device=self.pools[layer][fmt].device))
+                             for fmt, pages in table.pages_of_format().items()]
+            return table._bt
         per_seq = [s.layers[layer].pages_of_format() for s in seqs]
         for fmt, pool in self.pools[layer].items():
             rows = [d.get(fmt, ()) for d in per_seq]
@@ -380,6 +385,19 @@ class KVCacheManager:
                 bt[i, : len(r)] = r
             out.append((pool, torch.from_numpy(bt).to(pool.device)))
         return out
+
+    def dense_run(self, layer: int, seqs: list[SeqKV]) -> tuple[int, int] | None:
+        """``(first page, live tokens)`` when a lone request's tokens fill one ascending run of pages from
+        its first slot with no hole — then attention can read a view of the pool instead of a gather."""
+        if len(seqs) != 1:
+            return None
+        table = seqs[0].layers[layer]
+        if table.holes or len(table.pages) != 1:
+            return None
+        (pages,) = table.pages.values()
+        if not pages or pages[-1] - pages[0] != len(pages) - 1 or any(b - a != 1 for a, b in zip(pages, pages[1:])):
+            return None
+        return pages[0], table.live
 
     # --- bytes ------------------------------------------------------------------------------
     def seq_bytes(self, seq: SeqKV) -> int:

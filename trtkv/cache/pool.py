@@ -5,6 +5,8 @@ words are mirrored to the device for the attention kernel (on CPU the mirror *is
 """
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import torch
 
@@ -29,7 +31,7 @@ class PagePool:
         self.slot_pos = np.full((cap, block_size), -1, np.int64)  # token position in each slot (-1 free)
         self.slot_seg = np.full((cap, block_size), -1, np.int32)  # policy segment id (ThinKV), -1 free
         self.page_class = np.zeros(cap, np.int32)  # thought type the page is dedicated to
-        self.free = list(range(cap - 1, -1, -1))  # pop() -> lowest id
+        self.free = list(range(cap))  # min-heap: the lowest free page first, so runs stay ascending
         self.in_use = 0
         # key-scale arena (per flush group), refcounted by the slots that point at it
         gcap = cap if self.group_specs else 0
@@ -60,13 +62,14 @@ class PagePool:
         self.slot_pos = np.concatenate([self.slot_pos, np.full((pad, self.B), -1, np.int64)])
         self.slot_seg = np.concatenate([self.slot_seg, np.full((pad, self.B), -1, np.int32)])
         self.page_class = np.concatenate([self.page_class, np.zeros(pad, np.int32)])
-        self.free = list(range(new - 1, old - 1, -1)) + self.free
+        for p in range(old, new):
+            heapq.heappush(self.free, p)
         self._valid_dirty = True
 
     def alloc_page(self, page_class: int) -> int:
         if not self.free:
             self._grow()
-        p = self.free.pop()
+        p = heapq.heappop(self.free)
         self.valid[p] = 0
         self.live[p] = 0
         self.hwm[p] = 0
@@ -81,7 +84,7 @@ class PagePool:
         assert self.live[p] == 0, "releasing a page that still holds live tokens"
         self.valid[p] = 0
         self.hwm[p] = 0
-        self.free.append(p)
+        heapq.heappush(self.free, p)
         self.in_use -= 1
         self._valid_dirty = True
 
@@ -140,8 +143,10 @@ class PagePool:
 
     def valid_bits(self) -> torch.Tensor:
         """Device int32 ``[capacity]`` validity words for the attention kernel."""
-        if self.device.type == "cpu":
-            return torch.from_numpy(self.valid)
+        if self.device.type == "cpu":  # a view of the host array, rebuilt only when the array is replaced
+            if self._valid_dev is None or self._valid_dev.data_ptr() != self.valid.ctypes.data:
+                self._valid_dev = torch.from_numpy(self.valid)
+            return self._valid_dev
         if self._valid_dirty or self._valid_dev is None or len(self._valid_dev) != self.capacity:
             self._valid_dev = torch.from_numpy(self.valid).to(self.device, non_blocking=True)
             self._valid_dirty = False

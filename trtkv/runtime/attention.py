@@ -59,11 +59,12 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
                      want_stats: list[bool], want_sparsity: list[bool]) -> tuple[torch.Tensor, list[LayerStats | None]]:
     parts, logit_parts = [], []
     any_stats = any(want_stats) or any(want_sparsity)
+    run = None if any_stats else cache.dense_run(layer, seqs)
     for pool, bt in cache.block_tables(layer, seqs):
         sc = cache.layer_scales(layer, pool.fmt.name)
         o, lse, lg = plugin_ops.paged_attention(q, pool.fields, pool.group_fields, pool.k_group,
-                                                     pool.valid_bits(), bt, pool.fmt.code, sm_scale, sc.k, sc.v,
-                                                     any_stats)
+                                                pool.valid_bits(), bt, pool.fmt.code, sm_scale, sc.k, sc.v,
+                                                any_stats, dense_run=run)
         parts.append((o, lse))
         if any_stats:
             pages = bt.clamp_min(0).cpu().numpy()

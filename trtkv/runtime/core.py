@@ -36,6 +36,8 @@ class EngineCore:
         self.sm_scale = 1.0 / math.sqrt(self.arch.head_dim)
         self.g = cache_cfg.residual_group
         self.steps_total = 0
+        # CPU only: run the per-layer small ops (cache writes, decode attention) on one thread
+        self.small_ops_threads = 1 if self.device.type == "cpu" else 0
         policy.bind_model(self.arch)
         # Instrumentation for ``trtkv eval`` (off by default; each costs one attribute check per step):
         self.force_stats: StatsRequest | None = None  # attention stats for every request, whatever the policy asks
@@ -128,8 +130,11 @@ class EngineCore:
         fs = self.force_stats
         forced = [StepStats(step=c.step) for c in ctxs] if fs is not None else None
         same_class = all(cl[:2] == classes[0][:2] for cl in classes)
+        threads = torch.get_num_threads()
         for layer in range(self.arch.num_hidden_layers):
             q, k, v = self.model.qkv(layer, x, cos, sin)
+            if self.small_ops_threads:  # writes, eviction and decode attention are small ops: OpenMP fan-out
+                torch.set_num_threads(self.small_ops_threads)  # costs more than it gains on CPU
             if self.g == 1:
                 if same_class:
                     cache.write_through(layer, seqs, k, v, positions, classes[0][:2])
@@ -159,6 +164,8 @@ class EngineCore:
                 if want_q[i]:  # the step's post-RoPE query (Expected Attention's query statistics)
                     st = stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
                     st.query = q[i].float()
+            if self.small_ops_threads:
+                torch.set_num_threads(threads)
             x = self.model.finish_layer(layer, x, out)
         logits = self.model.logits(x)
         if self.keep_logits:
