@@ -33,7 +33,7 @@ demo: setup
 	$(BIN)/trtkv generate $(ENGINES)/smollm2-thinkv --prompt "$(PROMPT)" --max-tokens 1024
 
 test: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests --ignore=tests/kernels
+	$(BIN)/python -m pytest -q -m "not slow or serve" tests --ignore=tests/kernels
 	$(MAKE) test-kernels
 
 test-kernels: setup
