@@ -143,6 +143,9 @@ def _thought_calibration(model, pol, synthetic, calibration_file, calib_prompts,
     """ThinKV's layers and thresholds: a given file, the calibration shipped for the alias, or a fresh run."""
     import sys
 
+    if pol.thought_schedule and calibration_file is None:
+        return {}  # labels are replayed; no thresholds needed
+
     from trtkv.build.calibration import calibrate_for_build, load_calibration, summary_lines
 
     def log(msg: str) -> None:
@@ -154,8 +157,6 @@ def _thought_calibration(model, pol, synthetic, calibration_file, calib_prompts,
         for line in summary_lines(art):
             log(line)
         return art
-    if pol.thought_schedule:
-        return {}  # labels are replayed; no thresholds needed
     if synthetic:
         raise TrtkvError("ThinKV on synthetic weights has no real attention patterns: pass a thought schedule "
                          "(--set thought_schedule=RRETRR...) or --calibration FILE from a real model")
