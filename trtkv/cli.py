@@ -220,8 +220,12 @@ def info(engine) -> None:
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Compute dtype of the temporary engine [fp32 on CPU, bf16 on GPU].")
 @click.option("--synthetic-weights", is_flag=True, help="Random weights of the registry shape (testing only).")
+@click.option("--save-raw", type=click.Path(path_type=Path), default=None,
+              help="Also save the recorded per-step sparsities (.npz) for re-analysis.")
+@click.option("--from-raw", type=click.Path(path_type=Path), default=None,
+              help="Re-analyse a --save-raw file instead of generating (e.g. another --layers or --target-shares).")
 def calibrate(model, n_prompts, max_tokens, stride, num_layers, min_keys, data, out, plot, no_plot, target_shares,
-              temperature, batch_size, seed, device, dtype, synthetic_weights) -> None:
+              temperature, batch_size, seed, device, dtype, synthetic_weights, save_raw, from_raw) -> None:
     """ThinKV calibration: pick the sparsity layers and thought thresholds for MODEL.
 
     MODEL is a registry alias, a checkpoint directory or an engine directory. A temporary full-cache
@@ -245,7 +249,7 @@ def calibrate(model, n_prompts, max_tokens, stride, num_layers, min_keys, data, 
     art = cal.calibrate(model, n_prompts, max_tokens, stride, num_layers, data, min_keys=min_keys,
                         batch_size=batch_size, temperature=temperature, seed=seed, target_shares=shares,
                         device=device, dtype=dtype, synthetic=synthetic_weights, plot=png,
-                        log=lambda s: click.echo(s, err=True))
+                        log=lambda s: click.echo(s, err=True), raw_out=save_raw, raw_in=from_raw)
     cal.save_calibration(art, out)
     for line in cal.summary_lines(art):
         click.echo(line, err=line.startswith(("!", "WARNING")))
