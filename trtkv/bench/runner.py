@@ -190,7 +190,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def machine_info(device: str | None = None) -> dict[str, Any]:
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
-            "torch": torch.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+            "torch": torch.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}  # a busy shared machine skews timings
     if device and device.startswith("cuda") or (device is None and torch.cuda.is_available()):
         info["gpu"] = torch.cuda.get_device_name()
     try:
@@ -342,6 +343,7 @@ def run_bench(engines: list[BenchEngine], cfg: BenchConfig, progress: bool | Non
     from tqdm import tqdm
 
     cfg.validate()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     if cfg.warmup:
         warm = BenchConfig(batch_sizes=(1,), prompt_len=min(16, cfg.prompt_len), gen_len=min(4, cfg.gen_len),
                            prompt_source=cfg.prompt_source, seed=cfg.seed)
@@ -362,7 +364,14 @@ def run_bench(engines: list[BenchEngine], cfg: BenchConfig, progress: bool | Non
                     bar.update(cfg.gen_len - len(r.decode_s))  # steps the bar did not see (the prefill's token)
     finally:
         bar.close()
-    return summarize(engines, cfg, runs, command)
+    doc = summarize(engines, cfg, runs, command)
+    doc["machine"]["loadavg_1_5_15"] = load_start
+    doc["machine"]["loadavg_1_5_15_end"] = [round(x, 2) for x in os.getloadavg()]
+    busy = max(load_start[0], doc["machine"]["loadavg_1_5_15_end"][0])
+    if busy > (os.cpu_count() or 1):
+        doc["notes"].append(f"the machine was busy (1-minute load average up to {busy} on {os.cpu_count()} CPUs): "
+                            "timings are noisy; use --repeat to take medians over interleaved repeats")
+    return doc
 
 
 def _pct(values: list[float], q: float) -> float | None:
