@@ -67,6 +67,7 @@ def test_weights_hash_mismatch(engine_factory, tmp_path):
     (["--top-p", "0"], "top_p"),
     (["--top-p", "1.5"], "top_p"),
     (["--top-k", "-3"], "top_k"),
+    (["--repetition-penalty", "0"], "repetition_penalty"),
 ])
 def test_invalid_sampling(engine_factory, args, needle):
     eng = engine_factory("smollm2-135m", "full")

@@ -51,3 +51,17 @@ def test_single_prompt_matches_batched(engine_factory, load_engine):
     batched = eng.generate(PROMPTS, params)
     alone = [eng.generate(p, params)[0] for p in PROMPTS]
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+
+
+def test_repetition_penalty_matches_transformers(engine_factory, load_engine, hf_model):
+    """Greedy with a repetition penalty: the same rule as transformers (prompt ids count as seen)."""
+    eng = load_engine(engine_factory("smollm2-135m", "full"))
+    res = eng.generate(PROMPTS[0], SamplingParams(max_tokens=64, repetition_penalty=1.3))[0]
+    ids = eng.encode_prompt(PROMPTS[0], True)
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
+                                repetition_penalty=1.3)[0, len(ids):].tolist()
+    eos = eng.tokenizer.eos_token_id
+    assert res.token_ids == (out[: out.index(eos)] if eos in out else out)
+    plain = eng.generate(PROMPTS[0], SamplingParams(max_tokens=64))[0]
+    assert res.token_ids != plain.token_ids  # the penalty did something

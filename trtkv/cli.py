@@ -153,17 +153,21 @@ def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed, cali
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="Divide the logits of tokens already in the context (transformers' rule; 1 = off).")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (benchmarks).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
-def generate(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, raw, ignore_eos, as_json) -> None:
+def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, raw, ignore_eos,
+             as_json) -> None:
     """Generate text with ENGINE (streams to the terminal)."""
     from trtkv.api import Engine, SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            stop=tuple(stop), chat=not raw, ignore_eos=ignore_eos)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop), chat=not raw,
+                            ignore_eos=ignore_eos)
     params.validate()
     eng = Engine.load(engine)
     if as_json:

@@ -74,7 +74,7 @@ class EngineCore:
         logits = self.model.logits(x[-1:])
         if self.keep_logits:
             self.last_logits = logits
-        tok = sample_next(logits, [req.params], [req.generator])[0]
+        tok = sample_next(logits, [req.params], [req.generator], [req.prompt_ids])[0]
         req.t_first = time.perf_counter()
         ctx.step = 0
         self._append_token(req, tok)
@@ -172,7 +172,8 @@ class EngineCore:
             self.last_logits = logits
         if forced is not None:
             self.last_stats = forced
-        toks = sample_next(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        contexts = [r.prompt_ids + r.generated if r.params.repetition_penalty != 1.0 else [] for r in reqs]
+        toks = sample_next(logits, [r.params for r in reqs], [r.generator for r in reqs], contexts)
         self.steps_total += 1
         for r, c, st, tok in zip(reqs, ctxs, stats, toks):
             r.decode_steps += 1

@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, per-request seeds)."""
+"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, repetition penalty, per-request seeds)."""
 from __future__ import annotations
 
 import os
@@ -17,6 +17,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
+    repetition_penalty: float = 1.0  # transformers' rule over prompt + generated ids; 1 = off
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     chat: bool = True  # wrap the prompt in the model's chat template
@@ -37,6 +38,8 @@ class SamplingParams:
             raise bad(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            raise bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0 or self.seed >= 2**63):
             raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -57,12 +60,24 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
-def sample_next(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]) -> list[int]:
-    """One next token per row of ``logits [b, V]`` (fp32)."""
-    if all(p.greedy for p in params):
+def penalize_repeats(row: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+    """transformers' ``RepetitionPenaltyLogitsProcessor`` on one row: the logit of every token already in
+    the context is divided by ``penalty`` when positive and multiplied by it when negative."""
+    ids = torch.tensor(seen, dtype=torch.long, device=row.device).unique()
+    picked = row.gather(0, ids)
+    return row.scatter(0, ids, torch.where(picked < 0, picked * penalty, picked / penalty))
+
+
+def sample_next(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator],
+                contexts: list[list[int]] | None = None) -> list[int]:
+    """One next token per row of ``logits [b, V]`` (fp32). ``contexts`` (prompt + generated ids per row)
+    is needed only by rows with a repetition penalty."""
+    if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
         return logits.argmax(-1).tolist()
     out = []
-    for row, p, g in zip(logits, params, gens):
+    for i, (row, p, g) in enumerate(zip(logits, params, gens)):
+        if p.repetition_penalty != 1.0 and contexts is not None and contexts[i]:
+            row = penalize_repeats(row, contexts[i], p.repetition_penalty)
         if p.greedy:
             out.append(int(row.argmax()))
             continue

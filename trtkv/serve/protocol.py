@@ -40,6 +40,7 @@ INPUTS = (
     IO("temperature", "FP32", optional=True),
     IO("top_p", "FP32", optional=True),
     IO("top_k", "INT32", optional=True),
+    IO("repetition_penalty", "FP32", optional=True),
     IO("seed", "INT64", optional=True),
     IO("stop", "STRING", (-1,), optional=True),
     IO("stream", "BOOL", optional=True),
@@ -163,6 +164,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_positions: int,
     top_k = _scalar(inputs, "top_k", int, 0)
     if top_k < 0:
         raise RequestError(f"top_k must be >= 0, got {top_k}")
+    repetition_penalty = _scalar(inputs, "repetition_penalty", float, 1.0)
     seed = _scalar(inputs, "seed", int, None)
     stream = _scalar(inputs, "stream", bool, False)
     extra = {"ignore_eos": True} if _scalar(inputs, "ignore_eos", bool, False) else {}
@@ -171,7 +173,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], max_positions: int,
         s for s in (_text(x, "stop") for x in np.asarray(stop_raw).reshape(-1)) if s)
 
     params = sampling_params(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed, stop=stop, **extra)
+                             top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, **extra)
     try:
         params.validate(max_positions)
     except TrtkvError as e:
