@@ -103,3 +103,27 @@ def test_load_engines_overrides_and_shared_weights(tiny_ckpt, engine_factory):
     assert a.label != b.label
     with pytest.raises(TrtkvError, match="--set bogus"):
         load_engines([full, sl], policy_overrides={"bogus": "1"})
+
+
+@pytest.mark.model
+def test_bench_reports_thinkv_stats(tiny_ckpt, engine_factory, tmp_path):
+    """ThinKV's bits, thought shares and eviction call rate reach results.json, the CSV and the table."""
+    from trtkv.cli import main
+
+    full = engine_factory(tiny_ckpt, "full")
+    tk = engine_factory(tiny_ckpt, "thinkv", budget=16, tau=8, group=4, retention="4", thought_schedule="RTE")
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(main, ["bench", str(full), str(tk), "--batch-sizes", "2", "--prompt-len", "16",
+                                  "--gen-len", "40", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "ThinKV (mean per request)" in r.output
+    rows = {x["policy"]: x for x in json.loads((out / "results.json").read_text())["results"]}
+    assert rows["full"]["policy_stats"] == {}
+    st = rows["thinkv"]["policy_stats"]
+    shares = [st[f"thinkv.thought_shares.{c}"] for c in "RET"]
+    assert sum(shares) == pytest.approx(1.0, abs=1e-3) and min(shares) > 0  # RTE schedule: all three occur
+    assert 2 < st["thinkv.avg_element_bits"] < 16
+    assert 0 < st["thinkv.eviction_call_rate"] <= 1 and st["thinkv.segments"] == 5
+    with open(out / "results.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert "policy.thinkv.eviction_call_rate" in csv_rows[0]

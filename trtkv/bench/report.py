@@ -67,5 +67,30 @@ def print_bench(doc: dict[str, Any], console=None) -> None:
             ft.add_row(name, _bytes(f["per_request_peak_kv_bytes"]), str(f["max_batch"]), str(f["fit_full_fp16"]))
         console.print(ft)
         console.print(f"[dim]method: {doc['fit_method']}[/dim]")
+    print_thinkv_stats(doc, console)
     for note in doc.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {note}")
+
+
+THINKV_COLUMNS = (("avg bits", "thinkv.avg_element_bits", ".2f"), ("stored bits", "thinkv.avg_stored_bits", ".2f"),
+                  ("R", "thinkv.thought_shares.R", ".0%"), ("E", "thinkv.thought_shares.E", ".0%"),
+                  ("T", "thinkv.thought_shares.T", ".0%"), ("evictions/step", "thinkv.eviction_call_rate", ".4f"),
+                  ("segments", "thinkv.segments", ".1f"), ("overflows", "thinkv.budget_overflows", ".1f"))
+
+
+def print_thinkv_stats(doc: dict[str, Any], console) -> None:
+    """ThinKV's own numbers (spec §7): bits per element, thought shares, eviction call rate, segments."""
+    from rich.table import Table
+
+    rows = [r for r in doc["results"] if "thinkv.avg_element_bits" in r.get("policy_stats", {})]
+    if not rows:
+        return
+    t = Table(title="ThinKV (mean per request)", title_justify="left")
+    for col in ("engine", "batch") + tuple(c for c, _, _ in THINKV_COLUMNS):
+        t.add_column(col, justify="left" if col == "engine" else "right", no_wrap=col == "engine")
+    for r in rows:
+        st = r["policy_stats"]
+        t.add_row(r["engine"], str(r["batch"]), *(_fmt(st.get(key), spec) for _, key, spec in THINKV_COLUMNS))
+    console.print(t)
+    console.print("[dim]avg bits: element bits over generated tokens (the paper's convention); stored bits: over "
+                  "the tokens held at the end; evictions/step: decode steps with an eviction event / decode steps.[/dim]")

@@ -253,6 +253,7 @@ class RunResult:
     live_tokens: list[int] = field(default_factory=list)
     evicted_tokens: list[int] = field(default_factory=list)
     trace: list[tuple[int, int]] = field(default_factory=list)  # (generated tokens, KV bytes) of request 0
+    policy_stats: list[dict[str, float]] = field(default_factory=list)  # per request: the policy's numeric stats
     peak_device_bytes: int | None = None
     pool_bytes: int = 0
     rss_bytes: int | None = None
@@ -317,11 +318,34 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
         res.kv_bytes_full.append(s["kv_bytes_full"])
         res.live_tokens.append(s["live_tokens"])
         res.evicted_tokens.append(s["evicted_tokens"])
+        res.policy_stats.append(numeric_leaves({k: v for k, v in s.items() if k not in BASE_STATS}))
     res.pool_bytes = core.cache.pool_bytes()
     if cuda:
         res.peak_device_bytes = int(torch.cuda.max_memory_allocated(core.device))
     res.rss_bytes = _rss_bytes()
     return res
+
+
+# what every request's stats hold; anything else comes from the policy (``KVPolicy.extra_stats``)
+BASE_STATS = frozenset({"prompt_tokens", "generated_tokens", "kv_bytes", "kv_bytes_full", "peak_kv_bytes",
+                        "tokens_per_s", "live_tokens", "peak_live_tokens", "pages", "evicted_tokens",
+                        "time_to_first_token_s"})
+
+
+def numeric_leaves(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """``{"thinkv": {"thought_shares": {"R": .6}}}`` -> ``{"thinkv.thought_shares.R": .6}`` (numbers only)."""
+    out: dict[str, float] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(numeric_leaves(v, f"{prefix}{k}."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = float(v)
+    return out
+
+
+def _mean_stats(per_request: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for d in per_request for k in d})
+    return {k: statistics.fmean(d[k] for d in per_request if k in d) for k in keys}
 
 
 def _rss_bytes() -> int | None:
@@ -416,6 +440,7 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
                 "peak_device_bytes": max(peak_dev) if peak_dev else None,
                 "kv_pool_bytes": max(r.pool_bytes for r in rs),
                 "rss_bytes": max((r.rss_bytes or 0) for r in rs) or None,
+                "policy_stats": _mean_stats([d for r in rs for d in r.policy_stats]),  # mean over requests
             })
     first = engines[0].label
     for row in rows:
@@ -479,8 +504,10 @@ def write_results(doc: dict[str, Any], out: Path) -> list[Path]:
     written = [out / "results.json", out / "results.csv"]
     (out / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     rows = doc["results"]
-    flat = [{**{k: v for k, v in r.items() if k != "ratios_to_first"},
-             **{f"ratio_{k}": v for k, v in r["ratios_to_first"].items()}} for r in rows]
+    stat_keys = sorted({k for r in rows for k in r["policy_stats"]})
+    flat = [{**{k: v for k, v in r.items() if k not in ("ratios_to_first", "policy_stats")},
+             **{f"ratio_{k}": v for k, v in r["ratios_to_first"].items()},
+             **{f"policy.{k}": r["policy_stats"].get(k) for k in stat_keys}} for r in rows]
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(flat[0]))
         w.writeheader()
