@@ -71,7 +71,7 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=40), eviction=st.sampled_from(["inplace", "compact"]))
 def test_random_write_evict_reuse(ops, eviction):
     cache = make_cache(eviction)
@@ -121,6 +121,28 @@ def test_reuse_before_allocate():
     assert cache.pools[0]["fp32"].in_use == before + 1
     assert {seq.layers[0].loc[p][1:] for p in (12, 13, 14)} <= {seq.layers[0].loc[p][1:] for p in (12, 13, 14)}
     assert all(seq.layers[0].loc[p][1] != seq.layers[0].loc[100][1] for p in (12, 13, 14))
+
+
+def test_released_page_reallocated_ignores_stale_reuse_entries():
+    """A page emptied by eviction returns to the pool with its freed slots still listed for reuse; when the
+    request gets that page back for another class of the same format, those stale entries must not place
+    tokens of the first class in it (regression: ThinKV R4E4T4 wrote into a live slot)."""
+    other = ("fp32", 1)
+    cache = make_cache(block=4)
+    seq = cache.add_sequence(0)
+    x = lambda n: torch.randn(n, H, D)  # noqa: E731
+    cache.write(seq, 0, x(4), x(4), [0, 1, 2, 3], ("fp32", 0))
+    cache.write(seq, 0, x(1), x(1), [4], ("fp32", 0))  # the class's open page is now another page
+    page0 = seq.layers[0].loc[0][1]
+    cache.evict(seq, 0, [0, 1, 2, 3])  # page0 empty: released, its slots stay in the reuse heap
+    cache.write(seq, 0, x(1), x(1), [5], other)  # takes page0 back (lowest free page), slot 0
+    assert seq.layers[0].loc[5][1] == page0
+    cache.write(seq, 0, x(1), x(1), [6], ("fp32", 0))  # must not land in page0
+    cache.write(seq, 0, x(3), x(3), [7, 8, 9], other)  # page0's tail slots 1..3
+    check_invariants(cache)
+    assert seq.layers[0].loc[6][1] != page0
+    cache.free_sequence(0)
+    assert cache.pages_in_use() == 0
 
 
 def dense_attention(q, k, v, sm_scale):

@@ -174,9 +174,9 @@ class KVCacheManager:
                 return np.array([p], np.int64), np.array([s], np.int64)
         pages, slots = [], []
         while heap and len(pages) < n:
-            _, p, s = heapq.heappop(heap)
-            if table.page_seq.get((cls[0], p)) is None or pool.valid[p] >> s & 1:
-                continue  # stale entry: page released (and maybe reallocated) or slot refilled
+            seq_no, p, s = heapq.heappop(heap)
+            if table.page_seq.get((cls[0], p)) != seq_no or pool.valid[p] >> s & 1:
+                continue  # stale entry: page released (maybe reallocated, to any class) or slot refilled
             pages.append(p)
             slots.append(s)
         while len(pages) < n:
