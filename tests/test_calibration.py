@@ -112,7 +112,25 @@ def test_fallback_when_no_layer_is_trimodal():
     assert an.target_shares == target
     art = make_artifact(an, None, "synthetic")
     assert art["rule"] == RULE_FALLBACK and art["warning"] and art["target_shares"] == target
-    load_calibration(art)
+    # the paper's §E.10 setting by default: one thought type; the bands on request
+    assert an.thought_types == 1 and load_calibration(art)["thought_types"] == 1 and "ONE thought type" in an.warning
+    banded = analyze(u, num_layers=3, target_shares=target, fallback_types=3)
+    assert banded.thought_types == 3 and banded.thresholds == an.thresholds and "sparsity bands" in banded.warning
+    with pytest.raises(TrtkvError):
+        analyze(u, num_layers=3, fallback_types=2)
+
+
+def test_trimodal_data_uses_three_types():
+    rng = np.random.default_rng(1)
+    u = [np.stack([np.concatenate([rng.normal(m, 0.03, 200) for m in (0.3, 0.6, 0.9)]) for _ in range(4)], 1)
+         for _ in range(5)]
+    an = analyze(u, num_layers=2, fallback_types=1)
+    assert an.rule == RULE_KDE and an.thought_types == 3
+    art = make_artifact(an, None, "synthetic")
+    legacy = {k: v for k, v in art.items() if k != "thought_types"}  # artifacts written before the field
+    assert load_calibration(legacy)["thought_types"] == 3
+    with pytest.raises(TrtkvError, match="thought_types"):
+        load_calibration({**art, "thought_types": 2})
 
 
 def test_classify_shares_boundaries():

@@ -174,3 +174,23 @@ def test_make_policy_rejects_bad_values():
         make_policy("thinkv", {"thought_schedule": "RXZ"})
     with pytest.raises(TrtkvError):
         make_policy("thinkv", {"_formats": "x"})
+
+
+def test_one_thought_type_labels_everything_r(engine_factory, load_engine, tiny_ckpt):
+    """thought_types=1 (paper §E.10): no sparsity is requested, every segment is R, so no transition
+    anneals; the budget still evicts (case 2) and the calibration's choice is taken unless overridden."""
+    eng = load_engine(engine_factory(tiny_ckpt, "thinkv", budget=24, tau=8, group=4, retention="4",
+                                     thought_types=1, thresholds="0.1,0.2", layers="0"))
+    pol = eng.core.policy
+    res = eng.generate("Numbers: 1, 2, 3", SamplingParams(max_tokens=60, ignore_eos=True, chat=False))[0]
+    st = res.stats["thinkv"]
+    assert set(st["labels"]) == {"R"} and st["thought_types"] == 1
+    assert st["thought_shares"]["R"] == 1.0 and st["transition_anneals"] == 0
+    assert res.stats["evicted_tokens"] > 0 and st["live_decode_tokens"] <= max(24, 4 * st["segments"])
+    assert pol.stats_request(None, "decode") is None
+    fresh = ThinKVPolicy()
+    fresh.load_calibration({"layers": [1], "thresholds": [0.4, 0.8], "thought_types": 1})
+    assert fresh.thought_types == 1 and fresh.stats_request(None, "decode") is None
+    mine = ThinKVPolicy(thought_types=3)
+    mine.load_calibration({"layers": [1], "thresholds": [0.4, 0.8], "thought_types": 1})
+    assert mine.thought_types == 3  # an explicit --set wins over the calibration

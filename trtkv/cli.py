@@ -216,6 +216,9 @@ def info(engine) -> None:
 @click.option("--no-plot", is_flag=True, help="Do not write the PNG.")
 @click.option("--target-shares", default="E=0.2,R=0.6,T=0.2", show_default=True,
               help="Thought shares the fallback rule matches when no layer is tri-modal.")
+@click.option("--fallback-types", type=click.Choice(["1", "3"]), default="1", show_default=True,
+              help="Thought types ThinKV uses when no layer is tri-modal: 1 (the paper's §E.10 setting for "
+                   "LLMs) or 3 (the quantile bands).")
 @click.option("--temperature", type=float, default=None,
               help="Sampling temperature [the model's generation_config default, else greedy].")
 @click.option("--batch-size", type=int, default=None, help="Prompts decoded together [8 on CPU, 32 on CUDA].")
@@ -229,7 +232,7 @@ def info(engine) -> None:
 @click.option("--from-raw", type=click.Path(path_type=Path), default=None,
               help="Re-analyse a --save-raw file instead of generating (e.g. another --layers or --target-shares).")
 def calibrate(model, n_prompts, max_tokens, stride, num_layers, min_keys, data, out, plot, no_plot, target_shares,
-              temperature, batch_size, seed, device, dtype, synthetic_weights, save_raw, from_raw) -> None:
+              fallback_types, temperature, batch_size, seed, device, dtype, synthetic_weights, save_raw, from_raw) -> None:
     """ThinKV calibration: pick the sparsity layers and thought thresholds for MODEL.
 
     MODEL is a registry alias, a checkpoint directory or an engine directory. A temporary full-cache
@@ -253,7 +256,8 @@ def calibrate(model, n_prompts, max_tokens, stride, num_layers, min_keys, data, 
     art = cal.calibrate(model, n_prompts, max_tokens, stride, num_layers, data, min_keys=min_keys,
                         batch_size=batch_size, temperature=temperature, seed=seed, target_shares=shares,
                         device=device, dtype=dtype, synthetic=synthetic_weights, plot=png,
-                        log=lambda s: click.echo(s, err=True), raw_out=save_raw, raw_in=from_raw)
+                        log=lambda s: click.echo(s, err=True), raw_out=save_raw, raw_in=from_raw,
+                        fallback_types=int(fallback_types))
     cal.save_calibration(art, out)
     for line in cal.summary_lines(art):
         click.echo(line, err=line.startswith(("!", "WARNING")))

@@ -143,8 +143,8 @@ def _thought_calibration(model, pol, synthetic, calibration_file, calib_prompts,
     """ThinKV's layers and thresholds: a given file, the calibration shipped for the alias, or a fresh run."""
     import sys
 
-    if pol.thought_schedule and calibration_file is None:
-        return {}  # labels are replayed; no thresholds needed
+    if calibration_file is None and (pol.thought_schedule or pol.thought_types == 1 or (pol.thresholds and pol.layers)):
+        return {}  # labels replayed, one thought type, or thresholds given: nothing to calibrate
 
     from trtkv.build.calibration import calibrate_for_build, load_calibration, summary_lines
 

@@ -71,6 +71,14 @@ prompts — measured on SmolLM2-135M, which is not a reasoning model, see
 
 The artifact then says ``rule: "fallback-quantiles"`` and carries a ``warning`` that ``trtkv calibrate``
 and ``trtkv build`` print loudly: the labels are sparsity quantiles, not evidence of thought types.
+
+**How many thought types ThinKV uses** (``thought_types`` in the artifact). With valleys (``kde-valleys``)
+it is 3. Without them the default is 1: the paper's own setting for LLMs that show no thought structure
+(its §E.10: "we set |T| = 1 with B = 4, treating all tokens as a single category"; eviction then happens
+only at the budget). Three quantile bands on such a model put T's 2-bit ternary on whatever tokens fall
+in the top sparsity band; on SmolLM2 that was 37-50% of a 1,024-token generation and the text fell
+apart within ~300 tokens (docs/benchmarks.md), so the bands are kept in the artifact but used only on
+request (``trtkv calibrate --fallback-types 3``, or ``--set thought_types=3`` on the engine).
 """
 from __future__ import annotations
 
@@ -98,6 +106,7 @@ REL_THRESHOLD = 0.01
 RULE_KDE = "kde-valleys"
 RULE_FALLBACK = "fallback-quantiles"
 RULES = (RULE_KDE, RULE_FALLBACK)
+THOUGHT_TYPE_COUNTS = (1, 3)  # 1: the paper's §E.10 single category (no labels); 3: R / E / T
 TYPES = ("E", "R", "T")  # ascending sparsity
 DEFAULT_TARGET_SHARES = {"E": 0.2, "R": 0.6, "T": 0.2}
 DEFAULT_NUM_LAYERS = 4
@@ -346,6 +355,7 @@ class Analysis:
     n_prompts_used: int
     target_shares: dict[str, float] | None
     kde: dict[str, Any]  # densities for the plot (window grid, per-layer mixture, ū)
+    thought_types: int = 3  # how many types ThinKV labels with these thresholds (1: all tokens one type)
     per_prompt_kde: np.ndarray | None = None  # [P, L, len(kde["x"])] (in memory only, for the plot)
 
 
@@ -416,9 +426,12 @@ def _sig(a, digits: int = 5) -> list[float]:
 
 def analyze(u: Sequence[np.ndarray], num_layers: int = DEFAULT_NUM_LAYERS,
             target_shares: dict[str, float] | None = None, min_support: float = 0.5,
-            keep_per_prompt: bool = False) -> Analysis:
-    """Algorithm 1 on recorded sparsities: ``u[p]`` is ``[steps, layers]`` for prompt ``p``."""
+            keep_per_prompt: bool = False, fallback_types: int = 1) -> Analysis:
+    """Algorithm 1 on recorded sparsities: ``u[p]`` is ``[steps, layers]`` for prompt ``p``.
+    ``fallback_types``: thought types ThinKV uses when no layer is tri-modal (1 or 3)."""
     shares = _check_shares(target_shares)
+    if fallback_types not in THOUGHT_TYPE_COUNTS:
+        raise TrtkvError(f"fallback thought types must be 1 or 3, got {fallback_types}")
     if num_layers < 1:
         raise TrtkvError(f"the number of calibration layers must be positive, got {num_layers}")
     if not 0.0 < min_support <= 1.0:
@@ -470,6 +483,7 @@ def analyze(u: Sequence[np.ndarray], num_layers: int = DEFAULT_NUM_LAYERS,
     k = min(num_layers, L)
     warnings: list[str] = []
     tshares = None
+    types = N_THOUGHT_TYPES
     if three[rank[0]] >= need:
         rule = RULE_KDE
         chosen = [layer for layer in rank[:k] if three[layer] >= need]
@@ -487,6 +501,7 @@ def analyze(u: Sequence[np.ndarray], num_layers: int = DEFAULT_NUM_LAYERS,
     else:
         rule = RULE_FALLBACK
         tshares = shares
+        types = fallback_types
         chosen = sorted(range(L), key=lambda layer: (-score_sd[layer], layer))[:k]
         ub = pooled_u_bar(used, chosen)
         ub = ub[np.isfinite(ub)]
@@ -503,7 +518,9 @@ def analyze(u: Sequence[np.ndarray], num_layers: int = DEFAULT_NUM_LAYERS,
             f"structure; thresholds are quantiles of the mean sparsity of the {len(chosen)} most variable "
             f"layers {sorted(chosen)}, placed so that E/R/T shares are "
             f"{shares['E']:.2f}/{shares['R']:.2f}/{shares['T']:.2f} on the calibration data. "
-            "The labels are sparsity bands, not evidence of thought types."))
+            + ("ThinKV therefore treats every token as ONE thought type (the paper's §E.10 setting for LLMs: "
+               "4-bit, eviction only at the budget); `--set thought_types=3` labels by the quantile bands instead."
+               if types == 1 else "The labels are sparsity bands, not evidence of thought types.")))
     thresholds = (lo, hi)
     ub_all = pooled_u_bar(used, chosen)
     observed = classify_shares(ub_all, thresholds)
@@ -536,7 +553,7 @@ def analyze(u: Sequence[np.ndarray], num_layers: int = DEFAULT_NUM_LAYERS,
             "chosen": layer in chosen,
         })
     return Analysis(rule, sorted(int(c) for c in chosen), (lo, hi), " ".join(warnings), observed, per_layer,
-                    intersection, P, tshares, kde, per_prompt if keep_per_prompt else None)
+                    intersection, P, tshares, kde, types, per_prompt if keep_per_prompt else None)
 
 
 # --- artifact -------------------------------------------------------------------------------------
@@ -553,6 +570,7 @@ def make_artifact(analysis: Analysis, data: CalibrationData | None, model: str,
         "layers": list(analysis.layers),
         "thresholds": [float(analysis.thresholds[0]), float(analysis.thresholds[1])],
         "rule": analysis.rule,
+        "thought_types": analysis.thought_types,
         "warning": analysis.warning,
         "n_prompts": len(data.u) if data is not None else analysis.n_prompts_used,
         "n_prompts_used": analysis.n_prompts_used,
@@ -620,6 +638,10 @@ def load_calibration(src: str | Path | dict[str, Any], num_layers: int | None = 
     lo, hi = float(th[0]), float(th[1])
     if not (math.isfinite(lo) and math.isfinite(hi) and 0.0 <= lo < hi <= 1.0):
         raise _bad(where, f"'thresholds' must satisfy 0 <= low < high <= 1, got {th}")
+    types = c.get("thought_types", N_THOUGHT_TYPES)  # artifacts before this field: 3
+    if types not in THOUGHT_TYPE_COUNTS or isinstance(types, bool):
+        raise _bad(where, f"'thought_types' must be 1 or 3, got {types!r}")
+    c["thought_types"] = int(types)
     if c.get("rule") not in RULES:
         raise _bad(where, f"'rule' must be one of {', '.join(RULES)}, got {c.get('rule')!r}")
     if not isinstance(c.get("warning", ""), str):
@@ -681,9 +703,11 @@ def packaged_calibration(alias: str) -> Path | None:
 def summary_lines(art: dict[str, Any]) -> list[str]:
     """Human-readable summary; the warning (if any) framed so it cannot be missed."""
     sh = art.get("observed_shares") or {}
+    types = art.get("thought_types", N_THOUGHT_TYPES)
     lines = [f"calibration of {art.get('model')}: rule {art['rule']}, layers {art['layers']}, "
-             f"thresholds θ_low={art['thresholds'][0]:.4f} θ_high={art['thresholds'][1]:.4f}",
-             f"  observed shares on the calibration data: E {sh.get('E', 0):.3f}  R {sh.get('R', 0):.3f}  "
+             f"thresholds θ_low={art['thresholds'][0]:.4f} θ_high={art['thresholds'][1]:.4f}, "
+             + ("3 thought types (R/E/T)" if types == 3 else "1 thought type (no labels; paper §E.10)"),
+             f"  {'observed' if types == 3 else 'quantile-band'} shares on the calibration data: E {sh.get('E', 0):.3f}  R {sh.get('R', 0):.3f}  "
              f"T {sh.get('T', 0):.3f}  ({art.get('n_prompts_used', art.get('n_prompts'))} prompts)"]
     if art.get("target_shares"):
         ts = art["target_shares"]
@@ -814,7 +838,8 @@ def calibrate(model: str, n_prompts: int = 100, max_tokens: int = 1024, stride: 
               seed: int = 0, target_shares: dict[str, float] | None = None, min_support: float = 0.5,
               device: str | None = None, dtype: str | None = None, synthetic: bool = False,
               plot: str | Path | None = None, log: Log | None = None, quiet: bool = True,
-              raw_out: str | Path | None = None, raw_in: str | Path | None = None) -> dict[str, Any]:
+              raw_out: str | Path | None = None, raw_in: str | Path | None = None,
+              fallback_types: int = 1) -> dict[str, Any]:
     """Collect on ``model`` and analyse; returns the artifact (and writes ``plot`` if given).
 
     ``raw_out`` also saves the recorded data (:func:`save_raw`); ``raw_in`` skips the collection and
@@ -845,7 +870,8 @@ def calibrate(model: str, n_prompts: int = 100, max_tokens: int = 1024, stride: 
         cdata.meta.update(model=alias, **extra)
         if raw_out is not None:
             save_raw(cdata, raw_out)
-    an = analyze(cdata.u, num_layers, target_shares, min_support, keep_per_prompt=plot is not None)
+    an = analyze(cdata.u, num_layers, target_shares, min_support, keep_per_prompt=plot is not None,
+                 fallback_types=fallback_types)
     art = make_artifact(an, cdata, alias, {**extra, "num_layers_requested": num_layers, "min_support": min_support})
     art["stats"]["wall_s"] = round(time.perf_counter() - t0, 2)
     load_calibration(art)

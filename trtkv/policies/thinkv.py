@@ -10,6 +10,10 @@
 * CT (§5): evictions only flip validity bits; the cache reuses freed slots for later tokens of the
   same thought type (pages are dedicated to one type).
 
+* One thought type (paper §E.10, ``thought_types=1``): on a model whose attention shows no thought
+  structure (its calibration found no tri-modal layer) every token is R, so there are no transitions and
+  eviction happens only at the budget (case 2). The calibration says which applies; ``--set`` overrides.
+
 Variants: ``thinkv`` (TBQ + TBE), ``thinkv-tbq`` (quantize only), ``thinkv-tbe`` (evict only, 16-bit).
 """
 from __future__ import annotations
@@ -71,6 +75,7 @@ class ThinKVPolicy(KVPolicy):
     budget_mode: str = "soft"  # "soft": overflow counted; "hard": evict minimum-level segments entirely
     kmeans_iters: int = 10
     thresholds: tuple[float, ...] = ()  # (theta_low, theta_high) from calibration
+    thought_types: int | None = None  # 3 (R/E/T) or 1 (paper §E.10: all R); None: the calibration's (else 3)
     layers: tuple[int, ...] = ()  # L* from calibration
     thought_schedule: str = ""  # forced labels per segment, e.g. "RRTE..." (replay for synthetic weights, tests)
     stats_every_step: bool = False
@@ -89,6 +94,8 @@ class ThinKVPolicy(KVPolicy):
             raise ValueError("budget_mode must be soft or hard")
         if self.thresholds and (len(self.thresholds) != 2 or not self.thresholds[0] < self.thresholds[1]):
             raise ValueError("thresholds must be two increasing values theta_low,theta_high")
+        if self.thought_types not in (None, 1, 3):
+            raise ValueError(f"thought_types must be 1 or 3, got {self.thought_types}")
         bad = set(self.thought_schedule.upper()) - set("RET")
         if bad:
             raise ValueError(f"thought_schedule may only contain R, E, T (got {''.join(sorted(bad))})")
@@ -126,6 +133,8 @@ class ThinKVPolicy(KVPolicy):
         """Take L* and thresholds from the engine's calibration unless given explicitly."""
         if not calibration:
             return
+        if self.thought_types is None:
+            self.thought_types = int(calibration.get("thought_types", 3))
         if not self.layers and calibration.get("layers"):
             self.layers = tuple(int(x) for x in calibration["layers"])
         if not self.thresholds and calibration.get("thresholds"):
@@ -159,8 +168,11 @@ class ThinKVPolicy(KVPolicy):
     def prefill_class(self, req) -> tuple[str, int, int]:
         return self._formats[R], R, 0
 
+    def _labels_by_sparsity(self) -> bool:
+        return bool(self.thresholds) and self.thought_types != 1 and not self.thought_schedule
+
     def stats_request(self, req, phase: str):
-        if phase != "decode" or self.thought_schedule:
+        if phase != "decode" or not self._labels_by_sparsity():
             return None
         if req.step % self.tau == 0 or self.stats_every_step:
             return StatsRequest(layers=self.layers or None, sparsity=True)
@@ -264,12 +276,12 @@ class ThinKVPolicy(KVPolicy):
         i = stats.step
         if i % self.tau == 0:
             if seg.thought < 0:
-                if self.thresholds and stats.layers:
+                if self._labels_by_sparsity() and stats.layers:
                     u = float(np.mean([ls.sparsity for ls in stats.layers.values()]))
                     st["sparsity"].append(u)
                     seg.thought = self.classify(u)
                 else:
-                    seg.thought = R  # no calibration: everything is reasoning (no T, so no case-1 anneals)
+                    seg.thought = R  # one type, or no calibration: all R (no T, so no case-1 anneals)
             st["labels"].append(NAME[seg.thought])
         st["tokens"][seg.thought if seg.thought >= 0 else R] += 1
         st["buffered"] = req.seq.buffered(0)
@@ -295,6 +307,7 @@ class ThinKVPolicy(KVPolicy):
                 "avg_element_bits": round(bits, 3),  # paper's convention, over generated tokens
                 "avg_stored_bits": round(float(np.mean(stored)), 3) if stored else None,  # live paged tokens
                 "thought_shares": {NAME[c]: round(toks[c] / n, 4) for c in (R, E, T)},
+                "thought_types": 1 if self.thought_types == 1 else 3,
                 "labels": "".join(st["labels"]),
                 "segments": len(st["segments"]) - 1,
                 "eviction_steps": st["evict_steps"],
