@@ -8,7 +8,9 @@ BIN     := $(VENV)/bin
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 EXTRAS  ?= gguf,test,serve
 ENGINES ?= engines
-PROMPT  ?= A train leaves at 3 pm and travels 60 miles per hour. How far has it gone by 5:30 pm? Think step by step.
+PROMPT  ?= Write a long, detailed essay about the history of mathematics, from ancient Babylon to modern computers. Cover many eras and people.
+# SmolLM2-135M loops under greedy decoding even with the full cache; the demo samples (seeded, reproducible)
+SAMPLING ?= --temperature 0.7 --top-p 0.9 --repetition-penalty 1.1 --seed 0 --ignore-eos
 
 .PHONY: setup demo test test-fast test-kernels bench-cpu clean
 
@@ -25,20 +27,23 @@ setup: $(VENV)/.installed
 
 demo: setup
 	$(BIN)/trtkv models fetch smollm2-135m
-	$(BIN)/trtkv build --model smollm2-135m --policy full --out $(ENGINES)/smollm2-full
+	$(BIN)/trtkv build --model smollm2-135m --policy full --set kv_format=fp16 --out $(ENGINES)/smollm2-full
 	$(BIN)/trtkv build --model smollm2-135m --policy thinkv --budget 256 --out $(ENGINES)/smollm2-thinkv
-	@echo "--- full cache ---"
-	$(BIN)/trtkv generate $(ENGINES)/smollm2-full --prompt "$(PROMPT)" --max-tokens 1024
+	@echo "--- full cache (fp16) ---"
+	$(BIN)/trtkv generate $(ENGINES)/smollm2-full --prompt "$(PROMPT)" --max-tokens 1024 $(SAMPLING)
 	@echo "--- ThinKV, budget 256 ---"
-	$(BIN)/trtkv generate $(ENGINES)/smollm2-thinkv --prompt "$(PROMPT)" --max-tokens 1024
+	$(BIN)/trtkv generate $(ENGINES)/smollm2-thinkv --prompt "$(PROMPT)" --max-tokens 1024 $(SAMPLING)
 
 test: setup
-	$(BIN)/python -m pytest -q -m "not slow or serve" tests --ignore=tests/kernels
+	$(BIN)/python -m pytest -q -m "not slow or serve or claim" tests --ignore=tests/kernels
 	$(MAKE) test-kernels
 
 test-kernels: setup
 	$(BIN)/python -m pytest -q tests/kernels
 	TRITON_INTERPRET=1 TRTKV_KERNELS=triton $(BIN)/python -m pytest -q tests/kernels
+
+bench-cpu: setup
+	PATH=$(BIN):$$PATH build_scripts/bench_cpu.sh results/bench-cpu-thinkv
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not model and not serve" tests --ignore=tests/kernels

@@ -190,6 +190,7 @@ BAD_REQUESTS = [
     ({"temperature": -1.0}, "temperature must be >= 0"),
     ({"top_p": 0.0}, "top_p must be in (0, 1]"),
     ({"seed": -3}, "seed must be a non-negative integer"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 10]"),
     ({"text_input": ""}, "text_input is empty"),
     ({"text_input": b"\xff\xfe broken"}, "not valid UTF-8"),
     ({"text_input": "word " * 9000}, "positions"),

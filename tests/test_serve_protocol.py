@@ -28,10 +28,12 @@ def test_defaults_and_fields():
     assert (p.prompt, p.stream, p.params.max_tokens, p.params.temperature) == ("hello", False, 100, 0.0)
     p = parse_request(req(max_tokens=np.array([7], np.int32), temperature=np.array([0.5], np.float32),
                           top_k=np.array([3], np.int32), seed=np.array([9], np.int64),
+                          repetition_penalty=np.array([1.2], np.float32),
                           stream=np.array([True]), ignore_eos=np.array([True]),
                           stop=np.array([b"a", b"", b"bc"], dtype=np.object_)), 4096, SamplingParams)
     assert p.stream and p.params.ignore_eos
     assert (p.params.max_tokens, p.params.top_k, p.params.seed, p.params.stop) == (7, 3, 9, ("a", "bc"))
+    assert p.params.repetition_penalty == pytest.approx(1.2)
 
 
 @pytest.mark.parametrize("fields,message", [
@@ -47,6 +49,7 @@ def test_defaults_and_fields():
     ({"top_k": np.array([-1], np.int32)}, "top_k must be >= 0"),
     ({"stream": np.array([1], np.int32)}, "stream must be a boolean"),
     ({"seed": np.array([-1], np.int64)}, "seed must be a non-negative integer"),
+    ({"repetition_penalty": np.array([-2.0], np.float32)}, "repetition_penalty must be in (0, 10]"),
 ])
 def test_bad_fields(fields, message):
     inputs = req()

@@ -182,9 +182,10 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
     click.echo()
     if result is not None:
         s = result.stats
-        click.echo(f"[{s['generated_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, KV {s['kv_bytes'] / 1e6:.2f} MB "
-                   f"of {s['kv_bytes_full'] / 1e6:.2f} MB fp16 ({100 * s['kv_bytes'] / max(1, s['kv_bytes_full']):.1f}%)]",
-                   err=True)
+        click.echo(f"[{s['generated_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s | KV {s['kv_bytes'] / 1e6:.2f} MB "
+                   f"(peak {s['peak_kv_bytes'] / 1e6:.2f} MB) of {s['kv_bytes_full'] / 1e6:.2f} MB fp16 "
+                   f"({100 * s['kv_bytes'] / max(1, s['kv_bytes_full']):.1f}%) | {s['live_tokens']} tokens live in "
+                   f"{s['pages']} pages per layer, {s['evicted_tokens']} evicted]", err=True)
 
 
 @main.command()
