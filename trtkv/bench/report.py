@@ -93,4 +93,5 @@ def print_thinkv_stats(doc: dict[str, Any], console) -> None:
         t.add_row(r["engine"], str(r["batch"]), *(_fmt(st.get(key), spec) for _, key, spec in THINKV_COLUMNS))
     console.print(t)
     console.print("[dim]avg bits: element bits over generated tokens (the paper's convention); stored bits: over "
-                  "the tokens held at the end; evictions/step: decode steps with an eviction event / decode steps.[/dim]")
+                  "the tokens held at the end; evictions/step: decode steps with an eviction event / decode "
+                  "steps.[/dim]")

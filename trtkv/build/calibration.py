@@ -707,7 +707,8 @@ def summary_lines(art: dict[str, Any]) -> list[str]:
     lines = [f"calibration of {art.get('model')}: rule {art['rule']}, layers {art['layers']}, "
              f"thresholds θ_low={art['thresholds'][0]:.4f} θ_high={art['thresholds'][1]:.4f}, "
              + ("3 thought types (R/E/T)" if types == 3 else "1 thought type (no labels; paper §E.10)"),
-             f"  {'observed' if types == 3 else 'quantile-band'} shares on the calibration data: E {sh.get('E', 0):.3f}  R {sh.get('R', 0):.3f}  "
+             f"  {'observed' if types == 3 else 'quantile-band'} shares on the calibration data: "
+             f"E {sh.get('E', 0):.3f}  R {sh.get('R', 0):.3f}  "
              f"T {sh.get('T', 0):.3f}  ({art.get('n_prompts_used', art.get('n_prompts'))} prompts)"]
     if art.get("target_shares"):
         ts = art["target_shares"]

@@ -82,7 +82,8 @@ def plot_calibration(art: dict[str, Any], path: str | Path, per_prompt_kde: np.n
 
     types = art.get("thought_types", 3)
     title = (f"ThinKV calibration — {art.get('model')}   rule: {art['rule']}   layers {sorted(chosen)}   "
-             f"thresholds [{lo:.4f}, {hi:.4f}]   {types} thought type{'s' if types > 1 else ''}\n{P} prompts × ≤{art.get('max_tokens')} tokens, stride "
+             f"thresholds [{lo:.4f}, {hi:.4f}]   {types} thought type{'s' if types > 1 else ''}\n"
+             f"{P} prompts × ≤{art.get('max_tokens')} tokens, stride "
              f"{art.get('step_stride')}, min_keys {art.get('min_keys')}; panels: per-layer KDE of per-step "
              f"sparsity (mean over prompts; grey: single prompts), dashed: thresholds")
     fig.suptitle(title, fontsize=9, y=0.995)
