@@ -127,3 +127,23 @@ def test_bench_reports_thinkv_stats(tiny_ckpt, engine_factory, tmp_path):
     with open(out / "results.csv") as f:
         csv_rows = list(csv.DictReader(f))
     assert "policy.thinkv.eviction_call_rate" in csv_rows[0]
+
+
+def test_progress_bar_logs_lines_when_not_a_terminal(capsys):
+    """Under nohup / a log file a long sweep must still say where it is: whole lines, not \\r redraws."""
+    from trtkv.bench.progress import progress_bar
+
+    bar = progress_bar(10, "fidelity", "tok", None, log_interval_s=0)
+    for _ in range(10):
+        bar.update(1)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) >= 2 and all(ln.startswith("fidelity") for ln in lines)
+    assert "10/10" in lines[-1]
+
+    quiet = progress_bar(10, "bench", "step", False)
+    quiet.update(10)
+    quiet.close()
+    assert capsys.readouterr().err == ""

@@ -364,7 +364,7 @@ def _max_rss_bytes() -> int:
 def run_bench(engines: list[BenchEngine], cfg: BenchConfig, progress: bool | None = None,
               command: str | None = None) -> dict[str, Any]:
     """Run the sweep and return the results document (what ``results.json`` holds)."""
-    from tqdm import tqdm
+    from trtkv.bench.progress import progress_bar
 
     cfg.validate()
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -375,8 +375,7 @@ def run_bench(engines: list[BenchEngine], cfg: BenchConfig, progress: bool | Non
             run_once(be, 1, warm, 0)
     runs: list[RunResult] = []
     total_steps = cfg.repeat * len(engines) * len(cfg.batch_sizes) * cfg.gen_len
-    bar = tqdm(total=total_steps, desc="bench", unit="step", disable=(not progress) if progress is not None else None,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(total_steps, "bench", "step", progress)
     try:
         for rep in range(cfg.repeat):
             for b in cfg.batch_sizes:

@@ -106,7 +106,7 @@ def run_fidelity(engines: list, traces: list, max_tokens: int = 1024, reference=
                  recall_layers: str | int | None = 8, topk: int = 10, batch: int = 4,
                  progress: bool | None = None) -> list[dict[str, Any]]:
     """One record per engine (plus one per reference), in input order."""
-    from tqdm import tqdm
+    from trtkv.bench.progress import progress_bar
 
     from trtkv.eval.fidelity import FidelityAccumulator
 
@@ -131,8 +131,7 @@ def run_fidelity(engines: list, traces: list, max_tokens: int = 1024, reference=
         enc = [encode_trace(e.tokenizer, t, max_tokens, e.arch.max_position_embeddings) for t in traces]
         enc_cache[id(members[0])] = enc
         total += sum(len(f) for _, f in enc)
-    bar = tqdm(total=total, desc="fidelity", unit="tok", file=sys.stderr, dynamic_ncols=True,
-               disable=(not progress) if progress is not None else None)
+    bar = progress_bar(total, "fidelity", "tok", progress)
     records: dict[str, dict] = {}
     try:
         for members in groups.values():
@@ -278,7 +277,7 @@ def run_accuracy(engines: list, task: str, problems: list, samples: int = 1, max
                  progress: bool | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Generate ``samples`` answers per problem with every engine and grade them; returns
     (one record per engine, one row per sample)."""
-    from tqdm import tqdm
+    from trtkv.bench.progress import progress_bar
 
     from trtkv.eval.answers import extract_answer, is_correct, reference_answer
     from trtkv.runtime.sampling import SamplingParams
@@ -288,8 +287,7 @@ def run_accuracy(engines: list, task: str, problems: list, samples: int = 1, max
     if samples <= 0:
         raise TrtkvError("--samples must be at least 1")
     items = [(pi, s) for pi in range(len(problems)) for s in range(samples)]
-    bar = tqdm(total=len(items) * len(engines), desc=task, unit="sample", file=sys.stderr, dynamic_ncols=True,
-               disable=(not progress) if progress is not None else None)
+    bar = progress_bar(len(items) * len(engines), task, "sample", progress)
     records, rows = [], []
     try:
         for be in engines:
