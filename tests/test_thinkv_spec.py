@@ -195,8 +195,8 @@ class Hooks:
             hit = {p: table.loc[p] for p in pos if p in table.loc}
             n = evict(cache, seq, layer, positions)
             assert n == len(hit)
-            self.evicted.setdefault(layer, {}).update(hit)
-            self.evict_steps.append((hooks.step, layer, sorted(hit)))
+            hooks.evicted.setdefault(layer, {}).update(hit)
+            hooks.evict_steps.append((hooks.step, layer, sorted(hit)))
             return n
 
         pol.on_decode_step_begin, pol.on_decode_step_end = on_begin, on_end

@@ -107,7 +107,6 @@ def run_fidelity(engines: list, traces: list, max_tokens: int = 1024, reference=
                  progress: bool | None = None) -> list[dict[str, Any]]:
     """One record per engine (plus one per reference), in input order."""
     from trtkv.bench.progress import progress_bar
-
     from trtkv.eval.fidelity import FidelityAccumulator
 
     if not traces:
@@ -278,7 +277,6 @@ def run_accuracy(engines: list, task: str, problems: list, samples: int = 1, max
     """Generate ``samples`` answers per problem with every engine and grade them; returns
     (one record per engine, one row per sample)."""
     from trtkv.bench.progress import progress_bar
-
     from trtkv.eval.answers import extract_answer, is_correct, reference_answer
     from trtkv.runtime.sampling import SamplingParams
 
