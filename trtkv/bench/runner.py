@@ -26,9 +26,7 @@ import numpy as np
 import torch
 
 from trtkv.errors import TrtkvError
-
-SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-              "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+from trtkv.sizes import parse_size  # noqa: F401  (re-exported by trtkv.bench)
 
 FIT_METHOD = (
     "largest batch that fits = floor(KV memory / per-request peak KV bytes), where the per-request peak is the "
@@ -83,17 +81,6 @@ class BenchEngine:
 
 
 # --- parsing ----------------------------------------------------------------------------------------
-def parse_size(text: str) -> int:
-    """``"2GiB"`` -> 2147483648; decimal (GB) and binary (GiB) units, bare numbers are bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in SIZE_UNITS:
-        raise TrtkvError(f"cannot read the size {text!r}; write it like 2GiB, 512MiB, 8GB or a number of bytes")
-    n = int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise TrtkvError(f"the size {text!r} must be positive")
-    return n
-
-
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(p) for p in str(text).replace(";", ",").split(",") if p.strip())
