@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import platform
-import re
 import resource
 import statistics
 import sys
@@ -68,14 +67,14 @@ class BenchEngine:
 
     @property
     def synthetic(self) -> bool:
-        return bool(self.engine.manifest["model"].get("synthetic"))
+        return self.engine.manifest.model.synthetic
 
     def describe(self) -> dict[str, Any]:
         e = self.engine
-        mm = e.manifest["model"]
-        return {"label": self.label, "path": str(self.path), "model": mm["alias"], "architecture": mm["architecture"],
+        mm = e.manifest.model
+        return {"label": self.label, "path": str(self.path), "model": mm.alias, "architecture": mm.architecture,
                 "dtype": str(e.core.dtype).replace("torch.", ""), "device": str(e.core.device),
-                "policy": e.manifest["policy"]["name"], "policy_params": e.policy.params(),
+                "policy": e.manifest.policy.name, "policy_params": e.policy.params(),
                 "synthetic_weights": self.synthetic, "weight_bytes": weight_bytes(e.model),
                 "block_size": e.core.cache.cfg.block_size, "residual_group": e.core.cache.cfg.residual_group}
 
@@ -111,14 +110,14 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
     overrides = {k: _value_or_file(k, v) for k, v in (policy_overrides or {}).items()}
     per_engine, used = [], set()
     for m in manifests:
-        cls = POLICIES.get(m["policy"]["name"])
+        cls = POLICIES.get(m.policy.name)
         mine = {k: v for k, v in overrides.items() if cls is not None and k in policy_fields(cls)}
         used |= set(mine)
         per_engine.append(mine or None)
     unused = sorted(set(overrides) - used)
     if unused:
         raise TrtkvError(f"--set {unused[0]}: none of the engines' policies "
-                         f"({', '.join(sorted({m['policy']['name'] for m in manifests}))}) has that parameter")
+                         f"({', '.join(sorted({m.policy.name for m in manifests}))}) has that parameter")
     out: list[BenchEngine] = []
     shared: dict[tuple, Any] = {}
     for lbl, p, ov in zip(_labels(paths), paths, per_engine):
@@ -147,10 +146,10 @@ def _value_or_file(key: str, value: Any) -> Any:
 
 def model_key(engine) -> tuple:
     """Engines with equal keys run the same weights (same model, weights hash or synthetic seed, dtype)."""
-    mm = engine.manifest["model"]
-    weights = ("synthetic", mm.get("synthetic_seed")) if mm.get("synthetic") else mm.get("weights_sha256")
-    return (mm["alias"], weights, str(engine.core.dtype), str(engine.core.device),
-            json.dumps(mm["arch"], sort_keys=True))
+    mm = engine.manifest.model
+    weights = ("synthetic", mm.synthetic_seed) if mm.synthetic else mm.weights_sha256
+    return (mm.alias, weights, str(engine.core.dtype), str(engine.core.device),
+            json.dumps(mm.arch.to_dict(), sort_keys=True))
 
 
 def _labels(paths: list[Path]) -> list[str]:
@@ -402,7 +401,7 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
             bw = [(wbytes + kv) / s for r in rs for s, kv in zip(r.decode_s, r.step_kv_total) if s > 0]
             peak_dev = [r.peak_device_bytes for r in rs if r.peak_device_bytes is not None]
             rows.append({
-                "engine": be.label, "policy": be.engine.manifest["policy"]["name"], "batch": b,
+                "engine": be.label, "policy": be.engine.manifest.policy.name, "batch": b,
                 "synthetic_weights": be.synthetic, "repeats": len(rs),
                 "prefill_s_per_request": statistics.median(statistics.fmean(r.prefill_s) for r in rs),
                 "prefill_s_batch": statistics.median(sum(r.prefill_s) for r in rs),
