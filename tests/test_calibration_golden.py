@@ -70,3 +70,35 @@ def test_analysis_matches_the_previous_implementation(case):
     assert sum(an.kde["x"]) == pytest.approx(gold["kde_sums"]["x"], rel=1e-9)
     assert [sum(x) for x in an.kde["layers"]] == pytest.approx(gold["kde_sums"]["layers"], rel=1e-9)
     assert sum(an.kde["u_bar"]) == pytest.approx(gold["kde_sums"]["u_bar"], rel=1e-9)
+
+
+def _collect(model, case):
+    from trtkv.build.calibration import collect_sparsity, load_prompts, open_full_engine
+
+    gold = json.loads((DATA / "calibration_collect_golden.json").read_text())[case]
+    prompts, ids = load_prompts(len(gold["prompt_ids"]))
+    with open_full_engine(str(model), device="cpu") as eng:
+        data = collect_sparsity(eng, prompts, prompt_ids=ids, **gold["config"])
+        core_before = eng.core
+    assert eng.core is core_before and eng.policy.name == "full"  # observed, not patched
+    return gold, data
+
+
+def _same_recording(gold, data):
+    assert data.prompt_ids == gold["prompt_ids"] and data.generated_tokens == gold["generated_tokens"]
+    assert [x.tolist() for x in data.steps] == gold["steps"]
+    for got, want in zip(data.u, gold["u"]):
+        np.testing.assert_allclose(got, np.asarray(want), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(data.k_amax, gold["k_amax"], rtol=1e-6)
+    np.testing.assert_allclose(data.v_amax, gold["v_amax"], rtol=1e-6)
+
+
+def test_observer_collection_records_what_the_recorder_policy_did_tiny(tiny_ckpt):
+    """3 prompts x 40 tokens, stride 2, min_keys 16, batches of 2 (the second batch holds one request)."""
+    _same_recording(*_collect(tiny_ckpt, "tiny"))
+
+
+@pytest.mark.model
+def test_observer_collection_records_what_the_recorder_policy_did_smollm2():
+    """SmolLM2-135M, 3 prompts x 24 greedy tokens, every step, min_keys 64: all 30 layers' sparsities."""
+    _same_recording(*_collect("smollm2-135m", "smollm2"))

@@ -51,6 +51,30 @@ def _opt(s: dict[str, Any], key: str, types: tuple[type, ...], bad: _Bad, sectio
     return v
 
 
+_ARCH_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "int | None": (int, type(None)),
+               "list[int]": (list, int), "dict[str, Any] | None": (dict, type(None))}
+
+
+def _arch(d: Any, bad: _Bad) -> ModelArch:
+    """``model.arch``: every field of :class:`ModelArch` with the right JSON type (sizes positive)."""
+    if not isinstance(d, dict):
+        raise bad("model.arch", "is missing")
+    for f in dataclasses.fields(ModelArch):
+        if f.name not in d:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise bad(f"model.arch.{f.name}", "is missing")
+            continue
+        v, types = d[f.name], _ARCH_TYPES.get(str(f.type), (object,))
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            raise bad(f"model.arch.{f.name}", f"has the wrong type ({v!r})")
+        if str(f.type) == "int" and f.name != "head_dim" and v <= 0:
+            raise bad(f"model.arch.{f.name}", f"must be positive, got {v}")
+    try:
+        return ModelArch.from_dict(d)
+    except (TypeError, ValueError, TrtkvError) as e:
+        raise bad("model.arch", f"is invalid ({e})") from None
+
+
 @dataclass(frozen=True)
 class ModelSection:
     alias: str
@@ -70,12 +94,7 @@ class ModelSection:
                 raise bad(f"model.{key}", f"must be a non-empty string, got {s.get(key)!r}")
         if s.get("dtype") not in DTYPES:
             raise bad("model.dtype", f"must be one of {', '.join(DTYPES)}, got {s.get('dtype')!r}")
-        if not isinstance(s.get("arch"), dict):
-            raise bad("model.arch", "is missing")
-        try:
-            arch = ModelArch.from_dict(s["arch"])
-        except (TypeError, ValueError, TrtkvError) as e:
-            raise bad("model.arch", f"is invalid ({e})") from None
+        arch = _arch(s.get("arch"), bad)
         synthetic = s.get("synthetic", False)
         if not isinstance(synthetic, bool):
             raise bad("model.synthetic", f"must be true or false, got {synthetic!r}")
@@ -121,7 +140,7 @@ class CacheSection:
 
     @classmethod
     def from_dict(cls, s: dict[str, Any], bad: _Bad) -> CacheSection:
-        settings = {k: s[k] for k in ("block_size", "eviction", "max_batch", "max_pages", "kv_memory") if k in s}
+        settings = {k: v for k, v in s.items() if k != "residual_group"}
         try:
             typed = CacheConfig.validate_settings(settings)
         except TrtkvError as e:

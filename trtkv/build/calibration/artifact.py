@@ -30,7 +30,7 @@ ARTIFACT_VERSION = 1
 SPARSITY_DEF_VERSION = "thinkv-avgrow-v1"  # spec §8 A4: thresholds only apply to the statistic they came from
 REL_THRESHOLD = 0.01  # "sparse" = weight below 1% of the row max (runtime/attention.py::row_stats)
 _CORE = ("version", "model", "sparsity_def_version", "rel_threshold", "layers", "thresholds", "rule",
-         "thought_types", "warning", "n_prompts", "n_prompts_used", "target_shares", "observed_shares", "kv_amax")
+         "thought_types", "warning", "kv_amax")
 
 
 def _bad(where: str, msg: str) -> TrtkvError:
@@ -83,9 +83,9 @@ class KVAmax:
 class CalibrationArtifact:
     """What ThinKV needs (layers L*, thresholds, thought types) plus how it was obtained.
 
-    ``details`` holds the evidence in the artifact's JSON order (max_tokens, sampling, KDE densities,
-    per-layer table, timings, ...): reported by :func:`summary_lines` and the plot, never used to
-    configure an engine, so it is kept as JSON."""
+    ``details`` holds the evidence in the artifact's JSON order (prompt counts, shares, max_tokens, sampling,
+    KDE densities, per-layer table, timings, ...): reported by :func:`summary_lines` and the plot, never used
+    to configure an engine, so it is kept as JSON (the counts and shares are validated all the same)."""
 
     model: str | None
     layers: tuple[int, ...]
@@ -93,10 +93,6 @@ class CalibrationArtifact:
     rule: str
     thought_types: int = N_THOUGHT_TYPES
     warning: str = ""
-    n_prompts: int | None = None
-    n_prompts_used: int | None = None
-    target_shares: dict[str, float] | None = None
-    observed_shares: dict[str, float] | None = None
     kv_amax: KVAmax | None = None
     details: dict[str, Any] = field(default_factory=dict)
     version: int = ARTIFACT_VERSION
@@ -142,16 +138,24 @@ class CalibrationArtifact:
         rel = c.get("rel_threshold", REL_THRESHOLD)
         if not _is_num(rel) or abs(float(rel) - REL_THRESHOLD) > 1e-12:
             raise _bad(where, f"'rel_threshold' {rel!r} differs from {REL_THRESHOLD}")
-        counts = {k: c.get(k) for k in ("n_prompts", "n_prompts_used")}
-        for k, n in counts.items():
+        details = {k: v for k, v in c.items() if k not in _CORE}
+        for k in ("n_prompts", "n_prompts_used"):
+            n = details.get(k)
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
                 raise _bad(where, f"'{k}' must be a non-negative integer, got {n!r}")
-        shares = {k: _shares(c.get(k), k, where) for k in ("target_shares", "observed_shares")}
+        for k in ("target_shares", "observed_shares"):
+            if k in details:
+                details[k] = _shares(details[k], k, where)
         amax = c.get("kv_amax")
         return cls(model=c.get("model"), layers=tuple(int(x) for x in layers), thresholds=(lo, hi),
-                   rule=c["rule"], thought_types=int(types), warning=c.get("warning", ""), **counts, **shares,
+                   rule=c["rule"], thought_types=int(types), warning=c.get("warning", ""),
                    kv_amax=None if amax is None else KVAmax.from_dict(amax, where, num_layers),
-                   details={k: v for k, v in c.items() if k not in _CORE}, rel_threshold=float(rel))
+                   details=details, rel_threshold=float(rel))
+
+    @property
+    def observed_shares(self) -> dict[str, float] | None:
+        """E/R/T shares of the calibration steps under these thresholds."""
+        return self.details.get("observed_shares")
 
     @classmethod
     def load(cls, src: str | Path | dict[str, Any] | CalibrationArtifact, num_layers: int | None = None
@@ -176,9 +180,7 @@ class CalibrationArtifact:
         return {"version": self.version, "model": self.model, "sparsity_def_version": self.sparsity_def_version,
                 "rel_threshold": self.rel_threshold, "layers": list(self.layers),
                 "thresholds": [float(self.thresholds[0]), float(self.thresholds[1])], "rule": self.rule,
-                "thought_types": self.thought_types, "warning": self.warning, "n_prompts": self.n_prompts,
-                "n_prompts_used": self.n_prompts_used, "target_shares": self.target_shares,
-                "observed_shares": self.observed_shares,
+                "thought_types": self.thought_types, "warning": self.warning,
                 "kv_amax": self.kv_amax.to_dict() if self.kv_amax is not None else None, **self.details}
 
     def save(self, path: str | Path) -> Path:
