@@ -133,9 +133,9 @@ def _policy_calibration(model, pol, synthetic, calibration_file, calib_prompts, 
             log(line)
         return art
     if synthetic:
-        raise TrtkvError(f"policy {pol.name!r} needs a calibration, and synthetic weights have no real attention "
-                         "patterns: pass --calibration FILE from a real model (ThinKV: or a thought schedule, "
-                         "--set thought_schedule=RRETRR...)")
+        raise TrtkvError(f"policy {pol.name!r} with these parameters needs a calibration, and synthetic weights have "
+                         "no real attention patterns: pass --calibration FILE from a real model, or --set the "
+                         "parameters a calibration would fix (see `trtkv policies list`)")
     return calibrate_for_build(model, device=device, n_prompts=calib_prompts, max_tokens=calib_max_tokens,
                                num_model_layers=arch.num_hidden_layers, log=log)
 
