@@ -6,7 +6,8 @@ generations are ~100 tokens. "easy" keeps a budget above the prompt; "hard" sque
 cadences, prefill cuts, in-place vs compact eviction). Adding a policy is one line here.
 
 Optional keys of an entry: ``"smol"`` — parameters for the SmolLM2 checks (default: ``{"budget": 64}``
-when the policy takes a budget, else ``{}``).
+when the policy takes a budget, else ``{}``); ``"cadence"`` — parameters that make a periodic policy act
+within the 300-token SmolLM2 coherence run.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ MATRIX: list[dict] = [
                                                       "prefill_queries": 8}]},
     {"name": "snapkv", "params": [{"budget": 48, "window_size": 8, "decode_every": 16},
                                   {"budget": 16, "window_size": 8}],
-     "smol": {"budget": 64, "window_size": 16, "decode_every": 16}},
+     "smol": {"budget": 64, "window_size": 16, "decode_every": 16}, "cadence": {"decode_every": 32}},
     {"name": "tova", "params": [{"budget": 48}, {"budget": 20, "evict_every": 3}]},
     {"name": "rkv", "params": [{"budget": 48, "buffer": 16},
                                {"budget": 24, "buffer": 8, "window_size": 4, "compaction": False}],
@@ -34,13 +35,17 @@ MATRIX: list[dict] = [
     {"name": "ams", "params": [{"budget": 48, "interval": 16, "hs": 12, "window": 8},
                                {"budget": 24, "interval": 8, "hs": 8, "window": 4, "l_min": 4, "l_max": 16,
                                 "scorer": "expected_attention"}],
-     "smol": {"budget": 64, "interval": 16, "hs": 16, "window": 8}},
+     "smol": {"budget": 64, "interval": 16, "hs": 16, "window": 8}, "cadence": {"interval": 64}},
     {"name": "thinkv", "params": [{"budget": 48, "tau": 16, "group": 16, "retention": "8,4", "thought_schedule": "RTER"},
                                   {"budget": 24, "tau": 16, "group": 16, "retention": "4", "thought_schedule": "TRET",
                                    "precision": "R8E4T2"}],
      "smol": {"budget": 32, "tau": 32, "group": 16, "retention": "16,8,4", "thought_schedule": "RRTE"}},
     {"name": "thinkv-tbq", "params": [{"thought_schedule": "RTE"}, {"precision": "R4oE4oT2o", "thought_schedule": "TTR"}],
      "smol": {"thought_schedule": "RRTE"}},
+    {"name": "random", "params": [{"budget": 48}, {"budget": 20, "evict_every": 3, "n_sink": 4, "seed": 7}]},
+    {"name": "pyramidkv", "params": [{"budget": 48, "window_size": 8, "decode_every": 16},
+                                     {"budget": 16, "window_size": 4, "beta": 4, "decode_every": 8}],
+     "smol": {"budget": 64, "window_size": 16, "decode_every": 16}, "cadence": {"decode_every": 32}},
     {"name": "thinkv-tbe", "params": [{"budget": 48, "tau": 16, "group": 16, "retention": "8,4", "thought_schedule": "RTER"},
                                       {"budget": 24, "tau": 16, "group": 16, "retention": "4", "thought_schedule": "T"}],
      "smol": {"budget": 32, "tau": 32, "group": 16, "retention": "16,8,4", "thought_schedule": "RRTE"}},

@@ -34,8 +34,8 @@ def _key(name: str, params: dict) -> str:
 
 @pytest.fixture(scope="module")
 def golden():
-    if REGEN:
-        data = {"tiny": {}, "smol": {}}
+    if REGEN:  # updates the cases that run (use -k to record one new policy) and keeps the others
+        data = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {"tiny": {}, "smol": {}}
         yield data
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")

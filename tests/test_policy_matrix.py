@@ -185,9 +185,8 @@ def test_smol_budget_and_leaks(engine_factory, load_engine, name, params):
 
 
 COHERENCE_PROMPT = "Describe a day in the life of a lighthouse keeper."
-# budget 256 over ~340 tokens; the periodic policies get a cadence that acts within 300 tokens
-CADENCE = {"snapkv": {"decode_every": 32}, "ams": {"interval": 64}}
-COHERENCE = [(e["name"], ({"budget": 256, **CADENCE.get(e["name"], {})} if evicts(e["name"], {}) else {}))
+# budget 256 over ~340 tokens; the periodic policies get a cadence that acts within 300 tokens ("cadence")
+COHERENCE = [(e["name"], ({"budget": 256, **e.get("cadence", {})} if evicts(e["name"], {}) else {}))
              for e in MATRIX]
 
 

@@ -24,6 +24,8 @@ POLICY_CLASSES = (
     "trtkv.policies.kivi:KIVIPolicy",
     "trtkv.policies.lazyeviction:LazyEvictionPolicy",
     "trtkv.policies.ams:AMSPolicy",
+    "trtkv.policies.random:RandomPolicy",
+    "trtkv.policies.pyramidkv:PyramidKVPolicy",
 )
 
 POLICIES: dict[str, type[KVPolicy]] = {}
