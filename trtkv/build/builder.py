@@ -1,6 +1,7 @@
 """``trtkv build``: resolve the model, fetch weights, fix the policy's parameters, write the engine."""
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -97,6 +98,8 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
         kv_amax = calibration.kv_amax if calibration is not None else None
         if not synthetic and kv_amax is None and _quantizes(pol):
             kv_amax = _measure_kv_amax(arch, tmp)
+            if calibration is not None:  # one K/V amax in the manifest, the artifact's
+                calibration = dataclasses.replace(calibration, kv_amax=kv_amax)
         manifest = EngineManifest(
             model=ModelSection(alias=spec.name, source=spec.source, hf_id=spec.hf_id,
                                architecture=arch.architecture, arch=arch, dtype=dtype, weights_sha256=sha,

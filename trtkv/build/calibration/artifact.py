@@ -152,11 +152,6 @@ class CalibrationArtifact:
                    kv_amax=None if amax is None else KVAmax.from_dict(amax, where, num_layers),
                    details=details, rel_threshold=float(rel))
 
-    @property
-    def observed_shares(self) -> dict[str, float] | None:
-        """E/R/T shares of the calibration steps under these thresholds."""
-        return self.details.get("observed_shares")
-
     @classmethod
     def load(cls, src: str | Path | dict[str, Any] | CalibrationArtifact, num_layers: int | None = None
              ) -> CalibrationArtifact:
