@@ -102,3 +102,29 @@ def test_observer_collection_records_what_the_recorder_policy_did_tiny(tiny_ckpt
 def test_observer_collection_records_what_the_recorder_policy_did_smollm2():
     """SmolLM2-135M, 3 prompts x 24 greedy tokens, every step, min_keys 64: all 30 layers' sparsities."""
     _same_recording(*_collect("smollm2-135m", "smollm2"))
+
+
+def _find_modes_before(f, floor=0.05):
+    """The hand-written mode finder that scipy.signal.find_peaks replaced (kept here as the oracle)."""
+    f = np.asarray(f, dtype=np.float64)
+    if len(f) == 0 or not np.isfinite(f).all() or f.max() <= 0:
+        return np.zeros(0, dtype=np.int64)
+    left = np.concatenate([[-np.inf], f[:-1]])
+    right = np.concatenate([f[1:], [-np.inf]])
+    return np.flatnonzero((f > left) & (f >= right) & (f >= floor * f.max()))
+
+
+def test_find_peaks_modes_equal_the_hand_written_ones():
+    from trtkv.build.calibration import find_modes, kde_on_grid
+
+    rng = np.random.default_rng(7)
+    grid = np.linspace(0, 1, 1001)
+    for _ in range(300):
+        parts = [rng.normal(rng.uniform(0, 1), rng.uniform(0.005, 0.1), rng.integers(5, 200))
+                 for _ in range(rng.integers(1, 5))]
+        f, _ = kde_on_grid(np.concatenate(parts), grid)
+        assert np.array_equal(find_modes(f), _find_modes_before(f))
+    for f in ([1.0, 1.0, 0.5], [0.5, 1.0, 1.0], [1.0, 0.5, 1.0], [0, 1, 1, 1, 0], [0.0] * 5, [3.0], [1, 0.01, 1]):
+        assert np.array_equal(find_modes(np.array(f, float)), _find_modes_before(f)), f
+    # the one difference: a flat shoulder on a rising flank is not a mode (the old rule counted it)
+    assert find_modes(np.array([0, 1, 1, 2, 0.0])).tolist() == [3]

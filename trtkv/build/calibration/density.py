@@ -67,7 +67,9 @@ def binned_kde(x: np.ndarray, bw: float, grid: np.ndarray) -> np.ndarray:
 
 def find_modes(f: np.ndarray, floor: float = MODE_FLOOR) -> np.ndarray:
     """Indices of local maxima of ``f`` at least ``floor`` x its global maximum (edges count when they
-    exceed their one neighbour; a flat top counts once, at its left end)."""
+    exceed their one neighbour; a flat top counts once, at its left end; a flat shoulder on a rising flank
+    is no mode — the one case where this differs from the hand-written rule it replaced, and one a KDE
+    in floating point practically never produces)."""
     from scipy.signal import find_peaks
 
     f = np.asarray(f, dtype=np.float64)
