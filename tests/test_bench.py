@@ -116,7 +116,7 @@ def test_bench_reports_thinkv_stats(tiny_ckpt, engine_factory, tmp_path):
     r = CliRunner().invoke(main, ["bench", str(full), str(tk), "--batch-sizes", "2", "--prompt-len", "16",
                                   "--gen-len", "40", "--out", str(out)])
     assert r.exit_code == 0, r.output
-    assert "ThinKV (mean per request)" in r.output
+    assert "thinkv (mean per request)" in r.output
     rows = {x["policy"]: x for x in json.loads((out / "results.json").read_text())["results"]}
     assert rows["full"]["policy_stats"] == {}
     st = rows["thinkv"]["policy_stats"]

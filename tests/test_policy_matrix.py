@@ -83,10 +83,10 @@ def test_params_round_trip():
 def test_compacting_policies_force_compact_cache(engine_factory, tiny_ckpt):
     from trtkv.build.engine_dir import read_manifest
 
-    assert read_manifest(engine_factory(tiny_ckpt, "rkv", budget=48))["cache"]["eviction"] == "compact"
-    assert read_manifest(engine_factory(tiny_ckpt, "ams", budget=48))["cache"]["eviction"] == "compact"
+    assert read_manifest(engine_factory(tiny_ckpt, "rkv", budget=48)).cache.eviction == "compact"
+    assert read_manifest(engine_factory(tiny_ckpt, "ams", budget=48)).cache.eviction == "compact"
     inplace = engine_factory(tiny_ckpt, "rkv", budget=48, compaction=False)
-    assert read_manifest(inplace)["cache"]["eviction"] == "inplace"
+    assert read_manifest(inplace).cache.eviction == "inplace"
     with pytest.raises(TrtkvError, match="eviction=compact"):
         engine_factory(tiny_ckpt, "rkv", budget=40, eviction="inplace")
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trtkv.api import SamplingParams
+from trtkv.build.calibration import CalibrationArtifact
 from trtkv.policies import make_policy
 from trtkv.policies.thinkv import E, R, T, ThinKVPolicy, parse_precision
 
@@ -189,8 +190,9 @@ def test_one_thought_type_labels_everything_r(engine_factory, load_engine, tiny_
     assert res.stats["evicted_tokens"] > 0 and st["live_decode_tokens"] <= max(24, 4 * st["segments"])
     assert pol.stats_request(None, "decode") is None
     fresh = ThinKVPolicy()
-    fresh.load_calibration({"layers": [1], "thresholds": [0.4, 0.8], "thought_types": 1})
+    art = CalibrationArtifact(model="m", layers=(1,), thresholds=(0.4, 0.8), rule="kde-valleys", thought_types=1)
+    fresh.load_calibration(art)
     assert fresh.thought_types == 1 and fresh.stats_request(None, "decode") is None
     mine = ThinKVPolicy(thought_types=3)
-    mine.load_calibration({"layers": [1], "thresholds": [0.4, 0.8], "thought_types": 1})
+    mine.load_calibration(art)
     assert mine.thought_types == 3  # an explicit --set wins over the calibration

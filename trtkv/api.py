@@ -13,6 +13,7 @@ import torch
 
 import plugins  # noqa: F401  (registers torch.ops.trtkv.*)
 from trtkv.build.engine_dir import read_manifest, verify_weights
+from trtkv.build.manifest import EngineManifest
 from trtkv.cache.manager import CacheConfig
 from trtkv.errors import TrtkvError
 from trtkv.models.config import ModelArch
@@ -23,6 +24,8 @@ from trtkv.runtime.request import GenerationResult, Request, StreamEvent
 from trtkv.runtime.sampling import SamplingParams, make_generator
 from trtkv.runtime.scheduler import Scheduler
 from trtkv.tokenizer import load_tokenizer
+
+LOAD_TIME_CACHE_SETTINGS = ("max_batch", "max_pages", "kv_memory")  # the rest shape what was built
 
 __all__ = ["Engine", "SamplingParams", "GenerationResult", "StreamEvent", "RequestHandle"]
 
@@ -57,7 +60,7 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, path: Path, manifest: dict[str, Any], model, tokenizer, policy, cache_cfg: CacheConfig,
+    def __init__(self, path: Path, manifest: EngineManifest, model, tokenizer, policy, cache_cfg: CacheConfig,
                  max_batch: int, kv_amax=None):
         self.path = path
         self.manifest = manifest
@@ -82,48 +85,53 @@ class Engine:
     # --- loading ----------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, device: str | None = None, verify: bool = True,
-             policy_overrides: dict[str, Any] | None = None, model_cache: dict | None = None) -> "Engine":
-        """Load an engine directory. ``model_cache`` (a dict the caller keeps) lets engines of identical
-        weights, dtype and device share one model object (the bench and eval load many engines at once)."""
+             policy_overrides: dict[str, Any] | None = None, cache_overrides: dict[str, Any] | None = None,
+             model_cache: dict | None = None) -> "Engine":
+        """Load an engine directory. ``policy_overrides`` replace policy parameters; ``cache_overrides`` the
+        load-time cache settings (``max_batch``, ``max_pages``, ``kv_memory``; sizes like ``"2GiB"`` work).
+        ``model_cache`` (a dict the caller keeps) lets engines of identical weights, dtype and device share
+        one model object (the bench and eval load many engines at once)."""
         path = Path(path)
         m = read_manifest(path)
+        if cache_overrides:
+            fixed = sorted(set(cache_overrides) - set(LOAD_TIME_CACHE_SETTINGS))
+            if fixed:
+                raise TrtkvError(f"cache setting {fixed[0]!r} is fixed when the engine is built; rebuild it with "
+                                 f"`trtkv build ... --set {fixed[0]}=...` (settable at load: "
+                                 f"{', '.join(LOAD_TIME_CACHE_SETTINGS)})")
+            m = m.replace(cache=m.cache.with_settings(cache_overrides))
         files = verify_weights(path, m) if verify else None
-        mm = m["model"]
-        try:
-            arch = ModelArch.from_dict(mm["arch"])
-            dtype = parse_dtype(mm["dtype"])
-        except (KeyError, TypeError) as e:
-            raise TrtkvError(f"{path}/engine.json has an invalid model section ({e}); rebuild the engine") from None
+        mm = m.model
+        arch, dtype = mm.arch, parse_dtype(mm.dtype)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu" and dtype != torch.float32:
             dtype = torch.float32  # CPU matmuls in half precision are slow and inexact
-        if files is None and not mm.get("synthetic"):
+        if files is None and not mm.synthetic:
             from trtkv.models.loader import weight_files
 
             files = weight_files(path / "weights")
-        weights_id = ("synthetic", mm.get("synthetic_seed")) if mm.get("synthetic") else mm.get("weights_sha256")
-        key = (mm.get("alias"), weights_id, str(dtype), str(device), json.dumps(mm["arch"], sort_keys=True))
+        weights_id = ("synthetic", mm.synthetic_seed) if mm.synthetic else mm.weights_sha256
+        key = (mm.alias, weights_id, str(dtype), str(device), json.dumps(mm.arch.to_dict(), sort_keys=True))
         model = (model_cache or {}).get(key)
         if model is None:
-            model = build_model(arch, dtype, device, None if mm.get("synthetic") else files,
-                                seed=mm.get("synthetic_seed") or 0)
+            model = build_model(arch, dtype, device, None if mm.synthetic else files, seed=mm.synthetic_seed or 0)
             if model_cache is not None:
                 model_cache[key] = model
         tokenizer = load_tokenizer(path / "tokenizer", arch)
-        params = dict(m["policy"].get("params", {}))
+        params = dict(m.policy.params)
         params.update(policy_overrides or {})
-        policy = make_policy(m["policy"]["name"], params)
+        policy = make_policy(m.policy.name, params)
         policy.resolve_formats({torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype])
-        policy.load_calibration(m.get("calibration"))
-        c = m["cache"]
+        policy.load_calibration(m.calibration)
+        c = m.cache
         cache_cfg = CacheConfig(
             num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
-            block_size=int(c.get("block_size", 8)), residual_group=policy.residual_group(),
-            residual_dtype=torch.float16 if dtype == torch.float32 else dtype, eviction=c.get("eviction", "inplace"),
-            max_pages=c.get("max_pages"), device=device,
+            block_size=c.block_size, residual_group=policy.residual_group(),
+            residual_dtype=torch.float16 if dtype == torch.float32 else dtype, eviction=c.eviction,
+            max_pages=c.max_pages, kv_memory=c.kv_memory, device=device,
         )
-        kv_amax = (m.get("calibration") or {}).get("kv_amax")
-        return cls(path, m, model, tokenizer, policy, cache_cfg, int(c.get("max_batch", 64)), kv_amax)
+        kv_amax = m.kv_amax.to_dict() if m.kv_amax is not None else None
+        return cls(path, m, model, tokenizer, policy, cache_cfg, c.max_batch, kv_amax)
 
     def make_core(self, policy=None, observers=(), **cache_overrides) -> EngineCore:
         """A new core on this engine's model object (shared weights, its own KV cache): what a tool that
@@ -137,9 +145,9 @@ class Engine:
 
     @property
     def info(self) -> dict[str, Any]:
-        mm = self.manifest["model"]
-        return {"path": str(self.path), "model": mm["alias"], "architecture": mm["architecture"],
-                "dtype": mm["dtype"], "policy": self.manifest["policy"]["name"],
+        mm = self.manifest.model
+        return {"path": str(self.path), "model": mm.alias, "architecture": mm.architecture,
+                "dtype": mm.dtype, "policy": self.manifest.policy.name,
                 "policy_params": self.policy.params(), "max_position_embeddings": self.arch.max_position_embeddings,
                 "block_size": self.core.cache.cfg.block_size, "max_batch": self.scheduler.max_batch}
 

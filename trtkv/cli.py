@@ -132,15 +132,25 @@ def policies_list(as_json: bool) -> None:
               help="ThinKV: calibration prompts when calibrating at build time [16 on CPU, 100 on GPU].")
 @click.option("--calib-max-tokens", type=click.IntRange(min=8), default=None,
               help="ThinKV: tokens generated per calibration prompt [192 on CPU, 2048 on GPU].")
+@click.option("--kv-memory", default=None, metavar="SIZE",
+              help="KV memory the cache pools may hold (e.g. 2GiB); same as --set kv_memory=SIZE.")
 def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed, calibration_file, calib_prompts,
-          calib_max_tokens) -> None:
-    """Build an engine directory for MODEL and POLICY."""
+          calib_max_tokens, kv_memory) -> None:
+    """Build an engine directory for MODEL and POLICY.
+
+    --set takes policy parameters and the cache settings block_size, eviction, max_batch, max_pages and
+    kv_memory."""
     from trtkv.build.builder import build_engine
 
     if budget is not None and budget <= 0:
         raise TrtkvError(f"--budget must be positive, got {budget}")
+    settings = parse_sets(sets)
+    if kv_memory is not None:
+        if "kv_memory" in settings:
+            raise TrtkvError("give the KV memory once: --kv-memory or --set kv_memory, not both")
+        settings["kv_memory"] = kv_memory
     out = out or Path("engines") / f"{Path(model).name}-{policy}"
-    path = build_engine(model, policy, out, budget=budget, settings=parse_sets(sets), dtype=dtype,
+    path = build_engine(model, policy, out, budget=budget, settings=settings, dtype=dtype,
                         synthetic=synthetic_weights, seed=seed, calibration_file=calibration_file,
                         calib_prompts=calib_prompts, calib_max_tokens=calib_max_tokens)
     click.echo(f"engine written to {path}")
@@ -160,8 +170,10 @@ def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed, cali
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (benchmarks).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
+@click.option("--kv-memory", default=None, metavar="SIZE",
+              help="KV memory the cache pools may hold (e.g. 2GiB) [the engine's].")
 def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, raw, ignore_eos,
-             as_json) -> None:
+             as_json, kv_memory) -> None:
     """Generate text with ENGINE (streams to the terminal)."""
     from trtkv.api import Engine, SamplingParams
 
@@ -169,7 +181,7 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
                             repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop), chat=not raw,
                             ignore_eos=ignore_eos)
     params.validate()
-    eng = Engine.load(engine)
+    eng = Engine.load(engine, cache_overrides={"kv_memory": kv_memory} if kv_memory is not None else None)
     if as_json:
         res = eng.generate(prompt, params)[0]
         click.echo(json.dumps(res.to_dict()))
@@ -194,7 +206,7 @@ def info(engine) -> None:
     """Print an engine's manifest."""
     from trtkv.build.engine_dir import read_manifest
 
-    click.echo(json.dumps(read_manifest(engine), indent=2))
+    click.echo(json.dumps(read_manifest(engine).to_dict(), indent=2))
 
 
 # --- calibrate ----------------------------------------------------------------------------------

@@ -67,31 +67,30 @@ def print_bench(doc: dict[str, Any], console=None) -> None:
             ft.add_row(name, _bytes(f["per_request_peak_kv_bytes"]), str(f["max_batch"]), str(f["fit_full_fp16"]))
         console.print(ft)
         console.print(f"[dim]method: {doc['fit_method']}[/dim]")
-    print_thinkv_stats(doc, console)
+    print_policy_stats(doc, console)
     for note in doc.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {note}")
 
 
-THINKV_COLUMNS = (("avg bits", "thinkv.avg_element_bits", ".2f"), ("stored bits", "thinkv.avg_stored_bits", ".2f"),
-                  ("R", "thinkv.thought_shares.R", ".0%"), ("E", "thinkv.thought_shares.E", ".0%"),
-                  ("T", "thinkv.thought_shares.T", ".0%"), ("evictions/step", "thinkv.eviction_call_rate", ".4f"),
-                  ("segments", "thinkv.segments", ".1f"), ("overflows", "thinkv.budget_overflows", ".1f"))
-
-
-def print_thinkv_stats(doc: dict[str, Any], console) -> None:
-    """ThinKV's own numbers (spec §7): bits per element, thought shares, eviction call rate, segments."""
+def print_policy_stats(doc: dict[str, Any], console) -> None:
+    """One table per set of columns a policy declares (``KVPolicy.report_columns``), over its rows; the
+    report knows no policy by name. Policies sharing columns (e.g. ThinKV's variants) share a table."""
     from rich.table import Table
 
-    rows = [r for r in doc["results"] if "thinkv.avg_element_bits" in r.get("policy_stats", {})]
-    if not rows:
-        return
-    t = Table(title="ThinKV (mean per request)", title_justify="left")
-    for col in ("engine", "batch") + tuple(c for c, _, _ in THINKV_COLUMNS):
-        t.add_column(col, justify="left" if col == "engine" else "right", no_wrap=col == "engine")
-    for r in rows:
-        st = r["policy_stats"]
-        t.add_row(r["engine"], str(r["batch"]), *(_fmt(st.get(key), spec) for _, key, spec in THINKV_COLUMNS))
-    console.print(t)
-    console.print("[dim]avg bits: element bits over generated tokens (the paper's convention); stored bits: over "
-                  "the tokens held at the end; evictions/step: decode steps with an eviction event / decode "
-                  "steps.[/dim]")
+    from trtkv.policies import POLICIES
+
+    groups: dict[tuple, list[str]] = {}
+    for name in dict.fromkeys(r["policy"] for r in doc["results"]):
+        cls = POLICIES.get(name)
+        cols = tuple(cls.report_columns()) if cls is not None else ()
+        if cols:
+            groups.setdefault(cols, []).append(name)
+    for cols, names in groups.items():
+        rows = [r for r in doc["results"] if r["policy"] in names]
+        t = Table(title=f"{', '.join(names)} (mean per request)", title_justify="left")
+        for col in ("engine", "batch") + tuple(c.title for c in cols):
+            t.add_column(col, justify="left" if col == "engine" else "right", no_wrap=col == "engine")
+        for r in rows:
+            st = r.get("policy_stats", {})
+            t.add_row(r["engine"], str(r["batch"]), *(_fmt(st.get(c.key), c.spec) for c in cols))
+        console.print(t)

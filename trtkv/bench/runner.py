@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import platform
-import re
 import resource
 import statistics
 import sys
@@ -26,9 +25,7 @@ import numpy as np
 import torch
 
 from trtkv.errors import TrtkvError
-
-SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-              "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+from trtkv.sizes import parse_size  # noqa: F401  (re-exported by trtkv.bench)
 
 FIT_METHOD = (
     "largest batch that fits = floor(KV memory / per-request peak KV bytes), where the per-request peak is the "
@@ -70,30 +67,19 @@ class BenchEngine:
 
     @property
     def synthetic(self) -> bool:
-        return bool(self.engine.manifest["model"].get("synthetic"))
+        return self.engine.manifest.model.synthetic
 
     def describe(self) -> dict[str, Any]:
         e = self.engine
-        mm = e.manifest["model"]
-        return {"label": self.label, "path": str(self.path), "model": mm["alias"], "architecture": mm["architecture"],
+        mm = e.manifest.model
+        return {"label": self.label, "path": str(self.path), "model": mm.alias, "architecture": mm.architecture,
                 "dtype": str(e.core.dtype).replace("torch.", ""), "device": str(e.core.device),
-                "policy": e.manifest["policy"]["name"], "policy_params": e.policy.params(),
+                "policy": e.manifest.policy.name, "policy_params": e.policy.params(),
                 "synthetic_weights": self.synthetic, "weight_bytes": weight_bytes(e.model),
                 "block_size": e.core.cache.cfg.block_size, "residual_group": e.core.cache.cfg.residual_group}
 
 
 # --- parsing ----------------------------------------------------------------------------------------
-def parse_size(text: str) -> int:
-    """``"2GiB"`` -> 2147483648; decimal (GB) and binary (GiB) units, bare numbers are bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in SIZE_UNITS:
-        raise TrtkvError(f"cannot read the size {text!r}; write it like 2GiB, 512MiB, 8GB or a number of bytes")
-    n = int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise TrtkvError(f"the size {text!r} must be positive")
-    return n
-
-
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(p) for p in str(text).replace(";", ",").split(",") if p.strip())
@@ -124,14 +110,14 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
     overrides = {k: _value_or_file(k, v) for k, v in (policy_overrides or {}).items()}
     per_engine, used = [], set()
     for m in manifests:
-        cls = POLICIES.get(m["policy"]["name"])
+        cls = POLICIES.get(m.policy.name)
         mine = {k: v for k, v in overrides.items() if cls is not None and k in policy_fields(cls)}
         used |= set(mine)
         per_engine.append(mine or None)
     unused = sorted(set(overrides) - used)
     if unused:
         raise TrtkvError(f"--set {unused[0]}: none of the engines' policies "
-                         f"({', '.join(sorted({m['policy']['name'] for m in manifests}))}) has that parameter")
+                         f"({', '.join(sorted({m.policy.name for m in manifests}))}) has that parameter")
     out: list[BenchEngine] = []
     shared: dict[tuple, Any] | None = {} if share_weights else None
     for lbl, p, ov in zip(_labels(paths), paths, per_engine):
@@ -152,10 +138,10 @@ def _value_or_file(key: str, value: Any) -> Any:
 
 def model_key(engine) -> tuple:
     """Engines with equal keys run the same weights (same model, weights hash or synthetic seed, dtype)."""
-    mm = engine.manifest["model"]
-    weights = ("synthetic", mm.get("synthetic_seed")) if mm.get("synthetic") else mm.get("weights_sha256")
-    return (mm["alias"], weights, str(engine.core.dtype), str(engine.core.device),
-            json.dumps(mm["arch"], sort_keys=True))
+    mm = engine.manifest.model
+    weights = ("synthetic", mm.synthetic_seed) if mm.synthetic else mm.weights_sha256
+    return (mm.alias, weights, str(engine.core.dtype), str(engine.core.device),
+            json.dumps(mm.arch.to_dict(), sort_keys=True))
 
 
 def _labels(paths: list[Path]) -> list[str]:
@@ -406,7 +392,7 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
             bw = [(wbytes + kv) / s for r in rs for s, kv in zip(r.decode_s, r.step_kv_total) if s > 0]
             peak_dev = [r.peak_device_bytes for r in rs if r.peak_device_bytes is not None]
             rows.append({
-                "engine": be.label, "policy": be.engine.manifest["policy"]["name"], "batch": b,
+                "engine": be.label, "policy": be.engine.manifest.policy.name, "batch": b,
                 "synthetic_weights": be.synthetic, "repeats": len(rs),
                 "prefill_s_per_request": statistics.median(statistics.fmean(r.prefill_s) for r in rs),
                 "prefill_s_batch": statistics.median(sum(r.prefill_s) for r in rs),

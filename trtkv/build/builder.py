@@ -1,6 +1,7 @@
 """``trtkv build``: resolve the model, fetch weights, fix the policy's parameters, write the engine."""
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -9,31 +10,26 @@ from pathlib import Path
 from typing import Any
 
 from trtkv import __version__
+from trtkv.build.calibration.artifact import CalibrationArtifact, KVAmax
 from trtkv.build.engine_dir import write_manifest
+from trtkv.build.manifest import CacheSection, EngineManifest, ModelSection, PolicySection
+from trtkv.cache.manager import CACHE_SETTINGS, CacheConfig
 from trtkv.errors import TrtkvError
 from trtkv.models.fetch import fetch
 from trtkv.models.loader import DTYPES, sha256_files, weight_files
 from trtkv.models.registry import resolve_model
 from trtkv.policies import make_policy
 
-CACHE_KEYS = {"block_size": int, "eviction": str, "max_batch": int}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
 
 
 def split_settings(policy_name: str, settings: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
-    """``--set`` keys go to the cache section when they name a cache setting, else to the policy."""
-    cache: dict[str, Any] = {}
-    pol: dict[str, str] = {}
-    for k, v in settings.items():
-        if k in CACHE_KEYS:
-            try:
-                cache[k] = CACHE_KEYS[k](v)
-            except ValueError:
-                raise TrtkvError(f"--set {k}={v}: expected {CACHE_KEYS[k].__name__}") from None
-        else:
-            pol[k] = v
-    return pol, cache
+    """``--set`` keys go to the cache section when they name a cache setting (validated and typed by
+    ``CacheConfig.validate_settings``), else to the policy."""
+    cache = {k: v for k, v in settings.items() if k in CACHE_SETTINGS}
+    pol = {k: v for k, v in settings.items() if k not in CACHE_SETTINGS}
+    return pol, CacheConfig.validate_settings(cache)
 
 
 def default_dtype(device: str) -> str:
@@ -41,7 +37,7 @@ def default_dtype(device: str) -> str:
 
 
 def build_engine(model: str, policy: str, out: Path, budget: int | None = None, settings: dict[str, str] | None = None,
-                 dtype: str | None = None, synthetic: bool = False, calibration: dict | None = None,
+                 dtype: str | None = None, synthetic: bool = False, calibration: CalibrationArtifact | None = None,
                  device: str = "cpu", force: bool = True, seed: int = 0, quiet: bool = False,
                  calibration_file: str | Path | None = None, calib_prompts: int | None = None,
                  calib_max_tokens: int | None = None) -> Path:
@@ -61,11 +57,6 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
             get_format(f)
     except ValueError as e:
         raise TrtkvError(str(e)) from None
-    block_size = cache.get("block_size", 8)
-    if not 1 <= block_size <= 31:
-        raise TrtkvError(f"--set block_size={block_size}: must be between 1 and 31")
-    if cache.get("eviction", "inplace") not in ("inplace", "compact"):
-        raise TrtkvError("--set eviction=...: choose inplace or compact")
     needed = pol.cache_eviction_mode()  # e.g. R-KV/AMS gather-and-compact
     if needed is not None:
         if cache.get("eviction", needed) != needed:
@@ -101,33 +92,22 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
         from trtkv.models.config import ModelArch
 
         arch = ModelArch.from_hf_config(arch_cfg)
-        calibration = dict(calibration or {})
-        if (pol.needs_calibration() or calibration_file is not None) and not calibration:
-            calibration = _thought_calibration(model, pol, synthetic, calibration_file, calib_prompts,
-                                               calib_max_tokens, device, arch, quiet)
-        if not synthetic and "kv_amax" not in calibration and _quantizes(pol):
-            from trtkv.build.kv_scales import collect_kv_amax
-            from trtkv.models.loader import build_model
-            from trtkv.tokenizer import load_tokenizer
-
-            import torch
-
-            model = build_model(arch, torch.float32, "cpu", weight_files(tmp / "weights"))
-            calibration["kv_amax"] = collect_kv_amax(model, load_tokenizer(tok_dir, arch))
-            del model
-        manifest = {
-            "trtkv_version": __version__,
-            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "model": {"alias": spec.name, "source": spec.source, "hf_id": spec.hf_id,
-                      "architecture": arch.architecture, "arch": arch.to_dict(), "dtype": dtype,
-                      "weights_sha256": sha, "synthetic": synthetic, "synthetic_seed": seed if synthetic else None},
-            "policy": {"name": pol.name, "params": pol.params()},
-            "cache": {"block_size": block_size, "eviction": cache.get("eviction", "inplace"),
-                      "residual_group": pol.residual_group(), "max_batch": cache.get("max_batch", 64)},
-            "calibration": calibration or None,
-            "kernels": {"paged_attention": "triton on CUDA, torch reference on CPU",
-                        "kv_write": "triton on CUDA, torch reference on CPU"},
-        }
+        if calibration is None and (calibration_file is not None or pol.needs_calibration()):
+            calibration = _policy_calibration(model, pol, synthetic, calibration_file, calib_prompts,
+                                              calib_max_tokens, device, arch, quiet)
+        kv_amax = calibration.kv_amax if calibration is not None else None
+        if not synthetic and kv_amax is None and _quantizes(pol):
+            kv_amax = _measure_kv_amax(arch, tmp)
+            if calibration is not None:  # one K/V amax in the manifest, the artifact's
+                calibration = dataclasses.replace(calibration, kv_amax=kv_amax)
+        manifest = EngineManifest(
+            model=ModelSection(alias=spec.name, source=spec.source, hf_id=spec.hf_id,
+                               architecture=arch.architecture, arch=arch, dtype=dtype, weights_sha256=sha,
+                               synthetic=synthetic, synthetic_seed=seed if synthetic else None),
+            policy=PolicySection(pol.name, pol.params()),
+            cache=CacheSection(residual_group=pol.residual_group(), **cache),
+            calibration=calibration, kv_amax=kv_amax, trtkv_version=__version__,
+            created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
         write_manifest(tmp, manifest)
         if out.exists():
             shutil.rmtree(out)
@@ -138,27 +118,41 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
     return out
 
 
-def _thought_calibration(model, pol, synthetic, calibration_file, calib_prompts, calib_max_tokens, device, arch,
-                         quiet) -> dict:
-    """ThinKV's layers and thresholds: a given file, the calibration shipped for the alias, or a fresh run."""
+def _policy_calibration(model, pol, synthetic, calibration_file, calib_prompts, calib_max_tokens, device, arch,
+                        quiet) -> CalibrationArtifact:
+    """The calibration the policy asked for (``needs_calibration``): a given file, the one shipped for the
+    alias, or a fresh run."""
     import sys
 
-    from trtkv.build.calibration import calibrate_for_build, load_calibration, summary_lines
+    from trtkv.build.calibration import calibrate_for_build, summary_lines
 
     def log(msg: str) -> None:
         if not quiet or "WARNING" in msg or msg.startswith("!"):
             print(msg, file=sys.stderr, flush=True)
 
     if calibration_file is not None:
-        art = load_calibration(calibration_file, arch.num_hidden_layers)
+        art = CalibrationArtifact.load(calibration_file, arch.num_hidden_layers)
         for line in summary_lines(art):
             log(line)
         return art
     if synthetic:
-        raise TrtkvError("ThinKV on synthetic weights has no real attention patterns: pass a thought schedule "
-                         "(--set thought_schedule=RRETRR...) or --calibration FILE from a real model")
+        raise TrtkvError(f"policy {pol.name!r} with these parameters needs a calibration, and synthetic weights have "
+                         "no real attention patterns: pass --calibration FILE from a real model, or --set the "
+                         "parameters a calibration would fix (see `trtkv policies list`)")
     return calibrate_for_build(model, device=device, n_prompts=calib_prompts, max_tokens=calib_max_tokens,
                                num_model_layers=arch.num_hidden_layers, log=log)
+
+
+def _measure_kv_amax(arch, engine_dir: Path) -> KVAmax:
+    """Static K/V scales for a quantizing policy without a calibration: prefill amax over a few prompts."""
+    import torch
+
+    from trtkv.build.kv_scales import collect_kv_amax
+    from trtkv.models.loader import build_model
+    from trtkv.tokenizer import load_tokenizer
+
+    model = build_model(arch, torch.float32, "cpu", weight_files(engine_dir / "weights"))
+    return collect_kv_amax(model, load_tokenizer(engine_dir / "tokenizer", arch))
 
 
 def _quantizes(policy) -> bool:

@@ -10,6 +10,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from trtkv.build.calibration.artifact import KVAmax
 from trtkv.paths import PACKAGE_DIR
 
 
@@ -19,7 +20,7 @@ def calibration_texts(n: int) -> list[str]:
 
 
 @torch.inference_mode()
-def collect_kv_amax(model, tokenizer, n_prompts: int = 8, max_len: int = 512) -> dict[str, list[float]]:
+def collect_kv_amax(model, tokenizer, n_prompts: int = 8, max_len: int = 512) -> KVAmax:
     L = model.arch.num_hidden_layers
     k_amax, v_amax = [0.0] * L, [0.0] * L
     dtype = model.model.embed_tokens.weight.dtype
@@ -35,4 +36,4 @@ def collect_kv_amax(model, tokenizer, n_prompts: int = 8, max_len: int = 512) ->
             attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                   v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
             x = model.finish_layer(layer, x, attn[0].transpose(0, 1))
-    return {"k": k_amax, "v": v_amax, "n_prompts": n_prompts, "source": "prefill amax over calibration prompts"}
+    return KVAmax(tuple(k_amax), tuple(v_amax), n_prompts, "prefill amax over calibration prompts")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,8 +18,11 @@ import torch
 from plugins.formats import KVFormat, LayerScales, get_format
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.pool import PagePool
+from trtkv.errors import TrtkvError
+from trtkv.sizes import parse_size
 
 EVICTION_MODES = ("inplace", "compact")
+MAX_BLOCK_SIZE = 31  # a page's validity bits fit one int32 word
 
 
 @dataclass
@@ -33,12 +37,59 @@ class CacheConfig:
     max_pages: int | None = None  # per (layer, format) pool; None grows on demand
     initial_pages: int = 8
     device: str = "cpu"
+    kv_memory: int | None = None  # total KV bytes the pools may hold; None = a default chosen at engine start
 
     def __post_init__(self) -> None:
-        if self.eviction not in EVICTION_MODES:
-            raise ValueError(f"eviction must be one of {EVICTION_MODES}")
-        if not 1 <= self.block_size <= 31:
-            raise ValueError("block_size must be in [1, 31]")
+        self.validate_settings({"block_size": self.block_size, "eviction": self.eviction,
+                                "max_pages": self.max_pages, "kv_memory": self.kv_memory})
+
+    @staticmethod
+    def validate_settings(settings: dict[str, Any]) -> dict[str, Any]:
+        """The one validator of user-settable cache settings (``--set``, ``engine.json``'s cache section,
+        load-time overrides): ``block_size``, ``eviction``, ``max_pages``, ``kv_memory`` (bytes or a size
+        like ``2GiB``) and the scheduler's ``max_batch``. Strings are parsed; returns typed values, raises
+        one ``TrtkvError`` line naming the setting."""
+        out: dict[str, Any] = {}
+        for key, value in settings.items():
+            if key not in CACHE_SETTINGS:
+                raise TrtkvError(f"unknown cache setting {key!r}; cache settings are {', '.join(CACHE_SETTINGS)}")
+            out[key] = _cache_setting(key, value)
+        return out
+
+
+CACHE_SETTINGS = ("block_size", "eviction", "max_batch", "max_pages", "kv_memory")
+
+
+def _cache_setting(key: str, value: Any) -> Any:
+    def bad(why: str) -> TrtkvError:
+        return TrtkvError(f"cache setting {key}={value!r}: {why}")
+
+    text = value.strip().lower() if isinstance(value, str) else value
+    if key == "eviction":
+        if text not in EVICTION_MODES:
+            raise bad(f"choose {' or '.join(EVICTION_MODES)}")
+        return text
+    if key in ("max_pages", "kv_memory") and text in (None, "none", "null", "auto"):
+        return None
+    if key == "kv_memory":
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise bad("expected a size in bytes, e.g. 2GiB or 512MiB")
+        try:
+            return parse_size(value)
+        except TrtkvError as e:
+            raise bad(str(e)) from None
+    if isinstance(value, str):
+        try:
+            value = int(text)
+        except ValueError:
+            raise bad("expected a whole number") from None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad("expected a whole number")
+    if key == "block_size" and not 1 <= value <= MAX_BLOCK_SIZE:
+        raise bad(f"must be between 1 and {MAX_BLOCK_SIZE}")
+    if value < 1:
+        raise bad("must be positive")
+    return value
 
 
 Cls = tuple[str, int]  # (format name, thought class): a page holds tokens of exactly one class

@@ -88,9 +88,9 @@ def pick_layers(num_layers: int, spec: str | int | None) -> tuple[int, ...]:
 
 def _describe(be) -> dict[str, Any]:
     e = be.engine
-    return {"engine": be.label, "path": str(be.path), "model": e.manifest["model"]["alias"],
-            "policy": e.manifest["policy"]["name"], "policy_params": e.policy.params(),
-            "synthetic_weights": bool(e.manifest["model"].get("synthetic")), "device": str(e.core.device),
+    return {"engine": be.label, "path": str(be.path), "model": e.manifest.model.alias,
+            "policy": e.manifest.policy.name, "policy_params": e.policy.params(),
+            "synthetic_weights": e.manifest.model.synthetic, "device": str(e.core.device),
             "dtype": str(e.core.dtype).replace("torch.", "")}
 
 
@@ -135,9 +135,9 @@ def run_fidelity(engines: list, traces: list, max_tokens: int = 1024, reference=
             if key != rkey:
                 raise TrtkvError(f"--reference {reference.path} has other weights than {members[0].path}; a "
                                  "reference must be a full engine of the same model and dtype")
-        if reference.engine.manifest["policy"]["name"] != "full":
+        if reference.engine.manifest.policy.name != "full":
             raise TrtkvError(f"--reference {reference.path} uses policy "
-                             f"{reference.engine.manifest['policy']['name']!r}; it must be a full engine")
+                             f"{reference.engine.manifest.policy.name!r}; it must be a full engine")
     total = 0
     enc_cache = {}
     for members in groups.values():

@@ -19,13 +19,16 @@ Variants: ``thinkv`` (TBQ + TBE), ``thinkv-tbq`` (quantize only), ``thinkv-tbe``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from trtkv.errors import TrtkvError
-from trtkv.policies.base import KVPolicy, StatsRequest
+from trtkv.policies.base import KVPolicy, ReportColumn, StatsRequest
+
+if TYPE_CHECKING:
+    from trtkv.build.calibration.artifact import CalibrationArtifact
 
 T, E, R = 0, 1, 2  # thought codes (paper's pseudocode order)
 IMPORTANCE = {T: 0, E: 1, R: 2}
@@ -144,21 +147,34 @@ class ThinKVPolicy(KVPolicy):
         return prompt_len + min(max_tokens, decode)
 
     def needs_calibration(self) -> bool:
-        """Labels replayed, one thought type, or thresholds and layers given: nothing to calibrate."""
+        """Labels need calibrated layers and thresholds unless replayed, single-typed or given outright."""
         return not (self.thought_schedule or self.thought_types == 1 or (self.thresholds and self.layers))
 
-    def load_calibration(self, calibration: dict | None) -> None:
-        """Take L* and thresholds from the engine's calibration unless given explicitly."""
-        if not calibration:
+    def load_calibration(self, artifact: CalibrationArtifact | None) -> None:
+        """Take L*, thresholds and the thought-type count from the engine's calibration unless given."""
+        if artifact is None:
             return
         if self.thought_types is None:
-            self.thought_types = int(calibration.get("thought_types", 3))
-        if not self.layers and calibration.get("layers"):
-            self.layers = tuple(int(x) for x in calibration["layers"])
-        if not self.thresholds and calibration.get("thresholds"):
-            self.thresholds = tuple(float(x) for x in calibration["thresholds"])
+            self.thought_types = artifact.thought_types
+        if not self.layers:
+            self.layers = tuple(artifact.layers)
+        if not self.thresholds:
+            self.thresholds = tuple(artifact.thresholds)
             if not self.thresholds[0] < self.thresholds[1]:
                 raise TrtkvError("calibration thresholds must satisfy theta_low < theta_high; recalibrate")
+
+    @classmethod
+    def report_columns(cls) -> tuple[ReportColumn, ...]:
+        """avg bits: element bits over generated tokens (the paper's convention); stored bits: over the tokens
+        held at the end; evictions/step: decode steps with an eviction event / decode steps."""
+        return (ReportColumn("avg bits", "thinkv.avg_element_bits", ".2f"),
+                ReportColumn("stored bits", "thinkv.avg_stored_bits", ".2f"),
+                ReportColumn("R", "thinkv.thought_shares.R", ".0%"),
+                ReportColumn("E", "thinkv.thought_shares.E", ".0%"),
+                ReportColumn("T", "thinkv.thought_shares.T", ".0%"),
+                ReportColumn("evictions/step", "thinkv.eviction_call_rate", ".4f"),
+                ReportColumn("segments", "thinkv.segments", ".1f"),
+                ReportColumn("overflows", "thinkv.budget_overflows", ".1f"))
 
     # --- per-request state ------------------------------------------------------------------
     def on_request_init(self, req) -> None:
