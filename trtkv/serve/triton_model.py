@@ -18,6 +18,7 @@ import importlib
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,8 @@ from trtkv.serve.metrics import GAUGES
 LOG = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_PERIOD_S = 1.0
+FINALIZE_WAIT_S = 8.0
+SHUTDOWN_MESSAGE = "server shutting down; the request was cancelled"
 
 
 def _error(message: str):
@@ -92,6 +95,8 @@ class TritonPythonModel:
         self._max_positions = int(info.get("max_position_embeddings") or 2**31 - 1)
         self._gauges = _Gauges(self._engine, {"model": args["model_name"],
                                               "version": args["model_version"]})
+        self._inflight: set[threading.Thread] = set()
+        self._closing = threading.Event()
 
     def execute(self, requests):
         for request in requests:
@@ -106,15 +111,30 @@ class TritonPythonModel:
             except protocol.RequestError as e:
                 sender.send(_error(str(e)), flags=FINAL)
                 continue
-            threading.Thread(target=self._stream, args=(request, sender, parsed),
-                             daemon=True, name="trtkv-request").start()
+            if self._closing.is_set():
+                sender.send(_error(SHUTDOWN_MESSAGE), flags=FINAL)
+                continue
+            thread = threading.Thread(target=self._stream, args=(request, sender, parsed),
+                                      daemon=True, name="trtkv-request")
+            self._inflight.add(thread)
+            thread.start()
         return None
 
     def _stream(self, request, sender, parsed):
+        try:
+            self._respond(request, sender, parsed)
+        finally:
+            self._inflight.discard(threading.current_thread())
+
+    def _respond(self, request, sender, parsed):
         handle = None
         try:
             handle = self._engine.submit(parsed.prompt, parsed.params)
             for out in protocol.responses(handle, parsed.stream):
+                if self._closing.is_set():
+                    handle.cancel()
+                    sender.send(_error(SHUTDOWN_MESSAGE), flags=FINAL)
+                    return
                 if request.is_cancelled():
                     handle.cancel()
                     sender.send(_error("request cancelled"), flags=FINAL)
@@ -132,5 +152,11 @@ class TritonPythonModel:
             sender.send(_error(f"internal error: {type(e).__name__}: {e}"), flags=FINAL)
 
     def finalize(self):
+        """End open streams with an error response before the engine goes (else the stub's response
+        senders outlive the model and tritonserver crashes on the way out)."""
+        self._closing.set()
+        deadline = time.monotonic() + FINALIZE_WAIT_S
+        for thread in list(self._inflight):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._gauges.close()
         self._engine.shutdown()
