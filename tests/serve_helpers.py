@@ -81,16 +81,21 @@ def wait_gauges_idle(port: int, timeout_s: float) -> tuple[float, dict]:
         time.sleep(0.1)
 
 
-def group_processes(pgid: int) -> list[int]:
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
+def group_processes(pgid: int, wait_s: float = 5.0) -> list[int]:
+    """Live (not zombie) processes of a process group, after giving a SIGKILL `wait_s` to land."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = []
+        for p in Path("/proc").iterdir():
             try:
-                if os.getpgid(int(p.name)) == pgid:
+                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
                     out.append(int(p.name))
-            except (ProcessLookupError, PermissionError):
+            except (OSError, ValueError, IndexError):
                 pass
-    return out
+        if not out or time.monotonic() > deadline:
+            return out
+        time.sleep(0.1)
 
 
 def children(pid: int) -> list[int]:

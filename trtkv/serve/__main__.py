@@ -88,25 +88,34 @@ def tritonserver(repo, host, http_port, grpc_port, metrics_port, open_api, allow
         check_port_free(host, port, option)
     proc = start_tritonserver(repo, host=host, http_port=http_port, grpc_port=grpc_port,
                               metrics_port=metrics_port, open_apis=open_api, allow_http=allow_http)
-    stopping = []
+    stopping: list[float] = []
 
     def stop(*_):
-        if not stopping:  # one SIGINT: a second one makes Triton exit at once
+        if not stopping:
             stopping.append(time.monotonic())
-            proc.send_signal(signal.SIGINT)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    interrupted = False
     while True:
         proc.protect()
         try:
-            rc = proc.wait(timeout=0.5)
+            rc = proc.wait(timeout=0.25)
             break
         except subprocess.TimeoutExpired:
-            if stopping and time.monotonic() - stopping[0] > 40:  # Triton's own exit timeout is 10 s
-                proc.kill()
+            pass
+        if stopping and not interrupted:
+            proc.drain()  # open streams get an error response while their connections still exist
+            if time.monotonic() - stopping[0] > DRAIN_S:
+                proc.send_signal(signal.SIGINT)  # once: a second SIGINT makes Triton exit at once
+                interrupted = True
+        if interrupted and time.monotonic() - stopping[0] > 40:  # Triton's own exit timeout is 10 s
+            proc.kill()
     leftovers = proc.cleanup()
     sys.exit(_report_exit(rc, bool(stopping), leftovers))
+
+
+DRAIN_S = 1.0
 
 
 def _report_exit(rc: int, requested: bool, leftovers: list[str]) -> int:

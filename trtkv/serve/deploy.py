@@ -22,12 +22,15 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import uuid
 from pathlib import Path
 
 from trtkv.serve import shm
 from trtkv.serve.protocol import INPUTS, OUTPUTS
 from trtkv.serve.restrictions import grpc_restriction, http_restriction
+
+DRAIN_ENV = "TRTKV_DRAIN_FILE"  # read by triton_model.py, which cannot import this module's deps
 
 MODEL_PY = '''"""Triton Python-backend entry point written by trtkv.serve.deploy.
 
@@ -163,13 +166,18 @@ class TritonProcess:
 
     def __init__(self, repo, env=None, **kwargs):
         self.shm_prefix = f"trtkv-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self.drain_file = Path(tempfile.mkdtemp(prefix="trtkv-drain-")) / "drain"
+        env = {**tritonserver_env(env), DRAIN_ENV: str(self.drain_file)}
         self.proc = subprocess.Popen(tritonserver_command(repo, shm_prefix=self.shm_prefix, **kwargs),
-                                     env=tritonserver_env(env), start_new_session=True,
-                                     preexec_fn=_child_setup)
+                                     env=env, start_new_session=True, preexec_fn=_child_setup)
         self.pid = self.proc.pid
 
     def __getattr__(self, name):  # poll, wait, send_signal, returncode, ... of the Popen
         return getattr(self.proc, name)
+
+    def drain(self) -> None:
+        """Ask the model to end its open streams with an error response (see triton_model.py)."""
+        self.drain_file.touch()
 
     def cleanup(self) -> list[str]:
         """Kill leftover processes of the group and remove this run's shared memory; what was left."""
@@ -182,6 +190,7 @@ class TritonProcess:
         except (ProcessLookupError, PermissionError):
             pass
         left += [str(p) for p in shm.remove(self.shm_prefix)]
+        shutil.rmtree(self.drain_file.parent, ignore_errors=True)
         return left
 
     def protect(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_PERIOD_S = 1.0
 FINALIZE_WAIT_S = 8.0
 SHUTDOWN_MESSAGE = "server shutting down; the request was cancelled"
+DRAIN_ENV = "TRTKV_DRAIN_FILE"
 
 
 def _error(message: str):
@@ -97,6 +99,10 @@ class TritonPythonModel:
                                               "version": args["model_version"]})
         self._inflight: set[threading.Thread] = set()
         self._closing = threading.Event()
+        drain = os.environ.get(DRAIN_ENV)
+        if drain:
+            threading.Thread(target=self._watch_drain, args=(Path(drain),), daemon=True,
+                             name="trtkv-drain").start()
 
     def execute(self, requests):
         for request in requests:
@@ -150,6 +156,14 @@ class TritonPythonModel:
             if handle is not None:
                 handle.cancel()
             sender.send(_error(f"internal error: {type(e).__name__}: {e}"), flags=FINAL)
+
+    def _watch_drain(self, path: Path):
+        """The launcher asks for a drain (SIGTERM) by creating `path` before it stops tritonserver,
+        which closes client connections before `finalize` runs: end open streams while they can
+        still be answered."""
+        while not self._closing.wait(0.1):
+            if path.exists():
+                self._closing.set()
 
     def finalize(self):
         """End open streams with an error response before the engine goes (else the stub's response
