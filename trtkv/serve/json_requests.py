@@ -106,9 +106,10 @@ def kserve_inputs(body: dict[str, Any]) -> dict[str, np.ndarray]:
 
 # Accepted for client compatibility when they ask for nothing we do not do (value -> the only allowed).
 _NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "echo": False,
-            "best_of": 1, "logit_bias": None, "top_logprobs": None, "suffix": None, "user": None,
-            "parallel_tool_calls": None, "tools": None, "tool_choice": None, "response_format": None,
-            "service_tier": None, "metadata": None, "store": None}
+            "best_of": 1, "logit_bias": None, "top_logprobs": None, "suffix": None,
+            "parallel_tool_calls": None, "tools": None, "tool_choice": None, "response_format": None}
+# Bookkeeping fields that do not change the generation: accepted with any value.
+_IGNORED = ("user", "metadata", "store", "service_tier")
 
 
 @dataclass
@@ -202,6 +203,8 @@ def openai_request(body: dict[str, Any], *, chat: bool, model_name: str, max_pos
         raise RequestError("stream_options must be an object")
     include_usage = _boolean("stream_options.include_usage", options.get("include_usage", False))
     for name, value in body.items():
+        if name in _IGNORED:
+            continue
         if name not in _NEUTRAL:
             raise RequestError(f"unknown field {name!r}"[:120] + " (trtkv supports model, prompt/messages, "
                                "max_tokens, temperature, top_p, top_k, seed, stop, stream, repetition_penalty)")
