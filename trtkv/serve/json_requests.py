@@ -198,7 +198,8 @@ def openai_request(body: dict[str, Any], *, chat: bool, model_name: str, max_pos
     stop = body.pop("stop", None)
     stream = _boolean("stream", body.pop("stream", False) or False)
     ignore_eos = _boolean("ignore_eos", body.pop("ignore_eos", False) or False)
-    options = body.pop("stream_options", None) or {}
+    options = body.pop("stream_options", None)
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise RequestError("stream_options must be an object")
     include_usage = _boolean("stream_options.include_usage", options.get("include_usage", False))
