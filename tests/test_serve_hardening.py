@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import stat
 import subprocess
@@ -387,3 +388,31 @@ def test_deployed_crash_is_reported_and_cleaned_up(repo, tmp_path):
     assert "trtkv: error: tritonserver exited unexpectedly with signal" in log, log[-2000:]
     assert not group_processes(triton), "orphaned Python-backend stub"
     assert not list(Path("/dev/shm").glob(f"trtkv-{proc.pid}-*"))
+
+
+def test_1_tritonserver_crash_under_serve_is_reported(engine_dir, tmp_path):
+    """If tritonserver dies under `trtkv serve`, the command says so and exits 1 (it exited 0), and
+    neither its stub nor its shared memory outlives it."""
+    http_port, grpc, metrics, trtkv_metrics = free_ports(4)
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(serve_command("serve", engine_dir, "--host", HOST, "--http-port", http_port,
+                                              "--grpc-port", grpc, "--metrics-port", metrics,
+                                              "--trtkv-metrics-port", trtkv_metrics),
+                                cwd=ROOT, env=python_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(f"{HOST}:{http_port}", "trtkv", 240, proc)
+        srv = Server(proc, log, http_port, grpc, metrics, trtkv_metrics)
+        triton = tritonserver_pid(srv)
+        stubs = children(triton)
+        assert stubs
+        os.kill(triton, signal.SIGSEGV)
+        rc = proc.wait(timeout=90)
+    finally:
+        stop_process(proc)
+    text = log.read_text(errors="replace")
+    assert rc == 1 and "tritonserver exited unexpectedly" in text, text[-3000:]
+    assert not group_processes(triton) and all(not Path(f"/proc/{s}").exists() or
+                                               "Z" in Path(f"/proc/{s}/stat").read_text().rsplit(")", 1)[1][:3]
+                                               for s in stubs)
+    assert not list(Path("/dev/shm").glob(f"pytrtion{proc.pid}-*"))

@@ -20,7 +20,7 @@ import signal
 import sysconfig
 import threading
 
-from trtkv.serve import protocol, shm
+from trtkv.serve import processes, protocol, shm
 from trtkv.serve.metrics import MetricsServer, render
 
 LOG = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ class TritonService:
         self._sampling_params, self._log_verbose = sampling_params, log_verbose
         self._open_apis, self._limits = tuple(open_apis), limits
         self._triton = self._metrics = self.front = None
+        self._triton_procs: dict[int, str] = {}
 
     def start(self) -> "TritonService":
         from pytriton.model_config import ModelConfig
@@ -155,6 +156,7 @@ class TritonService:
                               config=ModelConfig(batching=False, decoupled=True))
             self._triton.run()
             shm.make_private(self.shm_prefix)  # the model is ready, but no prompt has come yet
+            self._triton_procs = self._note_tritonserver()
             labels = {"model": self.model_name}
             self._metrics = MetricsServer(self.host, self.trtkv_metrics_port,
                                           lambda: render(self.engine.metrics(), labels)).start()
@@ -167,6 +169,15 @@ class TritonService:
             self.stop()
             raise
         return self
+
+    def _note_tritonserver(self) -> dict[int, str]:
+        """This service's tritonserver (its command line holds our unique shm prefix) and its stubs."""
+        prefix, mine = self.shm_prefix, {}
+        for pid, cmd in processes.descendants(os.getpid()).items():
+            if "tritonserver" in cmd and prefix in cmd:
+                mine[pid] = cmd
+                mine.update(processes.descendants(pid))
+        return mine
 
     def alive(self) -> bool:
         return self._triton is not None and self._triton.is_alive()
@@ -197,6 +208,9 @@ class TritonService:
             prefix = self.shm_prefix
             self._triton.stop()
             self._triton = None
+            leftovers = processes.kill_leftovers(self._triton_procs)
+            if leftovers:
+                LOG.warning("killed processes tritonserver left behind: %s", leftovers)
             shm.remove(prefix)  # left behind when tritonserver crashed
 
     def __enter__(self):
