@@ -232,7 +232,9 @@ def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics
         raise KeyboardInterrupt
 
     from trtkv.serve.http_front import check_port_free
+    from trtkv.serve.restrictions import closed
 
+    closed(open_apis, pytriton=True)  # an unknown category is refused before anything loads
     for port, option in ((http_port, "--http-port"), (grpc_port, "--grpc-port"), (metrics_port, "--metrics-port"),
                          (trtkv_metrics_port or metrics_port + 1, "--trtkv-metrics-port")):
         check_port_free(host, port, option)  # before the engine loads: a clash costs a second, not a minute
