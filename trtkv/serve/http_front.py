@@ -52,6 +52,10 @@ class _SSE(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, content, on_close=None):
+        super().__init__(content)
+        self._on_close = on_close  # runs even if the generator never started (client gone at once)
+
     async def __call__(self, scope, receive, send) -> None:
         async def stream() -> None:
             await self.stream_response(send)
@@ -67,6 +71,8 @@ class _SSE(StreamingResponse):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.body_iterator.aclose()
+            if self._on_close is not None:
+                self._on_close()
 
 
 def _sse(obj: Any) -> bytes:
@@ -165,14 +171,17 @@ class HttpFrontEnd:
         self._server = None
 
     # ---- engine bridge -------------------------------------------------------------------------
-    async def _events(self, parsed: protocol.ParsedRequest) -> AsyncIterator:
-        """The engine's StreamEvents for one request; cancels it when the consumer stops early."""
+    async def _submit(self, parsed: protocol.ParsedRequest):
+        """Hand a request to the engine; what the engine refuses at once is the client's 400."""
         if self._closing:
             raise _Closing()
         try:
-            handle = await asyncio.to_thread(self.engine.submit, parsed.prompt, parsed.params)
+            return await asyncio.to_thread(self.engine.submit, parsed.prompt, parsed.params)
         except TrtkvError as e:
             raise RequestError(str(e)) from None
+
+    async def _events(self, handle) -> AsyncIterator:
+        """The engine's StreamEvents for one request; cancels it when the consumer stops early."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         self._active.add(queue)
 
@@ -185,6 +194,8 @@ class HttpFrontEnd:
 
         threading.Thread(target=pump, daemon=True, name="trtkv-http-request").start()
         try:
+            if self._closing:
+                raise _Closing()
             while True:
                 kind, ev = await queue.get()
                 if kind == "closing":
@@ -252,13 +263,18 @@ class HttpFrontEnd:
             if parsed.stream:
                 raise RequestError("generate answers once; send stream=true requests to generate_stream")
 
+            handle = await self._submit(parsed)
+
             async def work():
-                async for ev in self._events(parsed):
+                async for ev in self._events(handle):
                     if ev.finished:
                         return self._envelope(protocol.final_outputs(ev.result.text, ev.result))
 
             out = await self._until_done_or_gone(request, work())
-            return self._kserve_error(499, "client disconnected") if out is None else JSONResponse(out)
+            if out is None:
+                handle.cancel()
+                return self._kserve_error(499, "client disconnected")
+            return JSONResponse(out)
         except BodyError as e:
             return self._kserve_error(e.status, str(e))
         except RequestError as e:
@@ -271,25 +287,28 @@ class HttpFrontEnd:
     async def generate_stream(self, request: Request) -> Response:
         try:
             parsed = await self._kserve_parse(request)
+            handle = await self._submit(parsed)
         except BodyError as e:
             return self._kserve_error(e.status, str(e))
         except RequestError as e:
             return self._kserve_error(400, str(e))
+        except _Closing:
+            return self._kserve_error(503, SHUTDOWN_MESSAGE)
 
         async def events():
             try:
-                async for ev in self._events(parsed):
+                async for ev in self._events(handle):
                     if ev.finished:
                         yield _sse(self._envelope(protocol.final_outputs(ev.text if parsed.stream else ev.result.text,
                                                                          ev.result)))
                     elif parsed.stream and ev.text:
-                        yield _sse(self._envelope({"text_output": protocol._out("text_output", ev.text)}))
+                        yield _sse(self._envelope(protocol.delta_outputs(ev.text)))
             except (RequestError, _EngineFailed) as e:
                 yield _sse({"error": str(e)})
             except _Closing:
                 yield _sse({"error": SHUTDOWN_MESSAGE})
 
-        return _SSE(events())
+        return _SSE(events(), on_close=handle.cancel)
 
     # ---- health ----------------------------------------------------------------------------------
     async def live(self, request: Request) -> Response:
@@ -328,18 +347,21 @@ class HttpFrontEnd:
             req = openai_request(body, chat=chat, model_name=self.model_name, max_positions=self._max_positions,
                                  sampling_params=self._sampling_params,
                                  tokenizer=getattr(self.engine, "tokenizer", None))
+            handle = await self._submit(req.parsed)
         except BodyError as e:
             return self._openai_error(e.status, str(e))
         except RequestError as e:
             return self._openai_error(404 if "is not served here" in str(e) else 400, str(e))
+        except _Closing:
+            return self._openai_error(503, SHUTDOWN_MESSAGE, "server_error")
         ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         base = {"id": ident, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         if req.parsed.stream:
-            return _SSE(self._openai_stream(req, base, chat))
+            return _SSE(self._openai_stream(handle, req, base, chat), on_close=handle.cancel)
 
         async def work():
-            async for ev in self._events(req.parsed):
+            async for ev in self._events(handle):
                 if ev.finished:
                     return ev.result
 
@@ -354,12 +376,13 @@ class HttpFrontEnd:
             return self._openai_error(500 if internal else 400, str(e), "server_error" if internal else
                                       "invalid_request_error")
         if result is None:
+            handle.cancel()
             return self._openai_error(499, "client disconnected")
         choice = {"index": 0, "finish_reason": _finish(result.finish_reason), "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text})
         return JSONResponse({**base, "choices": [choice], "usage": _usage(result)})
 
-    async def _openai_stream(self, req, base: dict, chat: bool):
+    async def _openai_stream(self, handle, req, base: dict, chat: bool):
         base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
 
         def chunk(text: str | None, finish: str | None, first: bool = False) -> dict:
@@ -374,7 +397,7 @@ class HttpFrontEnd:
         try:
             if chat:
                 yield _sse(chunk(None, None, first=True))
-            async for ev in self._events(req.parsed):
+            async for ev in self._events(handle):
                 if ev.text or not ev.finished:
                     if ev.text:
                         yield _sse(chunk(ev.text, None))
