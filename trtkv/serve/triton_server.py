@@ -154,8 +154,14 @@ class TritonService:
                               infer_func=make_infer_fn(self.engine, self._sampling_params),
                               inputs=_tensors(protocol.INPUTS), outputs=_tensors(protocol.OUTPUTS),
                               config=ModelConfig(batching=False, decoupled=True))
-            self._triton.run()
-            shm.make_private(self.shm_prefix)  # the model is ready, but no prompt has come yet
+            started = threading.Event()
+            guard = threading.Thread(target=self._guard_shm, args=(started,), daemon=True, name="trtkv-shm")
+            guard.start()  # the stub creates its region before the model is ready to take a prompt
+            try:
+                self._triton.run()
+            finally:
+                started.set()
+                guard.join()
             self._triton_procs = self._note_tritonserver()
             labels = {"model": self.model_name}
             self._metrics = MetricsServer(self.host, self.trtkv_metrics_port,
@@ -169,6 +175,13 @@ class TritonService:
             self.stop()
             raise
         return self
+
+    def _guard_shm(self, started: threading.Event) -> None:
+        while True:
+            shm.make_private(self.shm_prefix)
+            if started.wait(0.05):
+                shm.make_private(self.shm_prefix)
+                return
 
     def _note_tritonserver(self) -> dict[int, str]:
         """This service's tritonserver (its command line holds our unique shm prefix) and its stubs."""
