@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -27,46 +24,7 @@ from trtkv.serve.client import ServerError  # noqa: E402
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow, pytest.mark.model]
 
-ROOT = Path(__file__).resolve().parents[1]
-PROMPT = "What is 2+2? Answer briefly."
-HOST = "127.0.0.1"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def wait_ready(http_url: str, model: str, timeout_s: float, proc=None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{http_url} not ready after {timeout_s}s")
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-    return proc.returncode
+from serve_helpers import HOST, PROMPT, ROOT, free_ports, stop_process, wait_ready  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +173,7 @@ def test_malformed_requests_and_server_keeps_serving(service):
     body = {"max_tokens": 4}  # no text_input
     with pytest.raises(ServerError, match="text_input"):
         client._post(http, f"/v2/models/{service.model_name}/generate", body, 30)
-    with pytest.raises(ServerError, match="JSON"):  # wrong dtype for INT32
+    with pytest.raises(ServerError, match="max_tokens must be an integer"):  # wrong JSON type for INT32
         client._post(http, f"/v2/models/{service.model_name}/generate",
                      {"text_input": PROMPT, "max_tokens": "many"}, 30)
     with pytest.raises(ServerError, match="text_input is empty"):

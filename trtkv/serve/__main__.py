@@ -10,6 +10,7 @@ import logging
 import signal
 import subprocess
 import sys
+import time
 
 import click
 
@@ -27,6 +28,12 @@ def _ports(f):
     return f
 
 
+def _open_api(f):
+    return click.option("--open-api", multiple=True, metavar="CATEGORY",
+                        help="Leave a Triton API category open (closed by default: shared-memory, "
+                             "model-repository, statistics, trace, logging). Repeatable.")(f)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Serve trtkv engines with Triton Inference Server."""
@@ -39,13 +46,15 @@ def main() -> None:
               help="Port of the trtkv gauges endpoint [metrics port + 1].")
 @click.option("--model-name", default=None, help="Triton model name [trtkv].")
 @click.option("--log-verbose", type=int, default=0, help="tritonserver verbosity.")
-def serve(engine, host, http_port, grpc_port, metrics_port, trtkv_metrics_port, model_name, log_verbose):
-    """Serve ENGINE with PyTriton until Ctrl-C."""
+@_open_api
+def serve(engine, host, http_port, grpc_port, metrics_port, trtkv_metrics_port, model_name, log_verbose,
+          open_api):
+    """Serve ENGINE until Ctrl-C/SIGTERM: HTTP (OpenAI /v1 + KServe generate) and Triton gRPC."""
     from trtkv.serve.triton_server import serve as run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(engine, host, http_port, grpc_port, metrics_port, model_name=model_name,
-        trtkv_metrics_port=trtkv_metrics_port, log_verbose=log_verbose)
+    sys.exit(run(engine, host, http_port, grpc_port, metrics_port, model_name=model_name,
+                 trtkv_metrics_port=trtkv_metrics_port, log_verbose=log_verbose, open_apis=open_api))
 
 
 @main.command()
@@ -66,22 +75,59 @@ def deploy(engine, repo, out, model_name):
 @main.command()
 @click.argument("repo", type=click.Path(exists=True, file_okay=False))
 @_ports
-def tritonserver(repo, host, http_port, grpc_port, metrics_port):
+@_open_api
+@click.option("--http/--no-http", "allow_http", default=True, show_default=True,
+              help="Serve Triton's HTTP endpoint (its JSON parser cannot be bounded; see docs/serving.md).")
+def tritonserver(repo, host, http_port, grpc_port, metrics_port, open_api, allow_http):
     """Run the bundled tritonserver on REPO with this Python's backend stub."""
     from trtkv.serve.deploy import start_tritonserver
+    from trtkv.serve.http_front import check_port_free
 
+    ports = [(grpc_port, "--grpc-port"), (metrics_port, "--metrics-port")]
+    for port, option in ports + ([(http_port, "--http-port")] if allow_http else []):
+        check_port_free(host, port, option)
     proc = start_tritonserver(repo, host=host, http_port=http_port, grpc_port=grpc_port,
-                              metrics_port=metrics_port)
-    signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGINT))
-    try:
-        sys.exit(proc.wait())
-    except KeyboardInterrupt:  # tritonserver runs in its own session: forward
-        proc.send_signal(signal.SIGINT)
+                              metrics_port=metrics_port, open_apis=open_api, allow_http=allow_http)
+    stopping: list[float] = []
+
+    def stop(*_):
+        if not stopping:
+            stopping.append(time.monotonic())
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    interrupted = False
+    while True:
+        proc.protect()
         try:
-            sys.exit(proc.wait(timeout=30))
+            rc = proc.wait(timeout=0.25)
+            break
         except subprocess.TimeoutExpired:
+            pass
+        if stopping and not interrupted:
+            proc.drain()  # open streams get an error response while their connections still exist
+            if time.monotonic() - stopping[0] > DRAIN_S:
+                proc.send_signal(signal.SIGINT)  # once: a second SIGINT makes Triton exit at once
+                interrupted = True
+        if interrupted and time.monotonic() - stopping[0] > 40:  # Triton's own exit timeout is 10 s
             proc.kill()
-            sys.exit(1)
+    leftovers = proc.cleanup()
+    sys.exit(_report_exit(rc, bool(stopping), leftovers))
+
+
+DRAIN_S = 1.0
+
+
+def _report_exit(rc: int, requested: bool, leftovers: list[str]) -> int:
+    """tritonserver's status as ours, with one line when it was not a clean, requested stop."""
+    if leftovers:
+        click.echo(f"trtkv: cleaned up after tritonserver: {', '.join(leftovers)}", err=True)
+    if rc == 0:
+        return 0
+    what = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"status {rc}"
+    when = "while stopping" if requested else "unexpectedly"
+    click.echo(f"trtkv: error: tritonserver exited {when} with {what}; see its log above", err=True)
+    return 128 - rc if rc < 0 else rc
 
 
 if __name__ == "__main__":

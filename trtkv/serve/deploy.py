@@ -22,9 +22,15 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import uuid
 from pathlib import Path
 
+from trtkv.serve import shm
 from trtkv.serve.protocol import INPUTS, OUTPUTS
+from trtkv.serve.restrictions import grpc_restriction, http_restriction
+
+DRAIN_ENV = "TRTKV_DRAIN_FILE"  # read by triton_model.py, which cannot import this module's deps
 
 MODEL_PY = '''"""Triton Python-backend entry point written by trtkv.serve.deploy.
 
@@ -122,29 +128,76 @@ def tritonserver_env(base=None) -> dict:
 
 
 def tritonserver_command(repo, host="127.0.0.1", http_port=8000, grpc_port=8001,
-                         metrics_port=8002, backends=None, extra=()) -> list[str]:
+                         metrics_port=8002, backends=None, extra=(), open_apis=(), allow_http=True,
+                         shm_prefix="trtkv-") -> list[str]:
+    """tritonserver's argv: no model control, closed admin APIs (see restrictions.py)."""
+    http_rule, grpc_rule = http_restriction(open_apis), grpc_restriction(open_apis)
     return [str(tritonserver_binary()), f"--model-repository={Path(repo).resolve()}",
             f"--backend-directory={prepare_backends(backends)}",
+            "--model-control-mode=none",
+            f"--allow-http={'true' if allow_http else 'false'}",
             f"--http-address={host}", f"--http-port={http_port}",
             f"--grpc-address={host}", f"--grpc-port={grpc_port}",
             f"--metrics-address={host}", f"--metrics-port={metrics_port}",
+            f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+            *([f"--http-restricted-api={http_rule}"] if http_rule and allow_http else []),
+            *([f"--grpc-restricted-protocol={grpc_rule}"] if grpc_rule else []),
             "--exit-timeout-secs=10", *extra]
 
 
-def _die_with_parent() -> None:
+def _child_setup() -> None:
+    """In the child before exec: private files (/dev/shm regions hold prompts), die with the parent."""
     import ctypes
     import signal
 
+    os.umask(0o077)
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_tritonserver(repo, env=None, **kwargs) -> subprocess.Popen:
-    """Start tritonserver on a repository; stop it with `.send_signal(SIGINT)`.
+class TritonProcess:
+    """A tritonserver on a repository and everything it leaves behind.
 
-    It gets its own session so a terminal's Ctrl-C reaches only the caller,
-    which forwards a single SIGINT (a second one makes Triton exit at once),
-    and it is sent SIGTERM if the caller dies.
+    tritonserver runs in its own session (a terminal's Ctrl-C reaches only the caller, which
+    forwards one SIGINT: a second makes Triton exit at once); its Python-backend stubs are in that
+    session's process group, so `cleanup` can kill any it orphaned (a crashed tritonserver leaves a
+    1 GB stub that ignores SIGTERM) and remove the `/dev/shm` regions named by this run's prefix.
     """
-    return subprocess.Popen(tritonserver_command(repo, **kwargs), env=tritonserver_env(env),
-                            start_new_session=True, preexec_fn=_die_with_parent)
+
+    def __init__(self, repo, env=None, **kwargs):
+        self.shm_prefix = f"trtkv-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self.drain_file = Path(tempfile.mkdtemp(prefix="trtkv-drain-")) / "drain"
+        env = {**tritonserver_env(env), DRAIN_ENV: str(self.drain_file)}
+        self.proc = subprocess.Popen(tritonserver_command(repo, shm_prefix=self.shm_prefix, **kwargs),
+                                     env=env, start_new_session=True, preexec_fn=_child_setup)
+        self.pid = self.proc.pid
+
+    def __getattr__(self, name):  # poll, wait, send_signal, returncode, ... of the Popen
+        return getattr(self.proc, name)
+
+    def drain(self) -> None:
+        """Ask the model to end its open streams with an error response (see triton_model.py)."""
+        self.drain_file.touch()
+
+    def cleanup(self) -> list[str]:
+        """Kill leftover processes of the group and remove this run's shared memory; what was left."""
+        import signal
+
+        left = []
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            left.append(f"process group {self.proc.pid}")
+        except (ProcessLookupError, PermissionError):
+            pass
+        left += [str(p) for p in shm.remove(self.shm_prefix)]
+        shutil.rmtree(self.drain_file.parent, ignore_errors=True)
+        return left
+
+    def protect(self) -> None:
+        """Take others' access to this server's /dev/shm regions (call at start and periodically)."""
+        shm.make_private(self.shm_prefix)
+
+
+def start_tritonserver(repo, env=None, **kwargs) -> TritonProcess:
+    """Start tritonserver on a repository; stop it with `.send_signal(SIGINT)`, then `.cleanup()`."""
+    return TritonProcess(repo, env, **kwargs)

@@ -187,6 +187,11 @@ def _out(name: str, value) -> np.ndarray:
     return np.array([value], dtype=NUMPY_DTYPES[{o.name: o.dtype for o in OUTPUTS}[name]])
 
 
+def delta_outputs(text: str) -> dict[str, np.ndarray]:
+    """A streamed response's text delta (HTTP front end; the Triton models add generated_tokens)."""
+    return {"text_output": _out("text_output", text)}
+
+
 def final_outputs(text: str, result) -> dict[str, np.ndarray]:
     """Outputs of a request's last response: text plus the engine's stats."""
     stats = getattr(result, "stats", None) or {}

@@ -17,7 +17,9 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,9 @@ from trtkv.serve.metrics import GAUGES
 LOG = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_PERIOD_S = 1.0
+FINALIZE_WAIT_S = 8.0
+SHUTDOWN_MESSAGE = "server shutting down; the request was cancelled"
+DRAIN_ENV = "TRTKV_DRAIN_FILE"
 
 
 def _error(message: str):
@@ -92,6 +97,12 @@ class TritonPythonModel:
         self._max_positions = int(info.get("max_position_embeddings") or 2**31 - 1)
         self._gauges = _Gauges(self._engine, {"model": args["model_name"],
                                               "version": args["model_version"]})
+        self._inflight: set[threading.Thread] = set()
+        self._closing = threading.Event()
+        drain = os.environ.get(DRAIN_ENV)
+        if drain:
+            threading.Thread(target=self._watch_drain, args=(Path(drain),), daemon=True,
+                             name="trtkv-drain").start()
 
     def execute(self, requests):
         for request in requests:
@@ -106,15 +117,30 @@ class TritonPythonModel:
             except protocol.RequestError as e:
                 sender.send(_error(str(e)), flags=FINAL)
                 continue
-            threading.Thread(target=self._stream, args=(request, sender, parsed),
-                             daemon=True, name="trtkv-request").start()
+            if self._closing.is_set():
+                sender.send(_error(SHUTDOWN_MESSAGE), flags=FINAL)
+                continue
+            thread = threading.Thread(target=self._stream, args=(request, sender, parsed),
+                                      daemon=True, name="trtkv-request")
+            self._inflight.add(thread)
+            thread.start()
         return None
 
     def _stream(self, request, sender, parsed):
+        try:
+            self._respond(request, sender, parsed)
+        finally:
+            self._inflight.discard(threading.current_thread())
+
+    def _respond(self, request, sender, parsed):
         handle = None
         try:
             handle = self._engine.submit(parsed.prompt, parsed.params)
             for out in protocol.responses(handle, parsed.stream):
+                if self._closing.is_set():
+                    handle.cancel()
+                    sender.send(_error(SHUTDOWN_MESSAGE), flags=FINAL)
+                    return
                 if request.is_cancelled():
                     handle.cancel()
                     sender.send(_error("request cancelled"), flags=FINAL)
@@ -131,6 +157,20 @@ class TritonPythonModel:
                 handle.cancel()
             sender.send(_error(f"internal error: {type(e).__name__}: {e}"), flags=FINAL)
 
+    def _watch_drain(self, path: Path):
+        """The launcher asks for a drain (SIGTERM) by creating `path` before it stops tritonserver,
+        which closes client connections before `finalize` runs: end open streams while they can
+        still be answered."""
+        while not self._closing.wait(0.1):
+            if path.exists():
+                self._closing.set()
+
     def finalize(self):
+        """End open streams with an error response before the engine goes (else the stub's response
+        senders outlive the model and tritonserver crashes on the way out)."""
+        self._closing.set()
+        deadline = time.monotonic() + FINALIZE_WAIT_S
+        for thread in list(self._inflight):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._gauges.close()
         self._engine.shutdown()

@@ -13,13 +13,14 @@ into an asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
 import sysconfig
 import threading
 
-from trtkv.serve import protocol
+from trtkv.serve import processes, protocol, shm
 from trtkv.serve.metrics import MetricsServer, render
 
 LOG = logging.getLogger(__name__)
@@ -103,58 +104,127 @@ def make_infer_fn(engine, sampling_params):
 
 
 class TritonService:
-    """A running PyTriton server for one engine; a context manager.
+    """A running PyTriton server plus trtkv's HTTP front end for one engine; a context manager.
 
-    The caller keeps ownership of the engine (it is started, not shut down).
+    tritonserver serves gRPC only (its HTTP JSON parser can be crashed by one request, see
+    `http_front.py`); the public HTTP port is trtkv's front end (OpenAI `/v1/*`, KServe v2
+    generate/generate_stream, health).  The caller keeps ownership of the engine (it is started,
+    not shut down).
     """
 
     def __init__(self, engine, sampling_params, *, host="127.0.0.1", http_port=8000,
                  grpc_port=8001, metrics_port=8002, trtkv_metrics_port=None,
-                 model_name=DEFAULT_MODEL_NAME, log_verbose=0):
+                 model_name=DEFAULT_MODEL_NAME, log_verbose=0, open_apis=(), limits=None):
         self.engine, self.model_name, self.host = engine, model_name, host
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.trtkv_metrics_port = metrics_port + 1 if trtkv_metrics_port is None else trtkv_metrics_port
         self._sampling_params, self._log_verbose = sampling_params, log_verbose
-        self._triton = self._metrics = None
+        self._open_apis, self._limits = tuple(open_apis), limits
+        self._triton = self._metrics = self.front = None
+        self._triton_procs: dict[int, str] = {}
 
     def start(self) -> "TritonService":
         from pytriton.model_config import ModelConfig
-        from pytriton.triton import Triton, TritonConfig
+        from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy, TritonSecurityConfig
 
+        from trtkv.serve.bounded_json import JsonLimits
+        from trtkv.serve.http_front import HttpFrontEnd, check_port_free
+        from trtkv.serve.restrictions import grpc_restriction
+
+        for port, option in ((self.http_port, "--http-port"), (self.grpc_port, "--grpc-port"),
+                             (self.metrics_port, "--metrics-port"),
+                             (self.trtkv_metrics_port, "--trtkv-metrics-port")):
+            if port:  # 0: pick a free one
+                check_port_free(self.host, port, option)
         ensure_libpython_on_path()
         self.engine.start_background()
-        config = TritonConfig(http_address=self.host, http_port=self.http_port,
-                              grpc_address=self.host, grpc_port=self.grpc_port,
+        config = TritonConfig(allow_http=False, grpc_address=self.host, grpc_port=self.grpc_port,
                               metrics_address=self.host, metrics_port=self.metrics_port,
-                              log_verbose=self._log_verbose, exit_timeout_secs=15)
-        self._triton = Triton(config=config)
+                              log_verbose=self._log_verbose, exit_timeout_secs=15,
+                              grpc_restricted_protocol=grpc_restriction(self._open_apis, pytriton=True))
+        # The model is written to PyTriton's model store before tritonserver starts and loaded by it
+        # at startup, so PyTriton never needs the model-repository API, and no access token (which
+        # tritonserver would only take on its world-readable command line) exists.
+        self._triton = Triton(config=config,
+                              triton_lifecycle_policy=TritonLifecyclePolicy(launch_triton_on_startup=True,
+                                                                            local_model_store=True),
+                              security_config=TritonSecurityConfig(restricted_endpoints=[]))
         try:
             self._triton.bind(model_name=self.model_name,
                               infer_func=make_infer_fn(self.engine, self._sampling_params),
                               inputs=_tensors(protocol.INPUTS), outputs=_tensors(protocol.OUTPUTS),
                               config=ModelConfig(batching=False, decoupled=True))
-            self._triton.run()
+            started = threading.Event()
+            guard = threading.Thread(target=self._guard_shm, args=(started,), daemon=True, name="trtkv-shm")
+            guard.start()  # the stub creates its region before the model is ready to take a prompt
+            try:
+                self._triton.run()
+            finally:
+                started.set()
+                guard.join()
+            self._triton_procs = self._note_tritonserver()
             labels = {"model": self.model_name}
             self._metrics = MetricsServer(self.host, self.trtkv_metrics_port,
                                           lambda: render(self.engine.metrics(), labels)).start()
             self.trtkv_metrics_port = self._metrics.port
+            self.front = HttpFrontEnd(self.engine, self._sampling_params, host=self.host,
+                                      port=self.http_port, model_name=self.model_name,
+                                      limits=self._limits or JsonLimits()).start()
+            self.http_port = self.front.port
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _guard_shm(self, started: threading.Event) -> None:
+        while True:
+            shm.make_private(self.shm_prefix)
+            if started.wait(0.05):
+                shm.make_private(self.shm_prefix)
+                return
+
+    def _note_tritonserver(self) -> dict[int, str]:
+        """This service's tritonserver (its command line holds our unique shm prefix) and its stubs."""
+        prefix, mine = self.shm_prefix, {}
+        for pid, cmd in processes.descendants(os.getpid()).items():
+            if "tritonserver" in cmd and prefix in cmd:
+                mine[pid] = cmd
+                mine.update(processes.descendants(pid))
+        return mine
+
+    def alive(self) -> bool:
+        return self._triton is not None and self._triton.is_alive()
+
+    @property
+    def shm_prefix(self) -> str:
+        """The Python backend's region names: PyTriton's own prefix (pid + random) when readable."""
+        backend = getattr(self._triton, "_python_backend_config", None)
+        try:
+            return str(backend["shm-region-prefix-name"])
+        except (TypeError, KeyError):
+            return f"pytrtion{os.getpid()}-"
+
     def wait(self) -> None:
         """Block until Triton dies or SIGINT/SIGTERM arrives."""
-        while self._triton.is_alive():
-            threading.Event().wait(1.0)
+        while self.alive():
+            shm.make_private(self.shm_prefix)
+            threading.Event().wait(0.5)
 
     def stop(self) -> None:
+        if self.front is not None:
+            self.front.stop()  # open streams get a final error event first
+            self.front = None
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None
         if self._triton is not None:
+            prefix = self.shm_prefix
             self._triton.stop()
             self._triton = None
+            leftovers = processes.kill_leftovers(self._triton_procs)
+            if leftovers:
+                LOG.warning("killed processes tritonserver left behind: %s", leftovers)
+            shm.remove(prefix)  # left behind when tritonserver crashed
 
     def __enter__(self):
         return self.start()
@@ -164,29 +234,43 @@ class TritonService:
 
 
 def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics_port=8002,
-          model_name=None, trtkv_metrics_port=None, log_verbose=0) -> None:
-    """Load an engine and serve it until SIGINT/SIGTERM; always shuts both down."""
+          model_name=None, trtkv_metrics_port=None, log_verbose=0, open_apis=()) -> int:
+    """Load an engine and serve it until SIGINT/SIGTERM; returns the exit status.
+
+    0 after a requested shutdown; 1 when tritonserver died under the service (the log says why).
+    """
     from trtkv.api import Engine, SamplingParams
 
     def _interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    from trtkv.serve.http_front import check_port_free
+    from trtkv.serve.restrictions import closed
+
+    closed(open_apis, pytriton=True)  # an unknown category is refused before anything loads
+    for port, option in ((http_port, "--http-port"), (grpc_port, "--grpc-port"), (metrics_port, "--metrics-port"),
+                         (trtkv_metrics_port or metrics_port + 1, "--trtkv-metrics-port")):
+        check_port_free(host, port, option)  # before the engine loads: a clash costs a second, not a minute
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
+        faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     engine = Engine.load(engine_path)
+    status = 0
     try:
         with TritonService(engine, SamplingParams, host=host, http_port=http_port,
                            grpc_port=grpc_port, metrics_port=metrics_port,
                            trtkv_metrics_port=trtkv_metrics_port,
                            model_name=model_name or DEFAULT_MODEL_NAME,
-                           log_verbose=log_verbose) as service:
-            LOG.info("serving %s as model %r: http %s:%d grpc %s:%d metrics :%d trtkv metrics :%d",
-                     engine_path, service.model_name, host, http_port, host, grpc_port,
-                     metrics_port, service.trtkv_metrics_port)
+                           log_verbose=log_verbose, open_apis=open_apis) as service:
+            LOG.info("serving %s as model %r: http (OpenAI + KServe generate) %s:%d grpc %s:%d "
+                     "metrics :%d trtkv metrics :%d", engine_path, service.model_name, host,
+                     service.http_port, host, grpc_port, metrics_port, service.trtkv_metrics_port)
             try:
                 service.wait()
+                LOG.error("tritonserver exited unexpectedly; shutting down")
+                status = 1
             except KeyboardInterrupt:
                 LOG.info("interrupted, shutting down")
     finally:
         engine.shutdown()
-
+    return status
