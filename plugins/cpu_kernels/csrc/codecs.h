@@ -68,8 +68,13 @@ inline uint8_t e4m3_encode(float x, bool round_up) {
 }
 
 // E2M1 nibble (bit 3 sign) -> fp32, and fp32 -> nibble with RNE ties (plugins/formats/nvfp4.py).
-constexpr float E2M1_VALUES[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-inline float e2m1_decode(int c) { float m = E2M1_VALUES[c & 7]; return (c & 8) ? -m : m; }
+// Decode builds the fp32 bit pattern (exponent e+126, mantissa bit m) so it vectorizes without a gather.
+inline float e2m1_decode(int c) {
+  const uint32_t e = (c >> 1) & 3, m = c & 1;
+  const float normal = bits_to_float(((e + 126u) << 23) | (m << 22));
+  const float mag = e == 0 ? (float)m * 0.5f : normal;
+  return bits_to_float(float_to_bits(mag) | ((uint32_t)(c & 8) << 28));
+}
 inline int e2m1_encode(float r) {
   float a = std::fabs(r);
   if (std::isnan(a)) a = 0.0f;
@@ -83,6 +88,26 @@ inline float ternary_decode(int c) { return (float)((c & 1) * (1 - (c & 2))); }
 inline int ternary_encode(float r) {
   float q = std::nearbyint(r);
   return q > 0.0f ? 1 : (q < 0.0f ? 3 : 0);
+}
+
+// exp(x) for x <= 0 (softmax arguments), branch-free so loops over it vectorize: Cody-Waite range
+// reduction x = n ln2 + r, |r| <= ln2/2, and the degree-6 minimax polynomial of Cephes' expf (rel. error
+// ~2e-7, within 2 ulp of libm). Below -87.3 (exp underflows fp32) it returns 0; exp(-inf) = 0.
+inline float exp_neg(float x) {
+  const bool under = x < -87.3f;
+  x = under ? -87.3f : x;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float scale = bits_to_float((uint32_t)((int32_t)n + 127) << 23);
+  return under ? 0.0f : p * scale;
 }
 
 }  // namespace trtkv

@@ -14,6 +14,10 @@ namespace trtkv {
 namespace {
 
 constexpr float FP16_MAX = 65504.0f;
+constexpr int64_t SERIAL_ELEMENTS = 1 << 16;  // a flush group or a decode step's tokens: no thread wake-up
+
+// at::parallel_for grain for `tasks` tasks of `per_task` elements: serial (grain > range) when small.
+inline int64_t grain_for(int64_t tasks, int64_t per_task) { return tasks * per_task < SERIAL_ELEMENTS ? tasks + 1 : 1; }
 
 struct Io {
   const float* k;
@@ -36,7 +40,7 @@ inline void pack_row(const int* codes, int64_t D, uint8_t* dst) {
 }
 
 void write_float(const Io& io, int fmt, const std::vector<at::Tensor>& sf) {
-  at::parallel_for(0, io.n * io.H, 16, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, io.n * io.H, grain_for(io.n * io.H, io.D), [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t i = t / io.H, h = t % io.H, row = slot_row(io, i, h);
       for (int kv = 0; kv < 2; ++kv) {
@@ -53,7 +57,7 @@ void write_float(const Io& io, int fmt, const std::vector<at::Tensor>& sf) {
 }
 
 void write_fp8(const Io& io, const std::vector<at::Tensor>& sf, float sk, float sv) {
-  at::parallel_for(0, io.n * io.H, 16, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, io.n * io.H, grain_for(io.n * io.H, io.D), [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t i = t / io.H, h = t % io.H, row = slot_row(io, i, h);
       for (int kv = 0; kv < 2; ++kv) {
@@ -75,7 +79,7 @@ void write_blockscaled(const Io& io, const std::vector<at::Tensor>& sf, const st
   const float* e4 = e4m3_table().v;
   const int64_t n = io.n, H = io.H, D = io.D, rb = D * BITS / 8, VG = D / 16;
   const float qk = qmax * gk, qv = qmax * gv;
-  at::parallel_for(0, H, 1, [&](int64_t h_lo, int64_t h_hi) {
+  at::parallel_for(0, H, grain_for(H, n * D), [&](int64_t h_lo, int64_t h_hi) {
     std::vector<float> kr(n * D);
     std::vector<int> codes(D);
     for (int64_t h = h_lo; h < h_hi; ++h) {
@@ -142,7 +146,7 @@ void write_int(const Io& io, const std::vector<at::Tensor>& sf, const std::vecto
     q = std::min(std::max(q, 0.0f), levels);
     return (int)q;
   };
-  at::parallel_for(0, H, 1, [&](int64_t h_lo, int64_t h_hi) {
+  at::parallel_for(0, H, grain_for(H, n * D), [&](int64_t h_lo, int64_t h_hi) {
     std::vector<int> codes(D);
     std::vector<float> ks(D), kz(D);
     for (int64_t h = h_lo; h < h_hi; ++h) {

@@ -18,6 +18,7 @@ namespace trtkv {
 namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int64_t SERIAL_SLOT_HEADS = 4096;
 
 struct Pools {
   const uint8_t* f[4] = {nullptr, nullptr, nullptr, nullptr};
@@ -33,16 +34,43 @@ inline int code_at(const uint8_t* bytes, int64_t d) {
   return (bytes[d / per] >> (BITS * (d % per))) & ((1 << BITS) - 1);
 }
 
-// Dequantized K and V rows (fp32, [D]) of slot `slot` of page `page`, KV head `h`.
+// Key-group parameters of one (flush group, KV head) decoded to fp32 rows [D], cached across the slots of
+// a task: a flush group's 16 tokens usually sit side by side, so each group row is decoded once.
+struct GroupRows {
+  int64_t gid = -1;
+  std::vector<float> a, b;  // block-scaled: E4M3 key scale, key offset; int: key scale, key zero
+  explicit GroupRows(int64_t D) : a(D), b(D) {}
+};
+
 template <int FMT>
-inline void load_kv(const Pools& p, int64_t page, int64_t slot, int64_t h, float* k, float* v) {
+inline void load_group(const Pools& p, int64_t gid, int64_t h, GroupRows& gr) {
+  if (gr.gid == gid) return;
+  gr.gid = gid;
+  const int64_t D = p.D, grow = (gid * p.H + h) * D;  // group field [gid, h, d]
+  if constexpr (FMT == INT4 || FMT == INT2) {
+    const uint16_t* ks = reinterpret_cast<const uint16_t*>(p.g[0]) + grow;
+    const uint16_t* kz = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
+    for (int64_t d = 0; d < D; ++d) { gr.a[d] = half_to_float(ks[d]); gr.b[d] = half_to_float(kz[d]); }
+  } else {
+    const float* t = e4m3_table().v;
+    const uint8_t* ks = p.g[0] + grow;
+    for (int64_t d = 0; d < D; ++d) gr.a[d] = t[ks[d]];
+    if constexpr (FMT == NVFP4O || FMT == TERNARYO) {
+      const uint16_t* ko = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
+      for (int64_t d = 0; d < D; ++d) gr.b[d] = half_to_float(ko[d]);
+    }
+  }
+}
+
+// Dequantized K and V rows (fp32, [D]) of slot `slot` of page `page`, KV head `h`; same fp32 operations in
+// the same order as the formats' torch decoders.
+template <int FMT>
+inline void load_kv(const Pools& p, int64_t page, int64_t slot, int64_t h, float* k, float* v, GroupRows& gr) {
   const int64_t D = p.D;
   const int64_t row = (page * p.B + slot) * p.H + h;  // slot-field row of [pages, B, H, ...]
   if constexpr (FMT == FP32) {
-    const float* kp = reinterpret_cast<const float*>(p.f[0]) + row * D;
-    const float* vp = reinterpret_cast<const float*>(p.f[1]) + row * D;
-    std::memcpy(k, kp, D * sizeof(float));
-    std::memcpy(v, vp, D * sizeof(float));
+    std::memcpy(k, reinterpret_cast<const float*>(p.f[0]) + row * D, D * sizeof(float));
+    std::memcpy(v, reinterpret_cast<const float*>(p.f[1]) + row * D, D * sizeof(float));
   } else if constexpr (FMT == FP16 || FMT == BF16) {
     const uint16_t* kp = reinterpret_cast<const uint16_t*>(p.f[0]) + row * D;
     const uint16_t* vp = reinterpret_cast<const uint16_t*>(p.f[1]) + row * D;
@@ -65,37 +93,37 @@ inline void load_kv(const Pools& p, int64_t page, int64_t slot, int64_t h, float
     const int64_t rb = D * BITS / 8;  // packed bytes per (slot, head)
     const uint8_t* kp = p.f[0] + row * rb;
     const uint8_t* vp = p.f[1] + row * rb;
-    const int64_t gid = std::max<int32_t>(p.k_group[page * p.B + slot], 0);
-    const int64_t grow = (gid * p.H + h) * D;  // group field [gid, h, d]
-    const int64_t vrow = row * (D / 16);        // per-token value params [page, slot, h, d/16]
+    load_group<FMT>(p, std::max<int32_t>(p.k_group[page * p.B + slot], 0), h, gr);
+    const float* ga = gr.a.data();
+    const float* gb = gr.b.data();
+    const int64_t vrow = row * (D / 16);  // per-token value params [page, slot, h, d/16]
     if constexpr (FMT == INT4 || FMT == INT2) {
-      const uint16_t* ks = reinterpret_cast<const uint16_t*>(p.g[0]) + grow;
-      const uint16_t* kz = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
       const uint16_t* vs = reinterpret_cast<const uint16_t*>(p.f[2]) + vrow;
       const uint16_t* vz = reinterpret_cast<const uint16_t*>(p.f[3]) + vrow;
-      for (int64_t d = 0; d < D; ++d) {
-        k[d] = (float)code_at<BITS>(kp, d) * half_to_float(ks[d]) + half_to_float(kz[d]);
-        v[d] = (float)code_at<BITS>(vp, d) * half_to_float(vs[d / 16]) + half_to_float(vz[d / 16]);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) k[d] = (float)code_at<BITS>(kp, d) * ga[d] + gb[d];
+      for (int64_t c = 0; c < D / 16; ++c) {
+        const float s = half_to_float(vs[c]), z = half_to_float(vz[c]);
+#pragma omp simd
+        for (int64_t d = c * 16; d < c * 16 + 16; ++d) v[d] = (float)code_at<BITS>(vp, d) * s + z;
       }
     } else {
       const float* t = e4m3_table().v;
-      const uint8_t* ks = p.g[0] + grow;
       const uint8_t* vs = p.f[2] + vrow;
+      const float sk = p.sk, sv = p.sv;
+#pragma omp simd
       for (int64_t d = 0; d < D; ++d) {
-        float ke, ve;
-        if constexpr (four) {
-          ke = e2m1_decode(code_at<4>(kp, d));
-          ve = e2m1_decode(code_at<4>(vp, d));
-        } else {
-          ke = ternary_decode(code_at<2>(kp, d));
-          ve = ternary_decode(code_at<2>(vp, d));
-        }
-        k[d] = (ke * t[ks[d]]) * p.sk;
-        v[d] = (ve * t[vs[d / 16]]) * p.sv;
+        const float ke = four ? e2m1_decode(code_at<4>(kp, d)) : ternary_decode(code_at<2>(kp, d));
+        k[d] = (ke * ga[d]) * sk;
+        if constexpr (FMT == NVFP4O || FMT == TERNARYO) k[d] += gb[d];
       }
-      if constexpr (FMT == NVFP4O || FMT == TERNARYO) {
-        const uint16_t* ko = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
-        for (int64_t d = 0; d < D; ++d) k[d] += half_to_float(ko[d]);
+      for (int64_t c = 0; c < D / 16; ++c) {
+        const float s = t[vs[c]];
+#pragma omp simd
+        for (int64_t d = c * 16; d < c * 16 + 16; ++d) {
+          const float ve = four ? e2m1_decode(code_at<4>(vp, d)) : ternary_decode(code_at<2>(vp, d));
+          v[d] = (ve * s) * sv;
+        }
       }
     }
   }
@@ -111,6 +139,7 @@ void attend_task(const Pools& p, const float* q /*[G, D]*/, const int32_t* table
                  int64_t h, float* m, float* l, float* acc) {
   const int64_t D = p.D, B = p.B;
   std::vector<float> kt(B * D), vt(B * D), s(G * B);
+  GroupRows gr(D);
   int64_t live_idx[64];
   for (int64_t g = 0; g < G; ++g) { m[g] = NEG_INF; l[g] = 0.0f; }
   std::fill(acc, acc + G * D, 0.0f);
@@ -123,7 +152,7 @@ void attend_task(const Pools& p, const float* q /*[G, D]*/, const int32_t* table
     for (int64_t j = 0; j < B; ++j)
       if ((word >> j) & 1u) live_idx[n++] = j;
     if (n == 0) continue;
-    for (int64_t i = 0; i < n; ++i) load_kv<FMT>(p, page, live_idx[i], h, &kt[i * D], &vt[i * D]);
+    for (int64_t i = 0; i < n; ++i) load_kv<FMT>(p, page, live_idx[i], h, &kt[i * D], &vt[i * D], gr);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       float mx = m[g];
@@ -137,14 +166,19 @@ void attend_task(const Pools& p, const float* q /*[G, D]*/, const int32_t* table
         mx = std::max(mx, sc);
         if (logits) logits[g * logit_stride + pi * B + live_idx[i]] = sc;
       }
-      const float alpha = std::exp(m[g] - mx);  // m = -inf on the first live page: alpha = 0
+      const float alpha = exp_neg(m[g] - mx);  // m = -inf on the first live page: alpha = 0
       float lsum = 0.0f;
       float* ag = acc + g * D;
+      float* sg = &s[g * B];
+#pragma omp simd reduction(+ : lsum)
+      for (int64_t i = 0; i < n; ++i) {
+        sg[i] = exp_neg(sg[i] - mx);
+        lsum += sg[i];
+      }
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
       for (int64_t i = 0; i < n; ++i) {
-        const float pr = std::exp(s[g * B + i] - mx);
-        lsum += pr;
+        const float pr = sg[i];
         const float* vr = &vt[i * D];
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ag[d] += pr * vr[d];
@@ -162,7 +196,9 @@ void run(const Pools& p, const float* q, const int32_t* table, const int32_t* va
   const int64_t per_split = (P + S - 1) / S;
   // partial states [b, H, S][G] and [G, D]
   std::vector<float> pm(b * H * S * G), pl(b * H * S * G), pacc(b * H * S * G * D);
-  at::parallel_for(0, b * H * S, 1, [&](int64_t begin, int64_t end) {
+  // Small calls run on the calling thread: waking the pool costs more than a few thousand slots of work.
+  const int64_t grain = b * H * P * B < SERIAL_SLOT_HEADS ? b * H * S + 1 : 1;  // > range: serial
+  at::parallel_for(0, b * H * S, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bi = t / (H * S), h = (t / S) % H, sp = t % S;
       const int64_t lo = sp * per_split, hi = std::min(P, lo + per_split);
@@ -171,7 +207,7 @@ void run(const Pools& p, const float* q, const int32_t* table, const int32_t* va
                        &pm[t * G], &pl[t * G], &pacc[t * G * D]);
     }
   });
-  at::parallel_for(0, b * H, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, b * H, grain == 1 ? 1 : b * H + 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       for (int64_t g = 0; g < G; ++g) {
         float M = NEG_INF;
