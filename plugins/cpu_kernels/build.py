@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -21,7 +22,7 @@ log = logging.getLogger("trtkv")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "kv_write.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]  # torch adds its -std and ABI flags
 
 
 def _cpu_key() -> str:
@@ -44,29 +45,37 @@ def build_dir() -> Path:
 
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
-    """The compiled module, or None (logged once) when it cannot be built on this machine."""
+    """The compiled module, or None (logged once, one line) when it cannot be built on this machine."""
     try:
-        import ninja  # noqa: F401  (torch needs the ninja binary; the wheel puts it on PATH's venv bin)
-        from torch.utils.cpp_extension import load
-
-        out = build_dir()
-        out.mkdir(parents=True, exist_ok=True)
-        bin_dir = Path(ninja.BIN_DIR) if hasattr(ninja, "BIN_DIR") else None
-        if bin_dir is not None and str(bin_dir) not in os.environ.get("PATH", ""):
-            os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
-        return load(
-            name="trtkv_cpu_kernels",
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC)],
-            build_directory=str(out),
-            verbose=False,
-        )
+        return _build()
     except Exception as e:  # noqa: BLE001 - any build failure means: use the reference
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = " ".join(str(e).split()) or type(e).__name__
+        reason = text if len(text) <= 160 else text[:157] + "..."
         log.warning("trtkv: CPU kernels could not be built (%s); using the slower torch reference kernels", reason)
         return None
+
+
+def _build() -> ModuleType:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler {cxx!r} on PATH; install g++ or set CXX")
+    import ninja  # noqa: F401  (torch drives the build with the ninja binary)
+    from torch.utils.cpp_extension import load
+
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and shutil.which("ninja") is None:
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)  # its compiler-ABI banners are not ours to print
+    try:
+        return load(name="trtkv_cpu_kernels", sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS,
+                    extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], build_directory=str(out),
+                    verbose=False)
+    finally:
+        torch_log.setLevel(level)
 
 
 def cpu_kernels_available() -> bool:

@@ -148,17 +148,21 @@ def _paged_attn_kernel(
     tl.store(lse_ptr + orow, lse, mask=gmask)
 
 
+VALUES_PER_THREAD = 32  # fp32 values of one [GP, PAGES*B, DP] product per thread (see launch_config)
+
+
 def launch_config(B: int, G: int, D: int, P: int) -> tuple[int, int]:
     """``(PAGES, num_warps)``: pages per loop step and warps per program.
 
     The score and P@V steps build ``[GP, PAGES*B, DP]`` fp32 products in registers. The old fixed 32-slot
-    tile with 4 warps took 255 registers plus stack spills at D=128, G=4 on sm_90. Now D >= 128 runs 8
-    warps with at most 16 such values per thread, smaller heads 4 warps with at most 32 (both measured
-    spill-free for every format on sm_80/90/100 by tests/kernels/test_triton_aot.py; with Triton's
-    ``--regAllocOptLevel=2`` ptxas, a 16-value tile at D=64 and 4 warps spills 4 bytes)."""
-    warps, per_thread = (8, 16) if D >= 128 else (4, 32)
+    tile with 4 warps held 128 of them per thread at D=128, G=4 and took 255 registers plus stack spills
+    on sm_90. Now a program takes 4 warps, or 8 when one page alone would exceed ``VALUES_PER_THREAD``
+    per thread, and as many pages per step as stay within it. Measured spill-free for every format and
+    registry geometry on sm_80/90/100 (tests/kernels/test_triton_aot.py, docs/kernels.md); ptxas'
+    allocation is heuristic, so other tilings that look smaller (16 values, 8 warps) did spill 4-8 bytes."""
     GP, DP = triton.next_power_of_2(G), triton.next_power_of_2(D)
-    slots = max(1, per_thread * 32 * warps // (GP * DP))
+    warps = 4 if GP * B * DP <= VALUES_PER_THREAD * 32 * 4 else 8
+    slots = max(1, VALUES_PER_THREAD * 32 * warps // (GP * DP))
     pages = max(1, min(triton.next_power_of_2(max(P, 1)), triton.next_power_of_2(slots // B + 1) // 2 or 1))
     return pages, warps
 

@@ -191,3 +191,63 @@ def test_kv_write_special_values_bit_exact():
     k = vals[torch.arange(3 * 2 * 16) % len(vals)].view(3, 2, 16)
     for name in ("fp16", "bf16", "fp8"):
         check_write(name, k, k.flip(0), *scatter(3, seed=9), gid=-1, scales=(1.0, 1.0))
+
+
+# --- dispatch and fallback -----------------------------------------------------------------------
+def test_ops_dispatch_to_cpu_kernels_by_default(monkeypatch):
+    import plugins.cpu_kernels.ops as cops
+    import plugins.ops as ops
+    from plugins.backend import kernel_impl
+
+    calls = []
+    real_attn, real_write = cops.paged_attention_cpu, cops.kv_write_cpu
+    monkeypatch.setattr(cops, "paged_attention_cpu", lambda *a: calls.append("attn") or real_attn(*a))
+    monkeypatch.setattr(cops, "kv_write_cpu", lambda *a: calls.append("write") or real_write(*a))
+    monkeypatch.setenv("TRTKV_KERNELS", "auto")
+    fmt = FORMATS["int4"]
+    slot, group, k_group, bits = on_cpu(make_pool(fmt, 1, 16, num_pages=2, seed=0))
+    q = torch.randn(1, 2, 16)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32)
+    assert kernel_impl(q) == "cpu"
+    out = ops.paged_attention(q, slot, group, k_group, bits, bt, fmt.code, 0.25, 1.0, 1.0, False, dense_run=(0, 3))
+    ops.kv_write(q[:, :1].expand(3, 1, 16), q[:, 1:].expand(3, 1, 16), slot, group, k_group,
+                 torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2]), 0, fmt.code, 1.0, 1.0)
+    assert calls == ["attn", "write"] and out[0].shape == (1, 2, 16)
+    monkeypatch.setenv("TRTKV_KERNELS", "reference")
+    assert kernel_impl(q) == "reference"
+    ops.paged_attention(q, slot, group, k_group, bits, bt, fmt.code, 0.25, 1.0, 1.0, False)
+    assert calls == ["attn", "write"]
+
+
+def test_unknown_kernel_mode_is_one_clear_error(monkeypatch):
+    from plugins.backend import kernel_impl
+    from trtkv.errors import TrtkvError
+
+    monkeypatch.setenv("TRTKV_KERNELS", "fast")
+    with pytest.raises(TrtkvError, match="TRTKV_KERNELS='fast' is not one of"):
+        kernel_impl(torch.zeros(1))
+
+
+def test_missing_compiler_falls_back_with_one_warning_line(tmp_path):
+    """No C++ compiler: one log line, then the reference runs (same numbers), exit 0 — never a crash."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, plugins.ops\n"
+        "from plugins.backend import kernel_impl\n"
+        "q = torch.randn(1, 2, 16); k = torch.randn(1, 8, 1, 16).half()\n"
+        "out = torch.ops.trtkv.paged_attention(q, [k, k], [], torch.zeros(1, 8, dtype=torch.int32),\n"
+        "    torch.tensor([255], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32), 1, 0.25, 1.0, 1.0, False)\n"
+        "torch.ops.trtkv.paged_attention(q, [k, k], [], torch.zeros(1, 8, dtype=torch.int32),\n"
+        "    torch.tensor([255], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32), 1, 0.25, 1.0, 1.0, False)\n"
+        "print(kernel_impl(q), tuple(out[0].shape))\n"
+    )
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-g++"), TRTKV_KERNEL_CACHE=str(tmp_path / "cache"),
+               TRTKV_KERNELS="auto", PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "reference (1, 2, 16)"
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "CPU kernels could not be built" in lines[0], r.stderr
