@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 
 import triton
@@ -19,10 +20,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--targets", default="80,90,100")
     ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--reuse-cache", action="store_true", help="reuse Triton's compile cache (timing then means nothing)")
     a = ap.parse_args()
     targets = tuple(int(t) for t in a.targets.split(","))
     t0 = time.time()
-    usages = compile_all(all_specs(), targets=targets, workers=a.workers)
+    with tempfile.TemporaryDirectory() as tmp:
+        usages = compile_all(all_specs(), targets=targets, workers=a.workers,
+                             cache_dir=None if a.reuse_cache else tmp)
     print(f"Triton {triton.__version__}, targets {', '.join(f'sm_{t}' for t in targets)}, "
           f"{len(usages)} compiles in {time.time() - t0:.0f} s\n")
     print(report_markdown(usages))

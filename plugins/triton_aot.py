@@ -183,14 +183,29 @@ def _job(args):
     return compile_one(*args)
 
 
-def compile_all(specs: list[Spec], targets=TARGETS, workers: int | None = None) -> list[Usage]:
-    """Every (spec, target), in parallel processes (each compile is single-threaded)."""
+def _use_cache(cache_dir: str | None) -> None:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
+    if cache_dir is not None:
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
+
+
+def compile_all(specs: list[Spec], targets=TARGETS, workers: int | None = None,
+                cache_dir: str | None = None) -> list[Usage]:
+    """Every (spec, target), in parallel processes (each compile is single-threaded). ``cache_dir`` points
+    Triton's compile cache elsewhere (a fresh directory: nothing reused from an earlier run)."""
     jobs = [(s, cc) for s in specs for cc in targets]
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
     if workers == 1:
-        return [_job(j) for j in jobs]
-    with ProcessPoolExecutor(workers) as ex:
+        saved = os.environ.get("TRITON_CACHE_DIR")
+        _use_cache(cache_dir)
+        try:
+            return [_job(j) for j in jobs]
+        finally:
+            if cache_dir is not None and saved is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            elif cache_dir is not None:
+                os.environ["TRITON_CACHE_DIR"] = saved
+    with ProcessPoolExecutor(workers, initializer=_use_cache, initargs=(cache_dir,)) as ex:
         return list(ex.map(_job, jobs))
 
 
