@@ -6,15 +6,16 @@ generations are ~100 tokens. "easy" keeps a budget above the prompt; "hard" sque
 cadences, prefill cuts, in-place vs compact eviction). Adding a policy is one line here.
 
 Optional keys of an entry: ``"smol"`` — parameters for the SmolLM2 checks (default: ``{"budget": 64}``
-when the policy takes a budget, else ``{}``).
+when the policy takes a budget, else ``{}``); ``"cadence"`` — parameters that make a periodic policy act
+within the 300-token SmolLM2 coherence run.
 """
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from trtkv.runtime.observers import EngineObserver
 
 MATRIX: list[dict] = [
     {"name": "full", "params": [{}, {"kv_format": "fp16"}], "smol": {}},
@@ -23,7 +24,7 @@ MATRIX: list[dict] = [
                                                       "prefill_queries": 8}]},
     {"name": "snapkv", "params": [{"budget": 48, "window_size": 8, "decode_every": 16},
                                   {"budget": 16, "window_size": 8}],
-     "smol": {"budget": 64, "window_size": 16, "decode_every": 16}},
+     "smol": {"budget": 64, "window_size": 16, "decode_every": 16}, "cadence": {"decode_every": 32}},
     {"name": "tova", "params": [{"budget": 48}, {"budget": 20, "evict_every": 3}]},
     {"name": "rkv", "params": [{"budget": 48, "buffer": 16},
                                {"budget": 24, "buffer": 8, "window_size": 4, "compaction": False}],
@@ -34,13 +35,17 @@ MATRIX: list[dict] = [
     {"name": "ams", "params": [{"budget": 48, "interval": 16, "hs": 12, "window": 8},
                                {"budget": 24, "interval": 8, "hs": 8, "window": 4, "l_min": 4, "l_max": 16,
                                 "scorer": "expected_attention"}],
-     "smol": {"budget": 64, "interval": 16, "hs": 16, "window": 8}},
+     "smol": {"budget": 64, "interval": 16, "hs": 16, "window": 8}, "cadence": {"interval": 64}},
     {"name": "thinkv", "params": [{"budget": 48, "tau": 16, "group": 16, "retention": "8,4", "thought_schedule": "RTER"},
                                   {"budget": 24, "tau": 16, "group": 16, "retention": "4", "thought_schedule": "TRET",
                                    "precision": "R8E4T2"}],
      "smol": {"budget": 32, "tau": 32, "group": 16, "retention": "16,8,4", "thought_schedule": "RRTE"}},
     {"name": "thinkv-tbq", "params": [{"thought_schedule": "RTE"}, {"precision": "R4oE4oT2o", "thought_schedule": "TTR"}],
      "smol": {"thought_schedule": "RRTE"}},
+    {"name": "random", "params": [{"budget": 48}, {"budget": 20, "evict_every": 3, "n_sink": 4, "seed": 7}]},
+    {"name": "pyramidkv", "params": [{"budget": 48, "window_size": 8, "decode_every": 16},
+                                     {"budget": 16, "window_size": 4, "beta": 4, "decode_every": 8}],
+     "smol": {"budget": 64, "window_size": 16, "decode_every": 16}, "cadence": {"decode_every": 32}},
     {"name": "thinkv-tbe", "params": [{"budget": 48, "tau": 16, "group": 16, "retention": "8,4", "thought_schedule": "RTER"},
                                       {"budget": 24, "tau": 16, "group": 16, "retention": "4", "thought_schedule": "T"}],
      "smol": {"budget": 32, "tau": 32, "group": 16, "retention": "16,8,4", "thought_schedule": "RRTE"}},
@@ -88,8 +93,8 @@ def one_thread():
 
 
 # --- probes ----------------------------------------------------------------------------------------
-class Probe:
-    """Instruments an engine's policy instance for one generation (undone on exit): per decode step and
+class Probe(EngineObserver):
+    """Watches an engine for one generation (attached to its core; detached on exit): per decode step and
     layer the positions attended (paged + buffered), per request the context (to check its state after
     finish), and the logits of every step (prefill's included)."""
 
@@ -101,58 +106,31 @@ class Probe:
         self.ctxs = []
 
     def __enter__(self) -> "Probe":
-        pol, core = self.engine.core.policy, self.engine.core
-        cls = type(pol)
-        probe = self
-
-        def before_attention(req, layer):
-            cls.before_attention(pol, req, layer)
-            probe.peak[req.req_id] = max(probe.peak.get(req.req_id, 0), req.num_live(layer))
-            if probe.record_sets:
-                steps = probe.sets.setdefault(req.req_id, [])
-                if layer == 0:
-                    steps.append([])
-                live = set(req.live_positions(layer).tolist()) | set(req.buffered_positions(layer))
-                steps[-1].append(live)
-
-        def on_request_init(req):
-            probe.ctxs.append(req)
-            cls.on_request_init(pol, req)
-
-        def on_prefill_end(req, stats):
-            if probe.record_logits:
-                probe.logits.setdefault(req.req_id, []).append(core.last_logits[0].clone())
-            cls.on_prefill_end(pol, req, stats)
-
-        self._batch = []
-
-        def on_decode_step_begin(req):
-            probe._batch.append(req.req_id)
-            cls.on_decode_step_begin(pol, req)
-
-        def on_decode_step_end(req, stats):
-            if probe.record_logits:
-                i = probe._batch.index(req.req_id)
-                probe.logits[req.req_id].append(core.last_logits[i].clone())
-            cls.on_decode_step_end(pol, req, stats)
-            if req.req_id == probe._batch[-1]:
-                probe._batch = []
-
-        self._saved_keep = core.keep_logits
-        core.keep_logits = self.record_logits or core.keep_logits
-        for name, fn in [("before_attention", before_attention), ("on_request_init", on_request_init),
-                         ("on_prefill_end", on_prefill_end), ("on_decode_step_begin", on_decode_step_begin),
-                         ("on_decode_step_end", on_decode_step_end)]:
-            setattr(pol, name, fn)
+        self.engine.core.attach(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        pol = self.engine.core.policy
-        for name in ("before_attention", "on_request_init", "on_prefill_end", "on_decode_step_begin",
-                     "on_decode_step_end"):
-            with contextlib.suppress(AttributeError):
-                delattr(pol, name)
-        self.engine.core.keep_logits = self._saved_keep
+        self.engine.core.detach(self)
+
+    def before_attention(self, reqs, layer):
+        for r in reqs:
+            req = r.ctx
+            self.peak[req.req_id] = max(self.peak.get(req.req_id, 0), req.num_live(layer))
+            if self.record_sets:
+                steps = self.sets.setdefault(req.req_id, [])
+                if layer == 0:
+                    steps.append([])
+                steps[-1].append(set(req.all_positions(layer).tolist()))
+
+    def on_prefill(self, req, logits, stats):
+        self.ctxs.append(req.ctx)
+        if self.record_logits:
+            self.logits.setdefault(req.req_id, []).append(logits[0].clone())
+
+    def on_decode(self, reqs, logits, stats):
+        if self.record_logits:
+            for i, r in enumerate(reqs):
+                self.logits[r.req_id].append(logits[i].clone())
 
 
 # --- dense masked reference ------------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -129,9 +128,11 @@ class FakeReq:
         g = torch.Generator().manual_seed(seed)
         self.H, self.Hq, self.D, self.gen = H, Hq, D, g
         self.num_layers = 1
+        self.num_kv_heads = H
+        self.eviction_mode = "compact"
+        self.req_id, self.step, self.prompt_len = 0, 0, 0
         self.kvs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.cache = SimpleNamespace(cfg=SimpleNamespace(num_kv_heads=H, eviction="compact"))
-        self.state: dict = {}
+        self.state = None
         self.add(T)
 
     def add(self, n):
@@ -145,7 +146,10 @@ class FakeReq:
         return np.array(sorted(self.kvs), dtype=np.int64)
 
     def buffered_positions(self, layer):
-        return []
+        return np.zeros(0, np.int64)
+
+    def all_positions(self, layer):
+        return self.live_positions(layer)
 
     def num_live(self, layer):
         return len(self.kvs)
@@ -178,7 +182,7 @@ def test_6_mass_is_a_distribution():
         req = FakeReq(200, seed=seed)
         for ablation in ("none", "no_credit"):
             pol = make_policy("ams", {"budget": 64, "interval": 32, "window": 16, "ablation": ablation})
-            pol.on_request_init(req)
+            pol.begin(req)
             pos, rows = event(pol, req, req.queries(32))
             m_cur, m_used = pol.masses(req, 0, pos, rows, req.H)
             for m in (m_cur, m_used):
@@ -188,11 +192,11 @@ def test_6_mass_is_a_distribution():
 def test_7_ema_credit():
     req = FakeReq(200)
     pol = make_policy("ams", {"budget": 64, "interval": 32, "window": 16})
-    pol.on_request_init(req)
+    pol.begin(req)
     pos, rows = event(pol, req, req.queries(32))
     m_cur, m_used = pol.masses(req, 0, pos, rows, req.H)
     torch.testing.assert_close(m_used, m_cur, rtol=1e-5, atol=1e-9)  # first event: m_used == m_cur
-    credit = req.state["credit"]
+    credit = req.state.credit
     keep = pol.select_layer(req, 0, pos, np.zeros(0, np.int64), req.queries(32), req.H)
     c1 = credit.get(0, pos).clone()  # after this event's update
     req.evict(0, np.setdiff1d(pos, pos[keep]))
@@ -203,30 +207,29 @@ def test_7_ema_credit():
     assert (credit.get(0, np.arange(200, 240)) == 0).all()
     # beta = 1: m_used == m_cur always
     pol1 = make_policy("ams", {"budget": 64, "interval": 32, "window": 16, "beta": 1.0})
-    pol1.on_request_init(req)
+    pol1.begin(req)
     for _ in range(3):
         pos3, rows3 = event(pol1, req, req.queries(32))
         a, b = pol1.masses(req, 0, pos3, rows3, req.H)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
     # use_credit = False: no credit stored
     pol2 = make_policy("ams", {"budget": 64, "use_credit": False})
-    req.state.clear()
-    pol2.on_request_init(req)
+    pol2.begin(req)
     pos4, rows4 = event(pol2, req, req.queries(32))
     pol2.masses(req, 0, pos4, rows4, req.H)
-    assert req.state.get("credit") is None
+    assert req.state.credit is None
 
 
 def test_7_credit_update_rule():
     req = FakeReq(120, seed=3)
     pol = make_policy("ams", {"budget": 48, "interval": 16, "window": 8})
-    pol.on_request_init(req)
+    pol.begin(req)
     pos, rows = event(pol, req, req.queries(16))
     m1, _ = pol.masses(req, 0, pos, rows, req.H)
-    c1 = req.state["credit"].get(0, pos).clone()
+    c1 = req.state.credit.get(0, pos).clone()
     torch.testing.assert_close(c1, (1 - pol.lam) * m1)
     m2, used2 = pol.masses(req, 0, pos, rows, req.H)
-    c2 = req.state["credit"].get(0, pos)
+    c2 = req.state.credit.get(0, pos)
     torch.testing.assert_close(c2, pol.lam * c1 + (1 - pol.lam) * m2)
     want = normalize_mass(pol.beta * m2 + (1 - pol.beta) * normalize_mass(c2))
     torch.testing.assert_close(used2, want)
@@ -296,17 +299,22 @@ def test_11_usage_pad_and_pool_edges():
 
 def test_11_recomputed_rows_equal_kernel_rows(engine_factory, load_engine, tiny_ckpt):
     from trtkv.policies.base import StatsRequest
+    from trtkv.runtime.observers import EngineObserver
 
     eng = load_engine(engine_factory(tiny_ckpt, "ams", **BASE))
-    pol, core = eng.core.policy, eng.core
+    pol = eng.core.policy
     kernel_rows: dict[int, dict[int, tuple]] = {}  # step -> layer -> (positions, weights)
     checked = []
-    H = core.arch.num_key_value_heads
+    H = eng.arch.num_key_value_heads
 
-    def on_decode_step_end(req, stats):
-        fs = core.last_stats[0]
-        kernel_rows[req.step] = {l: (ls.positions.copy(), ls.weights.clone()) for l, ls in fs.layers.items()}
-        type(pol).on_decode_step_end(pol, req, stats)
+    class KernelRows(EngineObserver):
+        def stats_request(self, phase):
+            return StatsRequest(weights=True)
+
+        def on_decode(self, reqs, logits, stats):  # the step about to end is decode step reqs[0].ctx.step + 1
+            fs = stats[0]
+            kernel_rows[reqs[0].ctx.step + 1] = {l: (ls.positions.copy(), ls.weights.clone())
+                                                 for l, ls in fs.layers.items()}
 
     def select_layer(req, layer, pos, buf, rec, H_):
         keys, _ = req.kv(layer, pos)
@@ -321,13 +329,18 @@ def test_11_recomputed_rows_equal_kernel_rows(engine_factory, load_engine, tiny_
         checked.append((req.step, layer, w))
         return type(pol).select_layer(pol, req, layer, pos, buf, rec, H_)
 
-    core.force_stats = StatsRequest(weights=True)
-    pol.on_decode_step_end, pol.select_layer = on_decode_step_end, select_layer
+    core = eng.make_core(observers=[KernelRows()])
+    core.policy.select_layer = select_layer
     try:
-        eng.generate(PROMPT, SP)
+        from trtkv.runtime.scheduler import Scheduler
+
+        req = eng.make_request(PROMPT, SP)
+        sched = Scheduler(core)
+        sched.add(req)
+        while sched.has_work:
+            sched.step()
     finally:
-        core.force_stats = None
-        del pol.on_decode_step_end, pol.select_layer
+        del core.policy.select_layer
     assert checked and all(w == 4 for _, _, w in checked)
 
 

@@ -71,7 +71,7 @@ def test_fidelity_explicit_reference(tiny_ckpt, engine_factory):
                         progress=False)
     assert recs[-1]["mean_kl"] == 0.0 and recs[-1]["top1_agreement"] == 1.0 and recs[-1]["attn_recall"] == 1.0
     assert not engines[0].engine.core.cache.seqs and not ref.engine.core.cache.seqs  # everything freed
-    assert engines[0].engine.core.force_stats is None and not engines[0].engine.core.keep_logits
+    assert not engines[0].engine.core.observers  # eval watched cores of its own
 
 
 @pytest.mark.model

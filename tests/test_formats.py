@@ -8,7 +8,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from plugins.formats import FORMATS, LayerScales, format_by_code, get_format
+from plugins.formats import LayerScales, format_by_code, get_format
 from plugins.formats.e4m3 import e4m3_decode, e4m3_encode
 from plugins.formats.nvfp4 import e2m1_decode, e2m1_encode
 from plugins.formats.packing import pack, per_channel, unpack

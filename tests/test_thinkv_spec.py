@@ -174,8 +174,8 @@ class Hooks:
 
         def on_begin(req):
             hooks.step = req.step
-            before = [(s.sid, s.thought, s.start, s.level, s.live, s.is_prefill) for s in req.state["segments"]]
-            anneals = req.state["anneals"]
+            before = [(s.sid, s.thought, s.start, s.level, s.live, s.is_prefill) for s in req.state.segments]
+            anneals = req.state.anneals
             begin(pol, req)
             for f in hooks.begin_checks:
                 f(req, before, anneals)
@@ -273,7 +273,7 @@ def test_case1_transition_anneals(engine_factory, load_engine, tiny_ckpt):
 
     def check_begin(req, before, anneals_before):
         nonlocal skipped_min
-        i, segs = req.step, req.state["segments"]
+        i, segs = req.step, req.state.segments
         refresh = i % tau == 0
         assert len(segs) == len(before) + (1 if refresh else 0)
         if refresh:
@@ -282,7 +282,7 @@ def test_case1_transition_anneals(engine_factory, load_engine, tiny_ckpt):
             assert new.thought == LETTER[SCHED[(len(segs) - 2) % len(SCHED)]]
         closed = before[-1] if refresh and not before[-1][5] else None
         trig = closed is not None and closed[1] == T
-        assert req.state["anneals"] - anneals_before == int(trig)
+        assert req.state.anneals - anneals_before == int(trig)
         if trig:
             fired.append((i, closed[0]))
         elif closed is not None:
@@ -297,7 +297,7 @@ def test_case1_transition_anneals(engine_factory, load_engine, tiny_ckpt):
                 assert (seg.level, seg.live) == (level, live), f"step {i}: segment {sid} changed"
 
     def check_end(req):
-        seq, segs = req.seq, req.state["segments"]
+        seq, segs = req.seq, req.state.segments
         for layer in range(L):
             loc = seq.layers[layer].loc
             for seg in segs:
@@ -338,7 +338,7 @@ def test_block_table_invariants(engine_factory, load_engine, tiny_ckpt, extra):
     reused = []
 
     def check(req):
-        seq, segs = req.seq, req.state["segments"]
+        seq, segs = req.seq, req.state.segments
         assert [s.sid for s in segs] == list(range(len(segs)))
         total_live = sum(s.live for s in segs)
         for layer in range(L):

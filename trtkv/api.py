@@ -2,6 +2,7 @@
 and a thread-safe ``submit`` with a background scheduler loop for servers (continuous batching)."""
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from collections.abc import Iterator
@@ -64,8 +65,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.policy = policy
         self.arch: ModelArch = model.arch
-        eos = list(self.arch.eos_token_id) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-        self.core = EngineCore(model, policy, cache_cfg, eos, tokenizer.decode, kv_amax)
+        self.eos_ids = list(self.arch.eos_token_id) + (
+            [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        self.cache_cfg = cache_cfg
+        self.kv_amax = kv_amax
+        self.core = EngineCore(model, policy, cache_cfg, self.eos_ids, tokenizer.decode, kv_amax)
         self.scheduler = Scheduler(self.core, max_batch)
         self._next_id = 0
         self._lock = threading.RLock()  # one thread drives the model at a time
@@ -78,7 +82,9 @@ class Engine:
     # --- loading ----------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, device: str | None = None, verify: bool = True,
-             policy_overrides: dict[str, Any] | None = None) -> "Engine":
+             policy_overrides: dict[str, Any] | None = None, model_cache: dict | None = None) -> "Engine":
+        """Load an engine directory. ``model_cache`` (a dict the caller keeps) lets engines of identical
+        weights, dtype and device share one model object (the bench and eval load many engines at once)."""
         path = Path(path)
         m = read_manifest(path)
         files = verify_weights(path, m) if verify else None
@@ -95,15 +101,20 @@ class Engine:
             from trtkv.models.loader import weight_files
 
             files = weight_files(path / "weights")
-        model = build_model(arch, dtype, device, None if mm.get("synthetic") else files,
-                            seed=mm.get("synthetic_seed") or 0)
+        weights_id = ("synthetic", mm.get("synthetic_seed")) if mm.get("synthetic") else mm.get("weights_sha256")
+        key = (mm.get("alias"), weights_id, str(dtype), str(device), json.dumps(mm["arch"], sort_keys=True))
+        model = (model_cache or {}).get(key)
+        if model is None:
+            model = build_model(arch, dtype, device, None if mm.get("synthetic") else files,
+                                seed=mm.get("synthetic_seed") or 0)
+            if model_cache is not None:
+                model_cache[key] = model
         tokenizer = load_tokenizer(path / "tokenizer", arch)
         params = dict(m["policy"].get("params", {}))
         params.update(policy_overrides or {})
         policy = make_policy(m["policy"]["name"], params)
         policy.resolve_formats({torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype])
-        if hasattr(policy, "load_calibration"):
-            policy.load_calibration(m.get("calibration"))
+        policy.load_calibration(m.get("calibration"))
         c = m["cache"]
         cache_cfg = CacheConfig(
             num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
@@ -113,6 +124,16 @@ class Engine:
         )
         kv_amax = (m.get("calibration") or {}).get("kv_amax")
         return cls(path, m, model, tokenizer, policy, cache_cfg, int(c.get("max_batch", 64)), kv_amax)
+
+    def make_core(self, policy=None, observers=(), **cache_overrides) -> EngineCore:
+        """A new core on this engine's model object (shared weights, its own KV cache): what a tool that
+        watches or varies the engine (bench, eval, calibration) runs, instead of patching ``self.core``.
+        ``policy`` defaults to this engine's; ``cache_overrides`` replace ``CacheConfig`` fields."""
+        import dataclasses
+
+        policy = policy if policy is not None else self.policy
+        cfg = dataclasses.replace(self.cache_cfg, residual_group=policy.residual_group(), **cache_overrides)
+        return EngineCore(self.model, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax, observers)
 
     @property
     def info(self) -> dict[str, Any]:

@@ -233,7 +233,8 @@ def info(engine) -> None:
 @click.option("--from-raw", type=click.Path(path_type=Path), default=None,
               help="Re-analyse a --save-raw file instead of generating (e.g. another --layers or --target-shares).")
 def calibrate(model, n_prompts, max_tokens, stride, num_layers, min_keys, data, out, plot, no_plot, target_shares,
-              fallback_types, temperature, batch_size, seed, device, dtype, synthetic_weights, save_raw, from_raw) -> None:
+              fallback_types, temperature, batch_size, seed, device, dtype, synthetic_weights, save_raw,
+              from_raw) -> None:
     """ThinKV calibration: pick the sparsity layers and thought thresholds for MODEL.
 
     MODEL is a registry alias, a checkpoint directory or an engine directory. A temporary full-cache

@@ -112,8 +112,8 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
     ``policy_overrides`` (``--set``) go to each engine whose policy has that parameter (so a ThinKV-only
     setting can be passed in a run that also has full engines); a key no engine takes is an error, and a
     value ``@FILE`` is replaced by the file's text. With
-    ``share_weights``, engines of the same model, weights and dtype share one model object: at most two
-    copies of the weights exist while loading, one after (what lets several 8B engines share one GPU)."""
+    ``share_weights``, engines of the same model, weights and dtype share one model object: one copy of the
+    weights exists (what lets several 8B engines share one GPU)."""
     from trtkv.api import Engine
     from trtkv.build.engine_dir import read_manifest
     from trtkv.policies import POLICIES, policy_fields
@@ -133,17 +133,9 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
         raise TrtkvError(f"--set {unused[0]}: none of the engines' policies "
                          f"({', '.join(sorted({m['policy']['name'] for m in manifests}))}) has that parameter")
     out: list[BenchEngine] = []
-    shared: dict[tuple, Any] = {}
+    shared: dict[tuple, Any] | None = {} if share_weights else None
     for lbl, p, ov in zip(_labels(paths), paths, per_engine):
-        e = Engine.load(p, device=device, policy_overrides=ov)
-        key = model_key(e)
-        if share_weights and key in shared:
-            e.model = e.core.model = shared[key]  # drop this engine's copy of identical weights
-            if e.core.device.type == "cuda":
-                torch.cuda.empty_cache()
-        else:
-            shared[key] = e.model
-        out.append(BenchEngine(lbl, Path(p), e))
+        out.append(BenchEngine(lbl, Path(p), Engine.load(p, device=device, policy_overrides=ov, model_cache=shared)))
     return out
 
 
@@ -281,34 +273,33 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
         else:
             res.decode_s.append(seconds)
             res.step_batch.append(len(rs))
-            res.step_kv_total.append(sum(r.ctx.seq.kv_bytes for r in rs))
+            res.step_kv_total.append(sum(r.ctx.kv_bytes for r in rs))
             if on_step is not None:
                 on_step()
         if trace and first in rs:
-            res.trace.append((len(first.generated), first.ctx.seq.kv_bytes))
+            res.trace.append((len(first.generated), first.ctx.kv_bytes))
 
-    sched, core = e.scheduler, e.core
+    from trtkv.runtime.scheduler import Scheduler
+
+    # a core and scheduler of its own (same weights, fresh cache): the engine's live core is never touched
+    core = e.make_core()
+    sched = Scheduler(core, max(batch, e.scheduler.max_batch), step_timer=timer)
     cuda = core.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(core.device)
         torch.cuda.reset_peak_memory_stats(core.device)
-    with e._lock:  # nothing else may drive this engine meanwhile
-        old_max, old_timer = sched.max_batch, sched.step_timer
-        sched.max_batch, sched.step_timer = max(old_max, batch), timer
-        t0 = time.perf_counter()
-        for r in reqs:
-            r.t_submit = t0
-            sched.add(r)
-        try:
-            while not all(r.result for r in reqs):
-                sched.step()
-        finally:
-            sched.max_batch, sched.step_timer = old_max, old_timer
-            for r in list(sched.running):
-                if r.req_id in core.cache.seqs:
-                    core.finish(r)
-            sched.running, sched.waiting = [], type(sched.waiting)()
-        res.e2e_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for r in reqs:
+        r.t_submit = t0
+        sched.add(r)
+    try:
+        while not all(r.result for r in reqs):
+            sched.step()
+    finally:
+        for r in list(sched.running):
+            if r.req_id in core.cache.seqs:
+                core.finish(r)
+    res.e2e_s = time.perf_counter() - t0
     for r in reqs:
         s = r.result.stats
         res.ttft_s.append(s["time_to_first_token_s"] or 0.0)

@@ -102,7 +102,7 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
 
         arch = ModelArch.from_hf_config(arch_cfg)
         calibration = dict(calibration or {})
-        if hasattr(pol, "load_calibration") and not calibration:
+        if (pol.needs_calibration() or calibration_file is not None) and not calibration:
             calibration = _thought_calibration(model, pol, synthetic, calibration_file, calib_prompts,
                                                calib_max_tokens, device, arch, quiet)
         if not synthetic and "kv_amax" not in calibration and _quantizes(pol):
@@ -142,9 +142,6 @@ def _thought_calibration(model, pol, synthetic, calibration_file, calib_prompts,
                          quiet) -> dict:
     """ThinKV's layers and thresholds: a given file, the calibration shipped for the alias, or a fresh run."""
     import sys
-
-    if calibration_file is None and (pol.thought_schedule or pol.thought_types == 1 or (pol.thresholds and pol.layers)):
-        return {}  # labels replayed, one thought type, or thresholds given: nothing to calibrate
 
     from trtkv.build.calibration import calibrate_for_build, load_calibration, summary_lines
 

@@ -82,7 +82,6 @@ request (``trtkv calibrate --fallback-types 3``, or ``--set thought_types=3`` on
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import json
 import math
@@ -123,12 +122,19 @@ Log = Callable[[str], None]
 
 # --- collection -----------------------------------------------------------------------------------
 @dataclass
+class _RecorderState:
+    u: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+
+
+@dataclass
 class _SparsityRecorder(FullPolicy):
     """FullKV plus a tap: ThinKV's sparsity of every layer on sampled decode steps, and K/V amax.
 
     Private to calibration (not registered): building an engine with it makes no sense."""
 
     name = "calibration-recorder"
+    State = _RecorderState
     description = "FullKV that records ThinKV's per-layer sparsity (calibration only)"
     stride: int = 1
     min_keys: int = DEFAULT_MIN_KEYS
@@ -147,10 +153,6 @@ class _SparsityRecorder(FullPolicy):
             return StatsRequest(sparsity=True)
         return None
 
-    def on_request_init(self, req) -> None:
-        req.state["u"] = []
-        req.state["steps"] = []
-
     def on_decode_step_end(self, req, stats: StepStats) -> None:
         if not stats.layers:
             return
@@ -161,25 +163,20 @@ class _SparsityRecorder(FullPolicy):
         for layer, ls in stats.layers.items():
             if ls.sparsity is not None:
                 row[layer] = ls.sparsity
-        req.state["u"].append(row)
-        req.state["steps"].append(stats.step)
+        req.state.u.append(row)
+        req.state.steps.append(stats.step)
 
     def on_request_finish(self, req) -> None:
         L = req.num_layers
         k_amax, v_amax = np.zeros(L), np.zeros(L)
         for layer in range(L):
-            pos = req.live_positions(layer)
+            pos = req.all_positions(layer)
             if len(pos):
                 k, v = req.kv(layer, pos)
                 k_amax[layer] = float(k.abs().max())
                 v_amax[layer] = float(v.abs().max())
-            buf = req.seq.buf_k
-            nb = req.seq.buffered(layer) if buf is not None else 0
-            if nb:
-                k_amax[layer] = max(k_amax[layer], float(buf[layer, :nb].float().abs().max()))
-                v_amax[layer] = max(v_amax[layer], float(req.seq.buf_v[layer, :nb].float().abs().max()))
-        u = np.array(req.state["u"], dtype=np.float64).reshape(-1, L)
-        self.records[req.req_id] = {"u": u, "steps": np.array(req.state["steps"], dtype=np.int64),
+        u = np.array(req.state.u, dtype=np.float64).reshape(-1, L)
+        self.records[req.req_id] = {"u": u, "steps": np.array(req.state.steps, dtype=np.int64),
                                     "k_amax": k_amax, "v_amax": v_amax}
 
 
@@ -917,5 +914,5 @@ def calibrate_for_build(model: str, *, device: str = "cpu", dtype: str | None = 
 __all__ = ["CalibrationData", "Analysis", "collect_sparsity", "analyze", "make_artifact", "load_calibration",
            "save_calibration", "calibrate", "calibrate_for_build", "classify_shares", "kde_on_grid", "find_modes",
            "find_valleys", "layer_scales", "packaged_calibration", "summary_lines", "parse_shares",
-           "open_full_engine", "load_prompts", "save_raw", "load_raw", "SPARSITY_DEF_VERSION", "RULE_KDE", "RULE_FALLBACK",
-           "DEFAULT_TARGET_SHARES"]
+           "open_full_engine", "load_prompts", "save_raw", "load_raw", "SPARSITY_DEF_VERSION", "RULE_KDE",
+           "RULE_FALLBACK", "DEFAULT_TARGET_SHARES"]

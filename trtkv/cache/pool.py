@@ -23,7 +23,8 @@ class PagePool:
         cap = min(initial_pages, max_pages) if max_pages else initial_pages
         self.slot_specs = fmt.slot_fields(num_heads, head_dim)
         self.group_specs = fmt.group_fields(num_heads, head_dim)
-        self.fields = [torch.zeros(cap, block_size, *f.shape, dtype=f.dtype, device=self.device) for f in self.slot_specs]
+        self.fields = [torch.zeros(cap, block_size, *f.shape, dtype=f.dtype, device=self.device)
+                       for f in self.slot_specs]
         self.k_group = torch.full((cap, block_size), -1, dtype=torch.int32, device=self.device)
         self.valid = np.zeros(cap, np.int32)  # bit s set = slot s holds a live token
         self.live = np.zeros(cap, np.int32)  # popcount(valid)

@@ -4,8 +4,8 @@ Fidelity (``--task fidelity``) replays recorded reasoning traces teacher-forced:
 then the trace's tokens are forced one by one through ``decode_step`` (``Request.forced_tokens``), through
 every engine *and* through a full-cache reference on the same weights, in lockstep. Every step compares the
 next-token distributions (KL(full ‖ engine), top-1 agreement) and, on a sample of layers, the attention rows
-(recall of the full cache's top-k attended positions; ``EngineCore.force_stats`` turns the per-slot weights
-on whatever the policy asks for). Because the inputs are forced, an engine's errors do not compound: each
+(recall of the full cache's top-k attended positions; an observer, ``StepRecorder``, forces the per-slot
+weights whatever the policy asks for). Because the inputs are forced, an engine's errors do not compound: each
 step measures what the compressed cache does to the *same* context.
 
 The reference is a ``full`` engine the user names (``--reference``) or, by default, an ``EngineCore`` with
@@ -27,6 +27,8 @@ import torch
 
 from trtkv.bench.runner import model_key
 from trtkv.errors import TrtkvError
+from trtkv.policies.base import StatsRequest
+from trtkv.runtime.observers import EngineObserver
 
 ACCURACY_TASKS = ("gsm8k", "math500", "aime24", "aime25")
 TASKS = ("fidelity",) + ACCURACY_TASKS
@@ -35,18 +37,31 @@ REFERENCE_LABEL = "full (reference)"
 
 
 # --- engines and references -------------------------------------------------------------------------
-def reference_core(engine):
+class StepRecorder(EngineObserver):
+    """Keeps the latest logits (prefill or decode) and the forced per-slot attention weights of ``layers``."""
+
+    def __init__(self, layers):
+        self.layers = tuple(layers)
+        self.logits: torch.Tensor | None = None
+        self.stats: list = []
+
+    def stats_request(self, phase):
+        return StatsRequest(weights=True, layers=self.layers) if phase == "decode" else None
+
+    def on_prefill(self, req, logits, stats):
+        self.logits = logits
+
+    def on_decode(self, reqs, logits, stats):
+        self.logits, self.stats = logits, stats
+
+
+def reference_core(engine, observers=()):
     """A full-cache ``EngineCore`` on ``engine``'s model object, KV stored in the model's dtype."""
     from trtkv.policies.full import FullPolicy
-    from trtkv.runtime.core import EngineCore
 
-    core = engine.core
     pol = FullPolicy()
-    pol.resolve_formats({torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[core.dtype])
-    cfg = dataclasses.replace(core.cache.cfg, residual_group=pol.residual_group(), max_pages=None,
-                              eviction="inplace")
-    # no calibrated scales: the model's own dtype is stored unquantized
-    return EngineCore(engine.model, pol, cfg, list(core.eos_ids), engine.tokenizer.decode)
+    pol.resolve_formats({torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[engine.core.dtype])
+    return engine.make_core(policy=pol, observers=observers, max_pages=None, eviction="inplace")
 
 
 def pick_layers(num_layers: int, spec: str | int | None) -> tuple[int, ...]:
@@ -135,13 +150,15 @@ def run_fidelity(engines: list, traces: list, max_tokens: int = 1024, reference=
     try:
         for members in groups.values():
             enc = enc_cache[id(members[0])]
-            ref_core = reference.engine.core if reference is not None else reference_core(members[0].engine)
             layers = pick_layers(members[0].engine.arch.num_hidden_layers, recall_layers)
-            cores = [ref_core] + [be.engine.core for be in members]
+            recs = [StepRecorder(layers) for _ in range(len(members) + 1)]
+            ref_core = reference.engine.make_core(observers=[recs[0]]) if reference is not None else \
+                reference_core(members[0].engine, [recs[0]])
+            cores = [ref_core] + [be.engine.make_core(observers=[rec]) for be, rec in zip(members, recs[1:])]
             accs = [FidelityAccumulator() for _ in members]
             tallies = [_Tally() for _ in cores]
             for start in range(0, len(enc), max(1, batch)):
-                _replay_chunk(cores, enc[start:start + batch], layers, topk, accs, tallies, bar)
+                _replay_chunk(cores, recs, enc[start:start + batch], layers, topk, accs, tallies, bar)
             ref_label = str(reference.path) if reference is not None else "built-in full policy on the same weights"
             meta = {"traces": len(enc), "tokens": sum(len(f) for _, f in enc), "recall_layers": list(layers),
                     "topk": topk, "reference": ref_label}
@@ -162,17 +179,18 @@ def run_fidelity(engines: list, traces: list, max_tokens: int = 1024, reference=
 
 
 def _tally_summary(t: _Tally, ref: _Tally) -> dict[str, Any]:
-    mean = (lambda v: sum(v) / len(v) if v else None)
+    def mean(v):
+        return sum(v) / len(v) if v else None
+
     return {"nll": mean(t.nll), "nll_reference": mean(ref.nll), "kv_fraction_fp16_mean": mean(t.kv_frac),
             "kv_fraction_fp16_end": mean(t.kv_frac_end), "kv_vs_reference_mean": mean(t.kv_vs_ref) if t.kv_vs_ref
             else 1.0, "peak_kv_bytes_mean": mean(t.peak_kv), "live_tokens_end_mean": mean(t.live_end),
             "evicted_tokens_mean": mean(t.evicted)}
 
 
-def _replay_chunk(cores, enc, layers, topk, accs, tallies, bar) -> None:
+def _replay_chunk(cores, recs, enc, layers, topk, accs, tallies, bar) -> None:
     """Teacher-forced lockstep replay of a few traces (one batch) through the reference and every engine."""
     from trtkv.cache.manager import fp16_bytes_per_token
-    from trtkv.policies.base import StatsRequest
     from trtkv.runtime.request import Request
     from trtkv.runtime.sampling import SamplingParams, make_generator
 
@@ -188,15 +206,12 @@ def _replay_chunk(cores, enc, layers, topk, accs, tallies, bar) -> None:
             r.forced_tokens = forced
             row.append(r)
         reqs.append(row)
-    saved = [(c.force_stats, c.keep_logits) for c in cores]
     try:
-        for c in cores:
-            c.force_stats, c.keep_logits = StatsRequest(weights=True, layers=layers), True
         for i in range(len(enc)):
             logits = []
             for ci, c in enumerate(cores):
                 c.prefill(reqs[ci][i])
-                logits.append(c.last_logits)
+                logits.append(recs[ci].logits)
             _score(cores, [[reqs[ci][i]] for ci in range(len(cores))], logits, None, layers, topk, accs, tallies,
                    per_tok)
             bar.update(1)
@@ -207,8 +222,8 @@ def _replay_chunk(cores, enc, layers, topk, accs, tallies, bar) -> None:
             logits, stats = [], []
             for ci, c in enumerate(cores):
                 c.decode_step([reqs[ci][i] for i in idx])
-                logits.append(c.last_logits)
-                stats.append(c.last_stats)
+                logits.append(recs[ci].logits)
+                stats.append(recs[ci].stats)
             _score(cores, [[reqs[ci][i] for i in idx] for ci in range(len(cores))], logits, stats, layers, topk,
                    accs, tallies, per_tok)
             bar.update(len(idx))
@@ -220,8 +235,6 @@ def _replay_chunk(cores, enc, layers, topk, accs, tallies, bar) -> None:
                 tallies[ci].live_end.append(s["live_tokens"])
                 tallies[ci].evicted.append(s["evicted_tokens"])
     finally:
-        for c, (fs, kl) in zip(cores, saved):
-            c.force_stats, c.keep_logits = fs, kl
         for ci, c in enumerate(cores):  # on error: free what is still held
             for r in reqs[ci]:
                 if r.req_id in c.cache.seqs:
@@ -234,15 +247,15 @@ def _score(cores, reqs, logits, stats, layers, topk, accs, tallies, per_tok) -> 
 
     ref_logits = logits[0]
     targets = torch.tensor([r.generated[-1] for r in reqs[0]], device=ref_logits.device)
-    ref_bytes = [r.ctx.seq.kv_bytes for r in reqs[0]]
+    ref_bytes = [r.ctx.kv_bytes for r in reqs[0]]
     for ci in range(len(cores)):
         lp = torch.log_softmax(logits[ci].float(), -1)
         tallies[ci].nll.extend((-lp.gather(-1, targets[:, None])[:, 0]).tolist())
         for r, rb in zip(reqs[ci], ref_bytes):
             held = r.prompt_len + r.decode_steps
-            tallies[ci].kv_frac.append(r.ctx.seq.kv_bytes / (held * per_tok))
+            tallies[ci].kv_frac.append(r.ctx.kv_bytes / (held * per_tok))
             if ci:
-                tallies[ci].kv_vs_ref.append(r.ctx.seq.kv_bytes / rb if rb else 0.0)
+                tallies[ci].kv_vs_ref.append(r.ctx.kv_bytes / rb if rb else 0.0)
         if ci == 0:
             continue
         kl = kl_divergence(ref_logits, logits[ci])
@@ -329,7 +342,9 @@ def _accuracy_summary(rows: list[dict], n_problems: int, k: int) -> dict[str, An
         if votes:
             top = votes.most_common(1)[0][0]
             maj += next(r["correct"] for r in rs if r["answer"] == top)
-    mean = (lambda key: sum(r[key] for r in rows) / len(rows))
+    def mean(key):
+        return sum(r[key] for r in rows) / len(rows)
+
     return {"pass@1": pass1, f"pass@{k}": passk, "accuracy": maj / n_problems,
             "accuracy_method": f"majority vote over {k} sample(s) (maj@{k}); equals pass@1 when k=1",
             "mean_generated_tokens": mean("generated_tokens"),
@@ -366,7 +381,9 @@ def print_eval(doc: dict[str, Any], console=None) -> None:
 
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     recs = doc["records"]
-    f = (lambda x, spec: "–" if x is None else format(x, spec))
+    def f(x, spec):
+        return "–" if x is None else format(x, spec)
+
     if doc["task"] == "fidelity":
         r0 = recs[0]
         t = Table(title=f"trtkv eval fidelity — {r0['traces']} trace(s), {r0['tokens']} forced tokens, "

@@ -96,7 +96,8 @@ class DecoderModel(nn.Module):
         for blk in self.model.layers:
             att, mlp = blk.self_attn, blk.mlp
             qkv_w = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
-            qkv_b = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]) if att.q_proj.bias is not None else None
+            qkv_b = (torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
+                     if att.q_proj.bias is not None else None)
             gu_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
             nq, nk = att.q_proj.weight.shape[0], att.k_proj.weight.shape[0]
             att.q_proj.weight, att.k_proj.weight, att.v_proj.weight = (

@@ -57,7 +57,8 @@ def load_weights(model: DecoderModel, files: list[Path], dtype: torch.dtype, dev
             seen.add(name)
     missing = [k for k in expected if k not in seen]
     if missing:
-        raise TrtkvError(f"weights are missing {len(missing)} tensors (first: {missing[0]}); is this the right checkpoint?")
+        raise TrtkvError(f"weights are missing {len(missing)} tensors (first: {missing[0]}); "
+                         "is this the right checkpoint?")
     return model.to(device=device, dtype=dtype).eval()
 
 

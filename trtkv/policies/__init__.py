@@ -5,11 +5,28 @@ import dataclasses
 import typing
 from typing import Any
 
+import importlib
+
 from trtkv.errors import TrtkvError
 from trtkv.policies.base import KVPolicy, LayerStats, StatsRequest, StepStats
-from trtkv.policies.full import FullPolicy
-from trtkv.policies.streamingllm import StreamingLLMPolicy
-from trtkv.policies.thinkv import ThinKVPolicy, ThinKVTBEPolicy, ThinKVTBQPolicy
+
+# One line per policy: "module:Class". Adding a policy = its file + one line here + one test-matrix entry.
+POLICY_CLASSES = (
+    "trtkv.policies.full:FullPolicy",
+    "trtkv.policies.streamingllm:StreamingLLMPolicy",
+    "trtkv.policies.thinkv:ThinKVPolicy",
+    "trtkv.policies.thinkv:ThinKVTBQPolicy",
+    "trtkv.policies.thinkv:ThinKVTBEPolicy",
+    "trtkv.policies.h2o:H2OPolicy",
+    "trtkv.policies.snapkv:SnapKVPolicy",
+    "trtkv.policies.tova:TOVAPolicy",
+    "trtkv.policies.rkv:RKVPolicy",
+    "trtkv.policies.kivi:KIVIPolicy",
+    "trtkv.policies.lazyeviction:LazyEvictionPolicy",
+    "trtkv.policies.ams:AMSPolicy",
+    "trtkv.policies.random:RandomPolicy",
+    "trtkv.policies.pyramidkv:PyramidKVPolicy",
+)
 
 POLICIES: dict[str, type[KVPolicy]] = {}
 
@@ -19,19 +36,9 @@ def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
     return cls
 
 
-for _cls in (FullPolicy, StreamingLLMPolicy, ThinKVPolicy, ThinKVTBQPolicy, ThinKVTBEPolicy):
-    register_policy(_cls)
-
-from trtkv.policies.ams import AMSPolicy  # noqa: E402
-from trtkv.policies.h2o import H2OPolicy  # noqa: E402
-from trtkv.policies.kivi import KIVIPolicy  # noqa: E402
-from trtkv.policies.lazyeviction import LazyEvictionPolicy  # noqa: E402
-from trtkv.policies.rkv import RKVPolicy  # noqa: E402
-from trtkv.policies.snapkv import SnapKVPolicy  # noqa: E402
-from trtkv.policies.tova import TOVAPolicy  # noqa: E402
-
-for _cls in (H2OPolicy, SnapKVPolicy, TOVAPolicy, RKVPolicy, KIVIPolicy, LazyEvictionPolicy, AMSPolicy):
-    register_policy(_cls)
+for _entry in POLICY_CLASSES:
+    _module, _cls = _entry.split(":")
+    register_policy(getattr(importlib.import_module(_module), _cls))
 
 
 def policy_fields(cls: type[KVPolicy]) -> dict[str, dataclasses.Field]:

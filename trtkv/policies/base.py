@@ -1,28 +1,34 @@
 """The policy contract: lifecycle hooks mirroring TensorRT-LLM's KV-cache compression manager.
 
 A policy *decides* (formats, which token positions to evict); the cache *executes*. Policies speak in
-token positions, never pages. Each policy is a dataclass whose fields are its parameters, so it
-serialises into ``engine.json`` and takes ``--set key=value`` overrides.
+token positions, never pages, through the request API (:class:`~trtkv.policies.request.PolicyRequest`).
+Each policy is a dataclass whose fields are its parameters, so it serialises into ``engine.json`` and takes
+``--set key=value`` overrides. Per-request state is a typed ``State`` dataclass that the base creates at
+``begin`` and drops at ``end``, so no policy frees state by hand and none leaks between requests.
 
 Hooks, in the order the runtime calls them:
-    on_request_init(req)                 once, before prefill
+    begin(req) -> on_request_init(req)   once, before prefill (``req.state`` is a fresh ``State()``)
     on_prefill_end(req, stats)           after the prompt is in the cache and the first token sampled
     on_decode_step_begin(req)            before each decode step's forward (room for the new token)
     before_attention(req, layer)         per layer, after the step's write/flush, before attention
     on_decode_step_end(req, stats)       after each decode step (scores, cadence-driven eviction)
-    on_request_finish(req)               free per-request state (the cache frees pages itself)
+    end(req) -> on_request_finish(req)   last look; then ``req.state`` is dropped (the cache frees pages)
+
+Engine-facing hooks (so the builder, the API and the bench know no policy by name):
+    needs_calibration() / load_calibration(artifact)   calibration the policy consumes, if any
+    report_columns()                                   the policy's statistics worth a column in the bench
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from trtkv.runtime.context import RequestContext
+    from trtkv.policies.request import PolicyRequest
 
 
 @dataclass
@@ -52,18 +58,32 @@ class StepStats:
     layers: dict[int, LayerStats] = field(default_factory=dict)
 
 
+class ReportColumn(NamedTuple):
+    """One column of the bench's per-policy table: title, key in the flattened stats, format spec."""
+
+    title: str
+    key: str
+    spec: str
+
+
+@dataclass
+class NoState:
+    """The State of a policy that keeps nothing per request."""
+
+
 @dataclass
 class KVPolicy:
     """Base policy: full-cache behaviour. Subclasses override the hooks they need."""
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    State: ClassVar[type] = NoState  # per-request state, created by ``begin`` and dropped by ``end``
     kv_format: str = "auto"  # storage format of every token ("auto": the model's dtype)
     budget: int | None = None  # token budget per layer (None: unbounded)
 
     # --- configuration ----------------------------------------------------------------------
     def params(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
 
     def resolve_formats(self, model_dtype: str) -> None:
         """Replace "auto" by a concrete format once the engine's dtype is known."""
@@ -83,14 +103,14 @@ class KVPolicy:
         """Quantize the prompt's last ``len % g`` tokens as a partial group (else they stay buffered)."""
         return False
 
-    def stats_request(self, req: RequestContext, phase: str) -> StatsRequest | None:
+    def stats_request(self, req: PolicyRequest, phase: str) -> StatsRequest | None:
         return None
 
-    def write_class(self, req: RequestContext) -> tuple[str, int, int]:
+    def write_class(self, req: PolicyRequest) -> tuple[str, int, int]:
         """(format, thought class, segment id) of the next token / flush group of this request."""
         return self.kv_format, 0, -1
 
-    def prefill_class(self, req: RequestContext) -> tuple[str, int, int]:
+    def prefill_class(self, req: PolicyRequest) -> tuple[str, int, int]:
         return self.write_class(req)
 
     def cache_eviction_mode(self) -> str | None:
@@ -107,25 +127,55 @@ class KVPolicy:
         total = prompt_len + max_tokens
         return total if self.budget is None else min(total, self.budget + 2 * self.residual_group())
 
+    def kv_footprint(self, prompt_len: int, max_tokens: int) -> dict[str, int]:
+        """Worst-case live tokens per layer in each storage format (admission reserves pages for these).
+        A policy that writes one format has one entry; one that mixes formats bounds each."""
+        bound = self.max_live_tokens(prompt_len, max_tokens)
+        return {f: bound for f in self.formats()}
+
+    # --- engine-facing hooks ----------------------------------------------------------------
+    def needs_calibration(self) -> bool:
+        """Does ``trtkv build`` have to calibrate (or load a calibration) for this configuration?"""
+        return False
+
+    def load_calibration(self, artifact: Any) -> None:
+        """Take what the policy needs from the engine's calibration artifact (None: there is none)."""
+
+    @classmethod
+    def report_columns(cls) -> tuple[ReportColumn, ...]:
+        """Statistics of ``extra_stats`` (flattened keys) the bench prints in a per-policy table."""
+        return ()
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def begin(self, req: PolicyRequest) -> None:
+        req.state = self.State()
+        self.on_request_init(req)
+
+    def end(self, req: PolicyRequest) -> None:
+        try:
+            self.on_request_finish(req)
+        finally:
+            req.state = None
+
     # --- hooks ------------------------------------------------------------------------------
-    def on_request_init(self, req: RequestContext) -> None:
+    def on_request_init(self, req: PolicyRequest) -> None:
         pass
 
-    def on_prefill_end(self, req: RequestContext, stats: StepStats) -> None:
+    def on_prefill_end(self, req: PolicyRequest, stats: StepStats) -> None:
         pass
 
-    def on_decode_step_begin(self, req: RequestContext) -> None:
+    def on_decode_step_begin(self, req: PolicyRequest) -> None:
         pass
 
-    def before_attention(self, req: RequestContext, layer: int) -> None:
+    def before_attention(self, req: PolicyRequest, layer: int) -> None:
         pass
 
-    def on_decode_step_end(self, req: RequestContext, stats: StepStats) -> None:
+    def on_decode_step_end(self, req: PolicyRequest, stats: StepStats) -> None:
         pass
 
-    def on_request_finish(self, req: RequestContext) -> None:
+    def on_request_finish(self, req: PolicyRequest) -> None:
         pass
 
-    def extra_stats(self, req: RequestContext) -> dict[str, Any]:
+    def extra_stats(self, req: PolicyRequest) -> dict[str, Any]:
         """Policy-specific numbers for ``generate --json`` stats."""
         return {}

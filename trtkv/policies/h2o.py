@@ -25,20 +25,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trtkv.policies.base import KVPolicy, StatsRequest
-from trtkv.policies.scoring import PositionTable, check_positive, evict_lowest
+import numpy as np
+
+from trtkv.policies.scored import Cadence, ScorerPolicy
+from trtkv.policies.scorers.h2o import H2OScorer
+from trtkv.policies.scoring import check_positive
 
 
 @dataclass
-class H2OPolicy(KVPolicy):
+class H2OPolicy(ScorerPolicy):
     name = "h2o"
     description = "heavy hitters by accumulated attention + recent window, 1:1 (Zhang et al. 2023)"
     budget: int | None = 256
     recent_ratio: float = 0.5
     evict_every: int = 1
     prefill_queries: int = 0
+    hard_cap = True
+    evict_protected_when_short = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive(budget=self.budget, evict_every=self.evict_every)
         if self.prefill_queries < 0:
             raise ValueError(f"prefill_queries must be >= 0 (0: all prompt queries); got {self.prefill_queries}")
@@ -52,46 +58,14 @@ class H2OPolicy(KVPolicy):
     def recent(self) -> int:
         return int(round(self.budget * self.recent_ratio))
 
-    def max_live_tokens(self, prompt_len: int, max_tokens: int) -> int:
-        return min(prompt_len + max_tokens, max(prompt_len, self.budget)) + self.residual_group() - 1
+    @property
+    def cadence(self) -> Cadence:
+        return Cadence(self.evict_every, self.evict_every)  # scores accumulate every step
 
-    def stats_request(self, req, phase: str) -> StatsRequest | None:
-        if phase == "prefill":
-            w = req.prompt_len if self.prefill_queries == 0 else min(self.prefill_queries, req.prompt_len)
-            return StatsRequest(weights=True, prefill_window=w)
-        return StatsRequest(weights=True)  # accumulation needs every step's attention
+    def make_scorer(self) -> H2OScorer:
+        return H2OScorer(self.prefill_queries)
 
-    def on_request_init(self, req) -> None:
-        req.state["acc"] = None
-
-    def _table(self, req, device) -> PositionTable:
-        if req.state.get("acc") is None:
-            req.state["acc"] = PositionTable(req.num_layers, device=device)
-        return req.state["acc"]
-
-    def on_prefill_end(self, req, stats) -> None:
-        for layer, ls in stats.layers.items():
-            acc = self._table(req, ls.weights.device)
-            acc.add(layer, ls.positions, ls.weights.sum(dim=(0, 1)))  # [w, Hq, T] -> [T]
-        self._trim(req)
-
-    def on_decode_step_end(self, req, stats) -> None:
-        for layer, ls in stats.layers.items():
-            self._table(req, ls.weights.device).add(layer, ls.positions, ls.weights.sum(0))
-        if req.step % self.evict_every == 0:
-            self._trim(req)
-
-    def _trim(self, req) -> None:
-        acc = req.state.get("acc")
-        if acc is None:
-            return
-        target = self.budget - self.evict_every  # room for the tokens written before the next eviction
-        first_recent = req.position - self.recent + 1  # the window includes the next token (req.position)
-        for layer in range(req.num_layers):
-            live = req.live_positions(layer)
-            protect = live[live >= first_recent]
-            evict_lowest(req, layer, target, lambda p, l=layer: acc.get(l, p), protect)
-
-    def on_request_finish(self, req) -> None:
-        req.state.clear()
-
+    def protected(self, req, layer: int, held: np.ndarray) -> np.ndarray:
+        """The recent window includes the next token (``req.position``), so it protects ``recent - 1`` held."""
+        live = req.live_positions(layer)
+        return live[live >= req.position - self.recent + 1]

@@ -38,7 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trtkv.policies.base import KVPolicy, StatsRequest
+from trtkv.policies.base import StatsRequest
+from trtkv.policies.scored import Cadence, ScorerPolicy
+from trtkv.policies.scorers import Scorer
 from trtkv.policies.scoring import PositionTable, check_choice, check_positive, head_reduce
 
 SCORES = ("sigmoid", "exp", "tanh", "inverse")
@@ -85,7 +87,47 @@ def track(t: int, ts: torch.Tensor, mri: torch.Tensor, activated: torch.Tensor) 
 
 
 @dataclass
-class LazyEvictionPolicy(KVPolicy):
+class MRIMemo:
+    ts: PositionTable | None = None  # [L, positions] step of the last activation (creation step initially)
+    mri: PositionTable | None = None  # [L, positions] maximum recurrence interval
+
+
+class MRIScorer(Scorer):
+    """LazyEviction's tracking (every step) and MRI-centric score (at events)."""
+
+    name = "mri"
+    Memo = MRIMemo
+
+    def __init__(self, alpha: float, head_reduce: str, form: str, ablate: str):
+        self.alpha, self.head_reduce, self.form, self.ablate = alpha, head_reduce, form, ablate
+
+    def stats_request(self, req, phase, observing):
+        return StatsRequest(weights=True) if phase == "decode" else None  # tracking runs every step
+
+    def observe(self, req, memo, stats, phase):
+        t = req.step
+        for layer, ls in stats.layers.items():
+            if memo.ts is None:
+                # TS starts at the creation step: 0 for prompt tokens, t for the token written at decode step t
+                # (position P + t - 1); MRI starts at 0.
+                P = req.prompt_len
+                memo.ts = PositionTable(req.num_layers, dtype=torch.int64, device=ls.weights.device,
+                                        init=lambda pos: (pos - P + 1).clamp(min=0))
+                memo.mri = PositionTable(req.num_layers, dtype=torch.int64, device=ls.weights.device)
+            a = head_reduce(ls.weights, self.head_reduce)
+            idx = memo.ts.index(ls.positions)
+            memo.mri.index(ls.positions)  # grow both tables alike
+            ts, mri = track(t, memo.ts.data[layer, idx], memo.mri.data[layer, idx], a >= self.alpha)
+            memo.ts.data[layer, idx] = ts
+            memo.mri.data[layer, idx] = mri
+
+    def score(self, req, layer, positions, memo, ev=None):
+        return mri_score(req.step, memo.ts.get(layer, positions), memo.mri.get(layer, positions), self.form,
+                         self.ablate)
+
+
+@dataclass
+class LazyEvictionPolicy(ScorerPolicy):
     name = "lazyeviction"
     description = "recurrence-interval tracking, MRI-centric score, lagged eviction every W steps (Zhang et al. 2025)"
     budget: int | None = 256
@@ -94,8 +136,10 @@ class LazyEvictionPolicy(KVPolicy):
     head_reduce: str = "mean"
     score: str = "sigmoid"
     ablate: str = "none"
+    cut_prompt = False  # no prefill compression: a longer prompt is cut at the first multiple of W
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive(budget=self.budget, window=self.window)
         if self.window >= self.budget:
             raise ValueError(f"lazyeviction needs window < budget (B >> W); got W={self.window}, B={self.budget}")
@@ -105,63 +149,24 @@ class LazyEvictionPolicy(KVPolicy):
         check_choice("score", self.score, SCORES)
         check_choice("ablate", self.ablate, ("none", "no_h1", "no_h2"))
 
-    def max_live_tokens(self, prompt_len: int, max_tokens: int) -> int:
-        return min(prompt_len + max_tokens, max(prompt_len, self.budget) + self.window) + self.residual_group() - 1
+    @property
+    def cadence(self) -> Cadence:
+        return Cadence(self.window, self.window)
 
-    def stats_request(self, req, phase: str) -> StatsRequest | None:
-        return StatsRequest(weights=True) if phase == "decode" else None  # tracking runs every step
+    @property
+    def recent(self) -> int:
+        return self.window
 
-    def on_request_init(self, req) -> None:
-        P = req.prompt_len
-        # TS starts at the creation step: 0 for prompt tokens, t for the token written at decode step t
-        # (position P + t - 1); MRI starts at 0.
-        req.state["ts"] = None
-        req.state["init"] = lambda pos: (pos - P + 1).clamp(min=0)
-        req.state["evictions"] = 0
+    def make_scorer(self) -> MRIScorer:
+        return MRIScorer(self.alpha, self.head_reduce, self.score, self.ablate)
 
-    def _tables(self, req, device) -> tuple[PositionTable, PositionTable]:
-        if req.state.get("ts") is None:
-            req.state["ts"] = PositionTable(req.num_layers, dtype=torch.int64, device=device, init=req.state["init"])
-            req.state["mri"] = PositionTable(req.num_layers, dtype=torch.int64, device=device)
-        return req.state["ts"], req.state["mri"]
+    def evict_layer(self, req, layer: int, target: int) -> bool:
+        if req.state.memo.ts is None:  # nothing tracked yet (no decode step ran)
+            return False
+        return super().evict_layer(req, layer, target)
 
-    def on_decode_step_end(self, req, stats) -> None:
-        t = req.step
-        for layer, ls in stats.layers.items():
-            ts_t, mri_t = self._tables(req, ls.weights.device)
-            a = head_reduce(ls.weights, self.head_reduce)
-            idx = ts_t.index(ls.positions)
-            mri_t.index(ls.positions)  # grow both tables alike
-            ts, mri = track(t, ts_t.data[layer, idx], mri_t.data[layer, idx], a >= self.alpha)
-            ts_t.data[layer, idx] = ts
-            mri_t.data[layer, idx] = mri
-        if t % self.window == 0:
-            self._evict(req, t)
-
-    def _evict(self, req, t: int) -> None:
-        if req.state.get("ts") is None:
-            return
-        ts_t, mri_t = req.state["ts"], req.state["mri"]
-        did = False
-        for layer in range(req.num_layers):
-            if req.num_live(layer) <= self.budget:
-                continue
-            paged = req.live_positions(layer)
-            buf = np.asarray(req.buffered_positions(layer), dtype=np.int64)
-            allp = np.sort(np.concatenate([paged, buf]))
-            keep_fixed = np.union1d(allp[-self.window:], buf)  # recent window (+ unevictable buffer)
-            cand = paged[~np.isin(paged, keep_fixed)]
-            ts = ts_t.get(layer, cand)
-            mri = mri_t.get(layer, cand)
-            score = mri_score(t, ts, mri, self.score, self.ablate)
-            keep = lexi_top(cand, score.cpu().numpy(), mri.cpu().numpy(), ts.cpu().numpy(),
-                            self.budget - len(keep_fixed))
-            req.evict(layer, cand[~np.isin(cand, keep)])
-            did = True
-        req.state["evictions"] += int(did)
-
-    def extra_stats(self, req) -> dict:
-        return {"eviction_events": req.state.get("evictions", 0)}
-
-    def on_request_finish(self, req) -> None:
-        req.state.clear()
+    def keep(self, req, layer, cand, scores, k):
+        """Lexicographic (I desc, MRI asc, TS desc, position desc), spec §3.9."""
+        memo = req.state.memo
+        return lexi_top(cand, np.asarray(scores.cpu().numpy()), memo.mri.get(layer, cand).cpu().numpy(),
+                        memo.ts.get(layer, cand).cpu().numpy(), k)

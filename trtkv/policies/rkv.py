@@ -36,22 +36,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
-from trtkv.policies.base import KVPolicy, StatsRequest
-from trtkv.policies.scoring import PositionTable, check_positive, group_mean, rkv_z, top_keep
-
-
-def rkv_scores(req, layer: int, hist: np.ndarray, importance: torch.Tensor, mix_lambda: float, kernel: int,
-               threshold: float, retain_ratio: float | None) -> torch.Tensor:
-    """Z over ``hist`` positions (ascending) from importance ``[H, n]``, averaged over KV heads -> ``[n]``."""
-    keys = req.keys(layer, hist).to(importance.device).transpose(0, 1)  # [H, n, D]
-    return rkv_z(importance, keys, mix_lambda, kernel, threshold, retain_ratio).mean(0)
+from trtkv.policies.scored import Cadence, ScorerPolicy
+from trtkv.policies.scorers.rkv import RKVScorer
+from trtkv.policies.scoring import check_positive
 
 
 @dataclass
-class RKVPolicy(KVPolicy):
+class RKVPolicy(ScorerPolicy):
     name = "rkv"
     description = "attention importance minus key redundancy, compress every buffer steps, compact (Cai et al. 2025)"
     budget: int | None = 256
@@ -65,6 +56,7 @@ class RKVPolicy(KVPolicy):
     compaction: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive(budget=self.budget, buffer=self.buffer, window_size=self.window_size,
                        kernel_size=self.kernel_size)
         if self.n_sink < 0:
@@ -79,72 +71,19 @@ class RKVPolicy(KVPolicy):
             raise ValueError(f"rkv needs budget > window_size + n_sink ({self.window_size} + {self.n_sink}); "
                              f"got {self.budget}")
 
+    @property
+    def cadence(self) -> Cadence:
+        return Cadence(self.buffer, self.window_size)
+
+    @property
+    def recent(self) -> int:
+        return self.window_size
+
+    def make_scorer(self) -> RKVScorer:
+        return RKVScorer(self.window_size, self.kernel_size, self.mix_lambda, self.retain_ratio, self.sim_threshold)
+
     def cache_eviction_mode(self) -> str | None:
         return "compact" if self.compaction else None
 
-    def max_live_tokens(self, prompt_len: int, max_tokens: int) -> int:
-        bound = min(prompt_len + max_tokens, self.budget + self.buffer)
-        return max(prompt_len, bound) + self.residual_group() - 1
-
-    def _window_step(self, t: int) -> bool:
-        return (-t) % self.buffer < self.window_size
-
-    def stats_request(self, req, phase: str) -> StatsRequest | None:
-        if phase == "prefill":
-            return StatsRequest(weights=True, prefill_window=self.window_size) if req.prompt_len > self.budget \
-                else None
-        return StatsRequest(weights=True) if self._window_step(req.step + 1) else None
-
-    def on_request_init(self, req) -> None:
-        req.state["events"] = 0
-
-    def _compress(self, req, layer: int, importance_of) -> bool:
-        """Cut one layer to ``budget``: protect the window and the sinks, rank the rest by Z."""
-        if req.num_live(layer) <= self.budget:
-            return False
-        paged = req.live_positions(layer)
-        buf = np.asarray(req.buffered_positions(layer), dtype=np.int64)
-        pos = np.sort(np.concatenate([paged, buf]))
-        protected = np.union1d(pos[: self.n_sink], pos[-self.window_size:])
-        protected = np.union1d(protected, buf)
-        hist = paged[~np.isin(paged, protected)]
-        n_keep = self.budget - len(protected)
-        if n_keep < len(hist):
-            z = rkv_scores(req, layer, hist, importance_of(hist), self.mix_lambda, self.kernel_size,
-                           self.sim_threshold, self.retain_ratio)
-            keep = top_keep(hist, z, n_keep)
-            req.evict(layer, hist[~np.isin(hist, keep)])
-        return True
-
-    def on_prefill_end(self, req, stats) -> None:
-        H = req.cache.cfg.num_kv_heads
-        acted = False
-        for layer, ls in stats.layers.items():
-            rows = group_mean(ls.weights, H).mean(0)  # [w, Hq, T] -> [H, T] (positions = 0..T-1)
-            acted |= self._compress(req, layer, lambda h, r=rows: r[:, torch.as_tensor(h, device=r.device)])
-        req.state["events"] += int(acted)
-
-    def on_decode_step_end(self, req, stats) -> None:
-        t = req.step
-        if not self._window_step(t):
-            return
-        acc = req.state.get("imp")
-        H = req.cache.cfg.num_kv_heads
-        for layer, ls in stats.layers.items():
-            if acc is None:
-                acc = req.state["imp"] = PositionTable(req.num_layers, (H,), device=ls.weights.device)
-            acc.add(layer, ls.positions, group_mean(ls.weights, H))
-        if t % self.buffer or acc is None:
-            return
-        n_rows = min(self.window_size, t)
-        acted = False
-        for layer in range(req.num_layers):
-            acted |= self._compress(req, layer, lambda h, l=layer: acc.get(l, h) / n_rows)
-        req.state["events"] += int(acted)
-        req.state.pop("imp", None)
-
     def extra_stats(self, req) -> dict:
-        return {"rkv_events": req.state.get("events", 0), "cache_eviction": req.cache.cfg.eviction}
-
-    def on_request_finish(self, req) -> None:
-        req.state.clear()
+        return {"rkv_events": req.state.events, "cache_eviction": req.eviction_mode}

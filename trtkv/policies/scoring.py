@@ -1,8 +1,7 @@
-"""Scoring helpers shared by the eviction policies: per-position tables, head reductions, 1-D pooling,
-cosine redundancy (R-KV), and "evict the lowest-scored tokens of one layer" with deterministic ties.
+"""Scoring helpers shared by the scorers and policies: per-position tables, head reductions, 1-D pooling,
+cosine redundancy (R-KV), and top-k / bottom-k selection with deterministic ties.
 
-Policies speak in absolute token positions; these helpers never touch pages. Everything a policy keeps per
-request lives in ``req.state`` so that ``on_request_finish`` frees it with one ``clear()``.
+Everything works in absolute token positions; nothing here touches pages or the cache.
 """
 from __future__ import annotations
 
@@ -131,26 +130,6 @@ def rkv_z(importance: torch.Tensor, keys: torch.Tensor, mix_lambda: float, kerne
     return mix_lambda * imp - (1.0 - mix_lambda) * red
 
 
-def kv_all(req, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized ``k, v [m, H, D]`` fp32 of positions held in pages *or* in the residual buffer."""
-    positions = np.asarray(positions, dtype=np.int64)
-    buf = req.buffered_positions(layer)
-    if not buf:
-        return req.kv(layer, positions)
-    in_buf = np.isin(positions, buf)
-    k, v = req.kv(layer, positions[~in_buf])
-    seq = req.seq
-    slot = {p: i for i, p in enumerate(seq.buf_pos[layer])}
-    bi = torch.tensor([slot[int(p)] for p in positions[in_buf]], dtype=torch.long, device=seq.buf_k.device)
-    out_k = torch.empty(len(positions), *k.shape[1:], dtype=torch.float32, device=k.device)
-    out_v = torch.empty_like(out_k)
-    m = torch.from_numpy(in_buf).to(k.device)
-    out_k[~m], out_v[~m] = k, v
-    out_k[m] = seq.buf_k[layer, bi].float().to(k.device)
-    out_v[m] = seq.buf_v[layer, bi].float().to(k.device)
-    return out_k, out_v
-
-
 # --- selection --------------------------------------------------------------------------------
 def lowest(positions: np.ndarray, scores, k: int) -> np.ndarray:
     """The ``k`` positions with the lowest score; ties: the older position first (deterministic)."""
@@ -170,40 +149,6 @@ def top_keep(positions: np.ndarray, scores, k: int) -> np.ndarray:
     return np.sort(positions[order[:k]])
 
 
-def all_positions(req, layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """(paged positions ascending, buffered positions) of one layer. Buffered tokens (the full-precision
-    residual group of quantized formats) are attended and counted but cannot be evicted."""
-    return req.live_positions(layer), np.asarray(req.buffered_positions(layer), dtype=np.int64)
-
-
-def evict_lowest(req, layer: int, target: int, scores_of, protect: Sequence[int] | np.ndarray = ()) -> int:
-    """Evict the lowest-scored paged tokens of ``layer`` until it holds at most ``target`` tokens.
-
-    ``scores_of(positions) -> [n]`` scores candidate positions; ``protect`` positions are evicted only if
-    the candidates run out (lowest score first then too). Buffered tokens are never evicted. Returns the
-    number of tokens evicted."""
-    excess = req.num_live(layer) - target
-    if excess <= 0:
-        return 0
-    paged = req.live_positions(layer)
-    prot = np.isin(paged, np.asarray(protect, dtype=np.int64))
-    cand = paged[~prot]
-    chosen = lowest(cand, scores_of(cand), min(excess, len(cand))) if len(cand) else cand
-    if len(chosen) < excess:
-        rest = paged[prot]
-        chosen = np.concatenate([chosen, lowest(rest, scores_of(rest), excess - len(chosen))])
-    return req.evict(layer, chosen)
-
-
-def recent_positions(req, layer: int, n: int) -> np.ndarray:
-    """The ``n`` most recent positions held (paged and buffered) by one layer."""
-    paged, buf = all_positions(req, layer)
-    allp = np.concatenate([paged, buf]) if len(buf) else paged
-    if n <= 0:
-        return allp[:0]
-    return np.sort(allp)[-n:]
-
-
 def lookup(positions: np.ndarray, values, default: float = 0.0):
     """``f(query_positions) -> np.ndarray`` reading ``values [n]`` (given at ``positions [n]``, any order);
     positions not given read ``default``."""
@@ -219,11 +164,6 @@ def lookup(positions: np.ndarray, values, default: float = 0.0):
         return np.where(sp[i] == query, sv[i], default)
 
     return f
-
-
-def rows_by_position(stats_layer, num_kv_heads: int) -> tuple[np.ndarray, torch.Tensor]:
-    """Decode ``LayerStats`` -> (positions [n], group-mean attention rows [H, n])."""
-    return stats_layer.positions, group_mean(stats_layer.weights, num_kv_heads)
 
 
 def check_choice(name: str, value, choices: Sequence) -> None:

@@ -61,8 +61,22 @@ class Segment:
 
 
 @dataclass
+class ThinKVState:
+    segments: list = field(default_factory=list)  # Segment records; [0] is the prompt
+    ops: list = field(default_factory=list)  # this step's anneals: (segment, target live count)
+    tokens: dict = field(default_factory=lambda: {R: 0, E: 0, T: 0})  # generated tokens per thought type
+    evict_steps: int = 0
+    overflows: int = 0
+    anneals: int = 0  # case-1 (transition) anneal events
+    labels: list = field(default_factory=list)
+    sparsity: list = field(default_factory=list)
+    buffered: int = 0  # residual-buffer fill after the last step
+
+
+@dataclass
 class ThinKVPolicy(KVPolicy):
     name = "thinkv"
+    State = ThinKVState
     description = "ThinKV: thought-typed quantization (TBQ) + segment eviction with k-means (TBE), in-place reuse"
     budget: int | None = 1024  # k: live decode tokens per layer (prompt and residual buffer excluded)
     precision: str = "R4E4T2"
@@ -129,6 +143,10 @@ class ThinKVPolicy(KVPolicy):
         decode = max(self.budget, self.retention[-1] * segments) + self.tau + self.group
         return prompt_len + min(max_tokens, decode)
 
+    def needs_calibration(self) -> bool:
+        """Labels replayed, one thought type, or thresholds and layers given: nothing to calibrate."""
+        return not (self.thought_schedule or self.thought_types == 1 or (self.thresholds and self.layers))
+
     def load_calibration(self, calibration: dict | None) -> None:
         """Take L* and thresholds from the engine's calibration unless given explicitly."""
         if not calibration:
@@ -144,12 +162,10 @@ class ThinKVPolicy(KVPolicy):
 
     # --- per-request state ------------------------------------------------------------------
     def on_request_init(self, req) -> None:
-        prefill = Segment(0, R, -1, is_prefill=True)
-        req.state.update(segments=[prefill], ops=[], tokens={R: 0, E: 0, T: 0}, evict_steps=0,
-                         overflows=0, anneals=0, labels=[], sparsity=[], buffered=0)
+        req.state.segments.append(Segment(0, R, -1, is_prefill=True))
 
     def _open(self, req) -> Segment:
-        return req.state["segments"][-1]
+        return req.state.segments[-1]
 
     def _label_forced(self, index: int) -> int | None:
         if not self.thought_schedule:
@@ -179,27 +195,27 @@ class ThinKVPolicy(KVPolicy):
         return None
 
     def on_prefill_end(self, req, stats) -> None:
-        req.state["segments"][0].live = req.seq.layers[0].live
-        req.state["buffered"] = req.seq.buffered(0)
+        req.state.segments[0].live = req.num_paged(0)
+        req.state.buffered = req.num_buffered(0)
 
     # --- TBE decision (once per request and step, spec §4.6) --------------------------------
     def on_decode_step_begin(self, req) -> None:
         st, i = req.state, req.step
-        segs: list[Segment] = st["segments"]
+        segs: list[Segment] = st.segments
         ops: list[tuple[Segment, int]] = []
         if i % self.tau == 0:
             closed = segs[-1] if not segs[-1].is_prefill else None
             segs.append(Segment(len(segs), self._label_forced(len(segs) - 1) if self.thought_schedule else -1, i))
             if self.tbe and closed is not None and closed.thought == T:  # case 1: a transition just ended
-                st["anneals"] += 1
+                st.anneals += 1
                 for seg in self._closed(req):
                     if seg is closed and not self.anneal_triggering_t:
                         continue
                     if seg.level < len(self.retention):
                         ops.append((seg, self._step_down(seg)))
         if self.tbe and self.budget is not None:
-            will_flush = st["buffered"] + 1 >= self.group
-            live_after = sum(s.live for s in segs if not s.is_prefill) + (st["buffered"] + 1 if will_flush else 0)
+            will_flush = st.buffered + 1 >= self.group
+            live_after = sum(s.live for s in segs if not s.is_prefill) + (st.buffered + 1 if will_flush else 0)
             while live_after > self.budget:  # case 2: least important type first, then oldest
                 cands = [s for s in self._closed(req) if s.level < len(self.retention)]
                 if not cands:
@@ -211,19 +227,19 @@ class ThinKVPolicy(KVPolicy):
                             live_after -= seg.live
                             seg.live = 0
                             continue
-                    st["overflows"] += 1
+                    st.overflows += 1
                     break
                 kind = min({s.thought for s in cands}, key=IMPORTANCE.__getitem__)
                 seg = min((s for s in cands if s.thought == kind), key=lambda s: s.start)
                 before = seg.live
                 ops.append((seg, self._step_down(seg)))
                 live_after -= before - seg.live
-        st["ops"] = [(seg, target) for seg, target in ops]
+        st.ops = [(seg, target) for seg, target in ops]
         if any(True for _ in ops):
-            st["evict_steps"] += 1
+            st.evict_steps += 1
 
     def _closed(self, req) -> list[Segment]:
-        return [s for s in req.state["segments"][:-1] if not s.is_prefill]
+        return [s for s in req.state.segments[:-1] if not s.is_prefill]
 
     def _step_down(self, seg: Segment) -> int:
         target = min(seg.live, self.retention[min(seg.level, len(self.retention) - 1)])
@@ -235,7 +251,7 @@ class ThinKVPolicy(KVPolicy):
         """Apply this step's anneals in this layer (after its flush): k-means keeps ``target`` tokens.
         Ops on distinct segments share one batched k-means call; a segment annealed twice in a step
         (case 1, then case 2) is processed again in a later round, from its survivors."""
-        pending = list(req.state["ops"])
+        pending = list(req.state.ops)
         while pending:
             seen, batch, later = set(), [], []
             for seg, target in pending:
@@ -278,43 +294,42 @@ class ThinKVPolicy(KVPolicy):
             if seg.thought < 0:
                 if self._labels_by_sparsity() and stats.layers:
                     u = float(np.mean([ls.sparsity for ls in stats.layers.values()]))
-                    st["sparsity"].append(u)
+                    st.sparsity.append(u)
                     seg.thought = self.classify(u)
                 else:
                     seg.thought = R  # one type, or no calibration: all R (no T, so no case-1 anneals)
-            st["labels"].append(NAME[seg.thought])
-        st["tokens"][seg.thought if seg.thought >= 0 else R] += 1
-        st["buffered"] = req.seq.buffered(0)
-        flushed_now = st["buffered"] == 0
+            st.labels.append(NAME[seg.thought])
+        st.tokens[seg.thought if seg.thought >= 0 else R] += 1
+        st.buffered = req.num_buffered(0)
+        flushed_now = st.buffered == 0
         if flushed_now:
             seg.live += self.group
-        st["ops"] = []
-
-    def on_request_finish(self, req) -> None:
-        req.state.clear()
+        st.ops = []
 
     def extra_stats(self, req) -> dict[str, Any]:
         from plugins.formats import get_format
 
         st = req.state
-        toks = st["tokens"]
+        toks = st.tokens
         n = max(1, sum(toks.values()))
         bits = sum(get_format(self._formats[c]).element_bits * toks[c] for c in toks) / n
-        stored = [get_format(fmt).element_bits for fmt, _, _ in req.seq.layers[0].loc.values()]
+        held = req.stored_formats(0)
+        n_held = sum(held.values())
+        stored_bits = sum(get_format(f).element_bits * n for f, n in held.items()) / n_held if n_held else None
         steps = max(1, req.step)
         return {
             "thinkv": {
                 "avg_element_bits": round(bits, 3),  # paper's convention, over generated tokens
-                "avg_stored_bits": round(float(np.mean(stored)), 3) if stored else None,  # live paged tokens
+                "avg_stored_bits": round(stored_bits, 3) if stored_bits is not None else None,  # live paged tokens
                 "thought_shares": {NAME[c]: round(toks[c] / n, 4) for c in (R, E, T)},
                 "thought_types": 1 if self.thought_types == 1 else 3,
-                "labels": "".join(st["labels"]),
-                "segments": len(st["segments"]) - 1,
-                "eviction_steps": st["evict_steps"],
-                "eviction_call_rate": round(st["evict_steps"] / steps, 5),
-                "transition_anneals": st["anneals"],
-                "budget_overflows": st["overflows"],
-                "live_decode_tokens": sum(s.live for s in st["segments"] if not s.is_prefill),
+                "labels": "".join(st.labels),
+                "segments": len(st.segments) - 1,
+                "eviction_steps": st.evict_steps,
+                "eviction_call_rate": round(st.evict_steps / steps, 5),
+                "transition_anneals": st.anneals,
+                "budget_overflows": st.overflows,
+                "live_decode_tokens": sum(s.live for s in st.segments if not s.is_prefill),
             }
         }
 

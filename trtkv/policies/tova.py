@@ -20,41 +20,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trtkv.policies.base import KVPolicy, StatsRequest
-from trtkv.policies.scoring import check_positive, evict_lowest, lookup
+from trtkv.policies.scored import Cadence, ScorerPolicy
+from trtkv.policies.scorers.tova import TOVAScorer
+from trtkv.policies.scoring import check_positive
 
 
 @dataclass
-class TOVAPolicy(KVPolicy):
+class TOVAPolicy(ScorerPolicy):
     name = "tova"
     description = "drop the token with the lowest current-query attention, head-averaged (Oren et al. 2024)"
     budget: int | None = 256
     evict_every: int = 1
+    hard_cap = True
+    evict_protected_when_short = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive(budget=self.budget, evict_every=self.evict_every)
         if self.evict_every >= self.budget:
             raise ValueError(f"tova needs evict_every < budget; got {self.evict_every} >= {self.budget}")
 
-    def max_live_tokens(self, prompt_len: int, max_tokens: int) -> int:
-        return min(prompt_len + max_tokens, max(prompt_len, self.budget)) + self.residual_group() - 1
+    @property
+    def cadence(self) -> Cadence:
+        return Cadence(self.evict_every, 1)  # only the event step's attention row
 
-    def stats_request(self, req, phase: str) -> StatsRequest | None:
-        if phase == "prefill":
-            return StatsRequest(weights=True, prefill_window=1) if req.prompt_len > self.budget - self.evict_every \
-                else None
-        if (req.step + 1) % self.evict_every == 0:  # the step about to run will evict
-            return StatsRequest(weights=True)
-        return None
-
-    def on_prefill_end(self, req, stats) -> None:
-        self._trim(req, {l: (ls.positions, ls.weights[-1]) for l, ls in stats.layers.items()})
-
-    def on_decode_step_end(self, req, stats) -> None:
-        if req.step % self.evict_every == 0:
-            self._trim(req, {l: (ls.positions, ls.weights) for l, ls in stats.layers.items()})
-
-    def _trim(self, req, rows) -> None:
-        target = self.budget - self.evict_every
-        for layer, (pos, w) in rows.items():
-            evict_lowest(req, layer, target, lookup(pos, w.mean(0)))
+    def make_scorer(self) -> TOVAScorer:
+        return TOVAScorer()

@@ -1,6 +1,11 @@
-"""What a policy sees of one request: positions, counts, and the actions it may ask the cache for."""
+"""RequestContext: the runtime's implementation of the policy request API (``trtkv.policies.request``).
+
+It is the only object that holds both a request's cache state and its policy state; policies receive it
+typed as :class:`~trtkv.policies.request.PolicyRequest` and never reach the cache through it.
+"""
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -10,39 +15,100 @@ from trtkv.cache.manager import KVCacheManager, SeqKV
 
 
 class RequestContext:
-    def __init__(self, req_id: int, prompt_len: int, cache: KVCacheManager, seq: SeqKV, num_layers: int):
+    def __init__(self, req_id: int, prompt_len: int, cache: KVCacheManager, seq: SeqKV, num_layers: int,
+                 num_q_heads: int | None = None):
         self.req_id = req_id
         self.prompt_len = prompt_len
         self.step = -1  # decode index of the token being processed (-1 during prefill)
-        self.cache = cache
-        self.seq = seq
-        self.num_layers = num_layers
-        self.state: dict[str, Any] = {}  # the policy's per-request state
+        self._cache = cache
+        self._seq = seq
+        self._num_layers = num_layers
+        self._num_q_heads = num_q_heads or cache.cfg.num_kv_heads
+        self.state: Any = None  # the policy's per-request State, owned by the policy base
+
+    # --- geometry -----------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._cache.cfg.num_kv_heads
+
+    @property
+    def num_q_heads(self) -> int:
+        return self._num_q_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._cache.cfg.head_dim
 
     @property
     def position(self) -> int:
         """Absolute position of the token processed in the current step."""
         return self.prompt_len + max(self.step, 0)
 
-    def live_positions(self, layer: int) -> np.ndarray:
-        """Paged positions of one layer, ascending (the residual buffer is not included)."""
-        return self.cache.live_positions(self.seq, layer)
+    @property
+    def eviction_mode(self) -> str:
+        return self._cache.cfg.eviction
 
-    def buffered_positions(self, layer: int) -> list[int]:
-        return list(self.seq.buf_pos[layer]) if self.seq.buf_pos else []
+    # --- what is held --------------------------------------------------------------------------
+    def live_positions(self, layer: int) -> np.ndarray:
+        return self._cache.live_positions(self._seq, layer)
+
+    def buffered_positions(self, layer: int) -> np.ndarray:
+        return np.asarray(self._seq.buf_pos[layer] if self._seq.buf_pos else (), dtype=np.int64)
+
+    def all_positions(self, layer: int) -> np.ndarray:
+        paged, buf = self.live_positions(layer), self.buffered_positions(layer)
+        return np.sort(np.concatenate([paged, buf])) if len(buf) else paged
+
+    def num_paged(self, layer: int) -> int:
+        return self._seq.layers[layer].live
+
+    def num_buffered(self, layer: int) -> int:
+        return self._seq.buffered(layer)
 
     def num_live(self, layer: int) -> int:
-        return self.seq.layers[layer].live + self.seq.buffered(layer)
+        return self._seq.layers[layer].live + self._seq.buffered(layer)
 
-    def evict(self, layer: int, positions) -> int:
-        return self.cache.evict(self.seq, layer, positions)
+    def stored_formats(self, layer: int) -> Counter:
+        return Counter(fmt for fmt, _, _ in self._seq.layers[layer].loc.values())
 
-    def evict_all_layers(self, positions) -> int:
-        return sum(self.cache.evict(self.seq, layer, positions) for layer in range(self.num_layers))
+    # --- reads and actions --------------------------------------------------------------------
+    def kv(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = np.asarray(positions, dtype=np.int64)
+        seq = self._seq
+        buf = seq.buf_pos[layer] if seq.buf_pos else []
+        if not buf:
+            return self._cache.gather_kv(seq, layer, positions)
+        in_buf = np.isin(positions, buf)
+        k, v = self._cache.gather_kv(seq, layer, positions[~in_buf])
+        slot = {p: i for i, p in enumerate(buf)}
+        bi = torch.tensor([slot[int(p)] for p in positions[in_buf]], dtype=torch.long, device=seq.buf_k.device)
+        out_k = torch.empty(len(positions), *k.shape[1:], dtype=torch.float32, device=k.device)
+        out_v = torch.empty_like(out_k)
+        m = torch.from_numpy(in_buf).to(k.device)
+        out_k[~m], out_v[~m] = k, v
+        out_k[m] = seq.buf_k[layer, bi].float().to(k.device)
+        out_v[m] = seq.buf_v[layer, bi].float().to(k.device)
+        return out_k, out_v
 
     def keys(self, layer: int, positions) -> torch.Tensor:
-        """Dequantized post-RoPE keys ``[m, H, D]`` fp32 of paged positions (read-only)."""
-        return self.cache.gather_kv(self.seq, layer, positions)[0]
+        return self.kv(layer, positions)[0]
 
-    def kv(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache.gather_kv(self.seq, layer, positions)
+    def evict(self, layer: int, positions) -> int:
+        return self._cache.evict(self._seq, layer, positions)
+
+    def evict_all_layers(self, positions) -> int:
+        return sum(self._cache.evict(self._seq, layer, positions) for layer in range(self._num_layers))
+
+    # --- runtime side (not part of the policy API) -------------------------------------------
+    @property
+    def seq(self) -> SeqKV:
+        """The cache's record of this request (runtime, bench and eval use it; policies must not)."""
+        return self._seq
+
+    @property
+    def kv_bytes(self) -> int:
+        return self._seq.kv_bytes

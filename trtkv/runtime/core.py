@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -18,13 +19,16 @@ from trtkv.models.decoder import DecoderModel
 from trtkv.policies.base import KVPolicy, LayerStats, StatsRequest, StepStats
 from trtkv.runtime.attention import decode_attention, row_stats
 from trtkv.runtime.context import RequestContext
-from trtkv.runtime.request import GenerationResult, Request
+from trtkv.runtime.observers import EngineObserver, merge_stats_requests
+from trtkv.runtime.request import GenerationResult, IncrementalDetokenizer, Request
 from trtkv.runtime.sampling import sample_next
 
 
 class EngineCore:
+    """One model, one policy, one KV cache. Tools watch it through ``observers`` (see runtime/observers.py)."""
+
     def __init__(self, model: DecoderModel, policy: KVPolicy, cache_cfg: CacheConfig, eos_ids: list[int],
-                 decode_text, kv_amax=None):
+                 decode_text, kv_amax=None, observers: Sequence[EngineObserver] = ()):
         self.model = model
         self.arch = model.arch
         self.policy = policy
@@ -39,20 +43,30 @@ class EngineCore:
         # CPU only: run the per-layer small ops (cache writes, decode attention) on one thread
         self.small_ops_threads = 1 if self.device.type == "cpu" else 0
         policy.bind_model(self.arch)
-        # Instrumentation for ``trtkv eval`` (off by default; each costs one attribute check per step):
-        self.force_stats: StatsRequest | None = None  # attention stats for every request, whatever the policy asks
-        self.keep_logits = False  # keep each step's fp32 logits ``[b, V]`` in ``last_logits``
-        self.last_logits: torch.Tensor | None = None
-        self.last_stats: list[StepStats] = []  # per request, the forced stats of the last decode step
+        self.observers: tuple[EngineObserver, ...] = ()
+        self._forced: dict[str, StatsRequest | None] = {"decode": None}
+        for o in observers:
+            self.attach(o)
+
+    def attach(self, observer: EngineObserver) -> None:
+        """Start notifying ``observer`` (tests and tools watching a live engine; see runtime/observers.py)."""
+        self.observers = (*self.observers, observer)
+        # observers' attention statistics are forced at decode steps only (prefill hands them the policy's)
+        self._forced = {"decode": merge_stats_requests([o.stats_request("decode") for o in self.observers])}
+
+    def detach(self, observer: EngineObserver) -> None:
+        self.observers = tuple(o for o in self.observers if o is not observer)
+        self._forced = {"decode": merge_stats_requests([o.stats_request("decode") for o in self.observers])}
 
     # --- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, req: Request) -> None:
         seq = self.cache.add_sequence(req.req_id)
-        ctx = RequestContext(req.req_id, req.prompt_len, self.cache, seq, self.arch.num_hidden_layers)
+        ctx = RequestContext(req.req_id, req.prompt_len, self.cache, seq, self.arch.num_hidden_layers,
+                             self.arch.num_attention_heads)
         req.ctx = ctx
         pol = self.policy
-        pol.on_request_init(ctx)
+        pol.begin(ctx)
         sreq = pol.stats_request(ctx, "prefill") or StatsRequest()
         T = req.prompt_len
         ids = torch.tensor(req.prompt_ids, device=self.device)
@@ -72,8 +86,8 @@ class EngineCore:
                 stats.layers[layer] = self._prefill_stats(q, k, max(sreq.prefill_window, 1))
             x = self.model.finish_layer(layer, x, attn)
         logits = self.model.logits(x[-1:])
-        if self.keep_logits:
-            self.last_logits = logits
+        for o in self.observers:
+            o.on_prefill(req, logits, stats)
         tok = sample_next(logits, [req.params], [req.generator], [req.prompt_ids])[0]
         req.t_first = time.perf_counter()
         ctx.step = 0
@@ -127,7 +141,7 @@ class EngineCore:
         cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=self.device), self.dtype)
         x = self.model.embed(ids)
         stats = [StepStats(step=c.step) for c in ctxs]
-        fs = self.force_stats
+        fs = self._forced["decode"]
         forced = [StepStats(step=c.step) for c in ctxs] if fs is not None else None
         same_class = all(cl[:2] == classes[0][:2] for cl in classes)
         threads = torch.get_num_threads()
@@ -148,6 +162,8 @@ class EngineCore:
                         cache.flush(s, layer, classes[i][:2], classes[i][2])
             for c in ctxs:
                 pol.before_attention(c, layer)
+            for o in self.observers:
+                o.before_attention(reqs, layer)
             want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
             want_s = [bool(sr and sr.sparsity and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
             want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
@@ -168,10 +184,8 @@ class EngineCore:
                 torch.set_num_threads(threads)
             x = self.model.finish_layer(layer, x, out)
         logits = self.model.logits(x)
-        if self.keep_logits:
-            self.last_logits = logits
-        if forced is not None:
-            self.last_stats = forced
+        for o in self.observers:
+            o.on_decode(reqs, logits, forced if forced is not None else stats)
         contexts = [r.prompt_ids + r.generated if r.params.repetition_penalty != 1.0 else [] for r in reqs]
         toks = sample_next(logits, [r.params for r in reqs], [r.generator for r in reqs], contexts)
         self.steps_total += 1
@@ -182,6 +196,8 @@ class EngineCore:
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))  # what this step attended
             pol.on_decode_step_end(c, st)
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))
+        for o in self.observers:
+            o.on_step_end(reqs)
 
     # --- tokens, stop conditions, results ---------------------------------------------------
     def _append_token(self, req: Request, tok: int) -> None:
@@ -193,7 +209,9 @@ class EngineCore:
             req.generated.pop()  # EOS is not part of the text
             req.finish_reason = "stop"
         else:
-            req.text = self.decode_text(req.generated)
+            if req.detok is None:
+                req.detok = IncrementalDetokenizer(self.decode_text)
+            req.text = req.detok.push(req.generated)
             for s in p.stop:
                 at = req.text.find(s, max(0, req.emitted_chars - len(s)))
                 if at >= 0:
@@ -224,8 +242,12 @@ class EngineCore:
             "time_to_first_token_s": (req.t_first - req.t_submit) if req.t_first else None,
         }
         stats.update(self.policy.extra_stats(req.ctx))
-        self.policy.on_request_finish(req.ctx)
-        self.cache.free_sequence(req.req_id)
         req.result = GenerationResult(req.text, list(req.generated), req.finish_reason or "cancelled", stats,
                                       req.prompt)
+        try:
+            for o in self.observers:
+                o.on_finish(req, req.result)
+        finally:
+            self.policy.end(req.ctx)
+            self.cache.free_sequence(req.req_id)
         return req.result

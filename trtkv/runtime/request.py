@@ -33,6 +33,35 @@ class StreamEvent:
     error: str | None = None
 
 
+class IncrementalDetokenizer:
+    """Text of a growing id list, decoding only a short window per new token (not the whole output).
+
+    The window starts a few tokens back (``prefix``) because byte-level BPE merges and leading spaces make a
+    token's text depend on its neighbours: the new text is ``decode(ids[prefix:]) - decode(ids[prefix:read])``.
+    While the newest bytes end in an incomplete UTF-8 character (U+FFFD) nothing is emitted, so multi-byte
+    characters are never split (vLLM's ``detokenize_incrementally`` rule)."""
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.text = ""
+        self.prefix = 0  # first token of the decode window
+        self.read = 0  # tokens whose text is already in ``text``
+
+    def push(self, ids: list[int]) -> str:
+        """Take the whole id list (only its new tail is decoded); returns the text so far."""
+        if len(ids) <= self.read:
+            return self.text
+        before = self.decode(ids[self.prefix:self.read])
+        after = self.decode(ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(ids)
+        elif after == before:  # tokens with no text (skipped specials): keep the window short
+            self.read = len(ids)
+            self.prefix = max(self.prefix, self.read - 6)
+        return self.text
+
+
 class Request:
     def __init__(self, req_id: int, prompt: str, prompt_ids: list[int], params: SamplingParams,
                  generator: torch.Generator, max_positions: int):
@@ -45,6 +74,7 @@ class Request:
         self.generated: list[int] = []
         self.forced_tokens: list[int] | None = None  # teacher forcing (eval): appended instead of sampled tokens
         self.text = ""
+        self.detok: IncrementalDetokenizer | None = None
         self.emitted_chars = 0
         self.emitted_tokens = 0
         self.finish_reason: str | None = None

@@ -14,14 +14,15 @@ from trtkv.runtime.request import Request
 
 
 class Scheduler:
-    def __init__(self, core: EngineCore, max_batch: int = 64):
+    def __init__(self, core: EngineCore, max_batch: int = 64,
+                 step_timer: Callable[[str, list[Request], float], None] | None = None):
         self.core = core
         self.max_batch = max_batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # ``trtkv bench``: called as (phase "prefill" | "decode", requests, seconds) after each timed call,
         # device-synchronised; None (the default) times nothing.
-        self.step_timer: Callable[[str, list[Request], float], None] | None = None
+        self.step_timer = step_timer
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)

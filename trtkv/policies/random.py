@@ -1,0 +1,62 @@
+"""Random eviction: a control for the attention-scored policies (uniform random scores, seeded).
+
+A recent study reports that uniformly random eviction comes close to strong evictors on several
+benchmarks, so users want it beside them. Like TOVA it is a hard cap: once a layer is full, every
+``evict_every`` steps it drops random tokens to make room for the next ones, never touching the first
+``n_sink`` tokens (default 0: any token may go).
+
+Parameters
+    budget        tokens kept per layer, prompt and decode together (hard cap)
+    evict_every   drop tokens every k steps (1: every step)
+    n_sink        first tokens never evicted
+    seed          random stream (with the decode step and layer): the same run evicts the same tokens
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trtkv.policies.scored import Cadence, ScorerPolicy
+from trtkv.policies.scorers import Scorer
+from trtkv.policies.scoring import check_positive
+
+
+class RandomScorer(Scorer):
+    """Uniform scores seeded by (seed, step, layer), not by request id: a generation is reproducible run to
+    run and batching does not change it."""
+
+    evidence_suffices = True
+    name = "random"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def score(self, req, layer, positions, memo, ev=None):
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + req.step) * 1009 + layer)
+        return torch.rand(len(positions), generator=g)
+
+
+@dataclass
+class RandomPolicy(ScorerPolicy):
+    name = "random"
+    description = "uniformly random eviction under the budget (seeded control)"
+    budget: int | None = 256
+    evict_every: int = 1
+    n_sink: int = 0
+    seed: int = 0
+    hard_cap = True
+    evict_protected_when_short = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive(budget=self.budget, evict_every=self.evict_every)
+        if not 0 <= self.n_sink < self.budget - self.evict_every:
+            raise ValueError(f"random needs 0 <= n_sink < budget - evict_every; got n_sink={self.n_sink}")
+
+    @property
+    def cadence(self) -> Cadence:
+        return Cadence(self.evict_every, 0)
+
+    def make_scorer(self) -> RandomScorer:
+        return RandomScorer(self.seed)

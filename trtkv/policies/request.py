@@ -1,0 +1,62 @@
+"""The request API: everything a policy may see of, and ask of, one request's KV cache.
+
+Policies speak in absolute token positions and never in pages: the runtime hands every hook an object that
+implements :class:`PolicyRequest` (``trtkv.runtime.context.RequestContext``), and that object is the only
+door into the cache. Paged tokens live in pages (possibly quantized); *buffered* tokens are the
+full-precision residual group of quantized formats, attended and counted but not evictable until flushed.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+
+@runtime_checkable
+class PolicyRequest(Protocol):
+    """One request as a policy sees it. Shapes: ``positions [n]`` int64 ascending; ``k, v [n, H, D]`` fp32."""
+
+    req_id: int
+    prompt_len: int
+    step: int  # decode index of the token being processed (-1 during prefill)
+    state: Any  # the policy's per-request State (a dataclass), created and freed by the base policy
+
+    # --- geometry -----------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def num_q_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def position(self) -> int:
+        """Absolute position of the token processed in the current step."""
+    @property
+    def eviction_mode(self) -> str:
+        """How the cache executes evictions: "inplace" (slot reuse) or "compact" (gather)."""
+
+    # --- what is held ------------------------------------------------------------------------
+    def live_positions(self, layer: int) -> np.ndarray:
+        """Paged positions of one layer, ascending (the residual buffer is not included)."""
+    def buffered_positions(self, layer: int) -> np.ndarray:
+        """Positions in the full-precision residual buffer of one layer (never evictable)."""
+    def all_positions(self, layer: int) -> np.ndarray:
+        """Paged and buffered positions of one layer, ascending."""
+    def num_live(self, layer: int) -> int:
+        """Tokens one layer attends: paged + buffered."""
+    def num_paged(self, layer: int) -> int: ...
+    def num_buffered(self, layer: int) -> int: ...
+    def stored_formats(self, layer: int) -> Counter:
+        """Storage format name -> number of paged tokens of one layer in it."""
+
+    # --- reads and actions -------------------------------------------------------------------
+    def kv(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized post-RoPE ``k, v [m, H, D]`` fp32 of paged *or* buffered positions (read-only)."""
+    def keys(self, layer: int, positions) -> torch.Tensor: ...
+    def evict(self, layer: int, positions) -> int:
+        """Evict paged positions of one layer (buffered ones are ignored); returns how many went."""
+    def evict_all_layers(self, positions) -> int: ...

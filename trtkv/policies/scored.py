@@ -1,0 +1,163 @@
+"""``ScorerPolicy``: the shared base of every "score the tokens, keep the best, evict the rest" policy.
+
+A subclass names its :class:`~trtkv.policies.scorers.Scorer` and its knobs; the base owns the rest, once:
+
+* **cadence** (:class:`Cadence`): an eviction event every ``every`` decode steps, the last ``observe`` steps
+  before each event (and the prefill, when it cuts the prompt) feeding the scorer's evidence;
+* **protection**: the first ``n_sink`` tokens, the ``recent`` most recent ones and the residual buffer
+  (not evictable until flushed) are never candidates;
+* **selection**: each layer holding more than its target keeps its top-scored candidates (ties: the newer
+  token) and evicts the rest; with ``hard_cap`` the target leaves room for the tokens written before the
+  next event, so no step ever attends more than the budget.
+
+H2O, TOVA, SnapKV, R-KV, LazyEviction, random and PyramidKV are such subclasses; AMS wraps a scorer with
+its own selection instead (``trtkv/policies/ams.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trtkv.policies.base import KVPolicy, StatsRequest
+from trtkv.policies.scorers import Scorer, head_mean
+from trtkv.policies.scoring import lowest, top_keep
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """Eviction events at decode steps ``t % every == 0`` (``t`` 1-based); steps ``t`` with
+    ``(-t) % every < observe`` are the evidence window before an event (``observe >= every``: every step)."""
+
+    every: int
+    observe: int = 1
+
+    def is_event(self, t: int) -> bool:
+        return self.every > 0 and t % self.every == 0
+
+    def observing(self, t: int) -> bool:
+        return self.every > 0 and (-t) % self.every < self.observe
+
+
+@dataclass
+class ScoredState:
+    memo: Any = None  # the scorer's per-request evidence
+    events: int = 0  # eviction events that evicted in at least one layer
+
+
+@dataclass
+class ScorerPolicy(KVPolicy):
+    """Base of the scoring policies; see the module docstring. Subclasses implement ``make_scorer`` and
+    ``cadence`` and may override ``protected``, ``layer_budget``, ``keep`` and the flags below."""
+
+    State = ScoredState
+    hard_cap = False  # target = budget - cadence.every (room for the next tokens) instead of budget
+    evict_protected_when_short = False  # hard caps: evict protected tokens (lowest score) if candidates run out
+    cut_prompt = True  # run an event right after prefill when the prompt exceeds the target
+
+    def __post_init__(self) -> None:
+        self._scorer: Scorer = self.make_scorer()
+
+    # --- what subclasses provide ---------------------------------------------------------------
+    def make_scorer(self) -> Scorer:
+        raise TypeError(f"{type(self).__name__} must define make_scorer()")
+
+    @property
+    def cadence(self) -> Cadence:
+        raise TypeError(f"{type(self).__name__} must define cadence")
+
+    @property
+    def n_sink(self) -> int:
+        return 0
+
+    @property
+    def recent(self) -> int:
+        return 0
+
+    def layer_budget(self, req, layer: int) -> int:
+        return self.budget
+
+    # --- derived --------------------------------------------------------------------------------
+    @property
+    def scorer(self) -> Scorer:
+        return self._scorer
+
+    def bind_model(self, arch) -> None:
+        self.scorer.bind_model(arch)
+
+    def target(self, req, layer: int) -> int:
+        return self.layer_budget(req, layer) - (self.cadence.every if self.hard_cap else 0)
+
+    def max_live_tokens(self, prompt_len: int, max_tokens: int) -> int:
+        """Hard cap: the budget (or the uncut prompt); soft: budget + one cadence of growth; plus the buffer."""
+        total, g = prompt_len + max_tokens, self.residual_group()
+        peak = self.max_layer_budget()
+        if self.hard_cap:
+            return min(total, max(prompt_len, peak)) + g - 1
+        if self.cut_prompt:
+            return max(prompt_len, min(total, peak + self.cadence.every)) + g - 1
+        return min(total, max(prompt_len, peak) + self.cadence.every) + g - 1
+
+    def max_layer_budget(self) -> int:
+        return self.budget
+
+    def _prompt_is_cut(self, req) -> bool:
+        return self.cut_prompt and req.prompt_len > min(self.target(req, layer) for layer in range(req.num_layers))
+
+    # --- hooks ----------------------------------------------------------------------------------
+    def on_request_init(self, req) -> None:
+        req.state.memo = self.scorer.new_memo()
+
+    def stats_request(self, req, phase: str) -> StatsRequest | None:
+        if phase == "prefill":
+            return self.scorer.stats_request(req, phase, self._prompt_is_cut(req))
+        return self.scorer.stats_request(req, phase, self.cadence.observing(req.step + 1))
+
+    def on_prefill_end(self, req, stats) -> None:
+        self.scorer.observe(req, req.state.memo, stats, "prefill")
+        if self._prompt_is_cut(req):
+            self.event(req)
+
+    def on_decode_step_end(self, req, stats) -> None:
+        self.scorer.observe(req, req.state.memo, stats, "decode")
+        if self.cadence.is_event(req.step):
+            self.event(req)
+
+    # --- one event ------------------------------------------------------------------------------
+    def event(self, req) -> None:
+        acted = False
+        for layer in range(req.num_layers):
+            acted |= self.evict_layer(req, layer, self.target(req, layer))
+        req.state.events += int(acted)
+        self.scorer.reset(req.state.memo)
+
+    def protected(self, req, layer: int, held: np.ndarray) -> np.ndarray:
+        """Positions never evicted at this event: sinks, the recent window and the residual buffer."""
+        prot = np.union1d(held[: self.n_sink], held[max(0, len(held) - self.recent):] if self.recent else held[:0])
+        return np.union1d(prot, req.buffered_positions(layer))
+
+    def evict_layer(self, req, layer: int, target: int) -> bool:
+        """Cut one layer to ``target`` tokens; True when it held more."""
+        if req.num_live(layer) <= target:
+            return False
+        paged = req.live_positions(layer)
+        prot = self.protected(req, layer, req.all_positions(layer))
+        is_prot = np.isin(paged, prot)
+        cand = paged[~is_prot]
+        n_keep = target - (req.num_live(layer) - len(cand))
+        if n_keep < len(cand):
+            keep = self.keep(req, layer, cand, head_mean(self.scorer.score(req, layer, cand, req.state.memo)),
+                             n_keep)
+            req.evict(layer, cand[~np.isin(cand, keep)])
+        if n_keep < 0 and self.evict_protected_when_short:
+            rest = paged[is_prot]
+            req.evict(layer, lowest(rest, head_mean(self.scorer.score(req, layer, rest, req.state.memo)), -n_keep))
+        return True
+
+    def keep(self, req, layer: int, cand: np.ndarray, scores, k: int) -> np.ndarray:
+        """The candidates to keep: the ``k`` best by score, ties to the newer token."""
+        return top_keep(cand, scores, k)
+
+    def extra_stats(self, req) -> dict[str, Any]:
+        return {"eviction_events": req.state.events}
