@@ -20,7 +20,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--targets", default="80,90,100")
     ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--reuse-cache", action="store_true", help="reuse Triton's compile cache (timing then means nothing)")
+    ap.add_argument("--reuse-cache", action="store_true",
+                    help="reuse Triton's compile cache (the timing then means nothing)")
     a = ap.parse_args()
     targets = tuple(int(t) for t in a.targets.split(","))
     t0 = time.time()
