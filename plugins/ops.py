@@ -54,7 +54,7 @@ def paged_attention(q, slot_fields, group_fields, k_group, valid_bits, block_tab
     ``dense_run=(first_page, n)`` (Python callers only) promises that the single sequence's live tokens
     are slots ``0..n-1`` of the ascending page run starting at ``first_page``; the CPU reference then
     reads a view of the pool instead of gathering. The compiled CPU kernel ignores it: it reads pages in
-    place anyway and measured as fast or faster (docs/benchmarks.md, "CPU kernels")."""
+    place anyway (measured faster at 128 tokens; longer contexts: see docs/benchmarks.md, "CPU kernels")."""
     args = (q, slot_fields, group_fields, k_group, valid_bits, block_table, fmt_code, sm_scale, scale_k, scale_v,
             return_logits)
     if use_triton(q):
