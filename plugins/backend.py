@@ -1,7 +1,10 @@
-"""Which implementation a plugin runs: the Triton kernel on CUDA, the torch reference elsewhere.
+"""Which implementation a plugin runs: Triton on CUDA, the compiled C++ kernels on CPU, the torch reference
+as the fallback and the oracle.
 
-``TRTKV_KERNELS=triton`` forces the Triton path (with ``TRITON_INTERPRET=1`` on CPU, for tests);
-``TRTKV_KERNELS=reference`` forces the reference everywhere.
+``TRTKV_KERNELS`` overrides the choice: ``reference`` forces the torch reference everywhere; ``triton``
+forces the Triton path (with ``TRITON_INTERPRET=1`` on CPU, for tests); ``cpu`` forces the compiled CPU
+kernels for CPU tensors (the default there whenever they built; if they cannot be built a single log
+line says so and the reference runs instead).
 """
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import functools
 import os
 
 import torch
+
+MODES = ("auto", "reference", "triton", "cpu")
 
 
 @functools.cache
@@ -20,10 +25,33 @@ def triton_available() -> bool:
     return True
 
 
-def use_triton(t: torch.Tensor) -> bool:
+def _mode() -> str:
     mode = os.environ.get("TRTKV_KERNELS", "auto")
-    if mode == "reference":
+    if mode not in MODES:
+        from trtkv.errors import TrtkvError
+
+        raise TrtkvError(f"TRTKV_KERNELS={mode!r} is not one of {', '.join(MODES)}; unset it or pick one")
+    return mode
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    mode = _mode()
+    if mode == "reference" or mode == "cpu":
         return False
     if mode == "triton":
         return triton_available()
     return t.is_cuda and triton_available()
+
+
+def use_cpu_kernels(t: torch.Tensor) -> bool:
+    """The compiled CPU kernels: on CPU tensors unless the reference or Triton is forced, and if they built."""
+    if t.device.type != "cpu" or _mode() not in ("auto", "cpu"):
+        return False
+    from plugins.cpu_kernels.build import cpu_kernels_available
+
+    return cpu_kernels_available()
+
+
+def kernel_impl(t: torch.Tensor) -> str:
+    """``triton``, ``cpu`` or ``reference``: what a plugin call on ``t`` runs (for reports and engine.json)."""
+    return "triton" if use_triton(t) else "cpu" if use_cpu_kernels(t) else "reference"

@@ -3,7 +3,8 @@
 Registered through ``torch.library.Library`` (the C++ dispatcher calls straight into the Python
 kernel): ``torch.library.custom_op``'s Python wrapper costs ~0.5 ms per call with mutable list
 arguments, which at 30 layers per decoded token would dominate CPU decode. Each op dispatches to its
-Triton kernel when ``plugins.backend.use_triton`` says so, else to the torch reference beside it.
+Triton kernel when ``plugins.backend.use_triton`` says so, to the compiled CPU kernel
+(``plugins/cpu_kernels``) on CPU when it built, else to the torch reference beside it.
 
 The eager runtime calls the Python entry points below (``plugins.ops.kv_write`` ...) directly: they
 are exactly the kernels registered behind ``torch.ops.trtkv.*``, minus the dispatcher's boxing of the
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.backend import use_triton
+from plugins.backend import use_cpu_kernels, use_triton
 from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, dense_attention_cpu, paged_attention_ref
@@ -38,6 +39,10 @@ def kv_write(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_co
         from plugins.kv_write.triton_kernel import kv_write_triton
 
         kv_write_triton(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_code, scale_k, scale_v)
+    elif use_cpu_kernels(k):
+        from plugins.cpu_kernels.ops import kv_write_cpu
+
+        kv_write_cpu(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_code, scale_k, scale_v)
     else:
         kv_write_ref(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_code, scale_k, scale_v)
 
@@ -48,13 +53,18 @@ def paged_attention(q, slot_fields, group_fields, k_group, valid_bits, block_tab
 
     ``dense_run=(first_page, n)`` (Python callers only) promises that the single sequence's live tokens
     are slots ``0..n-1`` of the ascending page run starting at ``first_page``; the CPU reference then
-    reads a view of the pool instead of gathering."""
+    reads a view of the pool instead of gathering. The compiled CPU kernel ignores it: it reads pages in
+    place anyway (measured faster at 128 tokens; longer contexts: see docs/benchmarks.md, "CPU kernels")."""
     args = (q, slot_fields, group_fields, k_group, valid_bits, block_table, fmt_code, sm_scale, scale_k, scale_v,
             return_logits)
     if use_triton(q):
         from plugins.paged_attention.triton_kernel import paged_attention_triton
 
         return paged_attention_triton(*args)
+    if use_cpu_kernels(q):
+        from plugins.cpu_kernels.ops import paged_attention_cpu
+
+        return paged_attention_cpu(*args)
     if dense_run is not None and not return_logits and q.device.type == "cpu" and fmt_code in _FLOAT_CODES:
         return dense_attention_cpu(q, slot_fields, dense_run, sm_scale)
     return paged_attention_ref(*args)

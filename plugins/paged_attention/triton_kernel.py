@@ -148,6 +148,25 @@ def _paged_attn_kernel(
     tl.store(lse_ptr + orow, lse, mask=gmask)
 
 
+VALUES_PER_THREAD = 32  # fp32 values of one [GP, PAGES*B, DP] product per thread (see launch_config)
+
+
+def launch_config(B: int, G: int, D: int, P: int) -> tuple[int, int]:
+    """``(PAGES, num_warps)``: pages per loop step and warps per program.
+
+    The score and P@V steps build ``[GP, PAGES*B, DP]`` fp32 products in registers. The old fixed 32-slot
+    tile with 4 warps held 128 of them per thread at D=128, G=4 and took 255 registers plus stack spills
+    on sm_90. Now a program takes 4 warps, or 8 when one page alone would exceed ``VALUES_PER_THREAD``
+    per thread, and as many pages per step as stay within it. Measured spill-free for every format and
+    registry geometry on sm_80/90/100 (tests/kernels/test_triton_aot.py, docs/kernels.md); ptxas'
+    allocation is heuristic, so other tilings that look smaller (16 values, 8 warps) did spill 4-8 bytes."""
+    GP, DP = triton.next_power_of_2(G), triton.next_power_of_2(D)
+    warps = 4 if GP * B * DP <= VALUES_PER_THREAD * 32 * 4 else 8
+    slots = max(1, VALUES_PER_THREAD * 32 * warps // (GP * DP))
+    pages = max(1, min(triton.next_power_of_2(max(P, 1)), triton.next_power_of_2(slots // B + 1) // 2 or 1))
+    return pages, warps
+
+
 def _num_splits(b: int, H: int, P: int, pages: int, device: torch.device) -> int:
     """Flash-decoding split: only when (sequences x heads) cannot fill the GPU and pages are plenty."""
     if device.type != "cuda":
@@ -180,7 +199,7 @@ def paged_attention_triton(
     assert Hq == H * G and block_table.dtype == torch.int32 and valid_bits.dtype == torch.int32
     assert all(t.is_contiguous() for t in [*slot_fields, *group_fields, valid_bits, k_group])
     q, block_table = q.contiguous(), block_table.contiguous()
-    pages = max(1, min(triton.next_power_of_2(P), max(1, 32 // B)))  # ~32 slots per step: [G, 32, D] tiles
+    pages, warps = launch_config(B, G, D, P)
     S = num_splits or _num_splits(b, H, P, pages, q.device)
     S = max(1, min(S, P)) if P else 1
     per_split = triton.cdiv(P, S) if P else 0
@@ -196,7 +215,7 @@ def paged_attention_triton(
         q, *f, *g, k_group, valid_bits, block_table, out, lse, logits,
         float(sm_scale), float(scale_k), float(scale_v), P, per_split,
         FMT=fmt_code, H=H, G=G, D=D, B=B, GP=triton.next_power_of_2(G), DP=triton.next_power_of_2(D),
-        PAGES=pages, NUM_SPLITS=S, RETURN_LOGITS=return_logits,
+        PAGES=pages, NUM_SPLITS=S, RETURN_LOGITS=return_logits, num_warps=warps,
     )
     if S == 1:
         return out[:, :, 0], lse[:, :, 0], logits

@@ -1,0 +1,20 @@
+// Python bindings of the CPU kernels (loaded by plugins/cpu_kernels/build.py).
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace trtkv {
+std::vector<at::Tensor> paged_attention_cpu(const at::Tensor& q, const std::vector<at::Tensor>& slot_fields,
+                                            const std::vector<at::Tensor>& group_fields, const at::Tensor& k_group,
+                                            const at::Tensor& valid_bits, const at::Tensor& block_table,
+                                            int64_t fmt_code, double sm_scale, double scale_k, double scale_v,
+                                            bool return_logits, int64_t num_splits);
+void kv_write_cpu(const at::Tensor& k, const at::Tensor& v, const std::vector<at::Tensor>& slot_fields,
+                  const std::vector<at::Tensor>& group_fields, const at::Tensor& k_group, const at::Tensor& pages,
+                  const at::Tensor& slots, int64_t gid, int64_t fmt_code, double scale_k, double scale_v);
+}  // namespace trtkv
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &trtkv::paged_attention_cpu, "paged decode attention over packed pages (CPU)");
+  m.def("kv_write", &trtkv::kv_write_cpu, "quantize, pack and scatter K/V into pages (CPU)");
+}

@@ -1,0 +1,292 @@
+// CPU paged decode attention over one format's packed pages (contract: plugins/paged_attention/reference.py).
+//
+// One task = (sequence, KV head, split of the block table). A task walks its pages, skips a page whose
+// validity word is 0, dequantizes only the live slots of the page into a [B, D] fp32 tile (never a copy
+// of the cache), scores the tile against the G query heads sharing the KV head, and folds it into an
+// online softmax. Splits of one (sequence, KV head) are merged at the end by log-sum-exp. All pool
+// offsets are int64 (a pool may exceed 2^31 bytes).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "codecs.h"
+
+namespace trtkv {
+namespace {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int64_t SERIAL_SLOT_HEADS = 4096;
+
+struct Pools {
+  const uint8_t* f[4] = {nullptr, nullptr, nullptr, nullptr};
+  const uint8_t* g[2] = {nullptr, nullptr};
+  const int32_t* k_group = nullptr;
+  int64_t H = 0, D = 0, B = 0;
+  float sk = 1.0f, sv = 1.0f;
+};
+
+template <int BITS>
+inline int code_at(const uint8_t* bytes, int64_t d) {
+  constexpr int per = 8 / BITS;
+  return (bytes[d / per] >> (BITS * (d % per))) & ((1 << BITS) - 1);
+}
+
+// Key-group parameters of one (flush group, KV head) decoded to fp32 rows [D], cached across the slots of
+// a task: a flush group's 16 tokens usually sit side by side, so each group row is decoded once.
+struct GroupRows {
+  int64_t gid = -1;
+  std::vector<float> a, b;  // block-scaled: E4M3 key scale, key offset; int: key scale, key zero
+  explicit GroupRows(int64_t D) : a(D), b(D) {}
+};
+
+template <int FMT>
+inline void load_group(const Pools& p, int64_t gid, int64_t h, GroupRows& gr) {
+  if (gr.gid == gid) return;
+  gr.gid = gid;
+  const int64_t D = p.D, grow = (gid * p.H + h) * D;  // group field [gid, h, d]
+  if constexpr (FMT == INT4 || FMT == INT2) {
+    const uint16_t* ks = reinterpret_cast<const uint16_t*>(p.g[0]) + grow;
+    const uint16_t* kz = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
+    for (int64_t d = 0; d < D; ++d) { gr.a[d] = half_to_float(ks[d]); gr.b[d] = half_to_float(kz[d]); }
+  } else {
+    const float* t = e4m3_table().v;
+    const uint8_t* ks = p.g[0] + grow;
+    for (int64_t d = 0; d < D; ++d) gr.a[d] = t[ks[d]];
+    if constexpr (FMT == NVFP4O || FMT == TERNARYO) {
+      const uint16_t* ko = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
+      for (int64_t d = 0; d < D; ++d) gr.b[d] = half_to_float(ko[d]);
+    }
+  }
+}
+
+// Dequantized K and V rows (fp32, [D]) of slot `slot` of page `page`, KV head `h`; same fp32 operations in
+// the same order as the formats' torch decoders.
+template <int FMT>
+inline void load_kv(const Pools& p, int64_t page, int64_t slot, int64_t h, float* k, float* v, GroupRows& gr) {
+  const int64_t D = p.D;
+  const int64_t row = (page * p.B + slot) * p.H + h;  // slot-field row of [pages, B, H, ...]
+  if constexpr (FMT == FP32) {
+    std::memcpy(k, reinterpret_cast<const float*>(p.f[0]) + row * D, D * sizeof(float));
+    std::memcpy(v, reinterpret_cast<const float*>(p.f[1]) + row * D, D * sizeof(float));
+  } else if constexpr (FMT == FP16 || FMT == BF16) {
+    const uint16_t* kp = reinterpret_cast<const uint16_t*>(p.f[0]) + row * D;
+    const uint16_t* vp = reinterpret_cast<const uint16_t*>(p.f[1]) + row * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+      k[d] = FMT == FP16 ? half_to_float(kp[d]) : bf16_to_float(kp[d]);
+      v[d] = FMT == FP16 ? half_to_float(vp[d]) : bf16_to_float(vp[d]);
+    }
+  } else if constexpr (FMT == FP8) {
+    const float* t = e4m3_table().v;
+    const uint8_t* kp = p.f[0] + row * D;
+    const uint8_t* vp = p.f[1] + row * D;
+    for (int64_t d = 0; d < D; ++d) {
+      k[d] = t[kp[d]] * p.sk;
+      v[d] = t[vp[d]] * p.sv;
+    }
+  } else {
+    constexpr bool four = FMT == NVFP4 || FMT == NVFP4O || FMT == INT4;
+    constexpr int BITS = four ? 4 : 2;
+    const int64_t rb = D * BITS / 8;  // packed bytes per (slot, head)
+    const uint8_t* kp = p.f[0] + row * rb;
+    const uint8_t* vp = p.f[1] + row * rb;
+    load_group<FMT>(p, std::max<int32_t>(p.k_group[page * p.B + slot], 0), h, gr);
+    const float* ga = gr.a.data();
+    const float* gb = gr.b.data();
+    const int64_t vrow = row * (D / 16);  // per-token value params [page, slot, h, d/16]
+    if constexpr (FMT == INT4 || FMT == INT2) {
+      const uint16_t* vs = reinterpret_cast<const uint16_t*>(p.f[2]) + vrow;
+      const uint16_t* vz = reinterpret_cast<const uint16_t*>(p.f[3]) + vrow;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) k[d] = (float)code_at<BITS>(kp, d) * ga[d] + gb[d];
+      for (int64_t c = 0; c < D / 16; ++c) {
+        const float s = half_to_float(vs[c]), z = half_to_float(vz[c]);
+#pragma omp simd
+        for (int64_t d = c * 16; d < c * 16 + 16; ++d) v[d] = (float)code_at<BITS>(vp, d) * s + z;
+      }
+    } else {
+      const float* t = e4m3_table().v;
+      const uint8_t* vs = p.f[2] + vrow;
+      const float sk = p.sk, sv = p.sv;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) {
+        const float ke = four ? e2m1_decode(code_at<4>(kp, d)) : ternary_decode(code_at<2>(kp, d));
+        k[d] = (ke * ga[d]) * sk;
+        if constexpr (FMT == NVFP4O || FMT == TERNARYO) k[d] += gb[d];
+      }
+      for (int64_t c = 0; c < D / 16; ++c) {
+        const float s = t[vs[c]];
+#pragma omp simd
+        for (int64_t d = c * 16; d < c * 16 + 16; ++d) {
+          const float ve = four ? e2m1_decode(code_at<4>(vp, d)) : ternary_decode(code_at<2>(vp, d));
+          v[d] = (ve * s) * sv;
+        }
+      }
+    }
+  }
+}
+
+struct Partial {  // unnormalized online-softmax state of G query heads
+  std::vector<float> m, l, acc;
+};
+
+template <int FMT>
+void attend_task(const Pools& p, const float* q /*[G, D]*/, const int32_t* table, const int32_t* valid, int64_t p_lo,
+                 int64_t p_hi, int64_t G, float sm_scale, float* logits /*[G, P*B] or null*/, int64_t logit_stride,
+                 int64_t h, float* m, float* l, float* acc) {
+  const int64_t D = p.D, B = p.B;
+  std::vector<float> kt(B * D), vt(B * D), s(G * B);
+  GroupRows gr(D);
+  int64_t live_idx[64];
+  for (int64_t g = 0; g < G; ++g) { m[g] = NEG_INF; l[g] = 0.0f; }
+  std::fill(acc, acc + G * D, 0.0f);
+  for (int64_t pi = p_lo; pi < p_hi; ++pi) {
+    const int64_t page = table[pi];
+    if (page < 0) continue;
+    const uint32_t word = (uint32_t)valid[page];
+    if (word == 0) continue;
+    int64_t n = 0;
+    for (int64_t j = 0; j < B; ++j)
+      if ((word >> j) & 1u) live_idx[n++] = j;
+    if (n == 0) continue;
+    for (int64_t i = 0; i < n; ++i) load_kv<FMT>(p, page, live_idx[i], h, &kt[i * D], &vt[i * D], gr);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float mx = m[g];
+      for (int64_t i = 0; i < n; ++i) {
+        const float* kr = &kt[i * D];
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * kr[d];
+        const float sc = dot * sm_scale;
+        s[g * B + i] = sc;
+        mx = std::max(mx, sc);
+        if (logits) logits[g * logit_stride + pi * B + live_idx[i]] = sc;
+      }
+      const float alpha = exp_neg(m[g] - mx);  // m = -inf on the first live page: alpha = 0
+      float lsum = 0.0f;
+      float* ag = acc + g * D;
+      float* sg = &s[g * B];
+#pragma omp simd reduction(+ : lsum)
+      for (int64_t i = 0; i < n; ++i) {
+        sg[i] = exp_neg(sg[i] - mx);
+        lsum += sg[i];
+      }
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+      for (int64_t i = 0; i < n; ++i) {
+        const float pr = sg[i];
+        const float* vr = &vt[i * D];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += pr * vr[d];
+      }
+      l[g] = l[g] * alpha + lsum;
+      m[g] = mx;
+    }
+  }
+}
+
+template <int FMT>
+void run(const Pools& p, const float* q, const int32_t* table, const int32_t* valid, int64_t b, int64_t P, int64_t G,
+         int64_t S, float sm_scale, float* out, float* lse, float* logits) {
+  const int64_t H = p.H, D = p.D, B = p.B, Hq = H * G;
+  const int64_t per_split = (P + S - 1) / S;
+  // partial states [b, H, S][G] and [G, D]
+  std::vector<float> pm(b * H * S * G), pl(b * H * S * G), pacc(b * H * S * G * D);
+  // Small calls run on the calling thread: waking the pool costs more than a few thousand slots of work.
+  const int64_t grain = b * H * P * B < SERIAL_SLOT_HEADS ? b * H * S + 1 : 1;  // > range: serial
+  at::parallel_for(0, b * H * S, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bi = t / (H * S), h = (t / S) % H, sp = t % S;
+      const int64_t lo = sp * per_split, hi = std::min(P, lo + per_split);
+      float* lg = logits ? logits + (bi * Hq + h * G) * (P * B) : nullptr;
+      attend_task<FMT>(p, q + (bi * Hq + h * G) * D, table + bi * P, valid, lo, hi, G, sm_scale, lg, P * B, h,
+                       &pm[t * G], &pl[t * G], &pacc[t * G * D]);
+    }
+  });
+  at::parallel_for(0, b * H, grain == 1 ? 1 : b * H + 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      for (int64_t g = 0; g < G; ++g) {
+        float M = NEG_INF;
+        for (int64_t sp = 0; sp < S; ++sp) M = std::max(M, pm[(bh * S + sp) * G + g]);
+        float* o = out + (bh * G + g) * D;  // out [b, H*G, D]: row (bi*H + h)*G + g
+        std::fill(o, o + D, 0.0f);
+        if (M == NEG_INF) { lse[bh * G + g] = NEG_INF; continue; }
+        float L = 0.0f;
+        for (int64_t sp = 0; sp < S; ++sp) {
+          const int64_t t = (bh * S + sp) * G + g;
+          if (pm[t] == NEG_INF) continue;
+          const float w = std::exp(pm[t] - M);
+          L += pl[t] * w;
+          const float* a = &pacc[t * D];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.0f / L;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        lse[bh * G + g] = M + std::log(L);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<at::Tensor> paged_attention_cpu(const at::Tensor& q_in, const std::vector<at::Tensor>& slot_fields,
+                                            const std::vector<at::Tensor>& group_fields, const at::Tensor& k_group,
+                                            const at::Tensor& valid_bits, const at::Tensor& block_table_in,
+                                            int64_t fmt_code, double sm_scale, double scale_k, double scale_v,
+                                            bool return_logits, int64_t num_splits) {
+  TORCH_CHECK(q_in.dim() == 3, "q must be [b, Hq, D]");
+  TORCH_CHECK(valid_bits.scalar_type() == at::kInt && block_table_in.scalar_type() == at::kInt,
+              "valid_bits and block_table must be int32");
+  const auto q = q_in.to(at::kFloat).contiguous();
+  const auto table = block_table_in.contiguous();
+  const int64_t b = q.size(0), Hq = q.size(1), D = q.size(2);
+  const auto& f0 = slot_fields.at(0);
+  Pools p;
+  p.B = f0.size(1);
+  p.H = f0.size(2);
+  p.D = D;
+  p.sk = (float)scale_k;
+  p.sv = (float)scale_v;
+  TORCH_CHECK(p.B <= 32, "block_size must be <= 32 (one int32 validity word per page)");
+  TORCH_CHECK(Hq % p.H == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(fmt_code <= 2 || D % 16 == 0, "quantized formats need head_dim % 16 == 0");
+  for (size_t i = 0; i < slot_fields.size() && i < 4; ++i) {
+    TORCH_CHECK(slot_fields[i].is_contiguous(), "slot fields must be contiguous");
+    p.f[i] = static_cast<const uint8_t*>(slot_fields[i].data_ptr());
+  }
+  for (size_t i = 0; i < group_fields.size() && i < 2; ++i) {
+    TORCH_CHECK(group_fields[i].is_contiguous(), "group fields must be contiguous");
+    p.g[i] = static_cast<const uint8_t*>(group_fields[i].data_ptr());
+  }
+  TORCH_CHECK(k_group.is_contiguous() && valid_bits.is_contiguous(), "k_group and valid_bits must be contiguous");
+  p.k_group = k_group.numel() ? k_group.data_ptr<int32_t>() : nullptr;
+  const int64_t G = Hq / p.H, P = table.size(1);
+  const auto fopt = q.options().dtype(at::kFloat);
+  auto out = at::empty({b, Hq, D}, fopt);
+  auto lse = at::empty({b, Hq}, fopt);
+  auto logits = return_logits ? at::full({b, Hq, P * p.B}, NEG_INF, fopt) : at::empty({0}, fopt);
+  int64_t S = std::max<int64_t>(1, std::min<int64_t>(num_splits, std::max<int64_t>(P, 1)));
+  const float* qp = q.data_ptr<float>();
+  const int32_t* tp = table.data_ptr<int32_t>();
+  const int32_t* vp = valid_bits.data_ptr<int32_t>();
+  float* lg = return_logits ? logits.data_ptr<float>() : nullptr;
+  const float sm = (float)sm_scale;
+#define TRTKV_CASE(F) \
+  case F: run<F>(p, qp, tp, vp, b, P, G, S, sm, out.data_ptr<float>(), lse.data_ptr<float>(), lg); break;
+  switch (fmt_code) {
+    TRTKV_CASE(FP32) TRTKV_CASE(FP16) TRTKV_CASE(BF16) TRTKV_CASE(FP8) TRTKV_CASE(NVFP4) TRTKV_CASE(TERNARY)
+    TRTKV_CASE(INT4) TRTKV_CASE(INT2) TRTKV_CASE(NVFP4O) TRTKV_CASE(TERNARYO)
+    default: TORCH_CHECK(false, "unknown KV format code ", fmt_code);
+  }
+#undef TRTKV_CASE
+  return {out, lse, logits};
+}
+
+}  // namespace trtkv

@@ -1,0 +1,39 @@
+"""Python entry points of the compiled CPU kernels, with the same signatures as the torch references."""
+from __future__ import annotations
+
+import torch
+
+from plugins.cpu_kernels.build import cpu_kernels
+
+MIN_PAGES_PER_SPLIT = 8  # below this a split's fixed cost (partial state, merge) outweighs the parallelism
+
+
+def num_splits(b: int, H: int, P: int) -> int:
+    """Splits of the block table per (sequence, KV head): only when those tasks cannot fill the threads."""
+    threads = torch.get_num_threads()
+    tasks = b * H
+    if tasks >= 2 * threads or P < 2 * MIN_PAGES_PER_SPLIT:
+        return 1
+    return max(1, min(-(-2 * threads // max(tasks, 1)), P // MIN_PAGES_PER_SPLIT))
+
+
+def paged_attention_cpu(q, slot_fields, group_fields, k_group, valid_bits, block_table, fmt_code, sm_scale, scale_k,
+                        scale_v, return_logits, num_splits_override: int | None = None):
+    """Same contract as ``paged_attention_ref``: ``(out [b,Hq,D] fp32, lse [b,Hq] fp32, logits)``.
+
+    ``logits`` is ``[b, Hq, P*B]`` scaled logits in block-table order with -inf at dead slots and -1
+    padding when ``return_logits``, else empty. Splits of one sequence's pages are merged inside the
+    kernel; the result merges with other formats' partials through ``merge_partials`` as before."""
+    P = block_table.shape[1]
+    H = slot_fields[0].shape[2]
+    S = num_splits_override or num_splits(q.shape[0], H, P)
+    out, lse, logits = cpu_kernels().paged_attention(
+        q, list(slot_fields), list(group_fields), k_group, valid_bits, block_table, int(fmt_code), float(sm_scale),
+        float(scale_k), float(scale_v), bool(return_logits), int(S))
+    return out, lse, logits
+
+
+def kv_write_cpu(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_code, scale_k, scale_v) -> None:
+    """Same contract as ``kv_write_ref``: quantize ``k, v [n, H, D]`` and scatter into ``(pages, slots)``."""
+    cpu_kernels().kv_write(k, v, list(slot_fields), list(group_fields), k_group, pages, slots, int(gid),
+                           int(fmt_code), float(scale_k), float(scale_v))

@@ -1,0 +1,225 @@
+"""Ahead-of-time compilation of every Triton kernel specialization the registry's models use, for CUDA
+targets, on a machine without a GPU: ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``
+runs the whole pipeline down to the cubin (ptxas ships with Triton). Each cubin's resource usage comes
+from ``cuobjdump --dump-resource-usage`` (Triton's ``backends/nvidia/bin``): registers, shared memory,
+and the stack frame, which in Triton code only spilled registers occupy. A spill or a failed compile is
+what tests/kernels/test_triton_aot.py fails on; build_scripts/triton_aot_report.py writes the table.
+
+It does not replace running on a GPU; it catches what can be caught without one.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import triton
+
+TARGETS = (80, 90, 100)  # A100, H100, B200 (Triton 3.9's NVIDIA backend compiles all three)
+Q_DTYPE = "*fp16"  # activations on CUDA (the q/k/v the runtime hands the kernels)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One kernel specialization: which jit function, its argument types, constexprs and launch warps."""
+
+    kernel: str  # "module:function"
+    label: str
+    signature: dict[str, str] = field(hash=False)
+    constexprs: dict[str, object] = field(hash=False)
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class Usage:
+    label: str
+    cc: int
+    registers: int
+    shared: int
+    stack: int
+    local: int
+    error: str = ""
+
+    @property
+    def spills(self) -> bool:
+        return self.stack > 0 or self.local > 0
+
+
+def registry_geometries() -> list[tuple[int, int]]:
+    """(G query heads per KV head, head_dim) of the models in configs/models.yaml, one per distinct
+    (next power of two of G, head_dim): the kernels pad G to a power of two, so the largest G of each
+    padded size stands for the others (same tiles, same registers)."""
+    from trtkv.models.registry import load_registry
+
+    best: dict[tuple[int, int], int] = {}
+    for spec in load_registry().values():
+        if spec.config:
+            a = spec.arch
+            G, D = a.num_attention_heads // a.num_key_value_heads, a.head_dim
+            key = (triton.next_power_of_2(G), D)
+            best[key] = max(best.get(key, 0), G)
+    return sorted(((G, D) for (_, D), G in best.items()), key=lambda t: (t[1], t[0]))
+
+
+def _sig(fn, types: dict[str, str]) -> dict[str, str]:
+    return {n: types.get(n, "constexpr") for n in fn.arg_names}
+
+
+def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64) -> list[Spec]:
+    from plugins.formats import FORMATS
+    from plugins.paged_attention.triton_kernel import _paged_attn_kernel, launch_config
+
+    specs = []
+    for G, D in geometries:
+        pages, warps = launch_config(B, G, D, P)
+        for name, fmt in FORMATS.items():
+            slot = [_ptr(f.dtype) for f in fmt.slot_fields(1, D)]
+            group = [_ptr(f.dtype) for f in fmt.group_fields(1, D)]
+            f = slot + [slot[0]] * (4 - len(slot))
+            g = group + [slot[0]] * (2 - len(group))
+            types = dict(q_ptr=Q_DTYPE, f0=f[0], f1=f[1], f2=f[2], f3=f[3], g0=g[0], g1=g[1], kgrp_ptr="*i32",
+                         bits_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32", lse_ptr="*fp32", logits_ptr="*fp32",
+                         sm_scale="fp32", scale_k="fp32", scale_v="fp32", P="i32", pages_per_split="i32")
+            for logits in (False, True):
+                const = dict(FMT=fmt.code, H=8, G=G, D=D, B=B, GP=triton.next_power_of_2(G),
+                             DP=triton.next_power_of_2(D), PAGES=pages, NUM_SPLITS=1, RETURN_LOGITS=logits)
+                specs.append(Spec("plugins.paged_attention.triton_kernel:_paged_attn_kernel",
+                                  f"paged_attention {name} G={G} D={D}{' logits' if logits else ''}",
+                                  _sig(_paged_attn_kernel, types), const, warps))
+    return specs
+
+
+def kv_write_specs(head_dims: list[int], B: int = 8) -> list[Spec]:
+    from plugins.formats import FORMATS
+    from plugins.kv_write import triton_kernel as kw
+
+    specs = []
+    for D in head_dims:
+        DP = triton.next_power_of_2(D)
+        for name, fmt in FORMATS.items():
+            slot = [_ptr(f.dtype) for f in fmt.slot_fields(1, D)]
+            group = [_ptr(f.dtype) for f in fmt.group_fields(1, D)]
+            io = dict(k_ptr=Q_DTYPE, v_ptr=Q_DTYPE, pages_ptr="*i32", slots_ptr="*i32")
+            mod = "plugins.kv_write.triton_kernel:"
+            if fmt.code <= 2:
+                ty = "*i16" if fmt.code == 2 else slot[0]
+                specs.append(Spec(mod + "_write_float_kernel", f"kv_write {name} D={D}",
+                                  _sig(kw._write_float_kernel, dict(io, fk=ty, fv=ty)),
+                                  dict(H=8, D=D, B=B, DP=DP, BF16=fmt.code == 2)))
+            elif fmt.code == 3:
+                specs.append(Spec(mod + "_write_fp8_kernel", f"kv_write {name} D={D}",
+                                  _sig(kw._write_fp8_kernel, dict(io, fk="*u8", fv="*u8", gk="fp32", gv="fp32")),
+                                  dict(H=8, D=D, B=B, DP=DP)))
+            else:
+                bits, is_int, qmax, tern, key_offset = kw._GROUPED[fmt.code]
+                f = slot + [slot[2]] * (4 - len(slot))
+                g = group + [group[0]] * (2 - len(group))
+                types = dict(io, fk=f[0], fv=f[1], fvs=f[2], fvz=f[3], g0=g[0], g1=g[1], kgrp_ptr="*i32", n="i32",
+                             gid="i32", gk="fp32", gv="fp32")
+                const = dict(H=8, D=D, B=B, NP=fmt.group_size, BLOCK_D=kw._block_d(D), BITS=bits, INT=is_int,
+                             QMAX=qmax, TERN=tern, KEY_OFFSET=key_offset)
+                specs.append(Spec(mod + "_write_group_kernel", f"kv_write {name} D={D}",
+                                  _sig(kw._write_group_kernel, types), const))
+    return specs
+
+
+def kmeans_specs() -> list[Spec]:
+    from plugins.kmeans_select.triton_kernel import _assign_kernel
+
+    types = dict(x_ptr="*fp32", c_ptr="*fp32", k_ptr="*i32", a_ptr="*i32", M="i32", F="i32", KMAX="i32")
+    return [Spec("plugins.kmeans_select.triton_kernel:_assign_kernel", "kmeans_assign (largest tiles)",
+                 _sig(_assign_kernel, types), dict(BLOCK_M=16, BLOCK_K=16, BLOCK_F=64))]
+
+
+def all_specs() -> list[Spec]:
+    geos = registry_geometries()
+    return attention_specs(geos) + kv_write_specs(sorted({d for _, d in geos})) + kmeans_specs()
+
+
+def _ptr(dtype) -> str:
+    import torch
+
+    return {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.uint8: "*u8",
+            torch.int32: "*i32"}[dtype]
+
+
+def _cuobjdump() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+
+
+def compile_one(spec: Spec, cc: int) -> Usage:
+    """Compile one specialization for ``sm_<cc>`` and read its resource usage from the cubin."""
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    mod, name = spec.kernel.split(":")
+    fn = getattr(importlib.import_module(mod), name)
+    try:
+        ck = triton.compile(ASTSource(fn, spec.signature, spec.constexprs), target=GPUTarget("cuda", cc, 32),
+                            options={"num_warps": spec.num_warps})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(ck.asm["cubin"])
+            f.flush()
+            dump = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+        m = _RES.search(dump)
+        if m is None:
+            return Usage(spec.label, cc, 0, 0, 0, 0, f"no resource line in cuobjdump output: {dump[:200]!r}")
+        reg, stack, shared, local = map(int, m.groups())
+        return Usage(spec.label, cc, reg, shared, stack, local)
+    except Exception as e:  # noqa: BLE001 - a failed compile is a result to report, not a crash
+        return Usage(spec.label, cc, 0, 0, 0, 0, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+
+
+def _job(args):
+    return compile_one(*args)
+
+
+def _use_cache(cache_dir: str | None) -> None:
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
+    if cache_dir is not None:
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
+
+
+def compile_all(specs: list[Spec], targets=TARGETS, workers: int | None = None,
+                cache_dir: str | None = None) -> list[Usage]:
+    """Every (spec, target), in parallel processes (each compile is single-threaded). ``cache_dir`` points
+    Triton's compile cache elsewhere (a fresh directory: nothing reused from an earlier run)."""
+    jobs = [(s, cc) for s in specs for cc in targets]
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    if workers == 1:
+        saved = os.environ.get("TRITON_CACHE_DIR")
+        _use_cache(cache_dir)
+        try:
+            return [_job(j) for j in jobs]
+        finally:
+            if cache_dir is not None and saved is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            elif cache_dir is not None:
+                os.environ["TRITON_CACHE_DIR"] = saved
+    with ProcessPoolExecutor(workers, initializer=_use_cache, initargs=(cache_dir,)) as ex:
+        return list(ex.map(_job, jobs))
+
+
+def report_markdown(usages: list[Usage]) -> str:
+    """One row per specialization, registers/shared/stack per target."""
+    targets = sorted({u.cc for u in usages})
+    by = {(u.label, u.cc): u for u in usages}
+    labels = list(dict.fromkeys(u.label for u in usages))
+    head = "| kernel | " + " | ".join(f"sm_{cc} regs / smem B / spill B" for cc in targets) + " |"
+    lines = [head, "|---|" + "---|" * len(targets)]
+    for lab in labels:
+        cells = []
+        for cc in targets:
+            u = by[(lab, cc)]
+            cells.append(f"FAILED: {u.error}" if u.error else f"{u.registers} / {u.shared} / {u.stack + u.local}")
+        lines.append(f"| {lab} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

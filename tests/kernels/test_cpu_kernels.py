@@ -1,0 +1,253 @@
+"""The compiled CPU kernels (plugins/cpu_kernels) against the torch references, the slow oracles.
+
+Attention: every format, holes (random validity words), permuted and -1-padded block tables, GQA
+G=1/3/4, sequences of different lengths and empty ones, splits, ``return_logits``, garbage in dead
+slots, and a large pool. kv_write: byte-identical pools, arena and ``k_group`` for every format,
+including the encoders' rounding ties, saturating scales and half inputs (the Triton test's cases).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_kv_write_triton import TIES, assert_bitwise, pools, scatter, tensors, tie_tensors
+from test_paged_attention_triton import make_pool, make_table
+
+from plugins.cpu_kernels import cpu_kernels_available, kv_write_cpu, paged_attention_cpu
+from plugins.formats import FORMATS
+from plugins.kv_write.reference import kv_write_ref
+from plugins.paged_attention.reference import merge_partials, paged_attention_ref
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels could not be built here")
+
+B = 8
+assert TIES  # the kv_write cases below come from the Triton test: keep them in one place
+
+
+def on_cpu(pool):
+    slot, group, k_group, bits = pool
+    return [t.cpu() for t in slot], [t.cpu() for t in group], k_group.cpu(), bits.cpu()
+
+
+def run_both(fmt, q, pool, bt, scales=(0.7, 1.3), logits=True, splits=None):
+    slot, group, k_group, bits = on_cpu(pool)
+    args = (q, slot, group, k_group, bits, bt.cpu(), fmt.code, q.shape[-1] ** -0.5, *scales, logits)
+    return paged_attention_cpu(*args, num_splits_override=splits), paged_attention_ref(*args)
+
+
+def assert_same(got, want):
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        torch.testing.assert_close(a, e, atol=3e-5, rtol=3e-5)
+
+
+# (b, H, G, D, P): sequences, KV heads, query heads per KV head, head dim, block-table width
+SHAPES = [(3, 2, 3, 32, 3), (2, 1, 1, 64, 4), (4, 2, 4, 16, 5), (1, 3, 3, 128, 2)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}H{}G{}D{}P{}".format(*s))
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_attention_matches_reference(name, shape):
+    b, H, G, D, P = shape
+    fmt = FORMATS[name]
+    pool = make_pool(fmt, H, D, num_pages=7, seed=D + G)
+    q = torch.randn(b, H * G, D, generator=torch.Generator().manual_seed(1))
+    bt = make_table(b, P, 7, seed=b).cpu()  # rows of different lengths (-1 tails), permuted pages
+    for logits in (True, False):
+        got, want = run_both(fmt, q, pool, bt, logits=logits)
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("name", ["fp16", "nvfp4", "ternaryo", "int2", "bf16"])
+def test_splits_match(name, splits):
+    fmt = FORMATS[name]
+    pool = make_pool(fmt, 2, 32, num_pages=9, seed=3)
+    q = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(2))
+    got, want = run_both(fmt, q, pool, make_table(3, 8, 9, seed=5), splits=splits)
+    assert_same(got, want)
+
+
+def test_empty_sequences_and_dead_pages():
+    fmt = FORMATS["nvfp4"]
+    slot, group, k_group, bits = on_cpu(make_pool(fmt, 1, 16, num_pages=3, seed=0))
+    bits[1] = 0
+    bt = torch.tensor([[-1, -1], [1, -1], [2, 0]], dtype=torch.int32)
+    q = torch.randn(3, 2, 16)
+    (out, lse, logits), want = run_both(fmt, q, (slot, group, k_group, bits), bt, splits=2)
+    assert torch.all(out[:2] == 0) and torch.all(lse[:2] == -math.inf) and torch.all(logits[:2] == -math.inf)
+    assert_same((out, lse, logits), want)
+    got = paged_attention_cpu(q[:0], slot, group, k_group, bits, bt[:0], fmt.code, 0.25, 1.0, 1.0, True)
+    assert [tuple(t.shape) for t in got] == [(0, 2, 16), (0, 2), (0, 2, 16)]
+    got = paged_attention_cpu(q, slot, group, k_group, bits, bt[:, :0], fmt.code, 0.25, 1.0, 1.0, False)
+    assert torch.all(got[0] == 0) and torch.all(got[1] == -math.inf)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_dead_slot_garbage_changes_nothing(name):
+    fmt = FORMATS[name]
+    slot, group, k_group, bits = on_cpu(make_pool(fmt, 2, 16, num_pages=4, seed=7))
+    bt = torch.tensor([[0, 1, 2], [3, 2, -1]], dtype=torch.int32)
+    q = torch.randn(2, 4, 16)
+    run = lambda s, kg: paged_attention_cpu(q, s, group, kg, bits, bt, fmt.code, 0.25, 0.7, 1.3, True)  # noqa: E731
+    before = run(slot, k_group)
+    dead = ((bits[:, None] >> torch.arange(B, dtype=torch.int32)) & 1) == 0
+    g = torch.Generator().manual_seed(0)
+    junk = []
+    for t in slot:
+        noise = torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8) if t.dtype == torch.uint8 \
+            else torch.full(t.shape, float("nan"), dtype=t.dtype)
+        junk.append(torch.where(dead.view(*dead.shape, *[1] * (t.dim() - 2)), noise, t))
+    kg = torch.where(dead, torch.randint(0, 10**6, k_group.shape, generator=g, dtype=torch.int32), k_group)
+    for x, y in zip(before, run(junk, kg)):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp8", "nvfp4o", "int4"])
+def test_page_permutation_invariant_and_partials_merge(name):
+    fmt = FORMATS[name]
+    slot, group, k_group, bits = on_cpu(make_pool(fmt, 2, 32, num_pages=6, seed=11))
+    q = torch.randn(1, 2, 32)
+    run = lambda t: paged_attention_cpu(q, slot, group, k_group, bits, t, fmt.code, 0.2, 0.7, 1.3, False)  # noqa: E731
+    bt = torch.arange(6, dtype=torch.int32)[None]
+    out, lse, _ = run(bt)
+    out2, lse2, _ = run(bt[:, [4, 0, 5, 2, 1, 3]].contiguous())
+    torch.testing.assert_close(out2, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse2, lse, atol=1e-5, rtol=1e-5)
+    a, b = run(bt[:, :2].contiguous()), run(bt[:, 2:].contiguous())  # as two formats' partials
+    mo, ml = merge_partials([a[:2], b[:2]])
+    torch.testing.assert_close(mo, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ml, lse, atol=1e-5, rtol=1e-5)
+
+
+def test_large_pool_64bit_offsets():
+    """~100k pages: the kernel reads the last pages of a big pool through int64 offsets."""
+    fmt = FORMATS["ternary"]
+    H, D, n_pages = 1, 16, 100_000
+    slot = [torch.zeros((n_pages, B, *f.shape), dtype=f.dtype) for f in fmt.slot_fields(H, D)]
+    group = [torch.zeros((n_pages, *f.shape), dtype=f.dtype) for f in fmt.group_fields(H, D)]
+    k_group = torch.full((n_pages, B), -1, dtype=torch.int32)
+    bits = torch.zeros(n_pages, dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    tail = torch.arange(n_pages - 6, n_pages)
+    for i, p in enumerate(tail.tolist()):
+        k, v = torch.randn(B, H, D, generator=g), torch.randn(B, H, D, generator=g)
+        kv_write_cpu(k, v, slot, group, k_group, torch.full((B,), p), torch.arange(B), n_pages - 1 - i, fmt.code,
+                     1.0, 1.0)
+    bits[tail] = 0b10110111
+    bt = torch.stack([tail.flip(0), tail]).int()
+    bt[1, 4:] = -1
+    q = torch.randn(2, 2, D, generator=g)
+    args = (q, slot, group, k_group, bits, bt, fmt.code, 0.25, 1.0, 1.0, True)
+    assert_same(paged_attention_cpu(*args), paged_attention_ref(*args))
+
+
+# --- kv_write: byte-identical with the reference -------------------------------------------------
+def check_write(name, k, v, pages, slots, gid, scales, seed=0):
+    fmt = FORMATS[name]
+    H, D = k.shape[1:]
+    slot, group, kg = pools(fmt, H, D, seed)
+    want = ([t.clone() for t in slot], [t.clone() for t in group], kg.clone())
+    kv_write_ref(k, v, *want, pages, slots, gid, fmt.code, *scales)
+    kv_write_cpu(k, v, slot, group, kg, pages, slots, gid, fmt.code, *scales)
+    assert_bitwise([*want[0], *want[1], want[2]], [*slot, *group, kg])
+
+
+@pytest.mark.parametrize("n", [1, 5, 16])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_kv_write_random_bit_exact(name, n):
+    H, D = 2, 32
+    if not FORMATS[name].quantized:
+        n = {1: 1, 5: 7, 16: 23}[n]
+    k, v = tensors(name, n, H, D, seed=n)
+    check_write(name, k, v, *scatter(n, seed=n), gid=n % 4, scales=(0.37, 1.7), seed=n)
+
+
+@pytest.mark.parametrize("name", [n for n in FORMATS if FORMATS[n].quantized or n == "fp8"])
+def test_kv_write_rounding_ties_bit_exact(name):
+    n, H, D = 16 if FORMATS[name].quantized else 6, 1, 32
+    k, v = tie_tensors(name, n, H, D)
+    check_write(name, k, v, *scatter(n, seed=1), gid=3, scales=(1.0, 1.0))
+
+
+@pytest.mark.parametrize("name", ["fp8", "nvfp4", "ternaryo", "int2"])
+def test_kv_write_saturating_scales_bit_exact(name):
+    k, v = tensors(name, 6, 1, 16, seed=4)
+    check_write(name, k * 100, v * 100, *scatter(6, seed=2), gid=0, scales=(1e-4, 3e-3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp32", "fp8", "nvfp4o", "int4", "ternary"])
+def test_kv_write_half_inputs_bit_exact(name, dtype):
+    n = 9 if not FORMATS[name].quantized else 12
+    k, v = tensors(name, n, 2, 64, seed=5)
+    check_write(name, k.to(dtype), v.to(dtype), *scatter(n, seed=3), gid=1, scales=(0.5, 2.0))
+
+
+def test_kv_write_special_values_bit_exact():
+    """inf / huge / denormal inputs round and saturate as the reference does (fp16/bf16/fp8 casts)."""
+    vals = torch.tensor([math.inf, -math.inf, 1e30, -7e4, 6.1e-5, 3e-8, -0.0, 65520.0, 448.1, 1e-39])
+    k = vals[torch.arange(3 * 2 * 16) % len(vals)].view(3, 2, 16)
+    for name in ("fp16", "bf16", "fp8"):
+        check_write(name, k, k.flip(0), *scatter(3, seed=9), gid=-1, scales=(1.0, 1.0))
+
+
+# --- dispatch and fallback -----------------------------------------------------------------------
+def test_ops_dispatch_to_cpu_kernels_by_default(monkeypatch):
+    import plugins.cpu_kernels.ops as cops
+    import plugins.ops as ops
+    from plugins.backend import kernel_impl
+
+    calls = []
+    real_attn, real_write = cops.paged_attention_cpu, cops.kv_write_cpu
+    monkeypatch.setattr(cops, "paged_attention_cpu", lambda *a: calls.append("attn") or real_attn(*a))
+    monkeypatch.setattr(cops, "kv_write_cpu", lambda *a: calls.append("write") or real_write(*a))
+    monkeypatch.setenv("TRTKV_KERNELS", "auto")
+    fmt = FORMATS["int4"]
+    slot, group, k_group, bits = on_cpu(make_pool(fmt, 1, 16, num_pages=2, seed=0))
+    q = torch.randn(1, 2, 16)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32)
+    assert kernel_impl(q) == "cpu"
+    out = ops.paged_attention(q, slot, group, k_group, bits, bt, fmt.code, 0.25, 1.0, 1.0, False, dense_run=(0, 3))
+    ops.kv_write(q[:, :1].expand(3, 1, 16), q[:, 1:].expand(3, 1, 16), slot, group, k_group,
+                 torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2]), 0, fmt.code, 1.0, 1.0)
+    assert calls == ["attn", "write"] and out[0].shape == (1, 2, 16)
+    monkeypatch.setenv("TRTKV_KERNELS", "reference")
+    assert kernel_impl(q) == "reference"
+    ops.paged_attention(q, slot, group, k_group, bits, bt, fmt.code, 0.25, 1.0, 1.0, False)
+    assert calls == ["attn", "write"]
+
+
+def test_unknown_kernel_mode_is_one_clear_error(monkeypatch):
+    from plugins.backend import kernel_impl
+    from trtkv.errors import TrtkvError
+
+    monkeypatch.setenv("TRTKV_KERNELS", "fast")
+    with pytest.raises(TrtkvError, match="TRTKV_KERNELS='fast' is not one of"):
+        kernel_impl(torch.zeros(1))
+
+
+def test_missing_compiler_falls_back_with_one_warning_line(tmp_path):
+    """No C++ compiler: one log line, then the reference runs (same numbers), exit 0 — never a crash."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, plugins.ops\n"
+        "from plugins.backend import kernel_impl\n"
+        "q = torch.randn(1, 2, 16); k = torch.randn(1, 8, 1, 16).half()\n"
+        "out = torch.ops.trtkv.paged_attention(q, [k, k], [], torch.zeros(1, 8, dtype=torch.int32),\n"
+        "    torch.tensor([255], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32), 1, 0.25, 1.0, 1.0, False)\n"
+        "torch.ops.trtkv.paged_attention(q, [k, k], [], torch.zeros(1, 8, dtype=torch.int32),\n"
+        "    torch.tensor([255], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32), 1, 0.25, 1.0, 1.0, False)\n"
+        "print(kernel_impl(q), tuple(out[0].shape))\n"
+    )
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-g++"), TRTKV_KERNEL_CACHE=str(tmp_path / "cache"),
+               TRTKV_KERNELS="auto", PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "reference (1, 2, 16)"
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "CPU kernels could not be built" in lines[0], r.stderr
