@@ -50,6 +50,11 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
     if budget is not None:
         pol_params["budget"] = str(budget)
     pol = make_policy(policy, pol_params)  # validates names and values before any download
+    measure_formats = bool(getattr(pol, "precision_is_auto", lambda: False)())
+    if measure_formats:  # ThinKV precision=auto: calibrate scales for the paper's formats, then measure
+        from trtkv.build.format_selection import DEFAULT_PRECISION
+
+        pol.set_precision(DEFAULT_PRECISION)
     dtype = dtype or default_dtype(device)
     if dtype not in DTYPES:
         raise TrtkvError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -129,6 +134,8 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
                         "kv_write": "triton on CUDA, torch reference on CPU"},
         }
         write_manifest(tmp, manifest)
+        if measure_formats:
+            _select_formats(tmp, pol, manifest, device, seed, quiet)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -159,6 +166,28 @@ def _thought_calibration(model, pol, synthetic, calibration_file, calib_prompts,
                          "(--set thought_schedule=RRETRR...) or --calibration FILE from a real model")
     return calibrate_for_build(model, device=device, n_prompts=calib_prompts, max_tokens=calib_max_tokens,
                                num_model_layers=arch.num_hidden_layers, log=log)
+
+
+def _select_formats(tmp: Path, pol, manifest: dict, device: str, seed: int, quiet: bool) -> None:
+    """Measure ThinKV's candidate formats on the engine being built (trtkv.build.format_selection) and write
+    the choice (policy ``precision``) and its evidence (``format_selection``) into its engine.json."""
+    import sys
+
+    from trtkv.api import Engine
+    from trtkv.build.format_selection import select_formats
+
+    def log(msg: str) -> None:
+        if not quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    engine = Engine.load(tmp, device=device, verify=False)
+    sel = select_formats(engine, engine.policy, avg_bits=pol.avg_bits, seed=seed, log=log)
+    for line in sel.lines():
+        log(line)
+    pol.set_precision(sel.precision)
+    manifest["policy"]["params"] = pol.params()
+    manifest["format_selection"] = sel.to_dict()
+    write_manifest(tmp, manifest)
 
 
 def _quantizes(policy) -> bool:
