@@ -146,7 +146,8 @@ def select_formats(engine, policy, avg_bits: float | None = None, n_traces: int 
         s * stored_bits(default[{"R": R, "E": E, "T": T}[k]], arch.num_key_value_heads, arch.head_dim)
         for k, s in shares.items())
     traces = _traces(engine.tokenizer, n_traces, max_tokens, seed, data)
-    base = {k: v for k, v in policy.params().items() if k not in ("precision", "avg_bits", "budget", "tbe", "kv_format")}
+    drop = ("precision", "avg_bits", "budget", "tbe", "kv_format")
+    base = {k: v for k, v in policy.params().items() if k not in drop}
     variants, keys = [], []
     for thought in shares:
         for fmt in candidates:

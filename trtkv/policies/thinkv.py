@@ -14,6 +14,12 @@
   structure (its calibration found no tri-modal layer) every token is R, so there are no transitions and
   eviction happens only at the budget (case 2). The calibration says which applies; ``--set`` overrides.
 
+* Precision (``precision=``): one storage format per thought type from the whole format library —
+  ``R4E4T2`` (paper), ``R4aE4aT2a`` (asymmetric INT4/INT2), ``R4oE4oT2o`` (key-offset NVFP4/ternary),
+  ``R8E4T2``, ``R16E16T16``, the long form ``R:int4,E:nvfp4,T:ternary``, or ``auto``: ``trtkv build``
+  measures the candidates on calibration traces and writes its choice (trtkv.build.format_selection).
+  ThinKV fixes its formats this way, so it rejects ``kv_format``.
+
 Variants: ``thinkv`` (TBQ + TBE), ``thinkv-tbq`` (quantize only), ``thinkv-tbe`` (evict only, 16-bit).
 """
 from __future__ import annotations
