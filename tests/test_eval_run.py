@@ -19,6 +19,34 @@ def test_pick_layers():
     assert pick_layers(30, 4) == (0, 10, 19, 29)
     assert pick_layers(2, 8) == (0, 1)
     assert pick_layers(30, "3,1") == (1, 3)
+    assert pick_layers(30, "none") == ()
+
+
+def test_shared_reference_scoring_equals_the_metric_functions():
+    import torch
+
+    from trtkv.eval.fidelity import kl_divergence, top1_agreement
+    from trtkv.eval.run import compare_to_reference
+
+    g = torch.Generator().manual_seed(0)
+    ref, test = torch.randn(3, 500, generator=g) * 4, torch.randn(3, 500, generator=g) * 4
+    test[1] = ref[1]  # one identical row
+    lr = torch.log_softmax(ref, -1)
+    kl, agree = compare_to_reference(lr, lr.exp(), lr.argmax(-1), torch.log_softmax(test, -1))
+    assert torch.allclose(kl, kl_divergence(ref, test), rtol=1e-5, atol=1e-7) and kl[1] == 0
+    assert torch.equal(agree, top1_agreement(ref, test))
+
+
+def test_pareto_frontier():
+    from trtkv.eval.pareto import frontier, mark_frontier
+
+    pts = [("a", 10, 0.9), ("b", 20, 0.95), ("c", 20, 0.93), ("d", 5, 0.5), ("e", 30, 0.95), ("f", 10, 0.9)]
+    assert frontier(pts) == ["d", "a", "f", "b"]  # c and e dominated by b; a and f tie (neither dominates)
+    assert frontier([("x", 1, 0.05), ("y", 2, 0.1)], higher_is_better=False) == ["x"]
+    recs = [{"engine": n, "kv_bytes_per_token_mean": x, "top1_agreement": y, "mean_kl": 1 - y} for n, x, y in pts]
+    fronts = mark_frontier(recs)
+    assert fronts["top1"] == fronts["kl"] == ["d", "a", "f", "b"]
+    assert [r["on_frontier_top1"] for r in recs] == [True, True, False, True, False, True]
 
 
 def test_accuracy_summary_counts():
@@ -54,7 +82,10 @@ def test_fidelity_known_answers(tiny_ckpt, engine_factory, tmp_path):
     assert s["mean_kl"] > 1e-4 and s["attn_recall"] < 1.0 and s["top1_agreement"] <= 1.0
     assert s["kv_vs_reference_mean"] < 0.5 and s["evicted_tokens_mean"] > 0
     assert (out / "fidelity_vs_kv.png").read_bytes()[:4] == b"\x89PNG"
-    assert "mean KL" in r.output
+    assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+    assert ref["on_frontier_top1"] and s["on_frontier_top1"]  # fewest bytes / most faithful
+    assert f["kv_bytes_per_token_mean"] == ref["kv_bytes_per_token_mean"] and f["on_frontier_top1"]  # a tie
+    assert "mean KL" in r.output and "frontier" in r.output
 
 
 @pytest.mark.model

@@ -41,6 +41,43 @@ def test_parse_precision():
         parse_precision("R4E4")
 
 
+def test_precision_grammar_covers_the_format_library():
+    from plugins.formats import FORMATS
+    from trtkv.policies.thinkv import format_precision
+
+    assert parse_precision("R16E16T16") == {R: "fp16", E: "fp16", T: "fp16"}
+    assert parse_precision("R4iE4iT2i") == parse_precision("R4aE4aT2a") == {R: "int4", E: "int4", T: "int2"}
+    assert parse_precision("t2r4e4") == parse_precision("R4E4T2")  # any order, any case
+    assert parse_precision("R:int4, E:nvfp4o, T:ternaryo") == {R: "int4", E: "nvfp4o", T: "ternaryo"}
+    for fmt in FORMATS:  # every storage format has a code, and the compact string round-trips
+        same = {R: fmt, E: fmt, T: fmt}
+        assert parse_precision(format_precision(same)) == same
+
+
+@pytest.mark.parametrize("bad", ["R4E4", "R4E4T2X", "R5E4T2", "R4R4T2", "R4E4T2E4", "R:int3,E:int4,T:int2",
+                                 "", "4 4 2", "R4-E4-T2", "auto4"])
+def test_precision_grammar_rejects_bad_strings_in_one_line(bad):
+    from trtkv.errors import TrtkvError
+    from trtkv.policies import make_policy
+
+    with pytest.raises(TrtkvError) as e:
+        make_policy("thinkv", {"precision": bad})
+    msg = str(e.value)
+    assert "\n" not in msg and "precision" in msg and "R4aE4aT2a" in msg, msg
+
+
+def test_precision_auto_is_resolved_at_build_time():
+    from trtkv.errors import TrtkvError
+    from trtkv.policies import make_policy
+
+    pol = make_policy("thinkv", {"precision": "auto"})
+    assert pol.precision_is_auto()
+    with pytest.raises(TrtkvError, match="trtkv build"):
+        pol.formats()
+    pol.set_precision("R:int4,E:int4,T:int2")
+    assert pol.precision == "R4aE4aT2a" and pol.formats() == {"int4", "int2"}
+
+
 def test_classify_boundaries():
     p = ThinKVPolicy(thresholds=(0.4, 0.8))
     assert p.classify(0.8) == T and p.classify(0.4) == R and p.classify(np.nextafter(0.4, 0)) == E

@@ -338,7 +338,8 @@ def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, repeat, prompt_s
 @click.option("--reference", type=click.Path(path_type=Path), default=None,
               help="Fidelity: a full engine of the same model [a full cache built on the engine's own weights].")
 @click.option("--recall-layers", default="8", show_default=True,
-              help="Fidelity: layers for attention recall: 'all', a count (evenly spaced) or indices 0,5,9.")
+              help="Fidelity: layers for attention recall: 'all', a count (evenly spaced), indices 0,5,9, or 'none' "
+                   "(fastest: no attention weights beyond what the policies ask for).")
 @click.option("--topk", type=int, default=10, show_default=True, help="Fidelity: top-k attended tokens recalled.")
 @click.option("--batch", type=int, default=None, help="Requests run together [fidelity 4; tasks: engine max_batch].")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",

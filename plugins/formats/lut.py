@@ -23,7 +23,8 @@ def _byte_table(decode: Callable[[torch.Tensor], torch.Tensor], bits: int, devic
 def decode_packed(packed: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor], bits: int) -> torch.Tensor:
     """``[..., n]`` uint8 -> ``[..., n * 8/bits]`` fp32 decoded elements."""
     table = _byte_table(decode, bits, str(packed.device))
-    return table[packed.long()].reshape(*packed.shape[:-1], -1)
+    # explicit last dim: a gather of zero tokens (an empty selection) has no size to infer -1 from
+    return table[packed.long()].reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
 @functools.cache

@@ -91,6 +91,9 @@ def paged_attention_ref(
     Partial results over several formats and the residual buffer merge with ``merge_partials``.
     """
     b, Hq, D = q.shape
+    if block_table.shape[1] == 0:  # no page of this format left (a policy evicted all of them): nothing live
+        return (q.new_zeros(b, Hq, D, dtype=torch.float32), q.new_full((b, Hq), -math.inf, dtype=torch.float32),
+                q.new_zeros(b, Hq, 0, dtype=torch.float32) if return_logits else q.new_empty(0, dtype=torch.float32))
     k, v = gather_dequant(slot_fields, group_fields, k_group, block_table, fmt_code, scale_k, scale_v)
     H = k.shape[2]
     G = Hq // H

@@ -121,6 +121,41 @@ def fidelity_plot(records: list[dict[str, Any]], out: Path) -> Path:
     return _save(fig, out / "fidelity_vs_kv.png", plt)
 
 
+def pareto_plot(records: list[dict[str, Any]], out: Path) -> Path:
+    """Top-1 agreement and KL against KV bytes per token, every engine a point, the frontier drawn as a
+    step line and its engines filled (``trtkv.eval.pareto``); one PNG, two panels."""
+    from trtkv.eval.pareto import BYTES_KEY, VIEWS, frontier
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, (view, (key, higher)) in zip(axes, VIEWS.items()):
+        pts = [(r["engine"], r[BYTES_KEY], r[key]) for r in records
+               if r.get(BYTES_KEY) is not None and r.get(key) is not None]
+        front = frontier(pts, higher)
+        on = {n for n in front}
+        for name, x, y in pts:
+            ax.scatter([x], [y], s=40, marker="o", facecolors="C3" if name in on else "none",
+                       edgecolors="C3" if name in on else "C0", zorder=3)
+            ax.annotate(name, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points",
+                        fontweight="bold" if name in on else "normal")
+        by = {n: (x, y) for n, x, y in pts}
+        fx, fy = [by[n][0] for n in front], [by[n][1] for n in front]
+        if fx:
+            ax.step(fx, fy, where="post", color="C3", alpha=0.6, label="Pareto frontier")
+            ax.legend(fontsize=8, loc="lower right" if higher else "upper right")
+        ax.set_xlabel("KV bytes held per token (mean over steps, all layers)")
+        ax.set_ylabel("top-1 next-token agreement with full" if view == "top1" else "mean KL(full ‖ engine), nats")
+        if not higher and any(y > 0 for *_, y in pts):
+            ax.set_yscale("symlog", linthresh=1e-3)
+        ax.grid(alpha=0.3)
+    synth = any(r.get("synthetic_weights") for r in records)
+    r0 = next((r for r in records if r.get("tokens")), {})
+    fig.suptitle(f"Fidelity vs KV bytes per token — {r0.get('traces')} trace(s), {r0.get('tokens')} forced tokens; "
+                 "filled: on the frontier" + (" — synthetic weights" if synth else ""), fontsize=10)
+    fig.tight_layout()
+    return _save(fig, out / "pareto.png", plt)
+
+
 def accuracy_plot(records: list[dict[str, Any]], out: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))

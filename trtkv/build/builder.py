@@ -46,6 +46,11 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
     if budget is not None:
         pol_params["budget"] = str(budget)
     pol = make_policy(policy, pol_params)  # validates names and values before any download
+    measure_formats = bool(getattr(pol, "precision_is_auto", lambda: False)())
+    if measure_formats:  # ThinKV precision=auto: calibrate scales for the paper's formats, then measure
+        from trtkv.build.format_selection import DEFAULT_PRECISION
+
+        pol.set_precision(DEFAULT_PRECISION)
     dtype = dtype or default_dtype(device)
     if dtype not in DTYPES:
         raise TrtkvError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -109,6 +114,8 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
             calibration=calibration, kv_amax=kv_amax, trtkv_version=__version__,
             created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
         write_manifest(tmp, manifest)
+        if measure_formats:
+            _select_formats(tmp, pol, manifest, device, seed, quiet)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -153,6 +160,27 @@ def _measure_kv_amax(arch, engine_dir: Path) -> KVAmax:
 
     model = build_model(arch, torch.float32, "cpu", weight_files(engine_dir / "weights"))
     return collect_kv_amax(model, load_tokenizer(engine_dir / "tokenizer", arch))
+
+
+def _select_formats(tmp: Path, pol, manifest: EngineManifest, device: str, seed: int, quiet: bool) -> None:
+    """Measure ThinKV's candidate formats on the engine being built (trtkv.build.format_selection) and write
+    the choice (policy ``precision``) and its evidence (``format_selection``) into its engine.json."""
+    import sys
+
+    from trtkv.api import Engine
+    from trtkv.build.format_selection import select_formats
+
+    def log(msg: str) -> None:
+        if not quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    engine = Engine.load(tmp, device=device, verify=False)
+    sel = select_formats(engine, engine.policy, avg_bits=pol.avg_bits, seed=seed, log=log)
+    for line in sel.lines():
+        log(line)
+    pol.set_precision(sel.precision)
+    write_manifest(tmp, manifest.replace(policy=PolicySection(pol.name, pol.params()),
+                                         format_selection=sel.to_dict()))
 
 
 def _quantizes(policy) -> bool:

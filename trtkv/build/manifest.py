@@ -169,6 +169,7 @@ class EngineManifest:
     kernels: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_KERNELS))
     trtkv_version: str = ""
     created: str = ""
+    format_selection: dict[str, Any] | None = None  # ThinKV formats chosen by measurement, with evidence
 
     @classmethod
     def from_dict(cls, m: Any, where: str = "engine.json") -> EngineManifest:
@@ -185,8 +186,11 @@ class EngineManifest:
         kernels = m.get("kernels") or {}
         if not isinstance(kernels, dict) or not all(isinstance(v, str) for v in kernels.values()):
             raise bad("kernels", "must map kernel names to descriptions")
+        selection = m.get("format_selection")
+        if selection is not None and not isinstance(selection, dict):
+            raise bad("format_selection", "must be an object (the build's format measurement)")
         return cls(model, policy, cache, calibration, kv_amax, dict(kernels),
-                   str(m.get("trtkv_version") or ""), str(m.get("created") or ""))
+                   str(m.get("trtkv_version") or ""), str(m.get("created") or ""), selection)
 
     def to_dict(self) -> dict[str, Any]:
         if self.calibration is not None:
@@ -195,7 +199,8 @@ class EngineManifest:
             cal = {"kv_amax": self.kv_amax.to_dict()} if self.kv_amax is not None else None
         return {"format_version": ENGINE_FORMAT_VERSION, "trtkv_version": self.trtkv_version,
                 "created": self.created, "model": self.model.to_dict(), "policy": self.policy.to_dict(),
-                "cache": self.cache.to_dict(), "calibration": cal, "kernels": self.kernels}
+                "cache": self.cache.to_dict(), "calibration": cal, "kernels": self.kernels,
+                **({"format_selection": self.format_selection} if self.format_selection is not None else {})}
 
     def replace(self, **changes: Any) -> EngineManifest:
         return dataclasses.replace(self, **changes)

@@ -46,7 +46,7 @@ class StepRecorder(EngineObserver):
         self.stats: list = []
 
     def stats_request(self, phase):
-        return StatsRequest(weights=True, layers=self.layers) if phase == "decode" else None
+        return StatsRequest(weights=True, layers=self.layers) if phase == "decode" and self.layers else None
 
     def on_prefill(self, req, logits, stats):
         self.logits = logits
@@ -65,7 +65,10 @@ def reference_core(engine, observers=()):
 
 
 def pick_layers(num_layers: int, spec: str | int | None) -> tuple[int, ...]:
-    """``"all"``, a count of evenly spaced layers (``8``), or a comma list (``0,5,12``)."""
+    """``"all"``, a count of evenly spaced layers (``8``), a comma list (``0,5,12``), or ``"none"`` (no
+    attention recall: the engines then compute no per-slot weights the policy did not ask for)."""
+    if str(spec).strip().lower() in ("none", "0"):
+        return ()
     if spec is None or str(spec).strip().lower() == "all":
         return tuple(range(num_layers))
     text = str(spec).strip()
@@ -101,6 +104,7 @@ class _Tally:
 
     nll: list[float] = dataclasses.field(default_factory=list)
     kv_frac: list[float] = dataclasses.field(default_factory=list)  # per step: KV bytes / fp16 full bytes
+    kv_per_tok: list[float] = dataclasses.field(default_factory=list)  # per step: KV bytes / tokens held
     kv_vs_ref: list[float] = dataclasses.field(default_factory=list)  # per step: KV bytes / reference KV bytes
     kv_frac_end: list[float] = dataclasses.field(default_factory=list)
     peak_kv: list[int] = dataclasses.field(default_factory=list)
@@ -174,8 +178,12 @@ def run_fidelity(engines: list, traces: list, max_tokens: int = 1024, reference=
                                      **acc.summary(), **_tally_summary(tl, tallies[0])}
     finally:
         bar.close()
+    from trtkv.eval.pareto import mark_frontier
+
     refs = [r for k, r in records.items() if r["is_reference"]]
-    return refs + [records[be.label] for be in engines]
+    out = refs + [records[be.label] for be in engines]
+    mark_frontier(out)
+    return out
 
 
 def _tally_summary(t: _Tally, ref: _Tally) -> dict[str, Any]:
@@ -183,8 +191,9 @@ def _tally_summary(t: _Tally, ref: _Tally) -> dict[str, Any]:
         return sum(v) / len(v) if v else None
 
     return {"nll": mean(t.nll), "nll_reference": mean(ref.nll), "kv_fraction_fp16_mean": mean(t.kv_frac),
-            "kv_fraction_fp16_end": mean(t.kv_frac_end), "kv_vs_reference_mean": mean(t.kv_vs_ref) if t.kv_vs_ref
-            else 1.0, "peak_kv_bytes_mean": mean(t.peak_kv), "live_tokens_end_mean": mean(t.live_end),
+            "kv_fraction_fp16_end": mean(t.kv_frac_end), "kv_bytes_per_token_mean": mean(t.kv_per_tok),
+            "kv_vs_reference_mean": mean(t.kv_vs_ref) if t.kv_vs_ref else 1.0, "peak_kv_bytes_mean": mean(t.peak_kv),
+            "live_tokens_end_mean": mean(t.live_end),
             "evicted_tokens_mean": mean(t.evicted)}
 
 
@@ -241,28 +250,41 @@ def _replay_chunk(cores, recs, enc, layers, topk, accs, tallies, bar) -> None:
                     c.cache.free_sequence(r.req_id)
 
 
-def _score(cores, reqs, logits, stats, layers, topk, accs, tallies, per_tok) -> None:
-    """Compare one step's rows of every engine (``reqs[ci]``, ``logits[ci] [b, V]``) to the reference's."""
-    from trtkv.eval.fidelity import kl_divergence, top1_agreement, topk_attention_recall
+def compare_to_reference(lr, p_ref, ref_top, lp) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(ref ‖ engine) and top-1 agreement per row from the shared reference log-probs ``lr`` (its ``exp``
+    and ``argmax`` precomputed) and the engine's log-probs ``lp``: ``fidelity.kl_divergence`` and
+    ``top1_agreement`` without recomputing the reference's side for every engine."""
+    kl = torch.where(p_ref > 0, p_ref * (lr - lp), 0.0).sum(-1).clamp_min(0.0)
+    return kl, (lp.argmax(-1) == ref_top).float()
 
-    ref_logits = logits[0]
-    targets = torch.tensor([r.generated[-1] for r in reqs[0]], device=ref_logits.device)
+
+def _score(cores, reqs, logits, stats, layers, topk, accs, tallies, per_tok) -> None:
+    """Compare one step's rows of every engine (``reqs[ci]``, ``logits[ci] [b, V]``) to the reference's.
+
+    The reference's log-softmax, probabilities and argmax are computed once per step and shared by every
+    engine; each engine then costs one log-softmax (which also gives its NLL) and one fused reduction."""
+    from trtkv.eval.fidelity import topk_attention_recall
+
+    lr = torch.log_softmax(logits[0].float(), -1)
+    p_ref = lr.exp()
+    ref_top = lr.argmax(-1)
+    targets = torch.tensor([r.generated[-1] for r in reqs[0]], device=lr.device)
     ref_bytes = [r.ctx.kv_bytes for r in reqs[0]]
     for ci in range(len(cores)):
-        lp = torch.log_softmax(logits[ci].float(), -1)
+        lp = lr if ci == 0 else torch.log_softmax(logits[ci].float(), -1)
         tallies[ci].nll.extend((-lp.gather(-1, targets[:, None])[:, 0]).tolist())
         for r, rb in zip(reqs[ci], ref_bytes):
             held = r.prompt_len + r.decode_steps
             tallies[ci].kv_frac.append(r.ctx.kv_bytes / (held * per_tok))
+            tallies[ci].kv_per_tok.append(r.ctx.kv_bytes / held)
             if ci:
                 tallies[ci].kv_vs_ref.append(r.ctx.kv_bytes / rb if rb else 0.0)
         if ci == 0:
             continue
-        kl = kl_divergence(ref_logits, logits[ci])
-        agree = top1_agreement(ref_logits, logits[ci])
+        kl, agree = compare_to_reference(lr, p_ref, ref_top, lp)
         for j, r in enumerate(reqs[ci]):
             recall = None
-            if stats is not None:
+            if stats is not None and layers:
                 rows = []
                 for layer in layers:
                     a, b = stats[0][j].layers.get(layer), stats[ci][j].layers.get(layer)
@@ -370,6 +392,7 @@ def write_eval(out: Path, doc: dict[str, Any], sample_rows: list[dict] | None = 
         written.append(out / "samples.jsonl")
     if doc["task"] == "fidelity":
         written.append(plots.fidelity_plot(doc["records"], out))
+        written.append(plots.pareto_plot(doc["records"], out))
     else:
         written.append(plots.accuracy_plot(doc["records"], out))
     return written
@@ -388,16 +411,20 @@ def print_eval(doc: dict[str, Any], console=None) -> None:
         r0 = recs[0]
         t = Table(title=f"trtkv eval fidelity — {r0['traces']} trace(s), {r0['tokens']} forced tokens, "
                         f"top-{r0['topk']} recall on layers {_short(r0['recall_layers'])}", title_justify="left")
-        for col in ("engine", "policy", "mean KL", "p90 KL", "top-1 agree", "attn recall", "NLL", "KV vs fp16",
-                    "KV vs full"):
-            t.add_column(col, justify="left" if col in ("engine", "policy") else "right", no_wrap=col == "engine")
+        for col in ("engine", "policy", "mean KL", "p90 KL", "top-1 agree", "attn recall", "NLL", "KV B/token",
+                    "KV vs fp16", "KV vs full", "frontier"):
+            t.add_column(col, justify="left" if col in ("engine", "policy", "frontier") else "right",
+                         no_wrap=col == "engine")
         for r in recs:
             t.add_row(r["engine"], r["policy"], f(r["mean_kl"], ".4f"), f(r["p90_kl"], ".4f"),
                       f(r["top1_agreement"], ".3f"), f(r["attn_recall"], ".3f"), f(r["nll"], ".3f"),
-                      f(r["kv_fraction_fp16_mean"], ".1%"), f(r["kv_vs_reference_mean"], ".1%"))
+                      f(r.get("kv_bytes_per_token_mean"), ",.0f"), f(r["kv_fraction_fp16_mean"], ".1%"),
+                      f(r["kv_vs_reference_mean"], ".1%"), _frontier_mark(r))
         console.print(t)
         console.print("[dim]KL(full ‖ engine) in nats per token; NLL of the trace's tokens; KV columns: bytes held "
-                      "per step / an uncompressed fp16 cache, and / the full-cache reference (mean over steps).[/dim]")
+                      "per token, per step / an uncompressed fp16 cache, and / the full-cache reference (mean over "
+                      "steps); frontier: no engine of the run holds fewer bytes per token and agrees more on top-1 "
+                      "(top-1) / has lower KL (KL).[/dim]")
     else:
         r0 = recs[0]
         k = r0["samples"]
@@ -417,6 +444,10 @@ def print_eval(doc: dict[str, Any], console=None) -> None:
     if any(r.get("synthetic_weights") for r in recs):
         console.print("[yellow]note:[/yellow] synthetic (random) weights: these numbers say nothing about a real "
                       "model's quality")
+
+
+def _frontier_mark(r: dict[str, Any]) -> str:
+    return "+".join(v for v, k in (("top-1", "on_frontier_top1"), ("KL", "on_frontier_kl")) if r.get(k))
 
 
 def _short(layers: list[int]) -> str:

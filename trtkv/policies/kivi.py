@@ -33,7 +33,8 @@ class KIVIPolicy(KVPolicy):
             raise ValueError(f"bits must be 2 or 4; got {self.bits}")
         fmt = f"int{self.bits}"
         if self.kv_format not in ("auto", fmt):
-            raise ValueError(f"kivi with bits={self.bits} stores {fmt}; do not set kv_format={self.kv_format}")
+            raise ValueError(f"kivi fixes its storage format ({fmt} with bits={self.bits}; int4 with bits=4), so "
+                             f"kv_format={self.kv_format} is not accepted; choose bits=2 or bits=4 instead")
         self.kv_format = fmt
         if self.budget is not None:
             raise ValueError("kivi quantizes and never evicts; build it without --budget")

@@ -14,10 +14,17 @@
   structure (its calibration found no tri-modal layer) every token is R, so there are no transitions and
   eviction happens only at the budget (case 2). The calibration says which applies; ``--set`` overrides.
 
+* Precision (``precision=``): one storage format per thought type from the whole format library —
+  ``R4E4T2`` (paper), ``R4aE4aT2a`` (asymmetric INT4/INT2), ``R4oE4oT2o`` (key-offset NVFP4/ternary),
+  ``R8E4T2``, ``R16E16T16``, the long form ``R:int4,E:nvfp4,T:ternary``, or ``auto``: ``trtkv build``
+  measures the candidates on calibration traces and writes its choice (trtkv.build.format_selection).
+  ThinKV fixes its formats this way, so it rejects ``kv_format``.
+
 Variants: ``thinkv`` (TBQ + TBE), ``thinkv-tbq`` (quantize only), ``thinkv-tbe`` (evict only, 16-bit).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,20 +41,54 @@ T, E, R = 0, 1, 2  # thought codes (paper's pseudocode order)
 IMPORTANCE = {T: 0, E: 1, R: 2}
 LETTER = {"T": T, "E": E, "R": R}
 NAME = {T: "T", E: "E", R: "R"}
-BITS_TO_FORMAT = {"2": "ternary", "4": "nvfp4", "8": "fp8", "16": "fp16", "2o": "ternaryo", "4o": "nvfp4o",
-                  "4i": "int4", "2i": "int2", "32": "fp32"}
+# Precision grammar: one code per thought type. Digits are element bits; the suffix picks the variant.
+CODE_TO_FORMAT = {"2": "ternary", "2o": "ternaryo", "2a": "int2", "4": "nvfp4", "4o": "nvfp4o", "4a": "int4",
+                  "8": "fp8", "16": "fp16", "16b": "bf16", "32": "fp32"}
+CODE_ALIASES = {"4i": "4a", "2i": "2a"}  # the paper's Table 10 spelling of INT4/INT2
+FORMAT_TO_CODE = {f: c for c, f in CODE_TO_FORMAT.items()}
+PRECISION_HELP = ("R, E and T once each with a format code (2 ternary, 2o ternaryo, 2a int2, 4 nvfp4, 4o nvfp4o, "
+                  "4a int4, 8 fp8, 16 fp16, 16b bf16, 32 fp32), e.g. R4aE4aT2a; or format names, "
+                  "e.g. R:int4,E:nvfp4,T:ternary; or auto (chosen by measurement at build time)")
 
 
 def parse_precision(spec: str) -> dict[int, str]:
-    """``R4E4T2`` -> {R: nvfp4, E: nvfp4, T: ternary}. Suffix ``o``: keys with a per-channel offset
-    (nvfp4o/ternaryo); ``i``: INT4/INT2 (the paper's Table 10 ablation)."""
-    import re
+    """A precision string -> {thought code: storage format}.
 
-    parts = re.findall(r"([RET])(\d+[oi]?)", spec.upper().replace("O", "o").replace("I", "i"))
-    got = {LETTER[t]: BITS_TO_FORMAT.get(b) for t, b in parts}
-    if len(parts) != 3 or set(got) != {R, E, T} or None in got.values():
-        raise ValueError(f"precision {spec!r} must look like R4E4T2 (bits 2, 4, 8 or 16; suffix o or i)")
+    Compact form ``R4E4T2`` (the paper's): each of R, E, T once, in any order, followed by a code:
+    the element bits (2, 4, 8, 16, 32) and a variant suffix — none (the paper's symmetric formats: ternary,
+    NVFP4, FP8, FP16, FP32), ``o`` (key-offset nvfp4o/ternaryo), ``a`` (asymmetric INT4/INT2, KIVI's
+    formats; ``i`` is accepted as an alias), ``b`` (16b: bf16). Long form ``R:int4,E:nvfp4,T:ternary``
+    names the formats directly. Letters are case-insensitive. Anything else raises one ValueError line."""
+    text = str(spec).strip()
+    got: dict[int, str] = {}
+    long_form = re.fullmatch(r"\s*[RETret]\s*:\s*\w+\s*(,\s*[RETret]\s*:\s*\w+\s*)*", text)
+    if long_form:
+        parts = [(a.strip().upper(), b.strip().lower()) for a, b in (p.split(":") for p in text.split(","))]
+        if any(f not in FORMAT_TO_CODE for _, f in parts):
+            bad = next(f for _, f in parts if f not in FORMAT_TO_CODE)
+            raise ValueError(f"precision {spec!r}: unknown format {bad!r}; expected {PRECISION_HELP}")
+    elif re.fullmatch(r"([RETret](?:\d+[oOaAiIbB]?))+", text):
+        parts = []
+        for t, c in re.findall(r"([RETret])(\d+[oOaAiIbB]?)", text):
+            c = CODE_ALIASES.get(c.lower(), c.lower())
+            if c not in CODE_TO_FORMAT:
+                raise ValueError(f"precision {spec!r}: no format code {c!r}; expected {PRECISION_HELP}")
+            parts.append((t.upper(), CODE_TO_FORMAT[c]))
+    else:
+        raise ValueError(f"precision {spec!r} is not valid; expected {PRECISION_HELP}")
+    for t, f in parts:
+        if LETTER[t] in got:
+            raise ValueError(f"precision {spec!r} names {t} twice; expected {PRECISION_HELP}")
+        got[LETTER[t]] = f
+    if set(got) != {R, E, T}:
+        missing = "".join(NAME[c] for c in (R, E, T) if c not in got)
+        raise ValueError(f"precision {spec!r} has no format for {missing}; expected {PRECISION_HELP}")
     return got
+
+
+def format_precision(formats: dict[int, str]) -> str:
+    """The compact string of ``{thought: format}`` (``R4aE4aT2a``); inverse of :func:`parse_precision`."""
+    return "".join(f"{NAME[c]}{FORMAT_TO_CODE[formats[c]]}" for c in (R, E, T))
 
 
 @dataclass
@@ -82,7 +123,8 @@ class ThinKVPolicy(KVPolicy):
     State = ThinKVState
     description = "ThinKV: thought-typed quantization (TBQ) + segment eviction with k-means (TBE), in-place reuse"
     budget: int | None = 1024  # k: live decode tokens per layer (prompt and residual buffer excluded)
-    precision: str = "R4E4T2"
+    precision: str = "R4E4T2"  # formats per thought type (parse_precision), or "auto": measured at build time
+    avg_bits: float | None = None  # precision=auto: budget of stored bits per element (None: the default's)
     tau: int = 128  # refresh interval = segment length
     group: int = 16  # g: residual buffer / quantization group
     retention: tuple[int, ...] = (64, 32, 16, 8, 4)
@@ -99,7 +141,11 @@ class ThinKVPolicy(KVPolicy):
     _formats: dict[int, str] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._formats = parse_precision(self.precision) if self.tbq else {}
+        if self.kv_format not in ("auto", "fp32", "fp16", "bf16"):  # build writes the engine dtype back
+            self._fixed_format_error()
+        if self.avg_bits is not None and not self.avg_bits > 0:
+            raise ValueError(f"avg_bits must be positive, got {self.avg_bits}")
+        self._formats = {} if not self.tbq or self.precision_is_auto() else parse_precision(self.precision)
         if self.tau <= 0 or self.group <= 0 or self.tau % self.group:
             raise ValueError(f"group ({self.group}) must divide tau ({self.tau})")
         if self.group < 2:
@@ -122,13 +168,35 @@ class ThinKVPolicy(KVPolicy):
         d.pop("_formats", None)
         return d
 
+    def precision_is_auto(self) -> bool:
+        """precision=auto: ``trtkv build`` measures candidate formats (trtkv.build.format_selection)."""
+        return self.tbq and str(self.precision).strip().lower() == "auto"
+
+    def set_precision(self, precision: str) -> None:
+        """Fix the formats (the builder's format selection writes its choice here)."""
+        self._formats = parse_precision(precision)
+        self.precision = format_precision(self._formats)
+
     # --- formats ----------------------------------------------------------------------------
+    def _fixed_format_error(self) -> None:
+        same = format_precision({c: self.kv_format for c in (R, E, T)}) if self.kv_format in FORMAT_TO_CODE else None
+        raise ValueError(f"{self.name} stores each thought type in the format precision= names; kv_format="
+                         f"{self.kv_format} is not accepted (use precision={same or 'R4aE4aT2a'})")
+
     def resolve_formats(self, model_dtype: str) -> None:
+        if self.kv_format not in ("auto", model_dtype):
+            try:
+                self._fixed_format_error()
+            except ValueError as e:
+                raise TrtkvError(str(e)) from None
         super().resolve_formats(model_dtype)
         if not self.tbq:  # 16-bit storage for every type; keep the buffer so labels precede writes
             self._formats = {c: "fp16" for c in (R, E, T)}
 
     def formats(self) -> set[str]:
+        if self.precision_is_auto():
+            raise TrtkvError("precision=auto is resolved by `trtkv build` (it measures the formats); rebuild the "
+                             "engine or set a precision such as R4E4T2")
         return set(self._formats.values())
 
     def residual_group(self) -> int:
