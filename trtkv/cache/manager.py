@@ -33,12 +33,19 @@ class CacheConfig:
     max_pages: int | None = None  # per (layer, format) pool; None grows on demand
     initial_pages: int = 8
     device: str = "cpu"
+    # --- tiered memory (trtkv/cache/tiers.py) ---
+    demote: str = "none"  # a policy's evictions: "none" drop (T3), "host" move to T1, "host-<format>" to T2
+    kv_memory: int | None = None  # device KV bytes cap (admission); None = unbounded
+    host_kv_memory: int | None = None  # host tiers' bytes cap; None = unbounded
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTION_MODES:
             raise ValueError(f"eviction must be one of {EVICTION_MODES}")
         if not 1 <= self.block_size <= 31:
             raise ValueError("block_size must be in [1, 31]")
+        from trtkv.cache.tiers import parse_demote
+
+        parse_demote(self.demote)  # a bad value fails here, with one clear line
 
 
 Cls = tuple[str, int]  # (format name, thought class): a page holds tokens of exactly one class
@@ -102,6 +109,16 @@ class KVCacheManager:
         self._page_counter = 0
         self.evictions_total = 0
         self.compaction_moves = 0  # tokens copied by gather compaction
+        self._tiers = None
+
+    @property
+    def tiers(self):
+        """The host tiers of this cache (T1/T2; ``trtkv.cache.tiers.TierStore``), created on first use."""
+        if self._tiers is None:
+            from trtkv.cache.tiers import TierStore
+
+            self._tiers = TierStore(self)
+        return self._tiers
 
     # --- requests ---------------------------------------------------------------------------
     def add_sequence(self, seq_id: int) -> SeqKV:
@@ -119,6 +136,8 @@ class KVCacheManager:
     def free_sequence(self, seq_id: int) -> None:
         """Return every page and key-scale group of the request to the pools, at once."""
         seq = self.seqs.pop(seq_id)
+        if self._tiers is not None:  # the request's host-tier pages go too
+            self._tiers.free(seq_id)
         for layer, table in enumerate(seq.layers):
             for (fmt, _), pages in table.pages.items():
                 pool = self.pools[layer][fmt]
