@@ -82,7 +82,8 @@ class Engine:
     # --- loading ----------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, device: str | None = None, verify: bool = True,
-             policy_overrides: dict[str, Any] | None = None, model_cache: dict | None = None) -> "Engine":
+             policy_overrides: dict[str, Any] | None = None, model_cache: dict | None = None,
+             cache_overrides: dict[str, Any] | None = None) -> "Engine":
         """Load an engine directory. ``model_cache`` (a dict the caller keeps) lets engines of identical
         weights, dtype and device share one model object (the bench and eval load many engines at once)."""
         path = Path(path)
@@ -115,12 +116,15 @@ class Engine:
         policy = make_policy(m["policy"]["name"], params)
         policy.resolve_formats({torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype])
         policy.load_calibration(m.get("calibration"))
-        c = m["cache"]
+        from trtkv.build.builder import tier_cache_settings
+
+        c = {**m["cache"], **tier_cache_settings(cache_overrides or {})}  # demote, kv_memory, host_kv_memory
         cache_cfg = CacheConfig(
             num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
             block_size=int(c.get("block_size", 8)), residual_group=policy.residual_group(),
             residual_dtype=torch.float16 if dtype == torch.float32 else dtype, eviction=c.get("eviction", "inplace"),
-            max_pages=c.get("max_pages"), device=device,
+            max_pages=c.get("max_pages"), device=device, demote=c.get("demote", "none"),
+            kv_memory=c.get("kv_memory"), host_kv_memory=c.get("host_kv_memory"),
         )
         kv_amax = (m.get("calibration") or {}).get("kv_amax")
         return cls(path, m, model, tokenizer, policy, cache_cfg, int(c.get("max_batch", 64)), kv_amax)
@@ -158,6 +162,9 @@ class Engine:
         with self._lock:
             rid = self._next_id
             self._next_id += 1
+        from trtkv.cache.tiers import check_device_cap
+
+        check_device_cap(self.policy, self.core.cache.cfg, len(ids), params.max_tokens)  # --kv-memory
         req = Request(rid, prompt, ids, params, make_generator(params.seed), limit)
         req.events = queue.Queue()
         return req
@@ -261,7 +268,14 @@ class Engine:
 
     def metrics(self) -> dict[str, Any]:
         cache = self.core.cache
+        tiers = cache._tiers
         return {"kv_bytes_in_use": sum(cache.seq_bytes(s) for s in list(cache.seqs.values())),
+                "kv_bytes_device": sum(cache.seq_bytes(s) for s in list(cache.seqs.values()))
+                + self.core.staging.staging_bytes(),
+                "kv_bytes_host": tiers.host_bytes_total() if tiers is not None else 0,
+                "tokens_host": sum(t.live for st in list(tiers.seqs.values()) for t in st.host.layers[:1])
+                if tiers is not None else 0,
+                "transfer_bytes_total": tiers.transfer_bytes_total if tiers is not None else 0,
                 "live_requests": len(self.scheduler.running) + len(self.scheduler.waiting),
                 "live_pages": cache.pages_in_use(), "evictions_total": cache.evictions_total,
                 "requests_total": self.requests_total, "kv_pool_bytes": cache.pool_bytes()}

@@ -120,8 +120,11 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
 
     if not paths:
         raise TrtkvError("name at least one engine directory")
+    from trtkv.build.builder import TIER_CACHE_KEYS
+
     manifests = [read_manifest(p) for p in paths]
     overrides = {k: _value_or_file(k, v) for k, v in (policy_overrides or {}).items()}
+    cache_ov = {k: overrides.pop(k) for k in list(overrides) if k in TIER_CACHE_KEYS}  # demote=..., *_kv_memory
     per_engine, used = [], set()
     for m in manifests:
         cls = POLICIES.get(m["policy"]["name"])
@@ -135,7 +138,8 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
     out: list[BenchEngine] = []
     shared: dict[tuple, Any] | None = {} if share_weights else None
     for lbl, p, ov in zip(_labels(paths), paths, per_engine):
-        out.append(BenchEngine(lbl, Path(p), Engine.load(p, device=device, policy_overrides=ov, model_cache=shared)))
+        out.append(BenchEngine(lbl, Path(p), Engine.load(p, device=device, policy_overrides=ov, model_cache=shared,
+                                                         cache_overrides=cache_ov)))
     return out
 
 
@@ -431,6 +435,7 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
                 "kv_pool_bytes": max(r.pool_bytes for r in rs),
                 "rss_bytes": max((r.rss_bytes or 0) for r in rs) or None,
                 "policy_stats": _mean_stats([d for r in rs for d in r.policy_stats]),  # mean over requests
+                **_tier_summary(rs),
             })
     first = engines[0].label
     for row in rows:
@@ -440,7 +445,7 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
     fit = {}
     for be in engines:
         mine = [r for r in rows if r["engine"] == be.label]
-        peak = max(r["kv_bytes_per_request_peak"] for r in mine)
+        peak = max(r["kv_bytes_device_peak"] or r["kv_bytes_per_request_peak"] for r in mine)  # staging incl.
         full = int(max(r["kv_bytes_full_fp16_per_request"] for r in mine))
         fit[be.label] = {"per_request_peak_kv_bytes": peak, "kv_memory_bytes": cfg.kv_memory,
                          "max_batch": (cfg.kv_memory // peak) if cfg.kv_memory and peak else None,
@@ -472,6 +477,20 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
                         "CPU: kv_pool_bytes is the KV pools' allocated capacity (pools grow and are reused, not "
                         "returned); rss_bytes is the process's resident memory after the run"),
     }
+
+
+def _tier_summary(rs: list[RunResult]) -> dict[str, Any]:
+    """Tiered memory (trtkv/cache/tiers.py): device/host bytes, transfer bytes per decode step, and the share of
+    step time spent moving KV between tiers (CPU: the copies' wall time; CUDA: copy-stream time, which may
+    overlap compute — an upper bound on the stall)."""
+    per = [d for r in rs for d in r.policy_stats]
+    steps = sum(len(r.decode_s) for r in rs)
+    step_s = sum(sum(r.decode_s) + sum(r.prefill_s) for r in rs)
+    move_s = sum(d.get("kv_move_s", 0.0) for d in per)
+    return {"kv_bytes_device_peak": max((d.get("peak_kv_bytes_device", 0) for d in per), default=0) or None,
+            "kv_bytes_host_peak": max((d.get("peak_kv_bytes_host", 0) for d in per), default=0),
+            "transfer_bytes_per_step": sum(d.get("transfer_bytes", 0) for d in per) / steps if steps else 0.0,
+            "kv_move_share": move_s / step_s if step_s else 0.0}
 
 
 def _ratio(a, b) -> float | None:

@@ -16,7 +16,26 @@ from trtkv.models.loader import DTYPES, sha256_files, weight_files
 from trtkv.models.registry import resolve_model
 from trtkv.policies import make_policy
 
-CACHE_KEYS = {"block_size": int, "eviction": str, "max_batch": int}
+CACHE_KEYS = {"block_size": int, "eviction": str, "max_batch": int, "demote": str, "kv_memory": str,
+              "host_kv_memory": str}
+# tiered memory (trtkv/cache/tiers.py): settings a loaded engine also takes as overrides (bench/eval ``--set``)
+TIER_CACHE_KEYS = ("demote", "kv_memory", "host_kv_memory")
+
+
+def tier_cache_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """Validate and normalise ``demote`` / ``kv_memory`` / ``host_kv_memory`` (sizes like 2GiB -> bytes)."""
+    from trtkv.bench.runner import parse_size
+    from trtkv.cache.tiers import parse_demote
+
+    out: dict[str, Any] = {}
+    for k, v in settings.items():
+        if k == "demote":
+            parse_demote(str(v))
+            out[k] = str(v).strip().lower()
+        elif k in ("kv_memory", "host_kv_memory"):
+            out[k] = None if v is None or str(v).lower() in ("none", "") else (
+                v if isinstance(v, int) else parse_size(str(v)))
+    return out
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
 
@@ -61,6 +80,7 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
             get_format(f)
     except ValueError as e:
         raise TrtkvError(str(e)) from None
+    cache.update(tier_cache_settings({k: v for k, v in cache.items() if k in TIER_CACHE_KEYS}))
     block_size = cache.get("block_size", 8)
     if not 1 <= block_size <= 31:
         raise TrtkvError(f"--set block_size={block_size}: must be between 1 and 31")
@@ -123,7 +143,8 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
                       "weights_sha256": sha, "synthetic": synthetic, "synthetic_seed": seed if synthetic else None},
             "policy": {"name": pol.name, "params": pol.params()},
             "cache": {"block_size": block_size, "eviction": cache.get("eviction", "inplace"),
-                      "residual_group": pol.residual_group(), "max_batch": cache.get("max_batch", 64)},
+                      "residual_group": pol.residual_group(), "max_batch": cache.get("max_batch", 64),
+                      **{k: cache[k] for k in TIER_CACHE_KEYS if k in cache}},
             "calibration": calibration or None,
             "kernels": {"paged_attention": "triton on CUDA, torch reference on CPU",
                         "kv_write": "triton on CUDA, torch reference on CPU"},

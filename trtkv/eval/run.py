@@ -61,7 +61,8 @@ def reference_core(engine, observers=()):
 
     pol = FullPolicy()
     pol.resolve_formats({torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[engine.core.dtype])
-    return engine.make_core(policy=pol, observers=observers, max_pages=None, eviction="inplace")
+    return engine.make_core(policy=pol, observers=observers, max_pages=None, eviction="inplace", demote="none",
+                            kv_memory=None, host_kv_memory=None)
 
 
 def pick_layers(num_layers: int, spec: str | int | None) -> tuple[int, ...]:
