@@ -211,7 +211,7 @@ class Engine:
                 self._step()
         for r in reqs:
             if r.finish_reason == "error":
-                raise TrtkvError(r.events.queue[-1].error if r.events.queue else "generation failed")
+                raise TrtkvError(next((ev.error for ev in reversed(r.events.queue) if ev.error), "generation failed"))
         return [r.result for r in reqs]
 
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[StreamEvent]:

@@ -64,7 +64,7 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     any_stats = any(want_stats) or any(want_sparsity)
     run = None if any_stats else cache.dense_run(layer, seqs)
     sources = [(pool, bt, cache.layer_scales(layer, pool.fmt.name), run)
-               for pool, bt in cache.block_tables(layer, seqs)]
+               for pool, bt in cache.block_tables(layer, seqs) if bt.shape[1]]  # (all pages moved to host)
     sources += [(pool, bt, sc, None) for pool, bt, sc in staged or ()]
     for pool, bt, sc, dense in sources:
         o, lse, lg = plugin_ops.paged_attention(q, pool.fields, pool.group_fields, pool.k_group,
