@@ -137,4 +137,6 @@ class RequestContext:
 
     @property
     def kv_bytes(self) -> int:
-        return self._seq.kv_bytes
+        """Device KV bytes: pages, plus the host tiers' staging buffers when the request has host tokens."""
+        tiers = self._cache._tiers
+        return self._seq.kv_bytes + (tiers.staging_bytes(self._seq) if tiers is not None else 0)
