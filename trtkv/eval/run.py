@@ -107,6 +107,8 @@ class _Tally:
     peak_kv: list[int] = dataclasses.field(default_factory=list)
     live_end: list[int] = dataclasses.field(default_factory=list)
     evicted: list[int] = dataclasses.field(default_factory=list)
+    host_end: list[int] = dataclasses.field(default_factory=list)  # host-tier KV bytes at the end (T1 + T2)
+    transfer_per_step: list[float] = dataclasses.field(default_factory=list)  # KV bytes moved between tiers
 
 
 def encode_trace(tokenizer, trace, max_tokens: int, limit: int) -> tuple[list[int], list[int]]:
@@ -186,7 +188,8 @@ def _tally_summary(t: _Tally, ref: _Tally) -> dict[str, Any]:
     return {"nll": mean(t.nll), "nll_reference": mean(ref.nll), "kv_fraction_fp16_mean": mean(t.kv_frac),
             "kv_fraction_fp16_end": mean(t.kv_frac_end), "kv_vs_reference_mean": mean(t.kv_vs_ref) if t.kv_vs_ref
             else 1.0, "peak_kv_bytes_mean": mean(t.peak_kv), "live_tokens_end_mean": mean(t.live_end),
-            "evicted_tokens_mean": mean(t.evicted)}
+            "evicted_tokens_mean": mean(t.evicted), "kv_bytes_host_end_mean": mean(t.host_end),
+            "transfer_bytes_per_step_mean": mean(t.transfer_per_step)}
 
 
 def _replay_chunk(cores, recs, enc, layers, topk, accs, tallies, bar) -> None:
@@ -235,6 +238,8 @@ def _replay_chunk(cores, recs, enc, layers, topk, accs, tallies, bar) -> None:
                 tallies[ci].peak_kv.append(s["peak_kv_bytes"])
                 tallies[ci].live_end.append(s["live_tokens"])
                 tallies[ci].evicted.append(s["evicted_tokens"])
+                tallies[ci].host_end.append(s.get("kv_bytes_host", 0))
+                tallies[ci].transfer_per_step.append(s.get("transfer_bytes", 0) / max(1, s["generated_tokens"]))
     finally:
         for ci, c in enumerate(cores):  # on error: free what is still held
             for r in reqs[ci]:
