@@ -60,6 +60,7 @@ class _Buffer:
         self.scratch: dict[str, list[torch.Tensor]] = {}  # CUDA: pinned host gather buffers
         self.copy_done = None  # CUDA: event of this parity's last H2D (scratch reusable after it)
         self.attn_done = None  # CUDA: event after the attention that last read this parity
+        self.issued: dict[str, list[torch.Tensor]] = {}  # CUDA: tensors the copy stream has written before
 
     def tensors(self, key: str, like: list[torch.Tensor], n: int, device, pinned: bool) -> list[torch.Tensor]:
         cur = self.dev.get(key)
@@ -89,6 +90,7 @@ class HostStaging:
         self.copy_seconds = 0.0  # CPU: wall time of the copies; CUDA: host-side issue time (see copy_events)
         self.copy_events: list[tuple] = []  # CUDA: (start, end) timing events on the copy stream
         self.bytes_staged = 0
+        self.step_bytes: dict[int, int] = {}  # this step's staged bytes per request (CUDA time attribution)
 
     def active(self, seqs: list[SeqKV]) -> bool:
         t = self.cache._tiers
@@ -140,8 +142,13 @@ class HostStaging:
             self.copy_stream.synchronize()
         if self.cuda and self.copy_events:
             torch.cuda.current_stream(self.device).synchronize()
-            self.copy_seconds += sum(a.elapsed_time(b) for a, b in self.copy_events) / 1e3
+            step_s = sum(a.elapsed_time(b) for a, b in self.copy_events) / 1e3
+            self.copy_seconds += step_s
             self.copy_events.clear()
+            total = sum(self.step_bytes.values())
+            for sid, nb in self.step_bytes.items():  # copy-stream time, attributed by bytes staged
+                self.cache.tiers.add_staged(sid, 0, step_s * nb / total if total else 0.0)
+        self.step_bytes.clear()
 
     # --- staging -----------------------------------------------------------------------------------
     def _versions(self, layer: int) -> tuple:
@@ -177,15 +184,19 @@ class HostStaging:
             like = [*hpool.fields, hpool.k_group[:, None]]
             dst = buf.tensors(fmt, like, n, self.device, self.cuda)
             if self.cuda:
+                if dst is not buf.issued.get(fmt):  # fresh tensors (allocated on the compute stream, possibly
+                    self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # reusing its blocks)
+                    buf.issued[fmt] = dst
                 scratch = buf.scratch[fmt]
                 for src, sc in zip(like, scratch):
                     torch.index_select(src, 0, idx, out=sc[:n])
                 with stream_ctx:
                     for sc, d in zip(scratch, dst):
                         d[:n].copy_(sc[:n], non_blocking=True)
-                    # small, and the host arena may be written (a demotion) before an async copy would land
-                    groups = [g.to(self.device) for g in hpool.group_fields]
-                    valid = torch.from_numpy(hpool.valid[flat]).to(self.device)
+                # small, copied synchronously on the compute stream (allocated there, so no record_stream):
+                # the host arena may be written by a demotion before an asynchronous copy would have landed
+                groups = [g.to(self.device) for g in hpool.group_fields]
+                valid = torch.from_numpy(hpool.valid[flat]).to(self.device)
             else:  # CPU: a real copy into the separate staging pool
                 for src, d in zip(like, dst):
                     torch.index_select(src, 0, idx, out=d[:n])
@@ -220,5 +231,6 @@ class HostStaging:
             self.copy_seconds += stage.seconds
         for s, nb in zip(self.batch, stage.nbytes or ()):
             if nb:
+                self.step_bytes[s.seq_id] = self.step_bytes.get(s.seq_id, 0) + nb
                 share = stage.seconds * nb / total if total else 0.0
                 tiers.add_staged(s.seq_id, nb, share if not self.cuda else 0.0)
