@@ -88,8 +88,9 @@ def print_tier_stats(doc: dict[str, Any], console) -> None:
                   _mib(r["transfer_bytes_per_step"]), _fmt(r["kv_move_share"], ".1%"))
     console.print(t)
     console.print("[dim]device peak includes the two one-layer staging buffers; transfer/step: host->device "
-                  "staging plus tier moves, per decode step; moving KV: share of step time spent copying KV "
-                  "between tiers (CPU wall time of the copies).[/dim]")
+                  "staging plus tier moves of all running requests, per batched decode step; moving KV: share of "
+                  "step time spent copying KV between tiers (CPU: wall time of the copies; CUDA: copy-stream "
+                  "time, which overlaps compute, so an upper bound on the stall).[/dim]")
 
 
 THINKV_COLUMNS = (("avg bits", "thinkv.avg_element_bits", ".2f"), ("stored bits", "thinkv.avg_stored_bits", ".2f"),
