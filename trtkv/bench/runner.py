@@ -36,8 +36,8 @@ FIT_METHOD = (
     "accounting of pages (codes, scales, page metadata, block-table entries), key-scale groups and residual "
     "buffer at the request's worst moment (with host tiers: `peak_kv_bytes_device`, the device pages plus the "
     "two one-layer staging buffers; host bytes do not count against device memory). It assumes every request "
-    "holds its peak at once (conservative for staggered requests) and ignores pool fragmentation and allocator overhead; `fit_full_fp16` is the same "
-    "bound for an uncompressed fp16 cache of the same model.")
+    "holds its peak at once (conservative for staggered requests) and ignores pool fragmentation and "
+    "allocator overhead; `fit_full_fp16` is the same bound for an uncompressed fp16 cache of the same model.")
 
 
 @dataclass
