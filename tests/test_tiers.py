@@ -299,3 +299,38 @@ def test_cli_errors_one_line(tiny_ckpt, engine_factory, tmp_path):
     stats = json.loads(r.output.strip().splitlines()[-1])["stats"]
     for key in ("kv_bytes_device", "kv_bytes_host", "tokens_device", "tokens_host", "transfer_bytes"):
         assert key in stats
+
+
+def test_tiered_scores_conserve_mass_and_protect(tiny):
+    """Spec §7: every decode step adds exactly 1 of score (softmax mass averaged over layers and heads);
+    after every event the prompt, the sinks and the window are on the device, T3 only grows, and the device
+    share of the surviving candidates is floor(beta * |U'|)."""
+    from trtkv.runtime.observers import EngineObserver
+
+    eng = tiny("tiered", beta=0.4, evict_ratio=0.1, interval=8, sinks=2, window=8)
+    seen = []
+
+    class Watch(EngineObserver):
+        def on_step_end(self, reqs):
+            ctx = reqs[0].ctx
+            t = ctx.step - 1  # the step that just ended
+            st = ctx.state
+            assert abs(st.score.sum() - (t + 1)) < 1e-6 * (t + 1) + 1e-9
+            if t % 8 == 0:
+                P, now = ctx.prompt_len, ctx.prompt_len + t
+                prot = np.array([p for p in range(now + 1) if p < P + 2 or p > now - 8])
+                assert (ctx.tier_of(0, prot) == TIER_DEVICE).all()
+                held = ctx.attended_positions(0)
+                assert set(held) == set(ctx.all_positions(0)) | set(ctx.host_positions(0))
+                cand = held[~np.isin(held, prot)]
+                on_dev = (ctx.tier_of(0, cand) == TIER_DEVICE).sum()
+                assert on_dev == int(0.4 * len(cand))
+                seen.append(st.evicted)
+
+    w = Watch()
+    eng.core.attach(w)
+    try:
+        eng.generate(PROMPT, RAW)
+    finally:
+        eng.core.detach(w)
+    assert len(seen) > 10 and seen == sorted(seen) and seen[-1] > 0
