@@ -334,3 +334,15 @@ def test_tiered_scores_conserve_mass_and_protect(tiny):
     finally:
         eng.core.detach(w)
     assert len(seen) > 10 and seen == sorted(seen) and seen[-1] > 0
+
+
+def test_server_metrics_have_tier_gauges(tiny):
+    from trtkv.serve.metrics import render
+
+    eng = tiny("tiered", beta=0.0, evict_ratio=0.0, interval=4, sinks=1, window=4)
+    eng.generate(PROMPT, SamplingParams(max_tokens=30, ignore_eos=True, chat=False))
+    m = eng.metrics()
+    assert m["transfer_bytes_total"] > 0 and m["kv_bytes_host"] == 0  # finished requests hold nothing
+    text = render(m)
+    for name in ("trtkv_kv_bytes_device", "trtkv_kv_bytes_host", "trtkv_tokens_host", "trtkv_kv_transfer_bytes_total"):
+        assert name in text
