@@ -15,7 +15,7 @@ policy's evictions into moves to T1/T2 (``tier_for_demote``).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -129,7 +129,6 @@ class SeqTiers:
     move_seconds: float = 0.0  # time spent copying KV between tiers (events + staging)
     peak_host_bytes: int = 0
     peak_device_bytes: int = 0  # device pages + staging this request needs, at its peak
-    staged_tokens: list[int] = field(default_factory=list)
 
 
 class TierStore:
@@ -235,7 +234,8 @@ class TierStore:
     # --- moves --------------------------------------------------------------------------------
     def place(self, seq: SeqKV, layer: int, positions, tier: int, fmt: str | None = None) -> int:
         """Move paged ``positions`` of one layer into ``tier`` (T2 in ``fmt``); returns how many moved.
-        Residual-buffer tokens and positions no tier holds are skipped."""
+        Residual-buffer tokens and positions no tier holds are skipped; a T2 token asked into T1 stays T2
+        (its original values are gone, spec §2.5)."""
         pos = [int(p) for p in np.asarray(positions, dtype=np.int64).reshape(-1)]
         if not pos:
             return 0
