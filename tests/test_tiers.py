@@ -254,7 +254,7 @@ def test_device_cap_smaller_than_protected_set(tiny):
 
 def test_admission_by_device_bytes(tiny):
     """With a device cap, tiering (smaller device footprint) admits more requests at once."""
-    from trtkv.cache.tiers import device_bytes_needed
+    from trtkv.cache.admission import device_bytes_needed
 
     full = tiny("full")
     tiered = tiny("tiered", beta=0.0, evict_ratio=0.0, interval=4, sinks=1, window=8)

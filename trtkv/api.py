@@ -162,7 +162,7 @@ class Engine:
         with self._lock:
             rid = self._next_id
             self._next_id += 1
-        from trtkv.cache.tiers import check_device_cap
+        from trtkv.cache.admission import check_device_cap
 
         check_device_cap(self.policy, self.core.cache.cfg, len(ids), params.max_tokens)  # --kv-memory
         req = Request(rid, prompt, ids, params, make_generator(params.seed), limit)

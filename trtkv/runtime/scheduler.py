@@ -49,7 +49,7 @@ class Scheduler:
         """Admission by device KV bytes (``--kv-memory``): the running requests' worst-case device footprints
         plus this one's fit the cap (a request alone is always admitted; ``Engine.make_request`` has already
         rejected one that cannot fit even alone). Tiering and demotion shrink footprints, so more run at once."""
-        from trtkv.cache.tiers import device_bytes_needed
+        from trtkv.cache.admission import device_bytes_needed
 
         core = self.core
         need = [device_bytes_needed(core.policy, core.cache.cfg, r.prompt_len, r.max_new) for r in self.running]
