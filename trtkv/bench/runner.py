@@ -251,6 +251,7 @@ class RunResult:
     evicted_tokens: list[int] = field(default_factory=list)
     trace: list[tuple[int, int]] = field(default_factory=list)  # (generated tokens, KV bytes) of request 0
     policy_stats: list[dict[str, float]] = field(default_factory=list)  # per request: the policy's numeric stats
+    tier_stats: list[dict[str, float]] = field(default_factory=list)  # per request: the cache's per-tier numbers
     peak_device_bytes: int | None = None
     pool_bytes: int = 0
     rss_bytes: int | None = None
@@ -314,7 +315,8 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
         res.kv_bytes_full.append(s["kv_bytes_full"])
         res.live_tokens.append(s["live_tokens"])
         res.evicted_tokens.append(s["evicted_tokens"])
-        res.policy_stats.append(numeric_leaves({k: v for k, v in s.items() if k not in BASE_STATS}))
+        res.policy_stats.append(numeric_leaves({k: v for k, v in s.items() if k not in BASE_STATS | TIER_STATS}))
+        res.tier_stats.append({k: float(s[k]) for k in TIER_STATS if k in s})
     res.pool_bytes = core.cache.pool_bytes()
     if cuda:
         res.peak_device_bytes = int(torch.cuda.max_memory_allocated(core.device))
@@ -326,6 +328,12 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
 BASE_STATS = frozenset({"prompt_tokens", "generated_tokens", "kv_bytes", "kv_bytes_full", "peak_kv_bytes",
                         "tokens_per_s", "live_tokens", "peak_live_tokens", "pages", "evicted_tokens",
                         "time_to_first_token_s"})
+
+
+# the cache's per-tier numbers (trtkv/cache/tiers.py::TierStore.stats), reported in their own columns
+TIER_STATS = frozenset({"kv_bytes_device", "kv_bytes_staging", "kv_bytes_host", "peak_kv_bytes_device",
+                        "peak_kv_bytes_host", "tokens_device", "tokens_host", "tokens_host_compressed",
+                        "transfer_bytes", "kv_move_s"})
 
 
 def numeric_leaves(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -484,7 +492,7 @@ def _tier_summary(rs: list[RunResult]) -> dict[str, Any]:
     """Tiered memory (trtkv/cache/tiers.py): device/host bytes, transfer bytes per decode step, and the share of
     step time spent moving KV between tiers (CPU: the copies' wall time; CUDA: copy-stream time, which may
     overlap compute — an upper bound on the stall)."""
-    per = [d for r in rs for d in r.policy_stats]
+    per = [d for r in rs for d in r.tier_stats]
     steps = sum(len(r.decode_s) for r in rs)
     step_s = sum(sum(r.decode_s) + sum(r.prefill_s) for r in rs)
     move_s = sum(d.get("kv_move_s", 0.0) for d in per)
