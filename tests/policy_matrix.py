@@ -49,6 +49,10 @@ MATRIX: list[dict] = [
     {"name": "thinkv-tbe", "params": [{"budget": 48, "tau": 16, "group": 16, "retention": "8,4", "thought_schedule": "RTER"},
                                       {"budget": 24, "tau": 16, "group": 16, "retention": "4", "thought_schedule": "T"}],
      "smol": {"budget": 32, "tau": 32, "group": 16, "retention": "16,8,4", "thought_schedule": "RRTE"}},
+    {"name": "tiered", "params": [{"beta": 0.5, "evict_ratio": 0.0, "interval": 8, "sinks": 2, "window": 8},
+                                  {"beta": 0.3, "evict_ratio": 0.1, "interval": 4, "sinks": 1, "window": 4,
+                                   "host_format": "int4"}],
+     "smol": {"beta": 0.3, "evict_ratio": 0.05, "interval": 16, "window": 32}, "cadence": {"interval": 64}},
 ]
 
 LEVELS = ("easy", "hard")
@@ -79,7 +83,7 @@ def full_precision(name: str, params: dict) -> bool:
 
     pol = make_policy(name, params)
     pol.resolve_formats("fp32")  # the tiny test model runs in fp32
-    return pol.formats() <= {"fp32"}
+    return pol.formats() <= {"fp32"} and getattr(pol, "host_format", "none") == "none"  # T2 is lossy
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -120,7 +124,7 @@ class Probe(EngineObserver):
                 steps = self.sets.setdefault(req.req_id, [])
                 if layer == 0:
                     steps.append([])
-                steps[-1].append(set(req.all_positions(layer).tolist()))
+                steps[-1].append(set(req.attended_positions(layer).tolist()))  # host tiers included
 
     def on_prefill(self, req, logits, stats):
         self.ctxs.append(req.ctx)

@@ -25,7 +25,7 @@ from trtkv.runtime.sampling import SamplingParams, make_generator
 from trtkv.runtime.scheduler import Scheduler
 from trtkv.tokenizer import load_tokenizer
 
-LOAD_TIME_CACHE_SETTINGS = ("max_batch", "max_pages", "kv_memory")  # the rest shape what was built
+LOAD_TIME_CACHE_SETTINGS = ("max_batch", "max_pages", "kv_memory", "demote", "host_kv_memory")  # the rest: built
 
 __all__ = ["Engine", "SamplingParams", "GenerationResult", "StreamEvent", "RequestHandle"]
 
@@ -128,7 +128,8 @@ class Engine:
             num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
             block_size=c.block_size, residual_group=policy.residual_group(),
             residual_dtype=torch.float16 if dtype == torch.float32 else dtype, eviction=c.eviction,
-            max_pages=c.max_pages, kv_memory=c.kv_memory, device=device,
+            max_pages=c.max_pages, kv_memory=c.kv_memory, device=device, demote=c.demote,
+            host_kv_memory=c.host_kv_memory,
         )
         kv_amax = m.kv_amax.to_dict() if m.kv_amax is not None else None
         return cls(path, m, model, tokenizer, policy, cache_cfg, c.max_batch, kv_amax)
@@ -166,6 +167,9 @@ class Engine:
         with self._lock:
             rid = self._next_id
             self._next_id += 1
+        from trtkv.cache.admission import check_device_cap
+
+        check_device_cap(self.policy, self.core.cache.cfg, len(ids), params.max_tokens)  # --kv-memory
         req = Request(rid, prompt, ids, params, make_generator(params.seed), limit)
         req.events = queue.Queue()
         return req
@@ -212,7 +216,7 @@ class Engine:
                 self._step()
         for r in reqs:
             if r.finish_reason == "error":
-                raise TrtkvError(r.events.queue[-1].error if r.events.queue else "generation failed")
+                raise TrtkvError(next((ev.error for ev in reversed(r.events.queue) if ev.error), "generation failed"))
         return [r.result for r in reqs]
 
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[StreamEvent]:
@@ -269,7 +273,14 @@ class Engine:
 
     def metrics(self) -> dict[str, Any]:
         cache = self.core.cache
+        tiers = cache._tiers
         return {"kv_bytes_in_use": sum(cache.seq_bytes(s) for s in list(cache.seqs.values())),
+                "kv_bytes_device": sum(cache.seq_bytes(s) for s in list(cache.seqs.values()))
+                + self.core.staging.staging_bytes(),
+                "kv_bytes_host": tiers.host_bytes_total() if tiers is not None else 0,
+                "tokens_host": sum(t.live for st in list(tiers.seqs.values()) for t in st.host.layers[:1])
+                if tiers is not None else 0,
+                "transfer_bytes_total": tiers.transfer_bytes_total if tiers is not None else 0,
                 "live_requests": len(self.scheduler.running) + len(self.scheduler.waiting),
                 "live_pages": cache.pages_in_use(), "evictions_total": cache.evictions_total,
                 "requests_total": self.requests_total, "kv_pool_bytes": cache.pool_bytes()}

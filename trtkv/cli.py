@@ -170,10 +170,12 @@ def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed, cali
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (benchmarks).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
-@click.option("--kv-memory", default=None, metavar="SIZE",
-              help="KV memory the cache pools may hold (e.g. 2GiB) [the engine's].")
+@click.option("--kv-memory", default=None, metavar="SIZE", help="Cap on device KV bytes (e.g. 64MiB).")
+@click.option("--host-kv-memory", default=None, metavar="SIZE", help="Cap on host-tier KV bytes (T1 + T2).")
+@click.option("--demote", default=None, metavar="MODE",
+              help="Evictions become moves to host memory: none, host, host-<format> [the engine's setting].")
 def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, raw, ignore_eos,
-             as_json, kv_memory) -> None:
+             as_json, kv_memory, host_kv_memory, demote) -> None:
     """Generate text with ENGINE (streams to the terminal)."""
     from trtkv.api import Engine, SamplingParams
 
@@ -181,7 +183,9 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
                             repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop), chat=not raw,
                             ignore_eos=ignore_eos)
     params.validate()
-    eng = Engine.load(engine, cache_overrides={"kv_memory": kv_memory} if kv_memory is not None else None)
+    overrides = {k: v for k, v in (("kv_memory", kv_memory), ("host_kv_memory", host_kv_memory), ("demote", demote))
+                 if v is not None}
+    eng = Engine.load(engine, cache_overrides=overrides or None)
     if as_json:
         res = eng.generate(prompt, params)[0]
         click.echo(json.dumps(res.to_dict()))
@@ -198,6 +202,10 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
                    f"(peak {s['peak_kv_bytes'] / 1e6:.2f} MB) of {s['kv_bytes_full'] / 1e6:.2f} MB fp16 "
                    f"({100 * s['kv_bytes'] / max(1, s['kv_bytes_full']):.1f}%) | {s['live_tokens']} tokens live in "
                    f"{s['pages']} pages per layer, {s['evicted_tokens']} evicted]", err=True)
+        if s.get("kv_bytes_host") or s.get("transfer_bytes"):
+            click.echo(f"[tiers: device {s['kv_bytes_device'] / 1e6:.2f} MB ({s['tokens_device']} tokens, staging "
+                       f"included), host {s['kv_bytes_host'] / 1e6:.2f} MB ({s['tokens_host']} tokens), "
+                       f"{s['transfer_bytes'] / 1e6:.1f} MB moved, {s['kv_move_s']:.3f} s copying]", err=True)
 
 
 @main.command()
@@ -295,6 +303,7 @@ def _command_line(name: str) -> str | None:
               help="Generated tokens per request (EOS ignored, so exactly this many).")
 @click.option("--kv-memory", default=None, metavar="SIZE",
               help="KV memory (e.g. 2GiB, 80GB) for the largest-batch-that-fits estimate.")
+@click.option("--host-kv-memory", default=None, metavar="SIZE", help="Cap on host-tier KV bytes (T1 + T2).")
 @click.option("--repeat", type=int, default=1, show_default=True, help="Repeats, engines interleaved in each.")
 @click.option("--prompt", "prompt_source", type=click.Choice(["text", "ids"]), default="text", show_default=True,
               help="Prompts: packaged reasoning-trace text tokenized and repeated to length, or random token ids.")
@@ -305,8 +314,8 @@ def _command_line(name: str) -> str | None:
 @click.option("--no-warmup", is_flag=True, help="Skip the short warm-up generation per engine.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True,
               help="Directory for results.json, results.csv and the plots.")
-def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, repeat, prompt_source, sets, device, seed,
-          no_warmup, out) -> None:
+def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, host_kv_memory, repeat, prompt_source, sets, device,
+          seed, no_warmup, out) -> None:
     """Latency, throughput and KV memory of ENGINES over batch sizes, measured in one run."""
     from trtkv.bench import BenchConfig, load_engines, parse_batch_sizes, parse_size, run_bench
     from trtkv.bench.report import print_bench
@@ -315,7 +324,8 @@ def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, repeat, prompt_s
     cfg = BenchConfig(batch_sizes=parse_batch_sizes(batch_sizes), prompt_len=prompt_len, gen_len=gen_len,
                       kv_memory=parse_size(kv_memory) if kv_memory else None, repeat=repeat, warmup=not no_warmup,
                       prompt_source=prompt_source, seed=seed).validate()
-    loaded = load_engines(list(engines), device=device, policy_overrides=parse_sets(sets) or None)
+    sets = {**parse_sets(sets), **({"host_kv_memory": host_kv_memory} if host_kv_memory else {})}
+    loaded = load_engines(list(engines), device=device, policy_overrides=sets or None)
     doc = run_bench(loaded, cfg, command=_command_line("bench"))
     written = write_results(doc, out)
     print_bench(doc)

@@ -67,9 +67,30 @@ def print_bench(doc: dict[str, Any], console=None) -> None:
             ft.add_row(name, _bytes(f["per_request_peak_kv_bytes"]), str(f["max_batch"]), str(f["fit_full_fp16"]))
         console.print(ft)
         console.print(f"[dim]method: {doc['fit_method']}[/dim]")
+    print_tier_stats(doc, console)
     print_policy_stats(doc, console)
     for note in doc.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def print_tier_stats(doc: dict[str, Any], console) -> None:
+    """Tiered memory: device vs host bytes, transfers per step, share of step time moving KV."""
+    from rich.table import Table
+
+    rows = [r for r in doc["results"] if r.get("kv_bytes_host_peak") or r.get("transfer_bytes_per_step")]
+    if not rows:
+        return
+    t = Table(title="tiered KV memory (per request, MiB)", title_justify="left")
+    for col in ("engine", "batch", "device peak", "host peak", "transfer/step", "moving KV"):
+        t.add_column(col, justify="left" if col == "engine" else "right", no_wrap=col == "engine")
+    for r in rows:
+        t.add_row(r["engine"], str(r["batch"]), _mib(r["kv_bytes_device_peak"]), _mib(r["kv_bytes_host_peak"]),
+                  _mib(r["transfer_bytes_per_step"]), _fmt(r["kv_move_share"], ".1%"))
+    console.print(t)
+    console.print("[dim]device peak includes the two one-layer staging buffers; transfer/step: host->device "
+                  "staging plus tier moves of all running requests, per batched decode step; moving KV: share of "
+                  "step time spent copying KV between tiers (CPU: wall time of the copies; CUDA: copy-stream "
+                  "time, which overlaps compute, so an upper bound on the stall).[/dim]")
 
 
 def print_policy_stats(doc: dict[str, Any], console) -> None:

@@ -31,9 +31,10 @@ FIT_METHOD = (
     "largest batch that fits = floor(KV memory / per-request peak KV bytes), where the per-request peak is the "
     "largest `peak_kv_bytes` any request reached in this sweep (prompt_len + gen_len tokens): the cache's own "
     "accounting of pages (codes, scales, page metadata, block-table entries), key-scale groups and residual "
-    "buffer at the request's worst moment. It assumes every request holds its peak at once (conservative for "
-    "staggered requests) and ignores pool fragmentation and allocator overhead; `fit_full_fp16` is the same "
-    "bound for an uncompressed fp16 cache of the same model.")
+    "buffer at the request's worst moment (with host tiers: `peak_kv_bytes_device`, the device pages plus the "
+    "two one-layer staging buffers; host bytes do not count against device memory). It assumes every request "
+    "holds its peak at once (conservative for staggered requests) and ignores pool fragmentation and "
+    "allocator overhead; `fit_full_fp16` is the same bound for an uncompressed fp16 cache of the same model.")
 
 
 @dataclass
@@ -106,8 +107,11 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
 
     if not paths:
         raise TrtkvError("name at least one engine directory")
+    from trtkv.cache.manager import CACHE_SETTINGS
+
     manifests = [read_manifest(p) for p in paths]
     overrides = {k: _value_or_file(k, v) for k, v in (policy_overrides or {}).items()}
+    cache_ov = {k: overrides.pop(k) for k in list(overrides) if k in CACHE_SETTINGS}  # demote=, kv_memory=, ...
     per_engine, used = [], set()
     for m in manifests:
         cls = POLICIES.get(m.policy.name)
@@ -121,7 +125,8 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
     out: list[BenchEngine] = []
     shared: dict[tuple, Any] | None = {} if share_weights else None
     for lbl, p, ov in zip(_labels(paths), paths, per_engine):
-        out.append(BenchEngine(lbl, Path(p), Engine.load(p, device=device, policy_overrides=ov, model_cache=shared)))
+        out.append(BenchEngine(lbl, Path(p), Engine.load(p, device=device, policy_overrides=ov, model_cache=shared,
+                                                         cache_overrides=cache_ov)))
     return out
 
 
@@ -232,6 +237,7 @@ class RunResult:
     evicted_tokens: list[int] = field(default_factory=list)
     trace: list[tuple[int, int]] = field(default_factory=list)  # (generated tokens, KV bytes) of request 0
     policy_stats: list[dict[str, float]] = field(default_factory=list)  # per request: the policy's numeric stats
+    tier_stats: list[dict[str, float]] = field(default_factory=list)  # per request: the cache's per-tier numbers
     peak_device_bytes: int | None = None
     pool_bytes: int = 0
     rss_bytes: int | None = None
@@ -295,7 +301,8 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
         res.kv_bytes_full.append(s["kv_bytes_full"])
         res.live_tokens.append(s["live_tokens"])
         res.evicted_tokens.append(s["evicted_tokens"])
-        res.policy_stats.append(numeric_leaves({k: v for k, v in s.items() if k not in BASE_STATS}))
+        res.policy_stats.append(numeric_leaves({k: v for k, v in s.items() if k not in BASE_STATS | TIER_STATS}))
+        res.tier_stats.append({k: float(s[k]) for k in TIER_STATS if k in s})
     res.pool_bytes = core.cache.pool_bytes()
     if cuda:
         res.peak_device_bytes = int(torch.cuda.max_memory_allocated(core.device))
@@ -307,6 +314,12 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
 BASE_STATS = frozenset({"prompt_tokens", "generated_tokens", "kv_bytes", "kv_bytes_full", "peak_kv_bytes",
                         "tokens_per_s", "live_tokens", "peak_live_tokens", "pages", "evicted_tokens",
                         "time_to_first_token_s"})
+
+
+# the cache's per-tier numbers (trtkv/cache/tiers.py::TierStore.stats), reported in their own columns
+TIER_STATS = frozenset({"kv_bytes_device", "kv_bytes_staging", "kv_bytes_host", "peak_kv_bytes_device",
+                        "peak_kv_bytes_host", "tokens_device", "tokens_host", "tokens_host_compressed",
+                        "transfer_bytes", "kv_move_s"})
 
 
 def numeric_leaves(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -417,6 +430,7 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
                 "kv_pool_bytes": max(r.pool_bytes for r in rs),
                 "rss_bytes": max((r.rss_bytes or 0) for r in rs) or None,
                 "policy_stats": _mean_stats([d for r in rs for d in r.policy_stats]),  # mean over requests
+                **_tier_summary(rs),
             })
     first = engines[0].label
     for row in rows:
@@ -426,7 +440,7 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
     fit = {}
     for be in engines:
         mine = [r for r in rows if r["engine"] == be.label]
-        peak = max(r["kv_bytes_per_request_peak"] for r in mine)
+        peak = max(r["kv_bytes_device_peak"] or r["kv_bytes_per_request_peak"] for r in mine)  # staging incl.
         full = int(max(r["kv_bytes_full_fp16_per_request"] for r in mine))
         fit[be.label] = {"per_request_peak_kv_bytes": peak, "kv_memory_bytes": cfg.kv_memory,
                          "max_batch": (cfg.kv_memory // peak) if cfg.kv_memory and peak else None,
@@ -458,6 +472,20 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
                         "CPU: kv_pool_bytes is the KV pools' allocated capacity (pools grow and are reused, not "
                         "returned); rss_bytes is the process's resident memory after the run"),
     }
+
+
+def _tier_summary(rs: list[RunResult]) -> dict[str, Any]:
+    """Tiered memory (trtkv/cache/tiers.py): device/host bytes, transfer bytes per decode step, and the share of
+    step time spent moving KV between tiers (CPU: the copies' wall time; CUDA: copy-stream time, which may
+    overlap compute — an upper bound on the stall)."""
+    per = [d for r in rs for d in r.tier_stats]
+    steps = sum(len(r.decode_s) for r in rs)
+    step_s = sum(sum(r.decode_s) + sum(r.prefill_s) for r in rs)
+    move_s = sum(d.get("kv_move_s", 0.0) for d in per)
+    return {"kv_bytes_device_peak": max((d.get("peak_kv_bytes_device", 0) for d in per), default=0) or None,
+            "kv_bytes_host_peak": max((d.get("peak_kv_bytes_host", 0) for d in per), default=0),
+            "transfer_bytes_per_step": sum(d.get("transfer_bytes", 0) for d in per) / steps if steps else 0.0,
+            "kv_move_share": move_s / step_s if step_s else 0.0}
 
 
 def _ratio(a, b) -> float | None:

@@ -137,6 +137,8 @@ class CacheSection:
     max_batch: int = 64
     max_pages: int | None = None
     kv_memory: int | None = None
+    demote: str = "none"  # evictions become moves to host tiers (trtkv/cache/tiers.py)
+    host_kv_memory: int | None = None
 
     @classmethod
     def from_dict(cls, s: dict[str, Any], bad: _Bad) -> CacheSection:
@@ -156,7 +158,8 @@ class CacheSection:
 
     def to_dict(self) -> dict[str, Any]:
         return {"block_size": self.block_size, "eviction": self.eviction, "residual_group": self.residual_group,
-                "max_batch": self.max_batch, "max_pages": self.max_pages, "kv_memory": self.kv_memory}
+                "max_batch": self.max_batch, "max_pages": self.max_pages, "kv_memory": self.kv_memory,
+                "demote": self.demote, "host_kv_memory": self.host_kv_memory}
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,15 @@ class CacheConfig:
     max_pages: int | None = None  # per (layer, format) pool; None grows on demand
     initial_pages: int = 8
     device: str = "cpu"
-    kv_memory: int | None = None  # total KV bytes the pools may hold; None = a default chosen at engine start
+    kv_memory: int | None = None  # device KV bytes (pools, admission); None = a default chosen at engine start
+    # --- tiered memory (trtkv/cache/tiers.py) ---
+    demote: str = "none"  # a policy's evictions: "none" drop (T3), "host" move to T1, "host-<format>" to T2
+    host_kv_memory: int | None = None  # host tiers' bytes cap; None = unbounded
 
     def __post_init__(self) -> None:
         self.validate_settings({"block_size": self.block_size, "eviction": self.eviction,
-                                "max_pages": self.max_pages, "kv_memory": self.kv_memory})
+                                "max_pages": self.max_pages, "kv_memory": self.kv_memory,
+                                "demote": self.demote, "host_kv_memory": self.host_kv_memory})
 
     @staticmethod
     def validate_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +61,7 @@ class CacheConfig:
         return out
 
 
-CACHE_SETTINGS = ("block_size", "eviction", "max_batch", "max_pages", "kv_memory")
+CACHE_SETTINGS = ("block_size", "eviction", "max_batch", "max_pages", "kv_memory", "demote", "host_kv_memory")
 
 
 def _cache_setting(key: str, value: Any) -> Any:
@@ -69,9 +73,14 @@ def _cache_setting(key: str, value: Any) -> Any:
         if text not in EVICTION_MODES:
             raise bad(f"choose {' or '.join(EVICTION_MODES)}")
         return text
-    if key in ("max_pages", "kv_memory") and text in (None, "none", "null", "auto"):
+    if key == "demote":
+        from trtkv.cache.tiers import parse_demote
+
+        parse_demote(text)  # a bad value fails here, with one clear line
+        return text
+    if key in ("max_pages", "kv_memory", "host_kv_memory") and text in (None, "none", "null", "auto"):
         return None
-    if key == "kv_memory":
+    if key in ("kv_memory", "host_kv_memory"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise bad("expected a size in bytes, e.g. 2GiB or 512MiB")
         try:
@@ -153,6 +162,16 @@ class KVCacheManager:
         self._page_counter = 0
         self.evictions_total = 0
         self.compaction_moves = 0  # tokens copied by gather compaction
+        self._tiers = None
+
+    @property
+    def tiers(self):
+        """The host tiers of this cache (T1/T2; ``trtkv.cache.tiers.TierStore``), created on first use."""
+        if self._tiers is None:
+            from trtkv.cache.tiers import TierStore
+
+            self._tiers = TierStore(self)
+        return self._tiers
 
     # --- requests ---------------------------------------------------------------------------
     def add_sequence(self, seq_id: int) -> SeqKV:
@@ -170,6 +189,8 @@ class KVCacheManager:
     def free_sequence(self, seq_id: int) -> None:
         """Return every page and key-scale group of the request to the pools, at once."""
         seq = self.seqs.pop(seq_id)
+        if self._tiers is not None:  # the request's host-tier pages go too
+            self._tiers.free(seq_id)
         for layer, table in enumerate(seq.layers):
             for (fmt, _), pages in table.pages.items():
                 pool = self.pools[layer][fmt]

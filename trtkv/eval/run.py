@@ -61,7 +61,8 @@ def reference_core(engine, observers=()):
 
     pol = FullPolicy()
     pol.resolve_formats({torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[engine.core.dtype])
-    return engine.make_core(policy=pol, observers=observers, max_pages=None, eviction="inplace")
+    return engine.make_core(policy=pol, observers=observers, max_pages=None, eviction="inplace", demote="none",
+                            kv_memory=None, host_kv_memory=None)
 
 
 def pick_layers(num_layers: int, spec: str | int | None) -> tuple[int, ...]:
@@ -110,6 +111,8 @@ class _Tally:
     peak_kv: list[int] = dataclasses.field(default_factory=list)
     live_end: list[int] = dataclasses.field(default_factory=list)
     evicted: list[int] = dataclasses.field(default_factory=list)
+    host_end: list[int] = dataclasses.field(default_factory=list)  # host-tier KV bytes at the end (T1 + T2)
+    transfer_per_step: list[float] = dataclasses.field(default_factory=list)  # KV bytes moved between tiers
 
 
 def encode_trace(tokenizer, trace, max_tokens: int, limit: int) -> tuple[list[int], list[int]]:
@@ -194,7 +197,8 @@ def _tally_summary(t: _Tally, ref: _Tally) -> dict[str, Any]:
             "kv_fraction_fp16_end": mean(t.kv_frac_end), "kv_bytes_per_token_mean": mean(t.kv_per_tok),
             "kv_vs_reference_mean": mean(t.kv_vs_ref) if t.kv_vs_ref else 1.0, "peak_kv_bytes_mean": mean(t.peak_kv),
             "live_tokens_end_mean": mean(t.live_end),
-            "evicted_tokens_mean": mean(t.evicted)}
+            "evicted_tokens_mean": mean(t.evicted), "kv_bytes_host_end_mean": mean(t.host_end),
+            "transfer_bytes_per_step_mean": mean(t.transfer_per_step)}
 
 
 def _replay_chunk(cores, recs, enc, layers, topk, accs, tallies, bar) -> None:
@@ -243,6 +247,8 @@ def _replay_chunk(cores, recs, enc, layers, topk, accs, tallies, bar) -> None:
                 tallies[ci].peak_kv.append(s["peak_kv_bytes"])
                 tallies[ci].live_end.append(s["live_tokens"])
                 tallies[ci].evicted.append(s["evicted_tokens"])
+                tallies[ci].host_end.append(s.get("kv_bytes_host", 0))
+                tallies[ci].transfer_per_step.append(s.get("transfer_bytes", 0) / max(1, s["generated_tokens"]))
     finally:
         for ci, c in enumerate(cores):  # on error: free what is still held
             for r in reqs[ci]:

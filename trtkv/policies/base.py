@@ -133,6 +133,11 @@ class KVPolicy:
         bound = self.max_live_tokens(prompt_len, max_tokens)
         return {f: bound for f in self.formats()}
 
+    def min_device_tokens(self, prompt_len: int, max_tokens: int) -> int:
+        """Tokens per layer that must stay on the device whatever happens (a tiered policy's protected set);
+        admission rejects a request whose minimum does not fit ``--kv-memory``. Default: the footprint."""
+        return max(self.kv_footprint(prompt_len, max_tokens).values(), default=0)
+
     # --- engine-facing hooks ----------------------------------------------------------------
     def needs_calibration(self) -> bool:
         """Does ``trtkv build`` have to calibrate (or load a calibration) for this configuration?"""

@@ -58,5 +58,18 @@ class PolicyRequest(Protocol):
         """Dequantized post-RoPE ``k, v [m, H, D]`` fp32 of paged *or* buffered positions (read-only)."""
     def keys(self, layer: int, positions) -> torch.Tensor: ...
     def evict(self, layer: int, positions) -> int:
-        """Evict paged positions of one layer (buffered ones are ignored); returns how many went."""
+        """Evict paged positions of one layer (buffered ones are ignored); returns how many went. With the
+        cache setting ``demote=host|host-<format>`` the victims move to a host tier instead (still attended)."""
     def evict_all_layers(self, positions) -> int: ...
+
+    # --- tiers (T0 device, T1 host, T2 host compressed, T3 evicted; trtkv/cache/tiers.py) ------------
+    def host_positions(self, layer: int) -> np.ndarray:
+        """Positions of one layer held in the host tiers (T1/T2), ascending: attended, not on device."""
+    def num_host(self, layer: int) -> int: ...
+    def attended_positions(self, layer: int) -> np.ndarray:
+        """Every position attention covers in one layer: device (paged + buffered) and host, ascending."""
+    def tier_of(self, layer: int, positions) -> np.ndarray:
+        """Tier code per position: 0 device, 1 host, 2 host compressed, 3 evicted / never held."""
+    def place(self, layer: int | None, positions, tier: str) -> int:
+        """Move positions of one layer (``None``: every layer) to ``tier``: ``"device"``, ``"host"``,
+        ``"host-<format>"`` (e.g. ``host-int4``) or ``"evicted"``. Buffered positions stay where they are."""

@@ -56,15 +56,20 @@ def row_stats(logits: torch.Tensor, lse: torch.Tensor, num_kv_heads: int) -> tup
 
 
 def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: torch.Tensor, sm_scale: float,
-                     want_stats: list[bool], want_sparsity: list[bool]) -> tuple[torch.Tensor, list[LayerStats | None]]:
+                     want_stats: list[bool], want_sparsity: list[bool], staged: list | None = None
+                     ) -> tuple[torch.Tensor, list[LayerStats | None]]:
+    """``staged``: the host tiers' pages of this layer copied to the device (``runtime/staging.py``), as
+    ``(pool, block_table, scales)``; attended by the same plugin and merged like another format."""
     parts, logit_parts = [], []
     any_stats = any(want_stats) or any(want_sparsity)
     run = None if any_stats else cache.dense_run(layer, seqs)
-    for pool, bt in cache.block_tables(layer, seqs):
-        sc = cache.layer_scales(layer, pool.fmt.name)
+    sources = [(pool, bt, cache.layer_scales(layer, pool.fmt.name), run)
+               for pool, bt in cache.block_tables(layer, seqs) if bt.shape[1]]  # (all pages moved to host)
+    sources += [(pool, bt, sc, None) for pool, bt, sc in staged or ()]
+    for pool, bt, sc, dense in sources:
         o, lse, lg = plugin_ops.paged_attention(q, pool.fields, pool.group_fields, pool.k_group,
                                                 pool.valid_bits(), bt, pool.fmt.code, sm_scale, sc.k, sc.v,
-                                                any_stats, dense_run=run)
+                                                any_stats, dense_run=dense)
         parts.append((o, lse))
         if any_stats:
             pages = bt.clamp_min(0).cpu().numpy()

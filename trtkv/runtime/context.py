@@ -98,10 +98,36 @@ class RequestContext:
         return self.kv(layer, positions)[0]
 
     def evict(self, layer: int, positions) -> int:
+        if self._cache.cfg.demote != "none":  # demote instead of drop: the victims stay attended from host
+            return self._cache.tiers.demote_evicted(self._seq, layer, positions)
         return self._cache.evict(self._seq, layer, positions)
 
     def evict_all_layers(self, positions) -> int:
-        return sum(self._cache.evict(self._seq, layer, positions) for layer in range(self._num_layers))
+        return sum(self.evict(layer, positions) for layer in range(self._num_layers))
+
+    # --- tiers (trtkv/cache/tiers.py) -----------------------------------------------------------
+    def host_positions(self, layer: int) -> np.ndarray:
+        if self._cache._tiers is None:
+            return np.empty(0, np.int64)
+        return self._cache.tiers.host_positions(self._seq, layer)
+
+    def num_host(self, layer: int) -> int:
+        return len(self.host_positions(layer))
+
+    def attended_positions(self, layer: int) -> np.ndarray:
+        host = self.host_positions(layer)
+        dev = self.all_positions(layer)
+        return np.sort(np.concatenate([dev, host])) if len(host) else dev
+
+    def tier_of(self, layer: int, positions) -> np.ndarray:
+        return self._cache.tiers.tier_of(self._seq, layer, positions)
+
+    def place(self, layer: int | None, positions, tier: str) -> int:
+        from trtkv.cache.tiers import parse_tier
+
+        code, fmt = parse_tier(tier)
+        layers = range(self._num_layers) if layer is None else (layer,)
+        return sum(self._cache.tiers.place(self._seq, i, positions, code, fmt) for i in layers)
 
     # --- runtime side (not part of the policy API) -------------------------------------------
     @property
@@ -111,4 +137,6 @@ class RequestContext:
 
     @property
     def kv_bytes(self) -> int:
-        return self._seq.kv_bytes
+        """Device KV bytes: pages, plus the host tiers' staging buffers when the request has host tokens."""
+        tiers = self._cache._tiers
+        return self._seq.kv_bytes + (tiers.staging_bytes(self._seq) if tiers is not None else 0)

@@ -22,6 +22,7 @@ from trtkv.runtime.context import RequestContext
 from trtkv.runtime.observers import EngineObserver, merge_stats_requests
 from trtkv.runtime.request import GenerationResult, IncrementalDetokenizer, Request
 from trtkv.runtime.sampling import sample_next
+from trtkv.runtime.staging import HostStaging
 
 
 class EngineCore:
@@ -33,6 +34,7 @@ class EngineCore:
         self.arch = model.arch
         self.policy = policy
         self.cache = KVCacheManager(cache_cfg, kv_amax)
+        self.staging = HostStaging(self.cache)  # host tiers (T1/T2) -> device, per layer (runtime/staging.py)
         self.eos_ids = set(eos_ids)
         self.decode_text = decode_text  # ids -> str
         self.device = model.model.embed_tokens.weight.device
@@ -145,6 +147,7 @@ class EngineCore:
         forced = [StepStats(step=c.step) for c in ctxs] if fs is not None else None
         same_class = all(cl[:2] == classes[0][:2] for cl in classes)
         threads = torch.get_num_threads()
+        self.staging.begin_step(seqs)
         for layer in range(self.arch.num_hidden_layers):
             q, k, v = self.model.qkv(layer, x, cos, sin)
             if self.small_ops_threads:  # writes, eviction and decode attention are small ops: OpenMP fan-out
@@ -169,8 +172,11 @@ class EngineCore:
             want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
             policy_wants = [w or s for w, s in zip(want_w, want_s)]
             force = forced is not None and (fs.layers is None or layer in fs.layers)
+            staged = self.staging.sources(layer, self.arch.num_hidden_layers)
             out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
-                                           [True] * len(seqs) if force else want_w, want_s)
+                                           [True] * len(seqs) if force else want_w, want_s, staged)
+            if staged is not None:
+                self.staging.release(layer)
             for i, ls in enumerate(lstats):
                 if ls is not None:
                     if policy_wants[i]:  # a policy sees only the layers it asked for, forced or not
@@ -183,6 +189,7 @@ class EngineCore:
             if self.small_ops_threads:
                 torch.set_num_threads(threads)
             x = self.model.finish_layer(layer, x, out)
+        self.staging.end_step()
         logits = self.model.logits(x)
         for o in self.observers:
             o.on_decode(reqs, logits, forced if forced is not None else stats)
@@ -196,6 +203,9 @@ class EngineCore:
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))  # what this step attended
             pol.on_decode_step_end(c, st)
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))
+        if cache._tiers is not None:
+            for s in seqs:
+                cache.tiers.note_peaks(s)
         for o in self.observers:
             o.on_step_end(reqs)
 
@@ -241,6 +251,7 @@ class EngineCore:
             "evicted_tokens": seq.evicted_tokens // max(1, self.arch.num_hidden_layers),
             "time_to_first_token_s": (req.t_first - req.t_submit) if req.t_first else None,
         }
+        stats.update(self.cache.tiers.stats(seq))  # per-tier bytes and tokens, transfers (cache/tiers.py)
         stats.update(self.policy.extra_stats(req.ctx))
         req.result = GenerationResult(req.text, list(req.generated), req.finish_reason or "cancelled", stats,
                                       req.prompt)

@@ -37,11 +37,24 @@ class Scheduler:
         return math.ceil(toks / core.cache.cfg.block_size) + 2 * len(core.policy.formats())
 
     def _can_admit(self, req: Request) -> bool:
+        if self.core.cache.cfg.kv_memory is not None and not self._fits_device(req):
+            return False
         max_pages = self.core.cache.cfg.max_pages
         if max_pages is None:
             return True
         reserved = sum(self._pages_needed(r) for r in self.running)
         return reserved + self._pages_needed(req) <= max_pages or not self.running
+
+    def _fits_device(self, req: Request) -> bool:
+        """Admission by device KV bytes (``--kv-memory``): the running requests' worst-case device footprints
+        plus this one's fit the cap (a request alone is always admitted; ``Engine.make_request`` has already
+        rejected one that cannot fit even alone). Tiering and demotion shrink footprints, so more run at once."""
+        from trtkv.cache.admission import device_bytes_needed
+
+        core = self.core
+        need = [device_bytes_needed(core.policy, core.cache.cfg, r.prompt_len, r.max_new) for r in self.running]
+        mine = device_bytes_needed(core.policy, core.cache.cfg, req.prompt_len, req.max_new)
+        return not self.running or sum(need) + mine <= core.cache.cfg.kv_memory
 
     def step(self) -> list[Request]:
         """One scheduler iteration; returns the requests that finished in it (already freed)."""

@@ -20,6 +20,11 @@ GAUGES = {
     "live_pages": ("trtkv_live_pages", "KV-cache pages held by live requests", "gauge"),
     "evictions_total": ("trtkv_evictions_total", "KV entries evicted by the compression policy", "counter"),
     "requests_total": ("trtkv_requests_total", "Requests submitted to the engine", "counter"),
+    "kv_bytes_device": ("trtkv_kv_bytes_device", "Device KV bytes of live requests (T0 pages + staging)", "gauge"),
+    "kv_bytes_host": ("trtkv_kv_bytes_host", "Host-tier KV bytes of live requests (T1 + T2)", "gauge"),
+    "tokens_host": ("trtkv_tokens_host", "Tokens held in the host tiers (per layer) by live requests", "gauge"),
+    "transfer_bytes_total": ("trtkv_kv_transfer_bytes_total", "KV bytes copied between device and host tiers",
+                             "counter"),
 }
 
 

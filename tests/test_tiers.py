@@ -1,0 +1,348 @@
+"""Tiered KV memory (issue 15): host tiers T1/T2 in the cache, staging, the ``tiered`` policy, ``demote``.
+
+Unit level (fast): attention with tokens split across tiers equals single-tier attention (same storage format,
+Proposition 1's kernel half); random write/evict/demote/promote sequences keep every token in exactly one tier
+with exact per-tier byte counts and no leaks (hypothesis). Engine level (tiny model): ``tiered`` with r = 0 and
+every policy with ``demote=host`` give the greedy tokens of ``full``; errors are one clear line.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from policy_matrix import MATRIX, full_precision, one_thread
+
+import plugins  # noqa: F401
+from trtkv.api import SamplingParams
+from trtkv.cache.manager import CacheConfig, KVCacheManager
+from trtkv.cache.tiers import TIER_DEVICE, TIER_EVICTED, TIER_HOST, TIER_HOST_Q, parse_demote, parse_tier
+from trtkv.errors import TrtkvError
+from trtkv.policies import make_policy
+from trtkv.runtime.attention import decode_attention
+from trtkv.runtime.staging import HostStaging
+
+assert one_thread
+H, D, L, HQ = 2, 16, 2, 4
+RAW = SamplingParams(max_tokens=120, ignore_eos=True, chat=False)
+PROMPT = "Once upon a time, in a land far away, there lived a wise old king who loved puzzles and riddles."
+
+
+def make_cache(block=4, g=1, **kw):
+    return KVCacheManager(CacheConfig(num_layers=L, num_kv_heads=H, head_dim=D, block_size=block, residual_group=g,
+                                      residual_dtype=torch.float32, initial_pages=2, **kw))
+
+
+def fill(cache, seq_id, n, fmt, gen, start=0):
+    seq = cache.seqs.get(seq_id) or cache.add_sequence(seq_id)
+    group = 16 if fmt in ("int4", "nvfp4") else n
+    for layer in range(L):
+        for s in range(0, n, group):
+            m = min(group, n - s)
+            k, v = torch.randn(m, H, D, generator=gen), torch.randn(m, H, D, generator=gen)
+            cache.write(seq, layer, k, v, list(range(start + s, start + s + m)), (fmt, 0))
+    return seq
+
+
+def attend(cache, seqs, q, staging=None):
+    outs = []
+    for layer in range(L):
+        staged = staging.sources(layer, L) if staging is not None else None
+        out, _ = decode_attention(cache, layer, seqs, q, 0.25, [False] * len(seqs), [False] * len(seqs), staged)
+        if staged is not None:
+            staging.release(layer)
+        outs.append(out)
+    return torch.stack(outs)
+
+
+# --- Proposition 1, kernel half -------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["fp32", "int4", "nvfp4"])
+def test_split_across_tiers_equals_single_tier(fmt):
+    """T1 keeps the storage format bit for bit: attention over device + staged host pages (LSE-merged) equals
+    attention over the same tokens on the device alone, to float tolerance, for a batch of two."""
+    gen = torch.Generator().manual_seed(0)
+    cache = make_cache()
+    seqs = [fill(cache, 0, 48, fmt, gen), fill(cache, 1, 32, fmt, gen)]
+    q = torch.randn(2, HQ, D, generator=gen)
+    ref = attend(cache, seqs, q)
+    tiers = cache.tiers
+    rng = np.random.default_rng(0)
+    for seq, n in zip(seqs, (48, 32)):
+        moved = rng.choice(n, size=n // 2, replace=False)
+        for layer in range(L):
+            assert tiers.place(seq, layer, moved, TIER_HOST) == len(moved)
+        assert (tiers.tier_of(seq, 0, moved) == TIER_HOST).all()
+        tiers.check(seq)
+    staging = HostStaging(cache)
+    staging.begin_step(seqs)
+    got = attend(cache, seqs, q, staging)
+    staging.end_step()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert staging.bytes_staged > 0
+    # promote everything back: the device copy is the original one, bit for bit
+    for seq, n in zip(seqs, (48, 32)):
+        for layer in range(L):
+            tiers.place(seq, layer, tiers.host_positions(seq, layer), TIER_DEVICE)
+        assert len(tiers.host_positions(seq, 0)) == 0
+    torch.testing.assert_close(attend(cache, seqs, q), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_compressed_tier_is_close_not_exact_and_smaller():
+    gen = torch.Generator().manual_seed(1)
+    cache = make_cache()
+    seq = fill(cache, 0, 64, "fp32", gen)
+    q = torch.randn(1, HQ, D, generator=gen)
+    ref = attend(cache, [seq], q)
+    for layer in range(L):
+        cache.tiers.place(seq, layer, np.arange(64), TIER_HOST_Q, "int4")
+    assert (cache.tiers.tier_of(seq, 0, np.arange(64)) == TIER_HOST_Q).all()
+    st_ = HostStaging(cache)
+    st_.begin_step([seq])
+    got = attend(cache, [seq], q, st_)
+    assert not torch.equal(got, ref)
+    assert (got - ref).abs().max() < 0.2
+    assert cache.tiers.host_bytes(seq) < 64 * L * H * D * 2 * 4 / 4  # int4 codes: well under a quarter of fp32
+    cache.tiers.check(seq)
+
+
+# --- property test: one tier per token, exact bytes, no leaks --------------------------------------
+op = st.one_of(
+    st.tuples(st.just("write"), st.integers(0, 2), st.sampled_from(["fp32", "int4"]), st.integers(1, 20)),
+    st.tuples(st.just("move"), st.integers(0, 2), st.sampled_from(["device", "host", "host-int4", "host-nvfp4",
+                                                                   "evicted"]),
+              st.lists(st.integers(0, 120), max_size=12), st.sampled_from([None, 0, 1])),
+    st.tuples(st.just("evict"), st.integers(0, 2), st.lists(st.integers(0, 120), max_size=8)),
+    st.tuples(st.just("free"), st.integers(0, 2)),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=30), eviction=st.sampled_from(["inplace", "compact"]),
+       demote=st.sampled_from(["none", "host", "host-int4"]))
+def test_random_write_evict_demote_promote(ops, eviction, demote):
+    from trtkv.runtime.context import RequestContext
+
+    cache = make_cache(eviction=eviction, demote=demote)
+    gen = torch.Generator().manual_seed(0)
+    nxt: dict[int, int] = {}
+    written: dict[int, set] = {}
+    for o in ops:
+        sid = o[1]
+        if o[0] == "write":
+            fmt, n = o[2], o[3]
+            if fmt == "int4":
+                n = 16
+            fill(cache, sid, n, fmt, gen, start=nxt.get(sid, 0))
+            written.setdefault(sid, set()).update(range(nxt.get(sid, 0), nxt.get(sid, 0) + n))
+            nxt[sid] = nxt.get(sid, 0) + n
+        elif sid in cache.seqs:
+            seq = cache.seqs[sid]
+            ctx = RequestContext(sid, 0, cache, seq, L, HQ)
+            if o[0] == "move":
+                ctx.place(o[4], o[3], o[2])
+            elif o[0] == "evict":
+                ctx.evict_all_layers(o[2])
+            else:
+                cache.free_sequence(sid)
+                nxt.pop(sid, None)
+                written.pop(sid, None)
+        for s in cache.seqs.values():
+            cache.tiers.check(s)  # exactly one tier per position, counters equal recounts
+            for layer in range(L):
+                pos = np.arange(nxt.get(s.seq_id, 0))
+                tiers = cache.tiers.tier_of(s, layer, pos)
+                n_dev, n_host = (tiers == TIER_DEVICE).sum(), np.isin(tiers, (TIER_HOST, TIER_HOST_Q)).sum()
+                assert n_dev == s.layers[layer].live
+                assert n_host == len(cache.tiers.host_positions(s, layer))
+                if demote != "none":  # demotion never drops: every written token is still held somewhere
+                    evicted = set(pos[tiers == TIER_EVICTED].tolist())
+                    assert not evicted or o[0] == "move" or evicted <= written[s.seq_id]
+    for sid in list(cache.seqs):
+        cache.free_sequence(sid)
+    host = cache.tiers.host
+    assert cache.pages_in_use() == 0 and host.pages_in_use() == 0, "pages leaked"
+    for mgr in (cache, host):
+        for pools in mgr.pools:
+            for pool in pools.values():
+                assert pool.groups_in_use == 0, "key-scale groups leaked"
+    assert not cache.tiers.seqs and not host.seqs
+
+
+# --- parsing ----------------------------------------------------------------------------------------
+def test_tier_and_demote_parsing():
+    assert parse_demote("none") == (False, None)
+    assert parse_demote("host") == (True, None)
+    assert parse_demote("host-nvfp4") == (True, "nvfp4")
+    assert parse_demote("host-compressed")[1] in ("int4", "nvfp4")
+    assert parse_tier("host-int4") == (TIER_HOST_Q, "int4")
+    for bad in ("gpu", "host-int3", "hostint4", "drop"):
+        with pytest.raises(TrtkvError) as e:
+            parse_demote(bad)
+        assert "\n" not in str(e.value) and "demote" in str(e.value)
+    with pytest.raises(TrtkvError, match="host_format"):
+        make_policy("tiered", {"host_format": "int3"})
+    with pytest.raises(TrtkvError, match="demote"):
+        make_cache(demote="sideways")
+
+
+# --- engine level (tiny random Llama) ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(engine_factory, load_engine, tiny_ckpt):
+    def get(name, **params):
+        return load_engine(engine_factory(tiny_ckpt, name, **params))
+    return get
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_tiered_r0_equals_full_tiny(tiny, beta):
+    ref = tiny("full").generate(PROMPT, RAW)[0]
+    eng = tiny("tiered", beta=beta, evict_ratio=0.0, interval=8, sinks=2, window=8)
+    res = eng.generate(PROMPT, RAW)[0]
+    assert res.token_ids == ref.token_ids
+    s = res.stats
+    assert s["tokens_device"] + s["tokens_host"] == s["prompt_tokens"] + s["generated_tokens"] - 1  # last: unwritten
+    if beta < 1.0:
+        assert s["tokens_host"] > 0 and s["kv_bytes_host"] > 0 and s["transfer_bytes"] > 0
+    assert s["tiered"]["evicted"] == 0
+    assert eng.core.cache.pages_in_use() == 0 and eng.core.cache.tiers.host.pages_in_use() == 0
+
+
+DEMOTABLE = [(e["name"], e["params"][1]) for e in MATRIX
+             if e["name"] not in ("full", "tiered") and full_precision(e["name"], e["params"][1])]
+
+
+@pytest.mark.parametrize("name,params", DEMOTABLE, ids=[n for n, _ in DEMOTABLE])
+def test_demote_host_keeps_every_token_attended(tiny, name, params):
+    """``demote=host`` turns every eviction into a move to T1 (exact): greedy tokens equal full's, while the
+    device holds only what the policy keeps."""
+    ref = tiny("full").generate(PROMPT, RAW)[0]
+    plain = tiny(name, **params).generate(PROMPT, RAW)[0]
+    eng = tiny(name, demote="host", **params)
+    res = eng.generate(PROMPT, RAW)[0]
+    assert res.token_ids == ref.token_ids
+    assert res.stats["evicted_tokens"] == 0
+    assert res.stats["kv_bytes"] == plain.stats["kv_bytes"]  # the device pages: exactly the policy's
+    if plain.stats["evicted_tokens"]:
+        assert res.stats["tokens_host"] > 0
+    assert eng.core.cache.pages_in_use() == 0 and eng.core.cache.tiers.host.pages_in_use() == 0
+
+
+def test_host_memory_exhaustion_is_one_line_and_engine_survives(tiny):
+    eng = tiny("tiered", beta=0.0, evict_ratio=0.0, interval=4, sinks=1, window=4, host_kv_memory=2000)
+    with pytest.raises(TrtkvError) as e:  # OutOfKVMemory inside the step; the API reports its line
+        eng.generate(PROMPT, RAW)
+    assert "host KV memory is full" in str(e.value) and "--host-kv-memory" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert not eng.core.cache.seqs and eng.core.cache.tiers.host.pages_in_use() == 0
+    ok = eng.generate(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True, chat=False))[0]  # still serving
+    assert len(ok.token_ids) == 5
+    # background (server) path: an error response, and the next request is served
+    h = eng.submit(PROMPT, RAW)
+    with pytest.raises(TrtkvError, match="host KV memory"):
+        h.result()
+    assert len(eng.submit(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True, chat=False)).result().token_ids) == 4
+    eng.shutdown()
+
+
+def test_device_cap_smaller_than_protected_set(tiny):
+    eng = tiny("tiered", window=64, kv_memory="2KiB")
+    with pytest.raises(TrtkvError) as e:
+        eng.generate(PROMPT, RAW)
+    assert "protected set" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_admission_by_device_bytes(tiny):
+    """With a device cap, tiering (smaller device footprint) admits more requests at once."""
+    from trtkv.cache.admission import device_bytes_needed
+
+    full = tiny("full")
+    tiered = tiny("tiered", beta=0.0, evict_ratio=0.0, interval=4, sinks=1, window=8)
+    P = len(full.encode_prompt(PROMPT, False))
+    need_full = device_bytes_needed(full.policy, full.core.cache.cfg, P, 120)
+    need_tiered = device_bytes_needed(tiered.policy, tiered.core.cache.cfg, P, 120)
+    assert need_tiered < need_full / 3
+    cap = 3 * need_tiered
+    counts = {}
+    for name, eng in (("full", full), ("tiered", tiered)):
+        core = eng.make_core(kv_memory=cap)
+        from trtkv.runtime.scheduler import Scheduler
+
+        sched = Scheduler(core, 8)
+        reqs = [eng.make_request(PROMPT, RAW) for _ in range(3)]
+        for r in reqs:
+            sched.add(r)
+        sched.step()
+        counts[name] = len(sched.running)
+        while sched.has_work:
+            sched.step()
+    assert counts == {"full": 1, "tiered": 3}
+
+
+def test_cli_errors_one_line(tiny_ckpt, engine_factory, tmp_path):
+    from click.testing import CliRunner
+
+    from trtkv.cli import main
+
+    path = engine_factory(tiny_ckpt, "tiered", window=64)
+    r = CliRunner().invoke(main, ["generate", str(path), "--prompt", "hi", "--raw", "--kv-memory", "1KiB"])
+    assert r.exit_code == 2 and r.output.count("trtkv: error:") == 1 and "protected set" in r.output
+    r = CliRunner().invoke(main, ["generate", str(path), "--prompt", "hi", "--raw", "--demote", "disk"])
+    assert r.exit_code == 2 and "demote" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["build", "--model", str(tiny_ckpt), "--policy", "h2o", "--budget", "24",
+                                  "--set", "demote=host-int9", "--out", str(tmp_path / "e")])
+    assert r.exit_code == 2 and "demote" in r.output
+    r = CliRunner().invoke(main, ["generate", str(path), "--prompt", "hi", "--raw", "--json", "--max-tokens", "8"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    stats = json.loads(r.output.strip().splitlines()[-1])["stats"]
+    for key in ("kv_bytes_device", "kv_bytes_host", "tokens_device", "tokens_host", "transfer_bytes"):
+        assert key in stats
+
+
+def test_tiered_scores_conserve_mass_and_protect(tiny):
+    """Spec §7: every decode step adds exactly 1 of score (softmax mass averaged over layers and heads);
+    after every event the prompt, the sinks and the window are on the device, T3 only grows, and the device
+    share of the surviving candidates is floor(beta * |U'|)."""
+    from trtkv.runtime.observers import EngineObserver
+
+    eng = tiny("tiered", beta=0.4, evict_ratio=0.1, interval=8, sinks=2, window=8)
+    seen = []
+
+    class Watch(EngineObserver):
+        def on_step_end(self, reqs):
+            ctx = reqs[0].ctx
+            t = ctx.step - 1  # the step that just ended
+            st = ctx.state
+            assert abs(st.score.sum() - (t + 1)) < 1e-6 * (t + 1) + 1e-9
+            if t % 8 == 0:
+                P, now = ctx.prompt_len, ctx.prompt_len + t
+                prot = np.array([p for p in range(now + 1) if p < P + 2 or p > now - 8])
+                assert (ctx.tier_of(0, prot) == TIER_DEVICE).all()
+                held = ctx.attended_positions(0)
+                assert set(held) == set(ctx.all_positions(0)) | set(ctx.host_positions(0))
+                cand = held[~np.isin(held, prot)]
+                on_dev = (ctx.tier_of(0, cand) == TIER_DEVICE).sum()
+                assert on_dev == int(0.4 * len(cand))
+                seen.append(st.evicted)
+
+    w = Watch()
+    eng.core.attach(w)
+    try:
+        eng.generate(PROMPT, RAW)
+    finally:
+        eng.core.detach(w)
+    assert len(seen) > 10 and seen == sorted(seen) and seen[-1] > 0
+
+
+def test_server_metrics_have_tier_gauges(tiny):
+    from trtkv.serve.metrics import render
+
+    eng = tiny("tiered", beta=0.0, evict_ratio=0.0, interval=4, sinks=1, window=4)
+    eng.generate(PROMPT, SamplingParams(max_tokens=30, ignore_eos=True, chat=False))
+    m = eng.metrics()
+    assert m["transfer_bytes_total"] > 0 and m["kv_bytes_host"] == 0  # finished requests hold nothing
+    text = render(m)
+    for name in ("trtkv_kv_bytes_device", "trtkv_kv_bytes_host", "trtkv_tokens_host", "trtkv_kv_transfer_bytes_total"):
+        assert name in text

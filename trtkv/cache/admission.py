@@ -1,0 +1,44 @@
+"""Admission by device memory (``--kv-memory``): what a request costs on the device at worst, and the one-line
+errors when it cannot fit even alone. Host tiers (``trtkv/cache/tiers.py``) do not count: tiering and
+``demote`` shrink a policy's device footprint (``KVPolicy.kv_footprint``), so more requests fit."""
+from __future__ import annotations
+
+from plugins.formats import get_format
+from trtkv.cache.manager import CacheConfig
+from trtkv.errors import OutOfKVMemory
+
+
+def device_bytes_per_token(cfg: CacheConfig, fmt: str) -> float:
+    """Device bytes one token costs in all layers in ``fmt`` (page share incl. metadata, key-scale groups)."""
+    f = get_format(fmt)
+    H, D, B = cfg.num_kv_heads, cfg.head_dim, cfg.block_size
+    meta = 4 + 1 + (4 * B if f.group_fields(H, D) else 0) + 4
+    group = f.group_bytes(H, D) / f.group_size if f.group_fields(H, D) else 0.0
+    return cfg.num_layers * (f.slot_bytes(H, D) + meta / B + group)
+
+
+def device_bytes_needed(policy, cfg: CacheConfig, prompt_len: int, max_tokens: int) -> int:
+    """Worst-case device KV bytes of one request (admission by device memory, ``--kv-memory``)."""
+    total = sum(device_bytes_per_token(cfg, f) * n for f, n in policy.kv_footprint(prompt_len, max_tokens).items())
+    if cfg.residual_group > 1:
+        total += 2 * cfg.num_layers * cfg.residual_group * cfg.num_kv_heads * cfg.head_dim * 2
+    return int(total)
+
+
+def check_device_cap(policy, cfg: CacheConfig, prompt_len: int, max_tokens: int) -> None:
+    """One clear error when a request cannot fit the device KV cap even alone."""
+    cap = getattr(cfg, "kv_memory", None)
+    if cap is None:
+        return
+    fmt = max(policy.formats(), key=lambda f: get_format(f).slot_bytes(cfg.num_kv_heads, cfg.head_dim))
+    must = int(policy.min_device_tokens(prompt_len, max_tokens) * device_bytes_per_token(cfg, fmt))
+    if must > cap:
+        raise OutOfKVMemory(f"--kv-memory {cap:,} bytes is smaller than one request's protected set on the "
+                            f"device ({policy.min_device_tokens(prompt_len, max_tokens)} tokens of the {prompt_len}"
+                            f"-token prompt, sinks and recent window = {must:,} bytes); raise --kv-memory or "
+                            f"shorten the prompt")
+    need = device_bytes_needed(policy, cfg, prompt_len, max_tokens)
+    if need > cap:
+        raise OutOfKVMemory(f"one request needs up to {need:,} device KV bytes ({prompt_len} prompt + {max_tokens} "
+                            f"new tokens) but --kv-memory is {cap:,}; raise --kv-memory, lower --max-tokens, or "
+                            f"keep fewer tokens on the device (e.g. tiered with a lower beta, or demote=host)")

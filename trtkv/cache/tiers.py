@@ -1,0 +1,454 @@
+"""Tiered KV memory: where each cached token lives (tiered-memory spec §2.5, §4.1).
+
+    T0 device   the device page pools attention reads directly (``KVCacheManager``)
+    T1 host     host page pools, the token's own storage format, bytes copied verbatim
+    T2 host-q   host page pools in a compressed format (re-encoded; lossy, never restored)
+    T3 evicted  gone
+
+Every token of a request is in exactly one tier per layer. The host tiers are a second, host-resident
+``KVCacheManager`` (pinned memory on CUDA), so pages, slots, key-scale groups and byte accounting work
+exactly as on the device. Moves copy codes verbatim when the format is kept (T0 <-> T1: attention over the
+moved token is unchanged, Proposition 1) and re-encode through the ``kv_write`` plugin otherwise. Policies
+ask for moves through the request API (``PolicyRequest.place``); the cache setting ``demote`` turns any
+policy's evictions into moves to T1/T2 (``tier_for_demote``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from plugins.formats import FORMATS, get_format
+from trtkv.cache.manager import CacheConfig, KVCacheManager, SeqKV
+from trtkv.cache.pool import PagePool
+from trtkv.errors import OutOfKVMemory, TrtkvError
+
+TIER_DEVICE, TIER_HOST, TIER_HOST_Q, TIER_EVICTED = 0, 1, 2, 3
+TIER_NAMES = ("device", "host", "host-q", "evicted")
+# The compressed host format ``demote=host-compressed`` / ``host_format=compressed`` pick. Chosen by measured
+# fidelity on the shipped R1 traces (docs/benchmarks.md, "Tiered KV memory"): int4 kept more top-1 agreement
+# than nvfp4 at nearly the same bytes.
+DEFAULT_HOST_FORMAT = "int4"
+
+
+def parse_host_format(value: str | None, what: str = "host_format") -> str | None:
+    """``none``/empty -> None (T1, the token's own format); ``compressed`` -> the default T2 format; else a
+    registered KV format name. Bad values raise one clear line."""
+    text = (value or "none").strip().lower()
+    if text in ("none", "", "same", "t1"):
+        return None
+    if text == "compressed":
+        return DEFAULT_HOST_FORMAT
+    if text not in FORMATS:
+        raise TrtkvError(f"{what}={value!r}: not a KV format; choose none, compressed or one of "
+                         f"{', '.join(FORMATS)}")
+    return text
+
+
+def parse_demote(value: str | None) -> tuple[bool, str | None]:
+    """``demote=none|host|host-<format>`` -> (demote?, host format or None for T1)."""
+    text = (value or "none").strip().lower()
+    if text == "none":
+        return False, None
+    if text == "host":
+        return True, None
+    if text.startswith("host-"):
+        return True, parse_host_format(text[5:], what=f"demote={value}: format")
+    raise TrtkvError(f"--set demote={value!r}: choose none, host, host-compressed or host-<format> "
+                     f"(e.g. host-int4)")
+
+
+def parse_tier(tier: str) -> tuple[int, str | None]:
+    """A tier name of the request API: ``device``, ``host``, ``host-<format>``, ``evicted``."""
+    t = tier.strip().lower()
+    if t == "device":
+        return TIER_DEVICE, None
+    if t == "evicted":
+        return TIER_EVICTED, None
+    if t == "host" or t.startswith("host-"):
+        fmt = parse_host_format(t[5:] if t.startswith("host-") else None, what=f"tier {tier!r}: format")
+        return (TIER_HOST if fmt is None else TIER_HOST_Q), fmt
+    raise TrtkvError(f"unknown tier {tier!r}; choose device, host, host-<format> or evicted")
+
+
+class HostPagePool(PagePool):
+    """A page pool in host memory; pinned when the device is a GPU (so copies can be asynchronous)."""
+
+    pin = False
+
+    def _pin_all(self) -> None:
+        if self.pin:
+            self.fields = [t.pin_memory() for t in self.fields]
+            self.k_group = self.k_group.pin_memory()
+            self.group_fields = [t.pin_memory() for t in self.group_fields]
+
+    def _grow(self) -> None:
+        super()._grow()
+        self._pin_all()
+
+    def alloc_group(self, refs: int) -> int:
+        n = len(self.group_ref)
+        g = super().alloc_group(refs)
+        if len(self.group_ref) != n:
+            self._pin_all()
+        return g
+
+
+class HostKVStore(KVCacheManager):
+    """The host tiers' pages: a ``KVCacheManager`` whose pools live in (pinned) host memory."""
+
+    def __init__(self, cfg: CacheConfig, kv_amax=None, pin: bool = False):
+        super().__init__(cfg, kv_amax)
+        self.pin = pin
+
+    def pool(self, layer: int, fmt: str) -> PagePool:
+        pools = self.pools[layer]
+        if fmt not in pools:
+            c = self.cfg
+            pool = HostPagePool.__new__(HostPagePool)
+            pool.pin = self.pin
+            PagePool.__init__(pool, get_format(fmt), c.num_kv_heads, c.head_dim, c.block_size, "cpu",
+                              c.initial_pages, None)
+            pool._pin_all()
+            pools[fmt] = pool
+        return pools[fmt]
+
+
+@dataclass
+class SeqTiers:
+    """One request's host-tier record and transfer counters."""
+
+    host: SeqKV
+    orig_fmt: list[dict[int, tuple[str, int]]]  # per layer: T2 position -> (device format, thought class)
+    version: list[int]  # per layer, bumped on every host-tier change (staging re-copies when stale)
+    evicted_from_host: int = 0  # summed over layers
+    transfer_bytes: int = 0  # D2H (demotions) + H2D (promotions, staging) bytes
+    move_bytes: int = 0  # of which: event moves (demotions, promotions, re-encodes)
+    move_seconds: float = 0.0  # time spent copying KV between tiers (events + staging)
+    peak_host_bytes: int = 0
+    peak_device_bytes: int = 0  # device pages + staging this request needs, at its peak
+
+
+class TierStore:
+    """Placement, moves and per-tier accounting for one device cache (``KVCacheManager.tiers``)."""
+
+    def __init__(self, dev: KVCacheManager):
+        self.dev = dev
+        cfg = dev.cfg
+        host_cfg = dataclasses.replace(cfg, device="cpu", residual_group=1, eviction="inplace", max_pages=None)
+        pin = str(cfg.device).startswith("cuda") and torch.cuda.is_available()
+        self.host = HostKVStore(host_cfg, dev.kv_amax, pin=pin)
+        self.cap = getattr(cfg, "host_kv_memory", None)
+        self.demote, self.demote_fmt = parse_demote(getattr(cfg, "demote", "none"))
+        self.seqs: dict[int, SeqTiers] = {}
+        self.transfer_bytes_total = 0
+
+    # --- records ------------------------------------------------------------------------------
+    def record(self, seq: SeqKV) -> SeqTiers:
+        st = self.seqs.get(seq.seq_id)
+        if st is None:
+            L = self.dev.cfg.num_layers
+            st = SeqTiers(self.host.add_sequence(seq.seq_id), [{} for _ in range(L)], [0] * L)
+            self.seqs[seq.seq_id] = st
+        return st
+
+    def has_host(self, seq: SeqKV) -> bool:
+        st = self.seqs.get(seq.seq_id)
+        return st is not None and st.host.kv_bytes > 0  # host pages exist iff host tokens do
+
+    def free(self, seq_id: int) -> None:
+        st = self.seqs.pop(seq_id, None)
+        if st is not None:
+            self.host.free_sequence(seq_id)
+
+    # --- queries ------------------------------------------------------------------------------
+    def host_positions(self, seq: SeqKV, layer: int) -> np.ndarray:
+        st = self.seqs.get(seq.seq_id)
+        return np.empty(0, np.int64) if st is None else self.host.live_positions(st.host, layer)
+
+    def host_bytes(self, seq: SeqKV) -> int:
+        st = self.seqs.get(seq.seq_id)
+        return 0 if st is None else st.host.kv_bytes
+
+    def host_bytes_total(self) -> int:
+        return sum(st.host.kv_bytes for st in self.seqs.values())
+
+    def tier_of(self, seq: SeqKV, layer: int, positions) -> np.ndarray:
+        """Tier code per position (T3 for positions neither tier holds, the residual buffer counts as T0)."""
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        out = np.full(len(pos), TIER_EVICTED, np.int8)
+        dev_loc = seq.layers[layer].loc
+        buf = set(seq.buf_pos[layer]) if seq.buf_pos else set()
+        st = self.seqs.get(seq.seq_id)
+        hloc = st.host.layers[layer].loc if st is not None else {}
+        orig = st.orig_fmt[layer] if st is not None else {}
+        for i, p in enumerate(pos.tolist()):
+            if p in dev_loc or p in buf:
+                out[i] = TIER_DEVICE
+            elif p in hloc:
+                out[i] = TIER_HOST_Q if p in orig else TIER_HOST
+        return out
+
+    def staging_bytes(self, seq: SeqKV) -> int:
+        """Device bytes of the two one-layer staging buffers this request needs (its largest layer's host
+        pages, double-buffered so layer l+1 can be copied while layer l computes)."""
+        st = self.seqs.get(seq.seq_id)
+        if st is None:
+            return 0
+        per_layer = 0
+        for layer, table in enumerate(st.host.layers):
+            b = sum(len(pages) * self.host.pools[layer][fmt].page_bytes
+                    for (fmt, _), pages in table.pages.items())
+            per_layer = max(per_layer, b)
+        return 2 * per_layer
+
+    def stats(self, seq: SeqKV) -> dict[str, int | float]:
+        """The per-tier numbers of one request (``generate --json`` stats keys)."""
+        st = self.seqs.get(seq.seq_id)
+        L = self.dev.cfg.num_layers
+        dev_tokens = sum(t.live for t in seq.layers) + sum(seq.buffered(i) for i in range(L))
+        host_tokens = sum(t.live for t in st.host.layers) if st else 0
+        q_tokens = sum(len(d) for d in st.orig_fmt) if st else 0
+        staging = self.staging_bytes(seq)
+        return {
+            "kv_bytes_device": seq.kv_bytes + staging,
+            "kv_bytes_staging": staging,
+            "kv_bytes_host": st.host.kv_bytes if st else 0,
+            "peak_kv_bytes_device": max(st.peak_device_bytes if st else 0, seq.peak_bytes),
+            "peak_kv_bytes_host": st.peak_host_bytes if st else 0,
+            "tokens_device": dev_tokens // L,
+            "tokens_host": host_tokens // L,
+            "tokens_host_compressed": q_tokens // L,
+            "transfer_bytes": st.transfer_bytes if st else 0,
+            "kv_move_s": round(st.move_seconds, 6) if st else 0.0,
+        }
+
+    def note_peaks(self, seq: SeqKV) -> None:
+        st = self.seqs.get(seq.seq_id)
+        if st is not None:
+            st.peak_host_bytes = max(st.peak_host_bytes, st.host.kv_bytes)
+            st.peak_device_bytes = max(st.peak_device_bytes, seq.kv_bytes + self.staging_bytes(seq))
+
+    # --- moves --------------------------------------------------------------------------------
+    def place(self, seq: SeqKV, layer: int, positions, tier: int, fmt: str | None = None) -> int:
+        """Move paged ``positions`` of one layer into ``tier`` (T2 in ``fmt``); returns how many moved.
+        Residual-buffer tokens and positions no tier holds are skipped; a T2 token asked into T1 stays T2
+        (its original values are gone, spec §2.5)."""
+        pos = [int(p) for p in np.asarray(positions, dtype=np.int64).reshape(-1)]
+        if not pos:
+            return 0
+        dev_loc = seq.layers[layer].loc
+        on_dev = [p for p in pos if p in dev_loc]
+        st = self.seqs.get(seq.seq_id)
+        on_host = [p for p in pos if st is not None and p in st.host.layers[layer].loc]
+        if tier == TIER_EVICTED:
+            n = self.dev.evict(seq, layer, on_dev) if on_dev else 0
+            return n + (self._drop_host(seq, layer, on_host) if on_host else 0)
+        if tier == TIER_DEVICE:
+            return self._promote(seq, layer, on_host) if on_host else 0
+        n = self._demote(seq, layer, on_dev, fmt if tier == TIER_HOST_Q else None) if on_dev else 0
+        if on_host and tier == TIER_HOST_Q:  # T1 -> T2 (or T2 in another format): re-encode on the host
+            st = self.seqs[seq.seq_id]
+            redo = [p for p in on_host if st.host.layers[layer].loc[p][0] != fmt]
+            if redo:
+                n += self._host_reencode(seq, layer, redo, fmt)
+        return n
+
+    def demote_evicted(self, seq: SeqKV, layer: int, positions) -> int:
+        """The ``demote`` cache setting: a policy's eviction becomes a move to T1/T2."""
+        return self.place(seq, layer, positions, TIER_HOST_Q if self.demote_fmt else TIER_HOST, self.demote_fmt)
+
+    def _demote(self, seq: SeqKV, layer: int, positions: list[int], fmt: str | None) -> int:
+        import time
+
+        t0 = time.perf_counter()
+        st = self.record(seq)
+        before = st.host.kv_bytes
+        loc = seq.layers[layer].loc
+        raw = [p for p in positions if fmt is None or loc[p][0] == fmt]
+        enc = [p for p in positions if not (fmt is None or loc[p][0] == fmt)]
+        moved = 0
+        if raw:
+            moved += _raw_copy(self.dev, seq, self.host, st.host, layer, raw)
+        if enc:
+            classes = {p: (loc[p][0], int(self.dev.pools[layer][loc[p][0]].page_class[loc[p][1]])) for p in enc}
+            moved += _encode_copy(self.dev, seq, self.host, st.host, layer, enc, lambda p: fmt)
+            st.orig_fmt[layer].update(classes)
+        self._check_cap(seq, layer, positions, before)
+        n = self.dev.evict(seq, layer, positions)  # frees the device slots (metadata; compacts in compact mode)
+        seq.evicted_tokens -= n  # a move, not an eviction
+        self.dev.evictions_total -= n
+        self._moved(st, layer, moved, time.perf_counter() - t0)
+        return n
+
+    def _promote(self, seq: SeqKV, layer: int, positions: list[int]) -> int:
+        import time
+
+        t0 = time.perf_counter()
+        st = self.seqs[seq.seq_id]
+        orig = st.orig_fmt[layer]
+        raw = [p for p in positions if p not in orig]
+        enc = [p for p in positions if p in orig]
+        moved = 0
+        if raw:
+            moved += _raw_copy(self.host, st.host, self.dev, seq, layer, raw)
+        if enc:  # T2 -> T0: dequantized values re-encoded in the token's device format (lossy, spec §2.5)
+            moved += _encode_copy(self.host, st.host, self.dev, seq, layer, enc, lambda p: orig[p][0],
+                                  thought=lambda p: orig[p][1])
+            for p in enc:
+                del orig[p]
+        self._free_host(st, layer, positions)
+        self._moved(st, layer, moved, time.perf_counter() - t0)
+        return len(positions)
+
+    def _host_reencode(self, seq: SeqKV, layer: int, positions: list[int], fmt: str) -> int:
+        st = self.seqs[seq.seq_id]
+        orig = st.orig_fmt[layer]
+        hloc = st.host.layers[layer].loc
+        before = st.host.kv_bytes
+        for p in positions:
+            if p not in orig:
+                f, page, _ = hloc[p]
+                orig[p] = (f, int(self.host.pools[layer][f].page_class[page]))
+        tmp = self.host.add_sequence(-(10 ** 9) - seq.seq_id)  # staging record for the re-encoded copies
+        try:
+            _encode_copy(self.host, st.host, self.host, tmp, layer, positions, lambda p: fmt)
+            self._free_host(st, layer, positions)
+            _raw_copy(self.host, tmp, self.host, st.host, layer, positions)
+        finally:
+            self.host.free_sequence(tmp.seq_id)
+        self._check_cap(seq, layer, [], before)
+        st.version[layer] += 1
+        return len(positions)
+
+    def _drop_host(self, seq: SeqKV, layer: int, positions: list[int]) -> int:
+        st = self.seqs[seq.seq_id]
+        for p in positions:
+            st.orig_fmt[layer].pop(p, None)
+        self._free_host(st, layer, positions)
+        st.evicted_from_host += len(positions)
+        seq.evicted_tokens += len(positions)
+        self.dev.evictions_total += len(positions)
+        return len(positions)
+
+    def _free_host(self, st: SeqTiers, layer: int, positions: list[int]) -> None:
+        n = self.host.evict(st.host, layer, positions)
+        st.host.evicted_tokens -= n
+        self.host.evictions_total -= n
+        st.version[layer] += 1
+
+    def _check_cap(self, seq: SeqKV, layer: int, positions: list[int], before: int) -> None:
+        """Host-memory exhaustion: undo the host copies just made and fail with one clear line."""
+        if self.cap is None or self.host_bytes_total() <= self.cap:
+            return
+        st = self.seqs[seq.seq_id]
+        total = self.host_bytes_total()
+        if positions:
+            for p in positions:
+                st.orig_fmt[layer].pop(p, None)
+            self.host.evict(st.host, layer, positions)
+        raise OutOfKVMemory(f"host KV memory is full ({total:,} of {self.cap:,} bytes "
+                            f"with this move); raise --host-kv-memory, lower the batch size or evict more "
+                            f"(e.g. --set evict_ratio=... or demote=none)")
+
+    def _moved(self, st: SeqTiers, layer: int, nbytes: int, seconds: float) -> None:
+        st.version[layer] += 1
+        st.transfer_bytes += nbytes
+        st.move_bytes += nbytes
+        st.move_seconds += seconds
+        self.transfer_bytes_total += nbytes
+        st.peak_host_bytes = max(st.peak_host_bytes, st.host.kv_bytes)
+
+    def add_staged(self, seq_id: int, nbytes: int, seconds: float) -> None:
+        st = self.seqs.get(seq_id)
+        if st is not None:
+            st.transfer_bytes += nbytes
+            st.move_seconds += seconds
+            self.transfer_bytes_total += nbytes
+
+    # --- invariants (tests) -------------------------------------------------------------------
+    def check(self, seq: SeqKV) -> None:
+        """Assert the tiers partition the held positions and every byte counter equals a recount."""
+        st = self.seqs.get(seq.seq_id)
+        assert self.dev.recount_bytes(seq) == seq.kv_bytes, "device byte counter drifted"
+        if st is None:
+            return
+        assert self.host.recount_bytes(st.host) == st.host.kv_bytes, "host byte counter drifted"
+        for layer in range(self.dev.cfg.num_layers):
+            dev = set(seq.layers[layer].loc) | set(seq.buf_pos[layer] if seq.buf_pos else ())
+            host = set(st.host.layers[layer].loc)
+            assert not dev & host, f"layer {layer}: positions in two tiers: {sorted(dev & host)[:5]}"
+            assert set(st.orig_fmt[layer]) <= host, "T2 record of a position the host does not hold"
+
+
+def _raw_copy(src: KVCacheManager, sseq: SeqKV, dst: KVCacheManager, dseq: SeqKV, layer: int,
+              positions: list[int]) -> int:
+    """Copy tokens' codes, per-slot scales and key-scale groups verbatim (same format) into ``dst``'s pages.
+    The source keeps its copy (the caller frees it). Returns the bytes moved."""
+    loc = sseq.layers[layer].loc
+    by_cls: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}
+    for pos in positions:
+        fmt, p, s = loc[pos]
+        spool = src.pools[layer][fmt]
+        by_cls.setdefault((fmt, int(spool.page_class[p])), []).append((pos, p, s, int(spool.slot_seg[p, s])))
+    moved = 0
+    for cls, items in by_cls.items():
+        spool, dpool = src.pools[layer][cls[0]], dst.pool(layer, cls[0])
+        pages, slots = dst.alloc_slots(dseq, layer, cls, len(items))
+        sp = torch.tensor([i[1] for i in items], device=spool.device)
+        ss = torch.tensor([i[2] for i in items], device=spool.device)
+        dp = torch.from_numpy(pages).to(dpool.device)
+        ds = torch.from_numpy(slots).to(dpool.device)
+        for sf, df in zip(spool.fields, dpool.fields):
+            df[dp, ds] = sf[sp, ss].to(dpool.device)
+        moved += len(items) * spool.fmt.slot_bytes(spool.H, spool.D)
+        if spool.group_specs:
+            gids = spool.k_group[sp, ss].cpu().tolist()
+            gmap = {}
+            for g in sorted(set(gids)):
+                ng = dpool.alloc_group(gids.count(g))
+                dseq.add_bytes(dpool.group_bytes)
+                for sgf, dgf in zip(spool.group_fields, dpool.group_fields):
+                    dgf[ng] = sgf[g].to(dpool.device)
+                gmap[g] = ng
+                moved += dpool.group_bytes
+            dpool.k_group[dp, ds] = torch.tensor([gmap[g] for g in gids], dtype=torch.int32, device=dpool.device)
+        pl, sl = pages.tolist(), slots.tolist()
+        dpool.mark_written(pl, sl, [i[0] for i in items])
+        dloc = dseq.layers[layer].loc
+        for (pos, _, _, seg), p, s in zip(items, pl, sl):
+            dpool.slot_seg[p, s] = seg
+            dloc[pos] = (cls[0], p, s)
+    return moved
+
+
+def _encode_copy(src: KVCacheManager, sseq: SeqKV, dst: KVCacheManager, dseq: SeqKV, layer: int,
+                 positions: list[int], fmt_of, thought=None) -> int:
+    """Dequantize tokens from ``src`` and encode them into ``dst`` in ``fmt_of(pos)`` (flush groups of the
+    format's group size, one thought class and segment per group). Returns the bytes written."""
+    loc = sseq.layers[layer].loc
+    groups: dict[tuple[str, int, int], list[int]] = {}
+    for pos in positions:
+        f, p, s = loc[pos]
+        spool = src.pools[layer][f]
+        th = thought(pos) if thought is not None else int(spool.page_class[p])
+        groups.setdefault((fmt_of(pos), th, int(spool.slot_seg[p, s])), []).append(pos)
+    moved = 0
+    for (fmt, th, seg), plist in groups.items():
+        k, v = src.gather_kv(sseq, layer, plist)
+        dev = torch.device(dst.cfg.device)
+        g = get_format(fmt).group_size if get_format(fmt).group_size > 1 else len(plist)
+        for i in range(0, len(plist), max(1, g)):
+            dst.write(dseq, layer, k[i:i + g].to(dev), v[i:i + g].to(dev), plist[i:i + g], (fmt, th), seg)
+        pool = dst.pools[layer][fmt]
+        moved += len(plist) * pool.fmt.slot_bytes(pool.H, pool.D) + pool.group_bytes * -(-len(plist) // max(1, g))
+    return moved
+
+
+
+
+__all__ = ["TierStore", "HostKVStore", "SeqTiers", "parse_demote", "parse_host_format", "parse_tier",
+           "TIER_DEVICE", "TIER_HOST", "TIER_HOST_Q", "TIER_EVICTED",
+           "TIER_NAMES", "DEFAULT_HOST_FORMAT"]

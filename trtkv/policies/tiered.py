@@ -1,0 +1,178 @@
+"""``tiered``: the semantics-aware KV memory hierarchy ("Not All Thoughts Need HBM", spec
+``shared/specs/tiered-memory.md``). Cold tokens are moved to host memory, not dropped; they stay attended.
+
+Every decode step each cached token's score grows by its attention mass, averaged over layers and query heads
+(Eq. 1). Every ``interval`` steps a management event sorts the non-protected tokens by score: the lowest
+``evict_ratio`` are evicted (T3), the top ``beta`` of the rest stay on device (T0), the remainder goes to host
+memory: T1 (the token's own format, exact) or, with ``host_format``, T2 (re-encoded, lossy). The protected set
+(the prompt, the first ``sinks`` generated tokens, the last ``window`` positions) always stays on device.
+Attention covers device and host tiers alike (``runtime/staging.py``), so with ``evict_ratio=0`` the outputs
+do not depend on ``beta`` (Proposition 1) beyond floating-point reduction order.
+
+Parameters (defaults from the spec, §3): ``beta`` 0.5, ``evict_ratio`` 0.03, ``interval`` 64, ``sinks`` 4,
+``window`` 128, ``host_format`` none, ``evict_accounting`` per_event.
+
+Choices where the paper is silent or ambiguous (spec §6), all made as the spec recommends:
+* A1 ``evict_ratio`` is a *per-event* fraction of the live candidates (literal Algorithm 1; evictions
+  compound). ``evict_accounting=cumulative`` instead keeps |T3| = floor(r * |every candidate ever|).
+  The realised eviction fraction is reported (``tiered.realised_eviction_fraction``).
+* A2 offload mode is "stream": host tokens are copied to a per-layer staging buffer every step; device
+  bytes include the two one-layer staging buffers (``kv_bytes_device``).
+* A3 sinks are the first ``sinks`` *generated* tokens (the first sequence positions are prompt anyway).
+* A4 scores are accumulated in fp32; a layer whose column sums are not finite is left out of the step's
+  average; a step with no finite layer adds nothing.
+* A5 promoted host tokens are copied back to the device at the event (host copy freed: a token is in one tier).
+* A6 T2: ``host_format`` puts *all* offloaded tokens in T2 (the spec's ``r_comp`` in {0, 1}); the format is
+  any registered KV format (``compressed`` = the measured default, ``trtkv.cache.tiers.DEFAULT_HOST_FORMAT``),
+  keys and values re-encoded by the ``kv_write`` plugin in flush groups of the format's group size. T2 ->
+  T0 promotion re-encodes the dequantized values in the token's device format (lossy, never restored).
+* A9 ties: eviction takes the lower score, then the older position; the device keeps the higher score, then
+  the newer position (stable sorts on (score, position)).
+* A14 no age normalisation (old tokens have had more steps to collect score).
+* A16 scores start at 0 after prefill; the event at step 0 does nothing (everything is protected).
+* Tiers are per token for all layers at once (one score per position); residual-buffer tokens of quantized
+  formats are never moved (they are not paged yet) and count as protected.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from trtkv.policies.base import KVPolicy, ReportColumn, StatsRequest, StepStats
+from trtkv.policies.request import PolicyRequest
+from trtkv.policies.scoring import check_choice
+
+ACCOUNTING = ("per_event", "cumulative")
+
+
+@dataclass
+class TieredState:
+    score: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    events: int = 0
+    evicted: int = 0  # |T3|
+    promoted: int = 0
+    demoted: int = 0
+    skipped_steps: int = 0  # steps with no finite layer (A4)
+    candidates_ever: int = 0  # |U_all| at the last event
+
+
+@dataclass
+class TieredPolicy(KVPolicy):
+    name = "tiered"
+    description = "Tiered KV memory: cold tokens to host memory (T1/T2), still attended; bottom r evicted"
+    State = TieredState
+    beta: float = 0.5
+    evict_ratio: float = 0.03
+    interval: int = 64
+    sinks: int = 4
+    window: int = 128
+    host_format: str = "none"
+    evict_accounting: str = "per_event"
+
+    def __post_init__(self) -> None:
+        from trtkv.cache.tiers import parse_host_format
+
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
+        if not 0.0 <= self.evict_ratio < 1.0:
+            raise ValueError(f"evict_ratio must be in [0, 1), got {self.evict_ratio}")
+        if self.interval < 1 or self.window < 1 or self.sinks < 0:
+            raise ValueError("interval and window must be >= 1 and sinks >= 0")
+        check_choice("evict_accounting", self.evict_accounting, ACCOUNTING)
+        fmt = parse_host_format(self.host_format, what="--set host_format")
+        self._host_tier = "host" if fmt is None else f"host-{fmt}"
+
+    # --- engine-facing --------------------------------------------------------------------------
+    def max_live_tokens(self, prompt_len: int, max_tokens: int) -> int:
+        """Device-resident tokens at worst: protected + one interval of new tokens + beta of the rest."""
+        bound = prompt_len + self.sinks + self.window + self.interval + math.ceil(self.beta * max_tokens)
+        return min(prompt_len + max_tokens, bound)
+
+    def min_device_tokens(self, prompt_len: int, max_tokens: int) -> int:
+        return min(prompt_len + max_tokens, prompt_len + self.sinks + self.window + self.interval)
+
+    @classmethod
+    def report_columns(cls) -> tuple[ReportColumn, ...]:
+        return (ReportColumn("events", "tiered.events", ".0f"),
+                ReportColumn("T3 frac", "tiered.realised_eviction_fraction", ".3f"))
+
+    # --- hooks ------------------------------------------------------------------------------------
+    def stats_request(self, req: PolicyRequest, phase: str) -> StatsRequest | None:
+        return StatsRequest(weights=True) if phase == "decode" else None
+
+    def on_decode_step_end(self, req: PolicyRequest, stats: StepStats) -> None:
+        self._accumulate(req, stats)
+        if stats.step % self.interval == 0:
+            self._event(req, stats.step)
+
+    def _accumulate(self, req: PolicyRequest, stats: StepStats) -> None:
+        """Eq. 1: s_i += mean over finite layers of (1/H) sum_h alpha_{l,h}[i]."""
+        st = req.state
+        pos_parts, val_parts = [], []
+        for ls in stats.layers.values():
+            if ls.weights is None or not len(ls.positions):
+                continue
+            col = ls.weights.float().sum(0)
+            if not bool(torch.isfinite(col).all()):
+                continue
+            pos_parts.append(np.asarray(ls.positions, np.int64))
+            val_parts.append(col.cpu().numpy().astype(np.float64))
+        if not pos_parts:
+            st.skipped_steps += 1
+            return
+        top = int(max(p.max() for p in pos_parts)) + 1
+        if len(st.score) < top:
+            st.score = np.concatenate([st.score, np.zeros(max(top, 2 * len(st.score)) - len(st.score))])
+        denom = len(pos_parts) * req.num_q_heads
+        for p, v in zip(pos_parts, val_parts):
+            np.add.at(st.score, p, v / denom)
+
+    def _event(self, req: PolicyRequest, t: int) -> None:
+        st = req.state
+        P = req.prompt_len
+        p_now = P + t
+        alive = req.attended_positions(0)
+        buffered = req.buffered_positions(0)
+        prot = (alive < P + self.sinks) | (alive > p_now - self.window) | np.isin(alive, buffered)
+        cand = alive[~prot]
+        st.candidates_ever = max(0, (p_now - self.window + 1) - (P + self.sinks))
+        if len(cand) == 0:
+            return
+        st.events += 1
+        score = np.zeros(len(cand)) if len(st.score) == 0 else st.score[np.minimum(cand, len(st.score) - 1)]
+        score = np.where(cand < len(st.score), score, 0.0)
+        order = np.lexsort((cand, score))  # ascending score, then older first
+        if self.evict_accounting == "per_event":
+            n_evict = math.floor(self.evict_ratio * len(cand))
+        else:
+            n_evict = min(len(cand), max(0, math.floor(self.evict_ratio * st.candidates_ever) - st.evicted))
+        evict = cand[order[:n_evict]]
+        rest_idx = order[n_evict:]
+        rest, rest_score = cand[rest_idx], score[rest_idx]
+        n_dev = math.floor(self.beta * len(rest))
+        keep_order = np.lexsort((-rest, -rest_score))  # descending score, then newer first
+        on_device = rest[keep_order[:n_dev]]
+        to_host = rest[keep_order[n_dev:]]
+        if len(evict):
+            req.place(None, evict, "evicted")
+            st.evicted += len(evict)
+        tiers = req.tier_of(0, rest)
+        promote = on_device[np.isin(on_device, rest[tiers != 0])]
+        demote = to_host[np.isin(to_host, rest[tiers == 0])]
+        if len(promote):
+            req.place(None, promote, "device")
+            st.promoted += len(promote)
+        if len(demote):
+            req.place(None, demote, self._host_tier)
+            st.demoted += len(demote)
+
+    def extra_stats(self, req: PolicyRequest) -> dict[str, Any]:
+        st = req.state
+        frac = st.evicted / st.candidates_ever if st.candidates_ever else 0.0
+        return {"tiered": {"events": st.events, "evicted": st.evicted, "promoted": st.promoted,
+                           "demoted": st.demoted, "realised_eviction_fraction": round(frac, 5),
+                           "skipped_steps": st.skipped_steps}}

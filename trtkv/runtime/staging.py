@@ -1,0 +1,236 @@
+"""Host-tier staging: bring a layer's T1/T2 pages to the device so ``paged_attention`` can read them.
+
+Per decode step and layer, the batch's host pages of every format are copied into a device staging pool
+(two of them, one layer each: layer l+1 is copied while layer l computes) and attended with the same
+``paged_attention`` plugin as the device pages; ``decode_attention`` merges all partials by log-sum-exp.
+
+CUDA (tiered-memory spec §2.6 "stream", §4.5): host pools are pinned; the copy of layer l+1 is issued on a
+separate copy stream as soon as layer l's staging is handed to attention; the compute stream waits on that
+copy's event before reading it, and a buffer is rewritten only after the attention that read it (two layers
+earlier) has finished (an event recorded by ``release``). The host-side gather goes through a pinned scratch
+buffer per parity, reused only after its previous H2D copy completed. This path has NOT run on a GPU (no
+GPU was lent while writing it).
+
+CPU: the same code path, with the copies done synchronously into the separate staging pool (a real copy,
+so tests exercise the same indexing, block tables and merge).
+
+A policy may move tokens between tiers after a layer was prefetched (``before_attention``); every stage
+records the host tiers' per-layer versions and is redone synchronously when they changed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trtkv.cache.manager import KVCacheManager, SeqKV
+
+
+class StagedPool:
+    """The slice of one host pool copied to the device: what ``paged_attention`` and the statistics read
+    of a ``PagePool`` (fields, key-scale groups, validity words, slot positions)."""
+
+    def __init__(self, fmt, B: int, H: int, D: int, fields, group_fields, k_group, valid, slot_pos):
+        self.fmt, self.B, self.H, self.D = fmt, B, H, D
+        self.fields, self.group_fields, self.k_group = fields, group_fields, k_group
+        self._valid = valid
+        self.slot_pos = slot_pos
+        self.group_specs = fmt.group_fields(H, D)
+
+    def valid_bits(self) -> torch.Tensor:
+        return self._valid
+
+
+@dataclass
+class _Stage:
+    sources: list  # [(StagedPool, block_table, LayerScales)]
+    versions: tuple
+    event: object = None  # CUDA: the copy-done event the compute stream waits on
+    nbytes: list | None = None  # bytes staged per request (batch order)
+    seconds: float = 0.0
+
+
+class _Buffer:
+    """One parity's staging tensors per format, grown (never shrunk) to the largest layer seen."""
+
+    def __init__(self):
+        self.dev: dict[str, list[torch.Tensor]] = {}
+        self.scratch: dict[str, list[torch.Tensor]] = {}  # CUDA: pinned host gather buffers
+        self.copy_done = None  # CUDA: event of this parity's last H2D (scratch reusable after it)
+        self.attn_done = None  # CUDA: event after the attention that last read this parity
+        self.issued: dict[str, list[torch.Tensor]] = {}  # CUDA: tensors the copy stream has written before
+
+    def tensors(self, key: str, like: list[torch.Tensor], n: int, device, pinned: bool) -> list[torch.Tensor]:
+        cur = self.dev.get(key)
+        if cur is None or cur[0].shape[0] < n or len(cur) != len(like):
+            cap = max(n, 2 * cur[0].shape[0] if cur else n)
+            self.dev[key] = [torch.empty(cap, *t.shape[1:], dtype=t.dtype, device=device) for t in like]
+            if pinned:
+                self.scratch[key] = [torch.empty(cap, *t.shape[1:], dtype=t.dtype, pin_memory=True) for t in like]
+        return self.dev[key]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self.dev.values() for t in ts)
+
+
+class HostStaging:
+    """Stages the host tiers of a batch layer by layer (double-buffered; prefetches the next layer)."""
+
+    def __init__(self, cache: KVCacheManager):
+        self.cache = cache
+        self.device = torch.device(cache.cfg.device)
+        self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.buffers = (_Buffer(), _Buffer())
+        self.pending: dict[int, _Stage] = {}
+        self.batch: list[SeqKV] = []
+        self.stepping = False  # some layer of this step staged
+        self.copy_seconds = 0.0  # CPU: wall time of the copies; CUDA: host-side issue time (see copy_events)
+        self.copy_events: list[tuple] = []  # CUDA: (start, end) timing events on the copy stream
+        self.bytes_staged = 0
+        self.step_bytes: dict[int, int] = {}  # this step's staged bytes per request (CUDA time attribution)
+
+    def active(self, seqs: list[SeqKV]) -> bool:
+        t = self.cache._tiers
+        return t is not None and any(t.has_host(s) for s in seqs)
+
+    def staging_bytes(self) -> int:
+        """Device bytes the staging pools hold now (both parities)."""
+        return sum(b.nbytes() for b in self.buffers)
+
+    # --- the per-layer protocol used by EngineCore.decode_step -------------------------------------
+    def begin_step(self, seqs: list[SeqKV]) -> None:
+        self.batch = list(seqs)
+        self.pending.clear()
+        self.stepping = False
+
+    def sources(self, layer: int, num_layers: int) -> list | None:
+        """The engine's per-layer call: None while no request of the batch has host tokens (checked per
+        layer: a policy may demote in ``before_attention``, and those tokens are attended at once)."""
+        if not self.active(self.batch):
+            return None
+        self.stepping = True
+        return self.acquire(layer, num_layers)
+
+    def acquire(self, layer: int, num_layers: int) -> list:
+        """The staged sources of ``layer`` (prefetched or staged now), and the prefetch of ``layer + 1``."""
+        stage = self.pending.pop(layer, None)
+        if stage is None or stage.versions != self._versions(layer):
+            stage = self._stage(layer)
+        if self.cuda and stage.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(stage.event)
+        self._account(stage)
+        if layer + 1 < num_layers:
+            self.pending[layer + 1] = self._stage(layer + 1)
+        return stage.sources
+
+    def release(self, layer: int) -> None:
+        """Attention of ``layer`` is enqueued: its buffer may be rewritten once that attention finishes."""
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self.buffers[layer % 2].attn_done = ev
+
+    def end_step(self) -> None:
+        if not self.stepping:
+            return
+        self.stepping = False
+        self.pending.clear()
+        if self.cuda:  # host pools may be written after the step (tier events): no copy may be in flight
+            self.copy_stream.synchronize()
+        if self.cuda and self.copy_events:
+            torch.cuda.current_stream(self.device).synchronize()
+            step_s = sum(a.elapsed_time(b) for a, b in self.copy_events) / 1e3
+            self.copy_seconds += step_s
+            self.copy_events.clear()
+            total = sum(self.step_bytes.values())
+            for sid, nb in self.step_bytes.items():  # copy-stream time, attributed by bytes staged
+                self.cache.tiers.add_staged(sid, 0, step_s * nb / total if total else 0.0)
+        self.step_bytes.clear()
+
+    # --- staging -----------------------------------------------------------------------------------
+    def _versions(self, layer: int) -> tuple:
+        t = self.cache._tiers
+        return tuple(t.seqs[s.seq_id].version[layer] if s.seq_id in t.seqs else -1 for s in self.batch)
+
+    def _stage(self, layer: int) -> _Stage:
+        tiers = self.cache.tiers
+        host = tiers.host
+        buf = self.buffers[layer % 2]
+        t0 = time.perf_counter()
+        b = len(self.batch)
+        sources, nbytes = [], [0] * b
+        stream_ctx = None
+        if self.cuda:
+            if buf.copy_done is not None:
+                buf.copy_done.synchronize()  # the pinned scratch of this parity is free again
+            stream_ctx = torch.cuda.stream(self.copy_stream)
+            if buf.attn_done is not None:
+                self.copy_stream.wait_event(buf.attn_done)  # do not overwrite what layer l-2 still reads
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.copy_stream)
+        for fmt, hpool in host.pools[layer].items():
+            rows = []
+            for s in self.batch:
+                st = tiers.seqs.get(s.seq_id)
+                rows.append(st.host.layers[layer].pages_of_format().get(fmt, []) if st is not None else [])
+            flat = [p for r in rows for p in r]
+            if not flat:
+                continue
+            n = len(flat)
+            idx = torch.tensor(flat, dtype=torch.long)
+            like = [*hpool.fields, hpool.k_group[:, None]]
+            dst = buf.tensors(fmt, like, n, self.device, self.cuda)
+            if self.cuda:
+                if dst is not buf.issued.get(fmt):  # fresh tensors (allocated on the compute stream, possibly
+                    self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # reusing its blocks)
+                    buf.issued[fmt] = dst
+                scratch = buf.scratch[fmt]
+                for src, sc in zip(like, scratch):
+                    torch.index_select(src, 0, idx, out=sc[:n])
+                with stream_ctx:
+                    for sc, d in zip(scratch, dst):
+                        d[:n].copy_(sc[:n], non_blocking=True)
+                # small, copied synchronously on the compute stream (allocated there, so no record_stream):
+                # the host arena may be written by a demotion before an asynchronous copy would have landed
+                groups = [g.to(self.device) for g in hpool.group_fields]
+                valid = torch.from_numpy(hpool.valid[flat]).to(self.device)
+            else:  # CPU: a real copy into the separate staging pool
+                for src, d in zip(like, dst):
+                    torch.index_select(src, 0, idx, out=d[:n])
+                groups = [g.clone() for g in hpool.group_fields]  # the key-scale arena, as the kernel indexes it
+                valid = torch.from_numpy(hpool.valid[flat].copy())
+            fields = [d[:n] for d in dst[:-1]]
+            k_group = dst[-1][:n, 0]
+            bt = np.full((b, max(len(r) for r in rows)), -1, np.int32)
+            at = 0
+            for i, r in enumerate(rows):
+                bt[i, :len(r)] = np.arange(at, at + len(r))
+                at += len(r)
+                nbytes[i] += len(r) * hpool.page_bytes
+            staged = StagedPool(hpool.fmt, hpool.B, hpool.H, hpool.D, fields, groups, k_group, valid,
+                                hpool.slot_pos[flat])
+            sources.append((staged, torch.from_numpy(bt).to(self.device), host.layer_scales(layer, fmt)))
+        stage = _Stage(sources, self._versions(layer), nbytes=nbytes)
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.copy_stream)
+            self.copy_events.append((start, end))
+            stage.event = end
+            buf.copy_done = end
+        stage.seconds = time.perf_counter() - t0
+        return stage
+
+    def _account(self, stage: _Stage) -> None:
+        tiers = self.cache.tiers
+        total = sum(stage.nbytes or ())
+        self.bytes_staged += total
+        if not self.cuda:
+            self.copy_seconds += stage.seconds
+        for s, nb in zip(self.batch, stage.nbytes or ()):
+            if nb:
+                self.step_bytes[s.seq_id] = self.step_bytes.get(s.seq_id, 0) + nb
+                share = stage.seconds * nb / total if total else 0.0
+                tiers.add_staged(s.seq_id, nb, share if not self.cuda else 0.0)
