@@ -151,6 +151,12 @@ class KVPolicy:
         req.state = self.State()
         self.on_request_init(req)
 
+    def fork(self, parent: PolicyRequest, child: PolicyRequest) -> None:
+        """A child request forked from ``parent`` shares its tokens: it starts from a copy of its state."""
+        import copy
+
+        child.state = copy.deepcopy(parent.state)
+
     def end(self, req: PolicyRequest) -> None:
         try:
             self.on_request_finish(req)
