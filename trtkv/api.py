@@ -214,6 +214,19 @@ class Engine:
                     raise TrtkvError(x.events.queue[-1].error if x.events.queue else "generation failed")
         return [x.result for r in reqs for x in (r, *r.forks)]
 
+    def search(self, problem, config=None, task: str = "game24") -> dict[str, Any]:
+        """Tree search (ToT, best-first with backtracking) on one problem with this engine's policy; returns
+        the problem's record (answer, correct, peak cached tokens / pages / KV bytes, rehydrations...).
+        ``problem``: a ``trtkv.search.SearchProblem``, or a string (game24: "4 9 10 13"; math: the question)."""
+        from trtkv.search import SearchConfig, SearchProblem, get_task, run_search
+
+        config = (config or SearchConfig()).validate()
+        t = get_task(task)
+        if isinstance(problem, str):
+            problem = SearchProblem.from_text(task, problem)
+        with self._lock:
+            return run_search(self.make_core(), lambda text: self.encode_prompt(text, True), t, problem, config)
+
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[StreamEvent]:
         req = self.make_request(prompt, params)
         if self._thread is not None:
