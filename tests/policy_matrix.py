@@ -49,6 +49,9 @@ MATRIX: list[dict] = [
     {"name": "thinkv-tbe", "params": [{"budget": 48, "tau": 16, "group": 16, "retention": "8,4", "thought_schedule": "RTER"},
                                       {"budget": 24, "tau": 16, "group": 16, "retention": "4", "thought_schedule": "T"}],
      "smol": {"budget": 32, "tau": 32, "group": 16, "retention": "16,8,4", "thought_schedule": "RRTE"}},
+    # outside a search tree arborkv keeps everything (a chain is all active path); tree behaviour: test_arborkv.py
+    {"name": "arborkv", "params": [{}, {"kv_ratio": 0.1, "k_min": 4, "l_tail": 2, "boundary_mode": "eager"}],
+     "smol": {}},
 ]
 
 LEVELS = ("easy", "hard")

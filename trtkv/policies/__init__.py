@@ -26,6 +26,7 @@ POLICY_CLASSES = (
     "trtkv.policies.ams:AMSPolicy",
     "trtkv.policies.random:RandomPolicy",
     "trtkv.policies.pyramidkv:PyramidKVPolicy",
+    "trtkv.policies.arborkv:ArborKVPolicy",
 )
 
 POLICIES: dict[str, type[KVPolicy]] = {}
