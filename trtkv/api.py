@@ -225,7 +225,8 @@ class Engine:
         if isinstance(problem, str):
             problem = SearchProblem.from_text(task, problem)
         with self._lock:
-            return run_search(self.make_core(), lambda text: self.encode_prompt(text, True), t, problem, config)
+            return run_search(self.make_core(), lambda text: self.encode_prompt(text, config.chat), t, problem,
+                              config)
 
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[StreamEvent]:
         req = self.make_request(prompt, params)

@@ -387,12 +387,15 @@ def eval_cmd(engines, task, data, limit, max_tokens, samples, temperature, top_p
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--oracle", type=click.Path(path_type=Path), default=None,
               help="A full-cache search's output (for --set budget_basis=oracle_peak).")
+@click.option("--chat", is_flag=True, help="Wrap problems in the model's chat template (default: raw prompt).")
+@click.option("--shard", default="0/1", show_default=True, metavar="I/N",
+              help="Run only problems I, I+N, ... (parallel runs; merge with python -m trtkv.search.report).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Policy parameter override (repeatable).")
 @click.option("--device", default=None, help="cpu or cuda [cuda when available].")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="Directory for results.json, results.csv, timelines.json and live_kv.png.")
 def search_cmd(engine, task, limit, data, preset, branching, depth, expansions, node_tokens, temperature, top_p,
-               seed, oracle, sets, device, out) -> None:
+               seed, oracle, chat, shard, sets, device, out) -> None:
     """Tree-of-thought search with ENGINE's policy over a task's problems (forks share the path's pages)."""
     from trtkv.api import Engine
     from trtkv.search import SearchConfig, get_task
@@ -402,7 +405,12 @@ def search_cmd(engine, task, limit, data, preset, branching, depth, expansions, 
     get_task(task)
     over = {k: v for k, v in (("branching", branching), ("depth", depth), ("expansions", expansions),
                                ("node_tokens", node_tokens)) if v is not None}
-    cfg = SearchConfig.preset(preset, temperature=temperature, top_p=top_p, seed=seed, **over)
+    cfg = SearchConfig.preset(preset, temperature=temperature, top_p=top_p, seed=seed, chat=chat, **over)
+    try:
+        si, sn = (int(x) for x in shard.split("/"))
+        assert 0 <= si < sn
+    except (ValueError, AssertionError):
+        raise TrtkvError(f"--shard must be I/N with 0 <= I < N, got {shard!r}") from None
     eng = Engine.load(engine, device=device, policy_overrides=parse_sets(sets) or None)
 
     def progress(i, n, rec):
@@ -410,7 +418,7 @@ def search_cmd(engine, task, limit, data, preset, branching, depth, expansions, 
                    f"peak_cached_tokens={rec['peak_cached_tokens']} rehydrations={rec['rehydrations']} "
                    f"{rec['latency_s']:.1f}s", err=True)
 
-    doc = run_search_task(eng, task, cfg, limit, data, oracle, progress)
+    doc = run_search_task(eng, task, cfg, limit, data, oracle, progress, (si, sn))
     doc["command"] = _command_line("search")
     written = write_search(out, doc)
     s = doc["summary"]

@@ -59,8 +59,11 @@ class PageRefs:
 
 
 def _seal(table) -> None:
+    """No more writes into the table's current pages; its tokens are no longer one dense run (a sealed
+    partly filled page leaves unwritten slots), so attention must not take the dense-view fast path."""
     table.open_page.clear()
     table.reusable.clear()
+    table.holes = True
 
 
 @torch.inference_mode()
@@ -79,7 +82,7 @@ def fork_sequence(mgr: KVCacheManager, parent: SeqKV, child_id: int, mode: str =
         ct.pages = {cls: list(pages) for cls, pages in pt.pages.items()}
         ct.page_seq = dict(pt.page_seq)
         ct.loc = dict(pt.loc)
-        ct.holes = pt.holes
+        ct.holes = True
         for (fmt, _), pages in pt.pages.items():
             for p in pages:
                 mgr.refs.add(layer, fmt, p, parent.seq_id, child_id)

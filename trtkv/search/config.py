@@ -16,6 +16,7 @@ class SearchConfig:
     temperature: float = 0.7
     top_p: float = 0.9
     seed: int = 0
+    chat: bool = False  # wrap the problem in the model's chat template (off: its system prompt is pinned root)
     stop_on_solution: bool = True  # stop when the task verifies a solution without the reference (game24)
 
     @classmethod

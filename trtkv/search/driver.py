@@ -18,8 +18,9 @@ from trtkv.search.tasks import SearchProblem, SearchTask
 
 
 def run_search(core, encode, task: SearchTask, problem: SearchProblem, cfg: SearchConfig,
-               oracle_peak_tokens: int | None = None) -> dict[str, Any]:
-    """Search one problem on ``core`` (its own cache); returns its record (see ``search/report.py``)."""
+               oracle_peak_tokens: int | None = None, on_tree=None) -> dict[str, Any]:
+    """Search one problem on ``core`` (its own cache); returns its record (see ``search/report.py``).
+    ``on_tree(tree)`` (tests, tools) sees the finished tree before its pages are freed."""
     cfg.validate()
     ids = encode(problem.prompt)
     tree = SearchTree(core, problem.prompt, ids, cfg.temperature, cfg.top_p, cfg.seed, cfg.node_tokens,
@@ -71,6 +72,8 @@ def run_search(core, encode, task: SearchTask, problem: SearchProblem, cfg: Sear
             "policy_s": tree.policy_s,
             **core.policy.tree_stats(tree),
         }
+        if on_tree is not None:
+            on_tree(tree)
         timeline = [(p.step, p.cached_tokens, p.kv_bytes, p.event) for p in tree.timeline]
     finally:
         tree.close()

@@ -88,3 +88,25 @@ def compare_plot(docs: dict[str, dict], timelines: dict[str, dict], problem: str
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def merge_search(out: Path, dirs: list[Path]) -> list[Path]:
+    """Merge the outputs of ``trtkv search --shard`` runs (same engine and settings) into one."""
+    docs = [json.loads((d / "results.json").read_text()) for d in dirs]
+    timelines: dict[str, list] = {}
+    for d in dirs:
+        timelines.update(json.loads((d / "timelines.json").read_text()))
+    doc = dict(docs[0])
+    doc["records"] = sorted((r for x in docs for r in x["records"]), key=lambda r: r["problem"])
+    doc["summary"] = summarize(doc["records"])
+    doc["wall_s"] = max(x["wall_s"] for x in docs)
+    doc["merged_from"] = [str(d) for d in dirs]
+    for r in doc["records"]:
+        r["timeline"] = timelines.get(r["problem"], [])
+    return write_search(out, doc)
+
+
+if __name__ == "__main__":  # python -m trtkv.search.report OUT DIR [DIR ...]
+    import sys
+
+    print(", ".join(str(p) for p in merge_search(Path(sys.argv[1]), [Path(a) for a in sys.argv[2:]])))

@@ -26,15 +26,15 @@ def load_oracle(path: Path | None) -> dict[str, int]:
 
 
 def run_search_task(engine, task_name: str, cfg: SearchConfig, limit: int | None = None, data: str | None = None,
-                    oracle: Path | None = None, progress=None) -> dict[str, Any]:
+                    oracle: Path | None = None, progress=None, shard: tuple[int, int] = (0, 1)) -> dict[str, Any]:
     task = get_task(task_name)
     cfg.validate()
     if limit is not None and limit <= 0:
         raise TrtkvError(f"--limit must be positive, got {limit}")
-    problems = task.problems(limit, data, cfg.seed)
+    problems = task.problems(limit, data, cfg.seed)[shard[0]::shard[1]]
     peaks = load_oracle(oracle)
     core = engine.make_core()
-    encode = lambda text: engine.encode_prompt(text, True)  # noqa: E731
+    encode = lambda text: engine.encode_prompt(text, cfg.chat)  # noqa: E731
     records = []
     t0 = time.perf_counter()
     for i, p in enumerate(problems):
