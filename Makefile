@@ -12,7 +12,7 @@ PROMPT  ?= Write a long, detailed essay about the history of mathematics, from a
 # SmolLM2-135M loops under greedy decoding even with the full cache; the demo samples (seeded, reproducible)
 SAMPLING ?= --temperature 0.7 --top-p 0.9 --repetition-penalty 1.1 --seed 0 --ignore-eos
 
-.PHONY: setup demo test test-fast test-kernels bench-cpu clean
+.PHONY: setup demo test test-fast test-kernels lint bench-cpu clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,9 +34,12 @@ demo: setup
 	@echo "--- ThinKV, budget 256 ---"
 	$(BIN)/trtkv generate $(ENGINES)/smollm2-thinkv --prompt "$(PROMPT)" --max-tokens 1024 $(SAMPLING)
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q -m "not slow or serve or claim" tests --ignore=tests/kernels
 	$(MAKE) test-kernels
+
+lint: setup
+	$(BIN)/ruff check trtkv plugins tests build_scripts
 
 test-kernels: setup
 	$(BIN)/python -m pytest -q tests/kernels

@@ -24,7 +24,7 @@ import torch
 
 from .base import FieldSpec, KVFormat, LayerScales
 from .e4m3 import E4M3_MAX, e4m3_decode, e4m3_encode
-from .packing import pack, per_channel, unpack, value_groups
+from .packing import pack, per_channel, value_groups
 
 
 @dataclass(frozen=True)

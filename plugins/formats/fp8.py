@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import FieldSpec, KVFormat, LayerScales
-from .e4m3 import E4M3_MAX, e4m3_decode, e4m3_encode
+from .e4m3 import E4M3_MAX, e4m3_encode
 
 
 def _t(s: float, like: torch.Tensor) -> torch.Tensor:

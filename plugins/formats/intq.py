@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import FieldSpec, KVFormat, LayerScales
-from .packing import pack, per_channel, unpack, value_groups
+from .packing import pack, per_channel, value_groups
 
 _FP16_MAX = 65504.0
 

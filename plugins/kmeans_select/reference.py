@@ -32,7 +32,8 @@ def assign_ref(x: torch.Tensor, c: torch.Tensor, counts: torch.Tensor, k: torch.
     return d.argmin(dim=2) if Kmax else torch.zeros(J, M, dtype=torch.long, device=x.device)
 
 
-def kmeans_core(keys: torch.Tensor, counts: torch.Tensor, k_keep: torch.Tensor, iters: int, assign: AssignFn) -> torch.Tensor:
+def kmeans_core(keys: torch.Tensor, counts: torch.Tensor, k_keep: torch.Tensor, iters: int,
+                assign: AssignFn) -> torch.Tensor:
     """Selection with a pluggable assignment step; see :func:`kmeans_select_ref` for the contract."""
     keys = keys.float()
     J, M, F = keys.shape
@@ -50,7 +51,8 @@ def kmeans_core(keys: torch.Tensor, counts: torch.Tensor, k_keep: torch.Tensor, 
 
     # init: K rows evenly spaced in time, floor(i*m/K)
     init = (kidx[None, :] * counts[:, None]) // kk.clamp_min(1)[:, None]
-    c = torch.gather(keys, 1, init.clamp(0, max(M - 1, 0))[:, :, None].expand(J, Kmax, F)) if M else keys.new_zeros(J, Kmax, F)
+    c = (torch.gather(keys, 1, init.clamp(0, max(M - 1, 0))[:, :, None].expand(J, Kmax, F)) if M
+         else keys.new_zeros(J, Kmax, F))
     a = assign(keys, c, counts, kk)
     done = ~(clu_ok.any(1))
     for _ in range(iters):

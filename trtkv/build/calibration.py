@@ -82,7 +82,6 @@ request (``trtkv calibrate --fallback-types 3``, or ``--set thought_types=3`` on
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import json
 import math
@@ -915,5 +914,5 @@ def calibrate_for_build(model: str, *, device: str = "cpu", dtype: str | None = 
 __all__ = ["CalibrationData", "Analysis", "collect_sparsity", "analyze", "make_artifact", "load_calibration",
            "save_calibration", "calibrate", "calibrate_for_build", "classify_shares", "kde_on_grid", "find_modes",
            "find_valleys", "layer_scales", "packaged_calibration", "summary_lines", "parse_shares",
-           "open_full_engine", "load_prompts", "save_raw", "load_raw", "SPARSITY_DEF_VERSION", "RULE_KDE", "RULE_FALLBACK",
-           "DEFAULT_TARGET_SHARES"]
+           "open_full_engine", "load_prompts", "save_raw", "load_raw", "SPARSITY_DEF_VERSION", "RULE_KDE",
+           "RULE_FALLBACK", "DEFAULT_TARGET_SHARES"]
