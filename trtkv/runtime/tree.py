@@ -187,11 +187,12 @@ class SearchTree:
         req = fork_request(self.core, parent.request, params, make_generator(seed, self.core.device), mode="tree")
         req.ctx.tree = self
         node.request = req
-        node.token_probs.append(_prob(parent.request.last_logits, req.generated[0]))
+        if req.generated:  # (empty when the first sample was EOS: a terminal block of no tokens)
+            node.token_probs.append(_prob(parent.request.last_logits, req.generated[0]))
         while not req.finished and not self._block_done(req, stop_at_newline):
             self.core.decode_step([req])
             self.steps += 1
-            if req.generated:
+            if req.generated and not req.finished:
                 node.token_probs.append(_prob(req.last_logits, req.generated[-1]))
             self._record("decode")
         n = len(req.generated)
