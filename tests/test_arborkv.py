@@ -174,6 +174,20 @@ def test_tight_budget_keeps_the_path_and_rehydrates(tiny_full):  # spec §8.3, �
     assert rec["peak_cached_tokens"] < rec_full["peak_cached_tokens"]
 
 
+def test_offpath_blocks_in_thinkv_format_same_tree_fewer_bytes(tiny_full):
+    """Beyond the paper: off-path blocks re-stored in fp8 are never attended while off the path and are
+    rebuilt in the base format when they come back, so the search is unchanged and holds fewer bytes."""
+    trees, recs = {}, {}
+    for fmt in ("none", "fp8"):
+        core = _core(tiny_full, "arborkv", kv_ratio=0.9, k_min=2, l_tail=2, offpath_format=fmt)
+        recs[fmt] = _search(tiny_full, core, cfg=CFG.replace(expansions=9),
+                            on_tree=lambda t, fmt=fmt: trees.setdefault(fmt, _nodes(t)))
+    assert recs["fp8"]["converted_tokens"] > 0 and recs["none"]["converted_tokens"] == 0
+    assert {i: v[:3] for i, v in trees["fp8"].items()} == {i: v[:3] for i, v in trees["none"].items()}
+    assert recs["fp8"]["peak_cached_tokens"] == recs["none"]["peak_cached_tokens"]
+    assert recs["fp8"]["peak_kv_bytes"] < recs["none"]["peak_kv_bytes"]
+
+
 def test_positions_of_children(tiny_full):  # spec §8.15
     core = _core(tiny_full, "arborkv", kv_ratio=0.45, k_min=2, l_tail=2)
 

@@ -66,6 +66,13 @@ def _seal(table) -> None:
     table.holes = True
 
 
+def seal_sequence(seq: SeqKV) -> None:
+    """A sequence that will write no more tokens of its own (a closed tree node): its pages are released as
+    soon as evictions empty them (an open page would otherwise stay held)."""
+    for table in seq.layers:
+        _seal(table)
+
+
 @torch.inference_mode()
 def fork_sequence(mgr: KVCacheManager, parent: SeqKV, child_id: int, mode: str = "cow") -> SeqKV:
     """A new sequence holding exactly the parent's tokens, by reference."""

@@ -23,6 +23,8 @@ Parameters (spec §4 defaults; the paper publishes none)
     attn_layers     layers (evenly spaced) whose attention feeds A(t)
     attn_scope      "after_token" (H2O-style, default) or "after_block" (the paper's literal definition)
     intra           "full" (tail + heavy hitters + sinks), "tail_sinks", "tail_only" (Table 7 rows)
+    offpath_format  beyond the paper: at each Transition re-store off-path blocks' resident tokens in this
+                    format (e.g. ThinKV's "fp8" or "nvfp4"); rehydration brings them back to the base format
     theta           (θ_v, θ_u, θ_a, θ_0): the spec's uncalibrated placeholder (3, 1, 2, −2); fit your own with
                     ``arborkv_rules.fit_theta`` on leave-one-out drops (§3.8)
 Outside a search (no tree) the policy keeps everything: a single chain is all active path (spec §8.2).
@@ -86,6 +88,7 @@ class ArborKVPolicy(KVPolicy):
     intra: str = "full"
     theta: tuple[float, ...] = PLACEHOLDER_THETA
     allow_full_evict: bool = True
+    offpath_format: str = "none"  # beyond the paper: re-store off-path blocks in a ThinKV format (fp8, nvfp4...)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_ratio <= 1.0:
@@ -102,6 +105,11 @@ class ArborKVPolicy(KVPolicy):
             raise ValueError("need gamma > 0, 0 < eta <= 1, lambda_delta >= 0, 0 <= r_min <= 1")
         if self.k_min < 0 or self.l_tail < 0 or self.n_sink < 0 or self.attn_layers < 1:
             raise ValueError("k_min, l_tail, n_sink must be >= 0 and attn_layers >= 1")
+        if self.offpath_format != "none":
+            from plugins.formats import FORMATS
+
+            if self.offpath_format not in FORMATS:
+                raise ValueError(f"offpath_format must be none or a KV format ({', '.join(sorted(FORMATS))})")
         if len(self.theta) not in (3, 4):
             raise ValueError("theta is (v, u, a) or (v, u, a, bias)")
 
@@ -210,14 +218,17 @@ class ArborKVPolicy(KVPolicy):
             k_new = self._target(tree, st, j, False)
             if k_new < len(tree.resident(j)):
                 self._evict(tree, st, j, k_new)
+        if self.offpath_format != "none":  # quantize what stays off the path (ThinKV's formats)
+            for j in self._off_path(tree, on):
+                tree.store_as(j, self.offpath_format)
         path_blocks = [i for i in st.path if tree.nodes[i].closed and i != leaf_id]
         need = sum(tree.nodes[i].n - len(tree.resident(i)) for i in path_blocks)
         if tree.cached_tokens() + need >= st.budget - st.delta:
             self._pressure(tree, st, reserve=need)
         if self.rehydration:
             for i in path_blocks:  # root to leaf: every ancestor is complete when a block is rebuilt
-                if len(tree.resident(i)) < tree.nodes[i].n:
-                    tree.rehydrate(i)
+                if len(tree.resident(i)) < tree.nodes[i].n or self.offpath_format != "none":
+                    tree.rehydrate(i)  # (also brings re-stored blocks back to the base format)
         st.changed = True
 
     def tree_stats(self, tree) -> dict:

@@ -57,6 +57,9 @@ class TreeView(Protocol):
         """Tokens the whole tree holds (one layer; a shared token counted once)."""
     def resident(self, node_id: int) -> list[int]:
         """Offsets (0..n-1) of the block's tokens still cached."""
+    def store_as(self, node_id: int, fmt: str) -> int:
+        """Re-store the block's resident tokens in KV format ``fmt`` (quantize instead of evicting); the
+        tokens stay resident, their bytes shrink. Returns the tokens converted."""
     def rehydrate(self, node_id: int) -> None:
         """Rebuild the block's evicted tokens by a prefill over its stored ids at their original positions,
         the ancestors' pages as prefix (they must be complete); its descendants see the rebuilt tokens."""

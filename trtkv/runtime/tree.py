@@ -79,6 +79,7 @@ class SearchTree:
         self.peak_cached_tokens = self.peak_kv_bytes = self.peak_pages = 0
         self.rehydration_count = 0
         self.rehydration_s = 0.0
+        self.conversions = 0  # tokens re-stored in another format (store_as)
         self.policy_s = 0.0
         self._open = False
 
@@ -151,17 +152,55 @@ class SearchTree:
             todo.extend(self.nodes[i].children)
         return out
 
-    def rehydrate(self, node_id: int) -> None:
+    def _sharers(self, node_id: int) -> list:
+        return [self.nodes[i].req.seq for i in self.subtree(node_id)[1:]
+                if self.nodes[i].request is not None and self.nodes[i].request.req_id in self.core.cache.seqs]
+
+    def _stored_elsewhere(self, node_id: int, fmt: str) -> list[int]:
+        """Positions of the block held (layer 0) in a format other than ``fmt``."""
+        node = self.nodes[node_id]
+        loc = node.req.seq.layers[0].loc
+        return [p for p in range(node.start, node.start + node.n) if p in loc and loc[p][0] != fmt]
+
+    def store_as(self, node_id: int, fmt: str) -> int:
+        """Re-store the block's resident tokens in format ``fmt`` (e.g. ThinKV's fp8 / nvfp4): read them
+        dequantized, evict them tree-wide, write them in ``fmt`` and share the new pages with the block's
+        descendants. Returns the tokens converted. Rehydration restores the base format."""
+        from plugins.formats import get_format
+
         node = self.nodes[node_id]
         ctx = node.req
+        pos = self._stored_elsewhere(node_id, fmt)
+        if not pos:
+            return 0
+        g = get_format(fmt).group_size
+        step = g if g > 1 else len(pos)
+        sharers = self._sharers(node_id)
+        cache = self.core.cache
+        for layer in range(self.core.arch.num_hidden_layers):
+            k, v = ctx.kv(layer, pos)
+            cache.evict(ctx.seq, layer, pos)
+            for s in range(0, len(pos), step):
+                cache.write(ctx.seq, layer, k[s:s + step], v[s:s + step], pos[s:s + step], (fmt, 0), -1)
+            forks.share_written(cache, ctx.seq, sharers, layer, pos)
+        self.conversions += len(pos)
+        self._record("store")
+        return len(pos)
+
+    def rehydrate(self, node_id: int) -> None:
+        """Rebuild the block's evicted tokens (and those re-stored in another format) in the base format."""
+        node = self.nodes[node_id]
+        ctx = node.req
+        cls = self.core.policy.prefill_class(ctx)
+        other = self._stored_elsewhere(node_id, cls[0])
+        if other:
+            ctx.evict_all_layers(other)
         missing = span_missing(ctx, node.start, node.n)
         if not missing:
             return
         t0 = time.perf_counter()
-        cls = self.core.policy.prefill_class(ctx)
         prefill_at(self.core, ctx, node.token_ids, node.start, missing, cls)
-        sharers = [self.nodes[i].req.seq for i in self.subtree(node_id)[1:]
-                   if self.nodes[i].request is not None and self.nodes[i].request.req_id in self.core.cache.seqs]
+        sharers = self._sharers(node_id)
         for layer in range(self.core.arch.num_hidden_layers):
             forks.share_written(self.core.cache, ctx.seq, sharers, layer, missing)
         node.rehydrations += 1
@@ -206,6 +245,7 @@ class SearchTree:
         node.text = self.core.decode_text(node.token_ids)
         node.confidence = entropy_confidence(req.last_logits)
         node.closed = True
+        forks.seal_sequence(req.ctx.seq)  # a closed block writes no more tokens of its own
         return node
 
     def _block_done(self, req: Request, stop_at_newline: bool) -> bool:

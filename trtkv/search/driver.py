@@ -69,6 +69,7 @@ def run_search(core, encode, task: SearchTask, problem: SearchProblem, cfg: Sear
             "peak_kv_bytes": tree.peak_kv_bytes,
             "rehydrations": tree.rehydration_count,
             "rehydration_s": tree.rehydration_s,
+            "converted_tokens": tree.conversions,
             "policy_s": tree.policy_s,
             **core.policy.tree_stats(tree),
         }
