@@ -387,7 +387,8 @@ class KVCacheManager:
             if table._bt is None:
                 table._bt = [(self.pools[layer][fmt], torch.tensor([pages], dtype=torch.int32,
                                                                  device=self.pools[layer][fmt].device))
-                             for fmt, pages in table.pages_of_format().items()]
+                             for fmt, pages in table.pages_of_format().items() if pages]  # (a format whose
+                # pages were all released, e.g. a tree block re-stored and rebuilt, has no table)
             return table._bt
         per_seq = [s.layers[layer].pages_of_format() for s in seqs]
         for fmt, pool in self.pools[layer].items():
