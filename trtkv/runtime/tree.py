@@ -86,10 +86,10 @@ class SearchTree:
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> TreeNode:
         params = SamplingParams(max_tokens=1, temperature=self.temperature, top_p=self.top_p, seed=self.seed)
-        req = Request(-1 - self.seed, self.prompt, self.prompt_ids, params, make_generator(self.seed),
-                      self.core.arch.max_position_embeddings)
-        req.req_id = self.core.next_fork_id
+        rid = self.core.next_fork_id  # the root shares the id space of forks, apart from the API's
         self.core.next_fork_id += 1
+        req = Request(rid, self.prompt, self.prompt_ids, params, make_generator(self.seed),
+                      self.core.arch.max_position_embeddings)
         self._open = True
         self.core.prefill(req)
         req.ctx.tree = self
