@@ -53,6 +53,9 @@ MATRIX: list[dict] = [
                                   {"beta": 0.3, "evict_ratio": 0.1, "interval": 4, "sinks": 1, "window": 4,
                                    "host_format": "int4"}],
      "smol": {"beta": 0.3, "evict_ratio": 0.05, "interval": 16, "window": 32}, "cadence": {"interval": 64}},
+    # outside a search tree arborkv keeps everything (a chain is all active path); tree behaviour: test_arborkv.py
+    {"name": "arborkv", "params": [{}, {"kv_ratio": 0.1, "k_min": 4, "l_tail": 2, "boundary_mode": "eager"}],
+     "smol": {}},
 ]
 
 LEVELS = ("easy", "hard")

@@ -101,3 +101,13 @@ def test_models_and_policies_list():
     p = run("policies", "list", "--json")
     assert p.returncode == 0
     assert {"full", "streamingllm"} <= {d["name"] for d in json.loads(p.stdout)}
+
+
+def test_bad_search_settings(engine_factory, tiny_ckpt, tmp_path):
+    eng = str(engine_factory(tiny_ckpt, "arborkv"))
+    out = str(tmp_path / "s")
+    assert_one_line_error(run("search", eng, "--task", "chess", "--out", out), "unknown search task")
+    assert_one_line_error(run("search", eng, "--task", "game24", "--branching", "0", "--out", out),
+                          "branching must be a positive integer")
+    assert_one_line_error(run("search", eng, "--task", "game24", "--limit", "1", "--expansions", "2",
+                              "--node-tokens", "4", "--set", "kv_ratio=0.05", "--out", out), "below the root prompt")

@@ -128,6 +128,7 @@ def test_accuracy_two_gsm8k_problems(tiny_ckpt, engine_factory, tmp_path):
         assert 0 < rec["mean_generated_tokens"] <= 6 and rec["peak_kv_bytes_mean"] > 0
     rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and {x["reference"] for x in rows} == {"7", "24"}
+    assert any(x["kv_bytes_shared"] > 0 for x in rows)  # a problem's K samples fork its prompt's pages
     assert (out / "accuracy_vs_kv_gsm8k.png").is_file()
     assert "pass@1" in r.output
 

@@ -202,22 +202,44 @@ class Engine:
 
     def generate(self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[GenerationResult]:
-        """Generate for several prompts batched together; results in prompt order."""
+        """Generate for several prompts batched together; results in prompt order. With
+        ``SamplingParams(n=K)`` a prompt has K consecutive results (``stats["sample_index"]`` 0..K-1): the K
+        samples share the prompt's KV pages (prefilled once, forked)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         plist = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.make_request(p, sp) for p, sp in zip(prompts, plist)]
         if self._thread is not None:
             handles = [self._enqueue(r) for r in reqs]
-            return [h.result() for h in handles]
+            out = []
+            for r, h in zip(reqs, handles):
+                out.append(h.result())
+                out += [RequestHandle(c).result() for c in r.forks]
+            return out
         with self._lock:
             for r in reqs:
                 self.scheduler.add(r)
-            while not all(r.result for r in reqs):
+            while not all(r.result and all(c.result for c in r.forks) for r in reqs):
                 self._step()
         for r in reqs:
-            if r.finish_reason == "error":
-                raise TrtkvError(next((ev.error for ev in reversed(r.events.queue) if ev.error), "generation failed"))
-        return [r.result for r in reqs]
+            for x in [r, *r.forks]:
+                if x.finish_reason == "error":
+                    raise TrtkvError(next((ev.error for ev in reversed(x.events.queue) if ev.error),
+                                          "generation failed"))
+        return [x.result for r in reqs for x in (r, *r.forks)]
+
+    def search(self, problem, config=None, task: str = "game24") -> dict[str, Any]:
+        """Tree search (ToT, best-first with backtracking) on one problem with this engine's policy; returns
+        the problem's record (answer, correct, peak cached tokens / pages / KV bytes, rehydrations...).
+        ``problem``: a ``trtkv.search.SearchProblem``, or a string (game24: "4 9 10 13"; math: the question)."""
+        from trtkv.search import SearchConfig, SearchProblem, get_task, run_search
+
+        config = (config or SearchConfig()).validate()
+        t = get_task(task)
+        if isinstance(problem, str):
+            problem = SearchProblem.from_text(task, problem)
+        with self._lock:
+            return run_search(self.make_core(), lambda text: self.encode_prompt(text, config.chat), t, problem,
+                              config)
 
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[StreamEvent]:
         req = self.make_request(prompt, params)

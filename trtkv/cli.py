@@ -394,6 +394,63 @@ def eval_cmd(engines, task, data, limit, max_tokens, samples, temperature, top_p
         click.echo(f"results written to {out}/ ({', '.join(p.name for p in written)})")
 
 
+@main.command("search")
+@click.argument("engine", type=click.Path(path_type=Path))
+@click.option("--task", required=True, help="game24 (generated puzzles), gsm8k or math500.")
+@click.option("--limit", type=int, default=None, help="Problems to search [game24: 20; math: all].")
+@click.option("--data", default=None, help="Math data file (default: the shared data directory).")
+@click.option("--preset", type=click.Choice(["S", "L"]), default="S", show_default=True,
+              help="Config-S (branching 3, depth 6, 64 expansions, 128-token blocks) or Config-L (5/8/256/128).")
+@click.option("--branching", type=int, default=None, help="Most children per node [preset].")
+@click.option("--depth", type=int, default=None, help="Deepest block [preset].")
+@click.option("--expansions", type=int, default=None, help="Blocks generated per problem [preset].")
+@click.option("--node-tokens", type=int, default=None, help="Most tokens per block [preset].")
+@click.option("--temperature", type=float, default=0.7, show_default=True)
+@click.option("--top-p", type=float, default=0.9, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--oracle", type=click.Path(path_type=Path), default=None,
+              help="A full-cache search's output (for --set budget_basis=oracle_peak).")
+@click.option("--chat", is_flag=True, help="Wrap problems in the model's chat template (default: raw prompt).")
+@click.option("--shard", default="0/1", show_default=True, metavar="I/N",
+              help="Run only problems I, I+N, ... (parallel runs; merge with python -m trtkv.search.report).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Policy parameter override (repeatable).")
+@click.option("--device", default=None, help="cpu or cuda [cuda when available].")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="Directory for results.json, results.csv, timelines.json and live_kv.png.")
+def search_cmd(engine, task, limit, data, preset, branching, depth, expansions, node_tokens, temperature, top_p,
+               seed, oracle, chat, shard, sets, device, out) -> None:
+    """Tree-of-thought search with ENGINE's policy over a task's problems (forks share the path's pages)."""
+    from trtkv.api import Engine
+    from trtkv.search import SearchConfig, get_task
+    from trtkv.search.report import write_search
+    from trtkv.search.run import run_search_task
+
+    get_task(task)
+    over = {k: v for k, v in (("branching", branching), ("depth", depth), ("expansions", expansions),
+                               ("node_tokens", node_tokens)) if v is not None}
+    cfg = SearchConfig.preset(preset, temperature=temperature, top_p=top_p, seed=seed, chat=chat, **over)
+    try:
+        si, sn = (int(x) for x in shard.split("/"))
+        assert 0 <= si < sn
+    except (ValueError, AssertionError):
+        raise TrtkvError(f"--shard must be I/N with 0 <= I < N, got {shard!r}") from None
+    eng = Engine.load(engine, device=device, policy_overrides=parse_sets(sets) or None)
+
+    def progress(i, n, rec):
+        click.echo(f"[{i}/{n}] {rec['problem']}: correct={rec['correct']} expansions={rec['expansions']} "
+                   f"peak_cached_tokens={rec['peak_cached_tokens']} rehydrations={rec['rehydrations']} "
+                   f"{rec['latency_s']:.1f}s", err=True)
+
+    doc = run_search_task(eng, task, cfg, limit, data, oracle, progress, (si, sn))
+    doc["command"] = _command_line("search")
+    written = write_search(out, doc)
+    s = doc["summary"]
+    click.echo(f"{task}: {s['correct']}/{s['problems']} correct; peak cached tokens mean "
+               f"{s['peak_cached_tokens_mean']:.0f} (max {s['peak_cached_tokens_max']}); peak KV bytes mean "
+               f"{s['peak_kv_bytes_mean']:.0f}; rehydrations {s['rehydrations_total']}")
+    click.echo(f"results written to {out}/ ({', '.join(p.name for p in written)})")
+
+
 # --- serving (commands live in trtkv.serve; their heavy imports happen when they run) -------------
 def _add_serving_commands() -> None:
     from trtkv.serve.__main__ import deploy, serve, tritonserver

@@ -17,6 +17,7 @@ import torch
 
 from plugins.formats import KVFormat, LayerScales, get_format
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
+from trtkv.cache import forks
 from trtkv.cache.pool import PagePool
 from trtkv.errors import TrtkvError
 from trtkv.sizes import parse_size
@@ -142,6 +143,7 @@ class SeqKV:
     kv_bytes: int = 0  # running total: pages + key-scale groups + residual buffer
     peak_bytes: int = 0
     evicted_tokens: int = 0  # summed over layers
+    fork_mode: str | None = None  # set once the sequence shares pages: "cow" or "tree" (see cache/forks.py)
 
     def add_bytes(self, n: int) -> None:
         self.kv_bytes += n
@@ -163,6 +165,8 @@ class KVCacheManager:
         self.evictions_total = 0
         self.compaction_moves = 0  # tokens copied by gather compaction
         self._tiers = None
+        self.refs = forks.PageRefs()  # pages shared by forked sequences (cache/forks.py)
+        self.cow_copies = 0  # pages copied because a sharer evicted from them
 
     @property
     def tiers(self):
@@ -195,6 +199,8 @@ class KVCacheManager:
             for (fmt, _), pages in table.pages.items():
                 pool = self.pools[layer][fmt]
                 for p in pages:
+                    if forks.release_sequence_page(self, seq, layer, fmt, p):
+                        continue  # another sequence still holds it
                     self._drop_page_tokens(seq, pool, p)
                     pool.release_page(p)
                     seq.add_bytes(-(pool.page_bytes + 4))
@@ -340,6 +346,12 @@ class KVCacheManager:
                 continue
             fmt, p, s = where
             pool = self.pools[layer][fmt]
+            if self.refs.sharers(layer, fmt, p):  # a page other sequences hold too
+                if seq.fork_mode == "tree":
+                    forks.evict_shared(self, seq, layer, fmt, p, s, int(pos))
+                    n += 1
+                    continue
+                p = forks.make_private(self, seq, layer, fmt, p)
             if pool.group_specs and pool.decref_group(int(pool.k_group[p, s])):
                 seq.add_bytes(-pool.group_bytes)
             pool.mark_evicted(p, s)
@@ -366,6 +378,9 @@ class KVCacheManager:
 
         This copies K/V codes (what R-KV and AMS do after eviction); the in-place mode never does."""
         table = seq.layers[layer]
+        for cls, pages in list(table.pages.items()):  # gathering writes: shared pages are copied first
+            for p in [p for p in pages if self.refs.sharers(layer, cls[0], p)]:
+                forks.make_private(self, seq, layer, cls[0], p)
         for cls, pages in list(table.pages.items()):
             pool = self.pools[layer][cls[0]]
             src = [(p, s) for p in pages for s in range(pool.B) if pool.valid[p] >> s & 1]
@@ -444,7 +459,8 @@ class KVCacheManager:
             if table._bt is None:
                 table._bt = [(self.pools[layer][fmt], torch.tensor([pages], dtype=torch.int32,
                                                                  device=self.pools[layer][fmt].device))
-                             for fmt, pages in table.pages_of_format().items()]
+                             for fmt, pages in table.pages_of_format().items() if pages]  # (a format whose
+                # pages were all released, e.g. a tree block re-stored and rebuilt, has no table)
             return table._bt
         per_seq = [s.layers[layer].pages_of_format() for s in seqs]
         for fmt, pool in self.pools[layer].items():
@@ -494,6 +510,19 @@ class KVCacheManager:
 
     def live_tokens(self, seq: SeqKV) -> list[int]:
         return [t.live for t in seq.layers]
+
+    def engine_bytes(self) -> int:
+        """Bytes the cache holds across all requests, each physical page and key-scale group once (forked
+        sequences share pages), plus every request's block-table entries and residual buffer."""
+        total = 0
+        for pools in self.pools:
+            for pool in pools.values():
+                total += pool.in_use * pool.page_bytes + pool.groups_in_use * pool.group_bytes
+        for seq in self.seqs.values():
+            total += 4 * sum(len(p) for t in seq.layers for p in t.pages.values())
+            if seq.buf_k is not None:
+                total += 2 * seq.buf_k.numel() * seq.buf_k.element_size()
+        return total
 
     def pages_in_use(self) -> int:
         return sum(p.in_use for pools in self.pools for p in pools.values())

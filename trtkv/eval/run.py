@@ -325,19 +325,21 @@ def run_accuracy(engines: list, task: str, problems: list, samples: int = 1, max
         raise TrtkvError(f"no {task} problems to run (empty data file or --limit 0)")
     if samples <= 0:
         raise TrtkvError("--samples must be at least 1")
-    items = [(pi, s) for pi in range(len(problems)) for s in range(samples)]
-    bar = progress_bar(len(items) * len(engines), task, "sample", progress)
+    bar = progress_bar(len(problems) * samples * len(engines), task, "sample", progress)
     records, rows = [], []
     try:
         for be in engines:
             e = be.engine
             size = batch or e.scheduler.max_batch
             mine = []
-            for start in range(0, len(items), size):
-                chunk = items[start:start + size]
-                prompts = [problems[pi].question + PROMPT_SUFFIX for pi, _ in chunk]
+            per_chunk = max(1, size // samples)  # problems per batch; each one's K samples fork its prompt
+            for start in range(0, len(problems), per_chunk):
+                pis = list(range(start, min(start + per_chunk, len(problems))))
+                prompts = [problems[pi].question + PROMPT_SUFFIX for pi in pis]
+                # SamplingParams(n=K): the K samples share the prompt's pages; sample s is seeded seed+1000*pi+s
                 params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                         seed=seed + 1000 * pi + s, chat=True) for pi, s in chunk]
+                                         seed=seed + 1000 * pi, chat=True, n=samples) for pi in pis]
+                chunk = [(pi, s) for pi in pis for s in range(samples)]
                 for (pi, s), res in zip(chunk, e.generate(prompts, params)):
                     p = problems[pi]
                     gold = reference_answer(p, task)
@@ -346,6 +348,7 @@ def run_accuracy(engines: list, task: str, problems: list, samples: int = 1, max
                                  "answer": extract_answer(res.text, task), "correct": is_correct(res.text, gold, task),
                                  "generated_tokens": st["generated_tokens"], "finish_reason": res.finish_reason,
                                  "kv_bytes": st["kv_bytes"], "peak_kv_bytes": st["peak_kv_bytes"],
+                                 "kv_bytes_shared": st.get("kv_bytes_shared", 0),
                                  "kv_bytes_full": st["kv_bytes_full"], "tokens_per_s": st["tokens_per_s"],
                                  "text": res.text})
                 bar.update(len(chunk))

@@ -27,6 +27,7 @@ POLICY_CLASSES = (
     "trtkv.policies.random:RandomPolicy",
     "trtkv.policies.pyramidkv:PyramidKVPolicy",
     "trtkv.policies.tiered:TieredPolicy",
+    "trtkv.policies.arborkv:ArborKVPolicy",
 )
 
 POLICIES: dict[str, type[KVPolicy]] = {}

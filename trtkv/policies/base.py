@@ -156,6 +156,12 @@ class KVPolicy:
         req.state = self.State()
         self.on_request_init(req)
 
+    def fork(self, parent: PolicyRequest, child: PolicyRequest) -> None:
+        """A child request forked from ``parent`` shares its tokens: it starts from a copy of its state."""
+        import copy
+
+        child.state = copy.deepcopy(parent.state)
+
     def end(self, req: PolicyRequest) -> None:
         try:
             self.on_request_finish(req)
@@ -180,6 +186,23 @@ class KVPolicy:
 
     def on_request_finish(self, req: PolicyRequest) -> None:
         pass
+
+    # --- tree events (trtkv search; see policies/tree.py) ------------------------------------
+    def on_tree_begin(self, tree: Any) -> None:
+        pass
+
+    def on_transition(self, tree: Any, leaf_id: int) -> None:
+        pass
+
+    def on_boundary(self, tree: Any, node_id: int) -> None:
+        pass
+
+    def on_tree_end(self, tree: Any) -> None:
+        pass
+
+    def tree_stats(self, tree: Any) -> dict[str, Any]:
+        """Policy numbers for a search's per-problem record (rehydrations are counted by the tree)."""
+        return {}
 
     def extra_stats(self, req: PolicyRequest) -> dict[str, Any]:
         """Policy-specific numbers for ``generate --json`` stats."""

@@ -22,6 +22,7 @@ class PolicyRequest(Protocol):
     prompt_len: int
     step: int  # decode index of the token being processed (-1 during prefill)
     state: Any  # the policy's per-request State (a dataclass), created and freed by the base policy
+    tree: Any  # the search tree (``trtkv.policies.tree.TreeView``) this request is a node of, else None
 
     # --- geometry -----------------------------------------------------------------------------
     @property

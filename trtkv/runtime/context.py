@@ -25,6 +25,7 @@ class RequestContext:
         self._num_layers = num_layers
         self._num_q_heads = num_q_heads or cache.cfg.num_kv_heads
         self.state: Any = None  # the policy's per-request State, owned by the policy base
+        self.tree: Any = None  # the search tree this request is a node of (runtime/tree.py), else None
 
     # --- geometry -----------------------------------------------------------------------------
     @property

@@ -42,6 +42,7 @@ class EngineCore:
         self.sm_scale = 1.0 / math.sqrt(self.arch.head_dim)
         self.g = cache_cfg.residual_group
         self.steps_total = 0
+        self.next_fork_id = 1 << 40  # ids of forked requests (runtime/forking.py), apart from the API's
         # CPU only: run the per-layer small ops (cache writes, decode attention) on one thread
         self.small_ops_threads = 1 if self.device.type == "cpu" else 0
         policy.bind_model(self.arch)
@@ -88,6 +89,7 @@ class EngineCore:
                 stats.layers[layer] = self._prefill_stats(q, k, max(sreq.prefill_window, 1))
             x = self.model.finish_layer(layer, x, attn)
         logits = self.model.logits(x[-1:])
+        req.last_logits = logits[0]  # what a fork of this request samples its first token from
         for o in self.observers:
             o.on_prefill(req, logits, stats)
         tok = sample_next(logits, [req.params], [req.generator], [req.prompt_ids])[0]
@@ -196,7 +198,8 @@ class EngineCore:
         contexts = [r.prompt_ids + r.generated if r.params.repetition_penalty != 1.0 else [] for r in reqs]
         toks = sample_next(logits, [r.params for r in reqs], [r.generator for r in reqs], contexts)
         self.steps_total += 1
-        for r, c, st, tok in zip(reqs, ctxs, stats, toks):
+        for i, (r, c, st, tok) in enumerate(zip(reqs, ctxs, stats, toks)):
+            r.last_logits = logits[i]
             r.decode_steps += 1
             c.step += 1
             self._append_token(r, tok)
@@ -252,6 +255,11 @@ class EngineCore:
             "time_to_first_token_s": (req.t_first - req.t_submit) if req.t_first else None,
         }
         stats.update(self.cache.tiers.stats(seq))  # per-tier bytes and tokens, transfers (cache/tiers.py)
+        if seq.fork_mode is not None:  # pages shared with other live sequences (counted once per engine)
+            from trtkv.cache.forks import shared_bytes
+
+            stats["kv_bytes_shared"] = shared_bytes(self.cache, seq)
+            stats["sample_index"] = req.sample_index
         stats.update(self.policy.extra_stats(req.ctx))
         req.result = GenerationResult(req.text, list(req.generated), req.finish_reason or "cancelled", stats,
                                       req.prompt)

@@ -87,6 +87,9 @@ class Request:
         self.decode_steps = 0
         self.peak_live_tokens = 0
         self.result: GenerationResult | None = None
+        self.last_logits: torch.Tensor | None = None  # [V] logits of the newest step (forks sample from them)
+        self.forks: list[Request] = []  # SamplingParams(n=K): the K-1 sibling samples forked after prefill
+        self.sample_index = 0  # which of the n samples this request is
 
     @property
     def prompt_len(self) -> int:

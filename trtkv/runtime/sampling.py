@@ -9,6 +9,7 @@ import torch
 from trtkv.errors import TrtkvError
 
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_SAMPLES = 64
 
 
 @dataclass
@@ -22,6 +23,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     chat: bool = True  # wrap the prompt in the model's chat template
     ignore_eos: bool = False
+    n: int = 1  # samples per prompt; samples 2..n fork the first after prefill and share the prompt's pages
 
     def validate(self, max_positions: int | None = None) -> "SamplingParams":
         def bad(msg: str) -> TrtkvError:
@@ -42,6 +44,8 @@ class SamplingParams:
             raise bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0 or self.seed >= 2**63):
             raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_SAMPLES:
+            raise bad(f"n (samples per prompt) must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from trtkv.runtime.core import EngineCore
+from trtkv.runtime.forking import spawn_samples
 from trtkv.runtime.request import Request
 
 
@@ -67,6 +68,7 @@ class Scheduler:
             req = self.waiting.popleft()
             self._run("prefill", self.core.prefill, req, [req])
             self.running.append(req)
+            self.running.extend(spawn_samples(self.core, req))  # SamplingParams(n>1): forked siblings
         active = [r for r in self.running if not r.finished and not r.cancelled]
         if active:
             self._run("decode", self.core.decode_step, active, active)
