@@ -89,8 +89,9 @@ def _same_recording(gold, data):
     assert [x.tolist() for x in data.steps] == gold["steps"]
     for got, want in zip(data.u, gold["u"]):
         np.testing.assert_allclose(got, np.asarray(want), rtol=0, atol=1e-12)
-    np.testing.assert_allclose(data.k_amax, gold["k_amax"], rtol=1e-6)
-    np.testing.assert_allclose(data.v_amax, gold["v_amax"], rtol=1e-6)
+    # amax: a few float ulps (the CPU weight layout changed the projections' summation order since recording)
+    np.testing.assert_allclose(data.k_amax, gold["k_amax"], rtol=1e-5)
+    np.testing.assert_allclose(data.v_amax, gold["v_amax"], rtol=1e-5)
 
 
 def test_observer_collection_records_what_the_recorder_policy_did_tiny(tiny_ckpt):

@@ -79,7 +79,7 @@ def test_policy_runs_with_format(tiny_engine, name, fmt):
     seen, stats = _generate(tiny_engine, make_policy(name, params), GEN_LONGER.get(name, GEN))
     assert seen.finite, f"{name} with {fmt}: non-finite logits"
     assert seen.formats == {fmt}, f"{name} with {fmt} stored {seen.formats}"
-    if name != "full":
+    if name not in ("full", "arborkv"):  # arborkv evicts only off the active path of a search tree
         assert stats["evicted_tokens"] > 0, f"{name} with {fmt} never evicted"
     assert stats["kv_bytes"] > 0 and not math.isnan(stats["kv_bytes"])
 

@@ -102,12 +102,13 @@ class _Variant:  # what trtkv.eval.run.run_fidelity needs of a loaded engine
     engine: Any
 
 
-def shares_of(policy, calibration: dict | None) -> dict[str, float]:
+def shares_of(policy, calibration) -> dict[str, float]:
     """Thought shares the expected score and bits are weighted by: all R with one thought type, else the
     calibration's observed (or target) shares."""
     if policy.thought_types == 1 or not calibration:
         return {"R": 1.0}
-    raw = calibration.get("observed_shares") or calibration.get("target_shares") or {}
+    details = calibration if isinstance(calibration, dict) else calibration.details  # JSON or CalibrationArtifact
+    raw = details.get("observed_shares") or details.get("target_shares") or {}
     got = {k: float(raw.get(k, 0.0)) for k in ("R", "E", "T")}
     total = sum(got.values())
     if total <= 0:
@@ -138,7 +139,7 @@ def select_formats(engine, policy, avg_bits: float | None = None, n_traces: int 
     from trtkv.policies import make_policy
 
     arch = engine.arch
-    calibration = engine.manifest.get("calibration")
+    calibration = engine.manifest.calibration
     shares = shares_of(policy, calibration)
     bits = {f: stored_bits(f, arch.num_key_value_heads, arch.head_dim) for f in candidates}
     default = parse_precision(DEFAULT_PRECISION)
