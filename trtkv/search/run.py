@@ -43,6 +43,6 @@ def run_search_task(engine, task_name: str, cfg: SearchConfig, limit: int | None
         if progress:
             progress(i + 1, len(problems), rec)
     return {"kind": "trtkv-search", "version": 1, "task": task_name, "engine": str(engine.path),
-            "policy": engine.manifest["policy"]["name"], "policy_params": engine.policy.params(),
+            "policy": engine.manifest.policy.name, "policy_params": engine.policy.params(),
             "config": vars(cfg), "wall_s": time.perf_counter() - t0, "summary": summarize(records),
             "records": records}
