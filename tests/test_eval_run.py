@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from trtkv.eval.datasets import PACKAGE_DATA_DIR
@@ -145,3 +146,52 @@ def test_eval_bad_input(tmp_path):
     _one_line_error(run(str(tmp_path), "--task", "mmlu"), "'mmlu' is not one of")
     _one_line_error(run(str(tmp_path), "--task", "gsm8k", "--data", str(tmp_path / "none.jsonl")), "not found")
     _one_line_error(run(str(tmp_path / "missing"), "--task", "fidelity", "--data", TRACES), "no engine at")
+
+
+def test_lockstep_decode_matches_separate_steps(tiny_ckpt, engine_factory):
+    """Cores sharing one model, stepped with one dense forward, give each core's own decode_step results."""
+    from trtkv.bench.runner import load_engines
+    from trtkv.eval.lockstep import lockstep_decode
+    from trtkv.eval.run import StepRecorder, reference_core
+    from trtkv.runtime.request import Request
+    from trtkv.runtime.sampling import SamplingParams, make_generator
+
+    full, sl = engine_factory(tiny_ckpt, "full"), engine_factory(tiny_ckpt, "streamingllm", budget=16)
+    a, b = load_engines([full, sl])
+    assert a.engine.core.model is b.engine.core.model  # shared weights: the lockstep precondition
+    forced = list(range(5, 45))
+
+    def run(lockstep: bool):
+        recs = [StepRecorder(()) for _ in range(3)]
+        cores = [reference_core(a.engine, [recs[0]]), a.engine.make_core(observers=[recs[1]]),
+                 b.engine.make_core(observers=[recs[2]])]
+        reqs = []
+        for ci, c in enumerate(cores):
+            row = []
+            for i in range(2):
+                r = Request(-(1 + i + 2 * ci), "", list(range(3, 23 + 7 * i)),
+                            SamplingParams(max_tokens=len(forced), ignore_eos=True, chat=False), make_generator(0), 512)
+                r.forced_tokens = forced
+                c.prefill(r)
+                row.append(r)
+            reqs.append(row)
+        seen = []
+        for _ in range(len(forced) - 1):
+            if lockstep:
+                lockstep_decode(cores, reqs)
+            else:
+                for c, row in zip(cores, reqs):
+                    c.decode_step(row)
+            seen.append([rec.logits.clone() for rec in recs])
+        live = [r.ctx.num_live(0) for row in reqs for r in row]
+        for c, row in zip(cores, reqs):
+            for r in row:
+                c.finish(r)
+        return seen, live
+
+    together, live_t = run(True)
+    apart, live_a = run(False)
+    assert live_t == live_a and max(live_t[4:]) <= 16 < min(live_t[:4])  # streamingllm evicted, full did not
+    for st, sa in zip(together, apart):
+        for lt, la in zip(st, sa):
+            torch.testing.assert_close(lt, la, rtol=1e-4, atol=1e-4)

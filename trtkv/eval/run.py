@@ -204,6 +204,7 @@ def _tally_summary(t: _Tally, ref: _Tally) -> dict[str, Any]:
 def _replay_chunk(cores, recs, enc, layers, topk, accs, tallies, bar) -> None:
     """Teacher-forced lockstep replay of a few traces (one batch) through the reference and every engine."""
     from trtkv.cache.manager import fp16_bytes_per_token
+    from trtkv.eval.lockstep import lockstep_decode
     from trtkv.runtime.request import Request
     from trtkv.runtime.sampling import SamplingParams, make_generator
 
@@ -232,11 +233,14 @@ def _replay_chunk(cores, recs, enc, layers, topk, accs, tallies, bar) -> None:
             idx = [i for i in range(len(enc)) if not reqs[0][i].finished]
             if not idx:
                 break
-            logits, stats = [], []
-            for ci, c in enumerate(cores):
-                c.decode_step([reqs[ci][i] for i in idx])
-                logits.append(recs[ci].logits)
-                stats.append(recs[ci].stats)
+            batches = [[reqs[ci][i] for i in idx] for ci in range(len(cores))]
+            if all(c.model is cores[0].model for c in cores):  # one dense forward for all (eval/lockstep.py)
+                lockstep_decode(cores, batches)
+            else:
+                for c, b in zip(cores, batches):
+                    c.decode_step(b)
+            logits = [rec.logits for rec in recs]
+            stats = [rec.stats for rec in recs]
             _score(cores, [[reqs[ci][i] for i in idx] for ci in range(len(cores))], logits, stats, layers, topk,
                    accs, tallies, per_tok)
             bar.update(len(idx))

@@ -6,6 +6,7 @@ group, let the policy act (``before_attention``), then attend over pages + buffe
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -23,6 +24,23 @@ from trtkv.runtime.observers import EngineObserver, merge_stats_requests
 from trtkv.runtime.request import GenerationResult, IncrementalDetokenizer, Request
 from trtkv.runtime.sampling import sample_next
 from trtkv.runtime.staging import HostStaging
+
+
+@dataclasses.dataclass
+class DecodeStep:
+    """What one decode step carries from ``begin_decode`` through each ``decode_layer`` to ``end_decode``."""
+    reqs: list[Request]
+    ctxs: list[RequestContext]
+    seqs: list
+    positions: list[int]
+    classes: list
+    sreqs: list[StatsRequest | None]
+    ids: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    stats: list[StepStats]
+    forced_req: StatsRequest | None
+    forced: list[StepStats] | None
 
 
 class EngineCore:
@@ -133,72 +151,87 @@ class EngineCore:
     # --- decode -----------------------------------------------------------------------------
     @torch.inference_mode()
     def decode_step(self, reqs: list[Request]) -> None:
-        pol, cache = self.policy, self.cache
-        ctxs = [r.ctx for r in reqs]
-        seqs = [c.seq for c in ctxs]
-        for c in ctxs:
-            pol.on_decode_step_begin(c)
-        classes = [pol.write_class(c) for c in ctxs]
-        sreqs = [pol.stats_request(c, "decode") for c in ctxs]
-        positions = [c.position for c in ctxs]
-        ids = torch.tensor([r.generated[-1] for r in reqs], device=self.device)
-        cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=self.device), self.dtype)
-        x = self.model.embed(ids)
-        stats = [StepStats(step=c.step) for c in ctxs]
-        fs = self._forced["decode"]
-        forced = [StepStats(step=c.step) for c in ctxs] if fs is not None else None
-        same_class = all(cl[:2] == classes[0][:2] for cl in classes)
-        threads = torch.get_num_threads()
-        self.staging.begin_step(seqs)
+        """One batched decode step: the dense layers and the attention of this core's own model."""
+        step = self.begin_decode(reqs)
+        x = self.model.embed(step.ids)
         for layer in range(self.arch.num_hidden_layers):
-            q, k, v = self.model.qkv(layer, x, cos, sin)
-            if self.small_ops_threads:  # writes, eviction and decode attention are small ops: OpenMP fan-out
-                torch.set_num_threads(self.small_ops_threads)  # costs more than it gains on CPU
-            if self.g == 1:
-                if same_class:
-                    cache.write_through(layer, seqs, k, v, positions, classes[0][:2])
-                else:
-                    for i, s in enumerate(seqs):
-                        cache.write(s, layer, k[i:i + 1], v[i:i + 1], [positions[i]], classes[i][:2], classes[i][2])
+            q, k, v = self.model.qkv(layer, x, step.cos, step.sin)
+            x = self.model.finish_layer(layer, x, self.decode_layer(step, layer, q, k, v))
+        self.end_decode(step, self.model.logits(x))
+
+    # The three phases below let a caller run the dense layers itself, e.g. once over several cores that share
+    # one model's weights (``trtkv.eval.lockstep``); everything the cache and policy do stays in this core.
+    def begin_decode(self, reqs: list[Request]) -> DecodeStep:
+        ctxs = [r.ctx for r in reqs]
+        for c in ctxs:
+            self.policy.on_decode_step_begin(c)
+        positions = [c.position for c in ctxs]
+        cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=self.device), self.dtype)
+        classes = [self.policy.write_class(c) for c in ctxs]
+        fs = self._forced["decode"]
+        step = DecodeStep(reqs=reqs, ctxs=ctxs, seqs=[c.seq for c in ctxs], positions=positions, classes=classes,
+                          sreqs=[self.policy.stats_request(c, "decode") for c in ctxs],
+                          ids=torch.tensor([r.generated[-1] for r in reqs], device=self.device), cos=cos, sin=sin,
+                          stats=[StepStats(step=c.step) for c in ctxs], forced_req=fs,
+                          forced=[StepStats(step=c.step) for c in ctxs] if fs is not None else None)
+        self.staging.begin_step(step.seqs)
+        return step
+
+    def decode_layer(self, step: DecodeStep, layer: int, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+        """Write this layer's new K/V, let the policy act, attend; returns the attention output."""
+        pol, cache, seqs, positions, classes = self.policy, self.cache, step.seqs, step.positions, step.classes
+        threads = torch.get_num_threads()
+        if self.small_ops_threads:  # writes, eviction and decode attention are small ops: OpenMP fan-out
+            torch.set_num_threads(self.small_ops_threads)  # costs more than it gains on CPU
+        if self.g == 1:
+            if all(cl[:2] == classes[0][:2] for cl in classes):
+                cache.write_through(layer, seqs, k, v, positions, classes[0][:2])
             else:
-                cache.buffer_append(layer, seqs, k, v, positions)
                 for i, s in enumerate(seqs):
-                    if s.buffered(layer) >= self.g:
-                        cache.flush(s, layer, classes[i][:2], classes[i][2])
-            for c in ctxs:
-                pol.before_attention(c, layer)
-            for o in self.observers:
-                o.before_attention(reqs, layer)
-            want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
-            want_s = [bool(sr and sr.sparsity and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
-            want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
-            policy_wants = [w or s for w, s in zip(want_w, want_s)]
-            force = forced is not None and (fs.layers is None or layer in fs.layers)
-            staged = self.staging.sources(layer, self.arch.num_hidden_layers)
-            out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
-                                           [True] * len(seqs) if force else want_w, want_s, staged)
-            if staged is not None:
-                self.staging.release(layer)
-            for i, ls in enumerate(lstats):
-                if ls is not None:
-                    if policy_wants[i]:  # a policy sees only the layers it asked for, forced or not
-                        stats[i].layers[layer] = ls
-                    if force:
-                        forced[i].layers[layer] = ls
-                if want_q[i]:  # the step's post-RoPE query (Expected Attention's query statistics)
-                    st = stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
-                    st.query = q[i].float()
-            if self.small_ops_threads:
-                torch.set_num_threads(threads)
-            x = self.model.finish_layer(layer, x, out)
-        self.staging.end_step()
-        logits = self.model.logits(x)
+                    cache.write(s, layer, k[i:i + 1], v[i:i + 1], [positions[i]], classes[i][:2], classes[i][2])
+        else:
+            cache.buffer_append(layer, seqs, k, v, positions)
+            for i, s in enumerate(seqs):
+                if s.buffered(layer) >= self.g:
+                    cache.flush(s, layer, classes[i][:2], classes[i][2])
+        for c in step.ctxs:
+            pol.before_attention(c, layer)
         for o in self.observers:
-            o.on_decode(reqs, logits, forced if forced is not None else stats)
+            o.before_attention(step.reqs, layer)
+        sreqs, fs = step.sreqs, step.forced_req
+        want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+        want_s = [bool(sr and sr.sparsity and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+        want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+        force = step.forced is not None and (fs.layers is None or layer in fs.layers)
+        staged = self.staging.sources(layer, self.arch.num_hidden_layers)
+        out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
+                                       [True] * len(seqs) if force else want_w, want_s, staged)
+        if staged is not None:
+            self.staging.release(layer)
+        for i, ls in enumerate(lstats):
+            if ls is not None:
+                if want_w[i] or want_s[i]:  # a policy sees only the layers it asked for, forced or not
+                    step.stats[i].layers[layer] = ls
+                if force:
+                    step.forced[i].layers[layer] = ls
+            if want_q[i]:  # the step's post-RoPE query (Expected Attention's query statistics)
+                st = step.stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
+                st.query = q[i].float()
+        if self.small_ops_threads:
+            torch.set_num_threads(threads)
+        return out
+
+    def end_decode(self, step: DecodeStep, logits: torch.Tensor) -> None:
+        """Observers, sampling (or the forced token), the policy's end-of-step hook."""
+        pol, reqs, ctxs = self.policy, step.reqs, step.ctxs
+        self.staging.end_step()
+        for o in self.observers:
+            o.on_decode(reqs, logits, step.forced if step.forced is not None else step.stats)
         contexts = [r.prompt_ids + r.generated if r.params.repetition_penalty != 1.0 else [] for r in reqs]
         toks = sample_next(logits, [r.params for r in reqs], [r.generator for r in reqs], contexts)
         self.steps_total += 1
-        for i, (r, c, st, tok) in enumerate(zip(reqs, ctxs, stats, toks)):
+        for i, (r, c, st, tok) in enumerate(zip(reqs, ctxs, step.stats, toks)):
             r.last_logits = logits[i]
             r.decode_steps += 1
             c.step += 1
@@ -206,9 +239,9 @@ class EngineCore:
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))  # what this step attended
             pol.on_decode_step_end(c, st)
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))
-        if cache._tiers is not None:
-            for s in seqs:
-                cache.tiers.note_peaks(s)
+        if self.cache._tiers is not None:
+            for s in step.seqs:
+                self.cache.tiers.note_peaks(s)
         for o in self.observers:
             o.on_step_end(reqs)
 
