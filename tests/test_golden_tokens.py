@@ -5,6 +5,11 @@ policy are unchanged").
 (three prompts batched) and of every policy's SmolLM2 parameters (one prompt), recorded with the tree of
 2026-11-24 before the policy/cache seams were rewritten. Regenerate only on purpose, when an output change is
 intended and explained in the commit: ``TRTKV_REGEN_GOLDEN=1 pytest tests/test_golden_tokens.py``.
+
+SmolLM2 with 2-/4-bit storage (kivi, thinkv, thinkv-tbq) is exact only per CPU: torch's GEMMs and the
+``-march=native`` kernels round differently on AVX2 and AVX-512 machines (~1e-6 in the logits), and a
+2-bit code amplifies that into another token after ~10-25 tokens. Those cases are recorded per CPU key
+(``smol_lowbit``) and compared exactly where this CPU has a recording; 16/32-bit cases are exact everywhere.
 """
 from __future__ import annotations
 
@@ -56,12 +61,35 @@ def test_tiny_tokens_unchanged(golden, engine_factory, load_engine, tiny_ckpt, n
 SMOL_CASES = [(e["name"], smol_params(e)) for e in MATRIX]
 
 
+def _lowbit(name: str, params: dict) -> bool:
+    """Does the policy store any KV in fewer than 8 bits per element (at SmolLM2's fp32 compute)?"""
+    from plugins.formats import get_format
+    from trtkv.policies import make_policy
+
+    pol = make_policy(name, params)
+    pol.resolve_formats("fp32")
+    return any(get_format(f).element_bits < 8 for f in pol.formats())
+
+
+def _cpu_key() -> str:
+    import torch
+
+    from plugins.cpu_kernels.build import _cpu_key as kernel_cpu_key
+
+    return f"{kernel_cpu_key()}_{torch.backends.cpu.get_cpu_capability()}"
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("name,params", SMOL_CASES, ids=[n for n, _ in SMOL_CASES])
 def test_smol_tokens_unchanged(golden, engine_factory, load_engine, name, params):
+    lowbit = _lowbit(name, params)
+    table = golden.setdefault("smol_lowbit", {}).setdefault(_cpu_key(), {}) if lowbit else golden["smol"]
+    if lowbit and not REGEN and _key(name, params) not in table:
+        pytest.skip(f"no {name} recording for this CPU ({_cpu_key()}); 2-/4-bit numerics are per CPU: record "
+                    "with TRTKV_REGEN_GOLDEN=1 on a tree whose outputs you trust")
     eng = load_engine(engine_factory("smollm2-135m", name, **params))
     got = eng.generate(SMOL_PROMPT, SMOL)[0].token_ids
     if REGEN:
-        golden["smol"][_key(name, params)] = got
+        table[_key(name, params)] = got
     else:
-        assert got == golden["smol"][_key(name, params)]
+        assert got == table[_key(name, params)]
