@@ -6,4 +6,10 @@ class TrtkvError(Exception):
 
 
 class OutOfKVMemory(TrtkvError):
-    """The KV pools have no free page for a request that must grow (admission should prevent this)."""
+    """A request does not fit the KV pools: raised at admission when it never can, and by a full pool if a
+    running request outgrows what admission reserved for it (then ``seq_id`` names that request's sequence,
+    so the scheduler fails it alone)."""
+
+    def __init__(self, message: str, seq_id: int | None = None):
+        super().__init__(message)
+        self.seq_id = seq_id

@@ -1,6 +1,8 @@
-"""Admission by device memory (``--kv-memory``): what a request costs on the device at worst, and the one-line
-errors when it cannot fit even alone. Host tiers (``trtkv/cache/tiers.py``) do not count: tiering and
-``demote`` shrink a policy's device footprint (``KVPolicy.kv_footprint``), so more requests fit."""
+"""Admission by device memory: what a request costs on the device at worst, and the one-line errors when it
+cannot fit even alone — in bytes against ``--kv-memory`` and in pages against the preallocated pools
+(``trtkv/cache/budget.py``; the scheduler reserves the same pages while requests run). Host tiers
+(``trtkv/cache/tiers.py``) do not count: tiering and ``demote`` shrink a policy's device footprint
+(``KVPolicy.kv_footprint``), so more requests fit."""
 from __future__ import annotations
 
 from plugins.formats import get_format
@@ -42,3 +44,17 @@ def check_device_cap(policy, cfg: CacheConfig, prompt_len: int, max_tokens: int)
         raise OutOfKVMemory(f"one request needs up to {need:,} device KV bytes ({prompt_len} prompt + {max_tokens} "
                             f"new tokens) but --kv-memory is {cap:,}; raise --kv-memory, lower --max-tokens, or "
                             f"keep fewer tokens on the device (e.g. tiered with a lower beta, or demote=host)")
+
+
+def check_fits(core, prompt_len: int, max_tokens: int, n: int = 1) -> None:
+    """Refuse at once (``OutOfKVMemory``) a request that could never fit ``core``'s KV cache, even alone: its
+    protected set or worst case over ``--kv-memory``, or its worst-case pages (``n`` samples) over a pool."""
+    from trtkv.cache.budget import pages_needed
+    from trtkv.runtime.scheduler import never_fits_message
+
+    cfg = core.cache.cfg
+    check_device_cap(core.policy, cfg, prompt_len, max_tokens)
+    for fmt, pages in pages_needed(core.policy, cfg, prompt_len, max_tokens).items():
+        cap = core.cache.capacity_pages(fmt)
+        if pages * n > cap:
+            raise OutOfKVMemory(never_fits_message(prompt_len, max_tokens, n, fmt, pages * n, cap, cfg))

@@ -9,6 +9,7 @@ and accounts every byte it holds.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +19,9 @@ import torch
 from plugins.formats import KVFormat, LayerScales, get_format
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache import forks
+from trtkv.cache.budget import PoolPlan, plan_pools
 from trtkv.cache.pool import PagePool
-from trtkv.errors import TrtkvError
+from trtkv.errors import OutOfKVMemory, TrtkvError
 from trtkv.sizes import parse_size
 
 EVICTION_MODES = ("inplace", "compact")
@@ -35,10 +37,12 @@ class CacheConfig:
     residual_group: int = 1  # g: tokens held in full precision before a quantized flush (1 = write-through)
     residual_dtype: torch.dtype = torch.float16
     eviction: str = "inplace"  # "inplace": CT slot reuse; "compact": gather live tokens together (R-KV style)
-    max_pages: int | None = None  # per (layer, format) pool; None grows on demand
-    initial_pages: int = 8
+    max_pages: int | None = None  # pages of every (layer, format) pool; None: sized from kv_memory
+    initial_pages: int = 8  # host-tier pools' first size (they grow; device pools are sized once)
     device: str = "cpu"
-    kv_memory: int | None = None  # device KV bytes (pools, admission); None = a default chosen at engine start
+    kv_memory: int | None = None  # device KV bytes (pools, admission); None = a default (cache/budget.py)
+    kv_memory_fraction: float = 0.9  # CUDA, kv_memory unset: this share of the free device memory
+    max_batch: int = 64  # residual buffers set aside before the pools are sized (the scheduler's batch)
     # --- tiered memory (trtkv/cache/tiers.py) ---
     demote: str = "none"  # a policy's evictions: "none" drop (T3), "host" move to T1, "host-<format>" to T2
     host_kv_memory: int | None = None  # host tiers' bytes cap; None = unbounded
@@ -46,14 +50,15 @@ class CacheConfig:
     def __post_init__(self) -> None:
         self.validate_settings({"block_size": self.block_size, "eviction": self.eviction,
                                 "max_pages": self.max_pages, "kv_memory": self.kv_memory,
+                                "kv_memory_fraction": self.kv_memory_fraction, "max_batch": self.max_batch,
                                 "demote": self.demote, "host_kv_memory": self.host_kv_memory})
 
     @staticmethod
     def validate_settings(settings: dict[str, Any]) -> dict[str, Any]:
         """The one validator of user-settable cache settings (``--set``, ``engine.json``'s cache section,
         load-time overrides): ``block_size``, ``eviction``, ``max_pages``, ``kv_memory`` (bytes or a size
-        like ``2GiB``) and the scheduler's ``max_batch``. Strings are parsed; returns typed values, raises
-        one ``TrtkvError`` line naming the setting."""
+        like ``2GiB``), ``kv_memory_fraction`` (0 < f <= 1) and the scheduler's ``max_batch``. Strings are
+        parsed; returns typed values, raises one ``TrtkvError`` line naming the setting."""
         out: dict[str, Any] = {}
         for key, value in settings.items():
             if key not in CACHE_SETTINGS:
@@ -62,7 +67,8 @@ class CacheConfig:
         return out
 
 
-CACHE_SETTINGS = ("block_size", "eviction", "max_batch", "max_pages", "kv_memory", "demote", "host_kv_memory")
+CACHE_SETTINGS = ("block_size", "eviction", "max_batch", "max_pages", "kv_memory", "kv_memory_fraction", "demote",
+                  "host_kv_memory")
 
 
 def _cache_setting(key: str, value: Any) -> Any:
@@ -79,6 +85,14 @@ def _cache_setting(key: str, value: Any) -> Any:
 
         parse_demote(text)  # a bad value fails here, with one clear line
         return text
+    if key == "kv_memory_fraction":
+        try:
+            f = float(text) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError):
+            raise bad("expected a fraction of the free device memory, 0 < f <= 1 (e.g. 0.9)") from None
+        if not 0 < f <= 1:
+            raise bad("expected a fraction of the free device memory, 0 < f <= 1 (e.g. 0.9)")
+        return f
     if key in ("max_pages", "kv_memory", "host_kv_memory") and text in (None, "none", "null", "auto"):
         return None
     if key in ("kv_memory", "host_kv_memory"):
@@ -155,9 +169,16 @@ class SeqKV:
 
 
 class KVCacheManager:
-    def __init__(self, cfg: CacheConfig, kv_amax: dict | None = None):
+    """``formats``: every format the cache will store (the policy's ``pool_formats()``), so ``kv_memory``
+    can be split among them; ``drops_tokens``: whether the policy may drop tokens (sizes the key-scale
+    arenas, see ``trtkv/cache/budget.py``). The pools are sized and allocated once, on first use."""
+
+    def __init__(self, cfg: CacheConfig, kv_amax: dict | None = None, formats=None, drops_tokens: bool = True):
         self.cfg = cfg
         self.kv_amax = kv_amax  # {"k": [per layer], "v": [per layer]} from calibration, or None
+        self.formats = tuple(sorted(formats)) if formats is not None else None
+        self.drops_tokens = drops_tokens
+        self._plan: PoolPlan | None = None
         self._scales: dict[tuple[int, str], LayerScales] = {}
         self.pools: list[dict[str, PagePool]] = [{} for _ in range(cfg.num_layers)]
         self.seqs: dict[int, SeqKV] = {}
@@ -228,13 +249,47 @@ class KVCacheManager:
         return self._scales[key]
 
     # --- pools ------------------------------------------------------------------------------
+    @property
+    def plan(self) -> PoolPlan:
+        """The pools' sizes, decided once (``trtkv/cache/budget.py``); nothing is allocated until a pool is
+        first used, so a core that never runs (e.g. an engine's own, while a tool runs its core) costs nothing."""
+        if self._plan is None:
+            self._plan = plan_pools(self.cfg, self.formats, self.drops_tokens)
+        return self._plan
+
+    def allocate(self) -> None:
+        """Allocate every planned pool, all at once (the first write does this)."""
+        plan = self.plan
+        for layer in range(self.cfg.num_layers):
+            for fmt in plan.formats or ():
+                if fmt not in self.pools[layer]:
+                    self.pools[layer][fmt] = self._new_pool(fmt, plan)
+
+    def _new_pool(self, fmt: str, plan: PoolPlan) -> PagePool:
+        c = self.cfg
+        try:
+            return PagePool(get_format(fmt), c.num_kv_heads, c.head_dim, c.block_size, c.device, plan.pages,
+                            plan.groups(fmt, c))
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise OutOfKVMemory(f"could not allocate the {fmt} KV pools ({plan.pages} pages per layer) on "
+                                f"{c.device}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; lower "
+                                f"--kv-memory or kv_memory_fraction") from None
+
     def pool(self, layer: int, fmt: str) -> PagePool:
         pools = self.pools[layer]
         if fmt not in pools:
-            c = self.cfg
-            pools[fmt] = PagePool(get_format(fmt), c.num_kv_heads, c.head_dim, c.block_size, c.device,
-                                  c.initial_pages, c.max_pages)
+            self.allocate()
+            plan = self.plan
+            if fmt not in pools:
+                if plan.formats is not None:
+                    raise TrtkvError(f"the KV cache has no {fmt} pool (its pools: {', '.join(plan.formats)}); "
+                                     f"the policy must list every format it stores in pool_formats()")
+                pools[fmt] = self._new_pool(fmt, plan)
         return pools[fmt]
+
+    def capacity_pages(self, fmt: str) -> int:
+        """Pages of one (layer, format) pool."""
+        return self.plan.pages
 
     # --- slots ------------------------------------------------------------------------------
     def alloc_slots(self, seq: SeqKV, layer: int, cls: Cls, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -260,7 +315,11 @@ class KVCacheManager:
         while len(pages) < n:
             p = table.open_page.get(cls)
             if p is None:
-                p = pool.alloc_page(cls[1])
+                try:
+                    p = pool.alloc_page(cls[1])
+                except OutOfKVMemory as e:
+                    e.seq_id = seq.seq_id
+                    raise
                 self._page_counter += 1
                 table.page_seq[(cls[0], p)] = self._page_counter
                 table.pages.setdefault(cls, []).append(p)
@@ -281,7 +340,11 @@ class KVCacheManager:
         """Store ``k, v [n, H, D]`` (one flush group for quantized formats) of one request."""
         pool = self.pool(layer, cls[0])
         pages, slots = self.alloc_slots(seq, layer, cls, len(positions))
-        gid = pool.alloc_group(len(positions))
+        try:
+            gid = pool.alloc_group(len(positions))
+        except OutOfKVMemory as e:
+            e.seq_id = seq.seq_id
+            raise
         if gid >= 0:
             seq.add_bytes(pool.group_bytes)
         sc = self.layer_scales(layer, cls[0])
@@ -528,7 +591,12 @@ class KVCacheManager:
         return sum(p.in_use for pools in self.pools for p in pools.values())
 
     def pool_bytes(self) -> int:
+        """Bytes the pools reserved (allocated once, used or not)."""
         return sum(p.allocated_bytes() for pools in self.pools for p in pools.values())
+
+    def pool_peak_bytes(self) -> int:
+        """Bytes of the most pages and groups each pool had in use at once (what the runs needed)."""
+        return sum(p.peak_bytes() for pools in self.pools for p in pools.values())
 
 
 def fp16_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:

@@ -33,7 +33,7 @@ class EngineCore:
         self.model = model
         self.arch = model.arch
         self.policy = policy
-        self.cache = KVCacheManager(cache_cfg, kv_amax)
+        self.cache = KVCacheManager(cache_cfg, kv_amax, policy.pool_formats(), policy.drops_tokens())
         self.staging = HostStaging(self.cache)  # host tiers (T1/T2) -> device, per layer (runtime/staging.py)
         self.eos_ids = set(eos_ids)
         self.decode_text = decode_text  # ids -> str
@@ -150,47 +150,53 @@ class EngineCore:
         same_class = all(cl[:2] == classes[0][:2] for cl in classes)
         threads = torch.get_num_threads()
         self.staging.begin_step(seqs)
-        for layer in range(self.arch.num_hidden_layers):
-            q, k, v = self.model.qkv(layer, x, cos, sin)
-            if self.small_ops_threads:  # writes, eviction and decode attention are small ops: OpenMP fan-out
-                torch.set_num_threads(self.small_ops_threads)  # costs more than it gains on CPU
-            if self.g == 1:
-                if same_class:
-                    cache.write_through(layer, seqs, k, v, positions, classes[0][:2])
+        try:
+            for layer in range(self.arch.num_hidden_layers):
+                q, k, v = self.model.qkv(layer, x, cos, sin)
+                if self.small_ops_threads:  # writes, eviction and decode attention are small ops: OpenMP fan-out
+                    torch.set_num_threads(self.small_ops_threads)  # costs more than it gains on CPU
+                if self.g == 1:
+                    if same_class:
+                        cache.write_through(layer, seqs, k, v, positions, classes[0][:2])
+                    else:
+                        for i, s in enumerate(seqs):
+                            cache.write(s, layer, k[i:i + 1], v[i:i + 1], [positions[i]], classes[i][:2], classes[i][2])
                 else:
+                    cache.buffer_append(layer, seqs, k, v, positions)
                     for i, s in enumerate(seqs):
-                        cache.write(s, layer, k[i:i + 1], v[i:i + 1], [positions[i]], classes[i][:2], classes[i][2])
-            else:
-                cache.buffer_append(layer, seqs, k, v, positions)
-                for i, s in enumerate(seqs):
-                    if s.buffered(layer) >= self.g:
-                        cache.flush(s, layer, classes[i][:2], classes[i][2])
-            for c in ctxs:
-                pol.before_attention(c, layer)
-            for o in self.observers:
-                o.before_attention(reqs, layer)
-            want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
-            want_s = [bool(sr and sr.sparsity and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
-            want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
-            policy_wants = [w or s for w, s in zip(want_w, want_s)]
-            force = forced is not None and (fs.layers is None or layer in fs.layers)
-            staged = self.staging.sources(layer, self.arch.num_hidden_layers)
-            out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
-                                           [True] * len(seqs) if force else want_w, want_s, staged)
-            if staged is not None:
-                self.staging.release(layer)
-            for i, ls in enumerate(lstats):
-                if ls is not None:
-                    if policy_wants[i]:  # a policy sees only the layers it asked for, forced or not
-                        stats[i].layers[layer] = ls
-                    if force:
-                        forced[i].layers[layer] = ls
-                if want_q[i]:  # the step's post-RoPE query (Expected Attention's query statistics)
-                    st = stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
-                    st.query = q[i].float()
+                        if s.buffered(layer) >= self.g:
+                            cache.flush(s, layer, classes[i][:2], classes[i][2])
+                for c in ctxs:
+                    pol.before_attention(c, layer)
+                for o in self.observers:
+                    o.before_attention(reqs, layer)
+                want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+                want_s = [bool(sr and sr.sparsity and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+                want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+                policy_wants = [w or s for w, s in zip(want_w, want_s)]
+                force = forced is not None and (fs.layers is None or layer in fs.layers)
+                staged = self.staging.sources(layer, self.arch.num_hidden_layers)
+                out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
+                                               [True] * len(seqs) if force else want_w, want_s, staged)
+                if staged is not None:
+                    self.staging.release(layer)
+                for i, ls in enumerate(lstats):
+                    if ls is not None:
+                        if policy_wants[i]:  # a policy sees only the layers it asked for, forced or not
+                            stats[i].layers[layer] = ls
+                        if force:
+                            forced[i].layers[layer] = ls
+                    if want_q[i]:  # the step's post-RoPE query (Expected Attention's query statistics)
+                        st = stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
+                        st.query = q[i].float()
+                if self.small_ops_threads:
+                    torch.set_num_threads(threads)
+                x = self.model.finish_layer(layer, x, out)
+        except BaseException:
             if self.small_ops_threads:
                 torch.set_num_threads(threads)
-            x = self.model.finish_layer(layer, x, out)
+            self.staging.end_step()
+            raise
         self.staging.end_step()
         logits = self.model.logits(x)
         for o in self.observers:
@@ -233,6 +239,32 @@ class EngineCore:
                     break
         if req.finish_reason is None and len(req.generated) >= req.max_new:
             req.finish_reason = "length"
+
+    def abort(self, req: Request, message: str) -> GenerationResult:
+        """Fail ``req`` with one line: free whatever its prefill or decode got to hold, give it an error result."""
+        req.finish_reason = "error"
+        req.error = message
+        if req.ctx is not None and req.req_id in self.cache.seqs:
+            return self.finish(req)
+        if req.req_id in self.cache.seqs:
+            self.cache.free_sequence(req.req_id)
+        req.t_end = time.perf_counter()
+        req.result = GenerationResult(req.text, list(req.generated), "error", {}, req.prompt)
+        return req.result
+
+    def undo_step(self, reqs: list[Request]) -> None:
+        """Take back what a failed decode step wrote for ``reqs`` (the token at their current position, in
+        whichever layers got it, paged or buffered) so the step can run again. Evictions the policy made in
+        the failed step stay made; its step hooks run again."""
+        for r in reqs:
+            seq, pos = r.ctx.seq, r.ctx.position
+            for layer in range(self.arch.num_hidden_layers):
+                if seq.buf_pos and pos in seq.buf_pos[layer]:
+                    seq.buf_pos[layer].remove(pos)
+                if pos in seq.layers[layer].loc:
+                    n = self.cache.evict(seq, layer, [pos])
+                    seq.evicted_tokens -= n  # a rollback, not an eviction
+                    self.cache.evictions_total -= n
 
     def finish(self, req: Request) -> GenerationResult:
         """Collect stats, run the policy's finish hook and free the request's pages at once."""
