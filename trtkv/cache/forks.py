@@ -108,8 +108,7 @@ def make_private(mgr: KVCacheManager, seq: SeqKV, layer: int, fmt: str, p: int) 
     try:
         q = pool.alloc_page(cls[1])
     except OutOfKVMemory as e:
-        e.seq_id = seq.seq_id
-        raise
+        raise e.at(seq.seq_id, layer, fmt) from None
     for t in pool.fields:
         t[q] = t[p]
     pool.k_group[q] = pool.k_group[p]

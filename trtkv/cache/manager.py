@@ -318,8 +318,7 @@ class KVCacheManager:
                 try:
                     p = pool.alloc_page(cls[1])
                 except OutOfKVMemory as e:
-                    e.seq_id = seq.seq_id
-                    raise
+                    raise e.at(seq.seq_id, layer, cls[0]) from None
                 self._page_counter += 1
                 table.page_seq[(cls[0], p)] = self._page_counter
                 table.pages.setdefault(cls, []).append(p)
@@ -343,8 +342,7 @@ class KVCacheManager:
         try:
             gid = pool.alloc_group(len(positions))
         except OutOfKVMemory as e:
-            e.seq_id = seq.seq_id
-            raise
+            raise e.at(seq.seq_id, layer, cls[0]) from None
         if gid >= 0:
             seq.add_bytes(pool.group_bytes)
         sc = self.layer_scales(layer, cls[0])

@@ -308,7 +308,7 @@ class TierStore:
             self.host.evict(st.host, layer, positions)
         raise OutOfKVMemory(f"host KV memory is full ({total:,} of {self.cap:,} bytes "
                             f"with this move); raise --host-kv-memory, lower the batch size or evict more "
-                            f"(e.g. --set evict_ratio=... or demote=none)")
+                            f"(e.g. --set evict_ratio=... or demote=none)", seq_id=seq.seq_id)
 
     def _moved(self, st: SeqTiers, layer: int, nbytes: int, seconds: float) -> None:
         st.version[layer] += 1
@@ -368,8 +368,7 @@ def _raw_copy(src: KVCacheManager, sseq: SeqKV, dst: KVCacheManager, dseq: SeqKV
                 try:
                     ng = dpool.alloc_group(gids.count(g))
                 except OutOfKVMemory as e:
-                    e.seq_id = dseq.seq_id
-                    raise
+                    raise e.at(dseq.seq_id, layer, cls[0]) from None
                 dseq.add_bytes(dpool.group_bytes)
                 for sgf, dgf in zip(spool.group_fields, dpool.group_fields):
                     dgf[ng] = sgf[g].to(dpool.device)

@@ -252,6 +252,14 @@ class EngineCore:
         req.result = GenerationResult(req.text, list(req.generated), "error", {}, req.prompt)
         return req.result
 
+    def unprefill(self, req: Request) -> None:
+        """Take back a prefill that failed part-way (its pages, its policy state) so it can run again."""
+        if req.ctx is not None:
+            self.policy.end(req.ctx)
+            req.ctx = None
+        if req.req_id in self.cache.seqs:
+            self.cache.free_sequence(req.req_id)
+
     def undo_step(self, reqs: list[Request]) -> None:
         """Take back what a failed decode step wrote for ``reqs`` (the token at their current position, in
         whichever layers got it, paged or buffered) so the step can run again. Evictions the policy made in

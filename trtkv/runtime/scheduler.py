@@ -70,6 +70,23 @@ class Scheduler:
         free = self.free_pages()
         return "now" if all(n <= free.get(f, cache.capacity_pages(f)) for f, n in mine.items()) else "later"
 
+    def culprit(self, e: OutOfKVMemory, candidates: list[Request]) -> Request | None:
+        """The request to fail for a full pool: the one holding the most pages beyond its reservation in that
+        pool (admission reserved every request's worst case, so when a pool fills some request is over), else
+        the one that asked."""
+        asked = next((r for r in candidates if r.req_id == e.seq_id), None)
+        if e.layer is None or e.fmt is None:
+            return asked
+
+        def over(r: Request) -> int:
+            if r.ctx is None or r.req_id not in self.core.cache.seqs:
+                return -1 << 30
+            held = len(r.ctx.seq.layers[e.layer].pages_of_format().get(e.fmt, ()))
+            return held - self.reserved_pages(r).get(e.fmt, 0)  # (n samples: each reserved one share)
+
+        worst = max(candidates, key=over, default=None)
+        return worst if worst is not None and over(worst) > 0 else asked
+
     # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One scheduler iteration; returns the requests that finished in it (already freed)."""
@@ -87,16 +104,7 @@ class Scheduler:
                 self.core.abort(req, verdict)
                 done.append(req)
                 continue
-            try:
-                self._run("prefill", self.core.prefill, req, [req])
-                samples = spawn_samples(self.core, req)  # SamplingParams(n>1): forked siblings
-            except TrtkvError as e:  # e.g. a pool full after all: this request fails, nothing else does
-                for r in (req, *req.forks):
-                    self.core.abort(r, str(e))
-                done.extend((req, *req.forks))
-                continue
-            self.running.append(req)
-            self.running.extend(samples)
+            done.extend(self._prefill(req))
         active = [r for r in self.running if not r.finished and not r.cancelled]
         failed = self._decode(active) if active else []
         done.extend(failed)
@@ -114,22 +122,52 @@ class Scheduler:
         self.running = still
         return done
 
+    def _prefill(self, req: Request) -> list[Request]:
+        """Prefill ``req`` and start it running; returns the requests that failed instead (already freed): ``req``
+        if its prefill fails, or a running request over its reservation that filled the pool (then ``req``'s
+        prefill is run again)."""
+        failed: list[Request] = []
+        while True:
+            try:
+                self._run("prefill", self.core.prefill, req, [req])
+                samples = spawn_samples(self.core, req)  # SamplingParams(n>1): forked siblings
+            except OutOfKVMemory as e:
+                blame = self.culprit(e, [*self.running, req])
+                if blame is not None and blame is not req and blame in self.running:
+                    self.core.unprefill(req)
+                    self.running.remove(blame)
+                    self.core.abort(blame, str(e))
+                    failed.append(blame)
+                    continue
+                return failed + self._fail_prefill(req, e)
+            except TrtkvError as e:  # a bad request: it fails, nothing else does
+                return failed + self._fail_prefill(req, e)
+            self.running.append(req)
+            self.running.extend(samples)
+            return failed
+
+    def _fail_prefill(self, req: Request, e: Exception) -> list[Request]:
+        for r in (req, *req.forks):
+            self.core.abort(r, str(e))
+        return [req, *req.forks]
+
     def _decode(self, active: list[Request]) -> list[Request]:
-        """One decode step of ``active``; a request that overflows a pool fails alone and the step is run
-        again for the others. Returns the failed requests (already freed)."""
+        """One decode step of ``active``; a request that overflows a pool (or holds the most pages beyond its
+        reservation when one fills) fails alone and the step is run again for the others. Returns the failed
+        requests (already freed)."""
         failed: list[Request] = []
         while active:
             try:
                 self._run("decode", self.core.decode_step, active, active)
                 break
             except OutOfKVMemory as e:
-                culprit = next((r for r in active if r.req_id == e.seq_id), None)
-                if culprit is None:
+                blame = self.culprit(e, active)
+                if blame is None:
                     raise  # not one request's: the engine fails the batch
-                active = [r for r in active if r is not culprit]
+                active = [r for r in active if r is not blame]
                 self.core.undo_step(active)
-                self.core.abort(culprit, str(e))
-                failed.append(culprit)
+                self.core.abort(blame, str(e))
+                failed.append(blame)
         return failed
 
     def _run(self, phase: str, fn, arg, reqs: list[Request]) -> None:
