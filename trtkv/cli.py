@@ -138,8 +138,8 @@ def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed, cali
           calib_max_tokens, kv_memory) -> None:
     """Build an engine directory for MODEL and POLICY.
 
-    --set takes policy parameters and the cache settings block_size, eviction, max_batch, max_pages and
-    kv_memory."""
+    --set takes policy parameters and the cache settings block_size, eviction, max_batch, max_pages, kv_memory,
+    kv_memory_fraction, demote and host_kv_memory."""
     from trtkv.build.builder import build_engine
 
     if budget is not None and budget <= 0:
