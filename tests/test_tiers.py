@@ -31,7 +31,7 @@ PROMPT = "Once upon a time, in a land far away, there lived a wise old king who 
 
 def make_cache(block=4, g=1, **kw):
     return KVCacheManager(CacheConfig(num_layers=L, num_kv_heads=H, head_dim=D, block_size=block, residual_group=g,
-                                      residual_dtype=torch.float32, initial_pages=2, **kw))
+                                      residual_dtype=torch.float32, initial_pages=2, max_pages=256, **kw))
 
 
 def fill(cache, seq_id, n, fmt, gen, start=0):
@@ -253,8 +253,11 @@ def test_device_cap_smaller_than_protected_set(tiny):
 
 
 def test_admission_by_device_bytes(tiny):
-    """With a device cap, tiering (smaller device footprint) admits more requests at once."""
+    """With a device cap, tiering (smaller device footprint) admits more requests at once: pools sized from
+    the same kv_memory hold one full-cache request but three tiered ones."""
     from trtkv.cache.admission import device_bytes_needed
+    from trtkv.cache.budget import page_cost, pages_needed
+    from trtkv.runtime.scheduler import Scheduler
 
     full = tiny("full")
     tiered = tiny("tiered", beta=0.0, evict_ratio=0.0, interval=4, sinks=1, window=8)
@@ -262,12 +265,17 @@ def test_admission_by_device_bytes(tiny):
     need_full = device_bytes_needed(full.policy, full.core.cache.cfg, P, 120)
     need_tiered = device_bytes_needed(tiered.policy, tiered.core.cache.cfg, P, 120)
     assert need_tiered < need_full / 3
-    cap = 3 * need_tiered
+    pages_full = max(pages_needed(full.policy, full.core.cache.cfg, P, 120).values())
+    pages_tiered = max(pages_needed(tiered.policy, tiered.core.cache.cfg, P, 120).values())
+    cap_pages = pages_full + pages_full // 2  # one full request, not two
+    assert 3 * pages_tiered <= cap_pages
     counts = {}
     for name, eng in (("full", full), ("tiered", tiered)):
+        cfg = eng.core.cache.cfg
+        (fmt,) = eng.policy.pool_formats()
+        cap = int(cap_pages * cfg.num_layers * page_cost(fmt, cfg, eng.policy.drops_tokens())) + 1
         core = eng.make_core(kv_memory=cap)
-        from trtkv.runtime.scheduler import Scheduler
-
+        assert core.cache.capacity_pages(fmt) == cap_pages
         sched = Scheduler(core, 8)
         reqs = [eng.make_request(PROMPT, RAW) for _ in range(3)]
         for r in reqs:
@@ -276,6 +284,7 @@ def test_admission_by_device_bytes(tiny):
         counts[name] = len(sched.running)
         while sched.has_work:
             sched.step()
+        assert all(r.finish_reason == "length" for r in reqs) and core.cache.pages_in_use() == 0
     assert counts == {"full": 1, "tiered": 3}
 
 

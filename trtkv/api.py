@@ -25,7 +25,8 @@ from trtkv.runtime.sampling import SamplingParams, make_generator
 from trtkv.runtime.scheduler import Scheduler
 from trtkv.tokenizer import load_tokenizer
 
-LOAD_TIME_CACHE_SETTINGS = ("max_batch", "max_pages", "kv_memory", "demote", "host_kv_memory")  # the rest: built
+# the rest are fixed when the engine is built
+LOAD_TIME_CACHE_SETTINGS = ("max_batch", "max_pages", "kv_memory", "kv_memory_fraction", "demote", "host_kv_memory")
 
 __all__ = ["Engine", "SamplingParams", "GenerationResult", "StreamEvent", "RequestHandle"]
 
@@ -88,7 +89,8 @@ class Engine:
              policy_overrides: dict[str, Any] | None = None, cache_overrides: dict[str, Any] | None = None,
              model_cache: dict | None = None) -> "Engine":
         """Load an engine directory. ``policy_overrides`` replace policy parameters; ``cache_overrides`` the
-        load-time cache settings (``max_batch``, ``max_pages``, ``kv_memory``; sizes like ``"2GiB"`` work).
+        load-time cache settings (``max_batch``, ``max_pages``, ``kv_memory``, ``kv_memory_fraction``...; sizes
+        like ``"2GiB"`` work).
         ``model_cache`` (a dict the caller keeps) lets engines of identical weights, dtype and device share
         one model object (the bench and eval load many engines at once)."""
         path = Path(path)
@@ -128,8 +130,8 @@ class Engine:
             num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
             block_size=c.block_size, residual_group=policy.residual_group(),
             residual_dtype=torch.float16 if dtype == torch.float32 else dtype, eviction=c.eviction,
-            max_pages=c.max_pages, kv_memory=c.kv_memory, device=device, demote=c.demote,
-            host_kv_memory=c.host_kv_memory,
+            max_pages=c.max_pages, kv_memory=c.kv_memory, kv_memory_fraction=c.kv_memory_fraction,
+            max_batch=c.max_batch, device=device, demote=c.demote, host_kv_memory=c.host_kv_memory,
         )
         kv_amax = m.kv_amax.to_dict() if m.kv_amax is not None else None
         return cls(path, m, model, tokenizer, policy, cache_cfg, c.max_batch, kv_amax)
@@ -167,9 +169,9 @@ class Engine:
         with self._lock:
             rid = self._next_id
             self._next_id += 1
-        from trtkv.cache.admission import check_device_cap
+        from trtkv.cache.admission import check_fits
 
-        check_device_cap(self.policy, self.core.cache.cfg, len(ids), params.max_tokens)  # --kv-memory
+        check_fits(self.core, len(ids), min(params.max_tokens, limit - len(ids)), params.n)  # never fits: refuse
         req = Request(rid, prompt, ids, params, make_generator(params.seed), limit)
         req.events = queue.Queue()
         return req
@@ -180,7 +182,8 @@ class Engine:
             fin = r.req_id in done_ids
             delta, ids = r.take_pending()
             if delta or ids or fin:
-                r.events.put(StreamEvent(delta, ids, fin, r.result if fin else None))
+                r.events.put(StreamEvent(delta, ids, fin, r.result if fin else None,
+                                         error=r.error if fin else None))
 
     def _step(self) -> None:
         before = list(self.scheduler.running) + list(self.scheduler.waiting)
@@ -193,9 +196,7 @@ class Engine:
     def _fail_all(self, msg: str) -> list[Request]:
         failed = list(self.scheduler.running)
         for r in failed:
-            r.finish_reason = "error"
-            if r.req_id in self.core.cache.seqs:
-                self.core.finish(r)
+            self.core.abort(r, msg)
             r.events.put(StreamEvent("", [], True, r.result, error=msg))
         self.scheduler.running = []
         return []
@@ -223,8 +224,7 @@ class Engine:
         for r in reqs:
             for x in [r, *r.forks]:
                 if x.finish_reason == "error":
-                    raise TrtkvError(next((ev.error for ev in reversed(x.events.queue) if ev.error),
-                                          "generation failed"))
+                    raise TrtkvError(x.error or "generation failed")
         return [x.result for r in reqs for x in (r, *r.forks)]
 
     def search(self, problem, config=None, task: str = "game24") -> dict[str, Any]:

@@ -138,8 +138,8 @@ def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed, cali
           calib_max_tokens, kv_memory) -> None:
     """Build an engine directory for MODEL and POLICY.
 
-    --set takes policy parameters and the cache settings block_size, eviction, max_batch, max_pages and
-    kv_memory."""
+    --set takes policy parameters and the cache settings block_size, eviction, max_batch, max_pages, kv_memory,
+    kv_memory_fraction, demote and host_kv_memory."""
     from trtkv.build.builder import build_engine
 
     if budget is not None and budget <= 0:
@@ -174,10 +174,14 @@ def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed, cali
 @click.option("--host-kv-memory", default=None, metavar="SIZE", help="Cap on host-tier KV bytes (T1 + T2).")
 @click.option("--demote", default=None, metavar="MODE",
               help="Evictions become moves to host memory: none, host, host-<format> [the engine's setting].")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Load-time cache setting (max_pages, kv_memory, kv_memory_fraction, max_batch...) or policy "
+                   "parameter (repeatable).")
 def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, raw, ignore_eos,
-             as_json, kv_memory, host_kv_memory, demote) -> None:
+             as_json, kv_memory, host_kv_memory, demote, sets) -> None:
     """Generate text with ENGINE (streams to the terminal)."""
     from trtkv.api import Engine, SamplingParams
+    from trtkv.cache.manager import CACHE_SETTINGS
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop), chat=not raw,
@@ -185,7 +189,15 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
     params.validate()
     overrides = {k: v for k, v in (("kv_memory", kv_memory), ("host_kv_memory", host_kv_memory), ("demote", demote))
                  if v is not None}
-    eng = Engine.load(engine, cache_overrides=overrides or None)
+    policy_overrides = {}
+    for k, v in parse_sets(sets).items():
+        if k in CACHE_SETTINGS:
+            if k in overrides:
+                raise TrtkvError(f"give {k} once: --{k.replace('_', '-')} or --set {k}, not both")
+            overrides[k] = v
+        else:
+            policy_overrides[k] = v
+    eng = Engine.load(engine, cache_overrides=overrides or None, policy_overrides=policy_overrides or None)
     if as_json:
         res = eng.generate(prompt, params)[0]
         click.echo(json.dumps(res.to_dict()))
@@ -195,6 +207,9 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
         click.echo(ev.text, nl=False)
         if ev.finished:
             result = ev.result
+            if ev.error:
+                click.echo()
+                raise TrtkvError(ev.error)
     click.echo()
     if result is not None:
         s = result.stats

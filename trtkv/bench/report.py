@@ -44,7 +44,7 @@ def print_bench(doc: dict[str, Any], console=None) -> None:
     console.print(t)
     m = Table(title=title + ": KV memory (MiB)", title_justify="left")
     for col in ("engine", "batch", "KV/req end", "KV/req peak", "vs fp16", "× first", "KV total peak",
-                "GPU peak" if cuda else "KV pool"):
+                "GPU peak" if cuda else "KV pool peak"):
         m.add_column(col, justify="left" if col == "engine" else "right", no_wrap=col == "engine")
     for r in doc["results"]:
         full = r["kv_bytes_full_fp16_per_request"]
@@ -52,9 +52,11 @@ def print_bench(doc: dict[str, Any], console=None) -> None:
                   _mib(r["kv_bytes_per_request_peak"]),
                   _fmt(r["kv_bytes_per_request_end"] / full if full else None, ".1%"),
                   _fmt(r["ratios_to_first"]["kv_bytes_per_request_peak"], ".2f") + "×",
-                  _mib(r["kv_bytes_total_peak"]), _mib(r["peak_device_bytes"] if cuda else r["kv_pool_bytes"]))
+                  _mib(r["kv_bytes_total_peak"]),
+                  _mib(r["peak_device_bytes"] if cuda else r.get("kv_pool_peak_bytes", r["kv_pool_bytes"])))
     console.print(m)
-    mem = "torch.cuda.max_memory_allocated" if cuda else "KV pools' capacity (process RSS is in results.json)"
+    mem = ("torch.cuda.max_memory_allocated" if cuda else
+           "pool pages and key-scale groups in use at once, at most (process RSS is in results.json)")
     console.print(f"[dim]× first: ratio to {first} at the same batch size (tok/s; per-request peak KV). GB/s = "
                   f"(weight bytes + KV bytes held) / decode step time, the achieved memory bandwidth. vs fp16: KV "
                   f"held at the end / an uncompressed fp16 cache of the same tokens. Last column: {mem}.[/dim]")

@@ -239,7 +239,8 @@ class RunResult:
     policy_stats: list[dict[str, float]] = field(default_factory=list)  # per request: the policy's numeric stats
     tier_stats: list[dict[str, float]] = field(default_factory=list)  # per request: the cache's per-tier numbers
     peak_device_bytes: int | None = None
-    pool_bytes: int = 0
+    pool_bytes: int = 0  # the pools' preallocated capacity
+    pool_peak_bytes: int = 0  # pages and key-scale groups in use at once, at most, during the run
     rss_bytes: int | None = None
 
 
@@ -304,6 +305,7 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
         res.policy_stats.append(numeric_leaves({k: v for k, v in s.items() if k not in BASE_STATS | TIER_STATS}))
         res.tier_stats.append({k: float(s[k]) for k in TIER_STATS if k in s})
     res.pool_bytes = core.cache.pool_bytes()
+    res.pool_peak_bytes = core.cache.pool_peak_bytes()
     if cuda:
         res.peak_device_bytes = int(torch.cuda.max_memory_allocated(core.device))
     res.rss_bytes = _rss_bytes()
@@ -428,6 +430,7 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
                 "evicted_tokens": statistics.fmean(x for r in rs for x in r.evicted_tokens),
                 "peak_device_bytes": max(peak_dev) if peak_dev else None,
                 "kv_pool_bytes": max(r.pool_bytes for r in rs),
+                "kv_pool_peak_bytes": max(r.pool_peak_bytes for r in rs),
                 "rss_bytes": max((r.rss_bytes or 0) for r in rs) or None,
                 "policy_stats": _mean_stats([d for r in rs for d in r.policy_stats]),  # mean over requests
                 **_tier_summary(rs),
@@ -469,8 +472,9 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
         "runs": [_run_record(r) for r in runs], "notes": notes,
         "memory_note": ("peak_device_bytes: torch.cuda.max_memory_allocated during the run (weights included)"
                         if device.startswith("cuda") else
-                        "CPU: kv_pool_bytes is the KV pools' allocated capacity (pools grow and are reused, not "
-                        "returned); rss_bytes is the process's resident memory after the run"),
+                        "CPU: kv_pool_bytes is the KV pools' preallocated capacity (kv_memory or the 2 GiB default, "
+                        "touched only as pages are used); kv_pool_peak_bytes the most pool pages and key-scale "
+                        "groups in use at once; rss_bytes is the process's resident memory after the run"),
     }
 
 

@@ -137,6 +137,7 @@ class CacheSection:
     max_batch: int = 64
     max_pages: int | None = None
     kv_memory: int | None = None
+    kv_memory_fraction: float = 0.9  # CUDA, kv_memory unset: share of free device memory for the KV pools
     demote: str = "none"  # evictions become moves to host tiers (trtkv/cache/tiers.py)
     host_kv_memory: int | None = None
 
@@ -159,7 +160,8 @@ class CacheSection:
     def to_dict(self) -> dict[str, Any]:
         return {"block_size": self.block_size, "eviction": self.eviction, "residual_group": self.residual_group,
                 "max_batch": self.max_batch, "max_pages": self.max_pages, "kv_memory": self.kv_memory,
-                "demote": self.demote, "host_kv_memory": self.host_kv_memory}
+                "kv_memory_fraction": self.kv_memory_fraction, "demote": self.demote,
+                "host_kv_memory": self.host_kv_memory}
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
-"""Admission by device memory (``--kv-memory``): what a request costs on the device at worst, and the one-line
-errors when it cannot fit even alone. Host tiers (``trtkv/cache/tiers.py``) do not count: tiering and
-``demote`` shrink a policy's device footprint (``KVPolicy.kv_footprint``), so more requests fit."""
+"""Admission by device memory: what a request costs on the device at worst, and the one-line errors when it
+cannot fit even alone — in bytes against ``--kv-memory`` and in pages against the preallocated pools
+(``trtkv/cache/budget.py``; the scheduler reserves the same pages while requests run). Host tiers
+(``trtkv/cache/tiers.py``) do not count: tiering and ``demote`` shrink a policy's device footprint
+(``KVPolicy.kv_footprint``), so more requests fit."""
 from __future__ import annotations
 
 from plugins.formats import get_format
@@ -26,19 +28,38 @@ def device_bytes_needed(policy, cfg: CacheConfig, prompt_len: int, max_tokens: i
 
 
 def check_device_cap(policy, cfg: CacheConfig, prompt_len: int, max_tokens: int) -> None:
-    """One clear error when a request cannot fit the device KV cap even alone."""
+    """One clear error when a request cannot fit the device KV cap (``--kv-memory``) even alone."""
     cap = getattr(cfg, "kv_memory", None)
     if cap is None:
         return
     fmt = max(policy.formats(), key=lambda f: get_format(f).slot_bytes(cfg.num_kv_heads, cfg.head_dim))
-    must = int(policy.min_device_tokens(prompt_len, max_tokens) * device_bytes_per_token(cfg, fmt))
-    if must > cap:
-        raise OutOfKVMemory(f"--kv-memory {cap:,} bytes is smaller than one request's protected set on the "
-                            f"device ({policy.min_device_tokens(prompt_len, max_tokens)} tokens of the {prompt_len}"
-                            f"-token prompt, sinks and recent window = {must:,} bytes); raise --kv-memory or "
-                            f"shorten the prompt")
+    protected = policy.min_device_tokens(prompt_len, max_tokens)
+    must = int(protected * device_bytes_per_token(cfg, fmt))
+    from trtkv.policies.base import KVPolicy
+
+    has_protected_set = type(policy).min_device_tokens is not KVPolicy.min_device_tokens  # e.g. tiered
+    if has_protected_set and must > cap:
+        raise OutOfKVMemory(f"this request can never fit the KV cache: --kv-memory {cap:,} bytes is smaller than "
+                            f"its protected set on the device ({protected} tokens of the {prompt_len}-token "
+                            f"prompt, sinks and recent window = {must:,} bytes); raise --kv-memory or shorten "
+                            f"the prompt")
     need = device_bytes_needed(policy, cfg, prompt_len, max_tokens)
     if need > cap:
-        raise OutOfKVMemory(f"one request needs up to {need:,} device KV bytes ({prompt_len} prompt + {max_tokens} "
-                            f"new tokens) but --kv-memory is {cap:,}; raise --kv-memory, lower --max-tokens, or "
-                            f"keep fewer tokens on the device (e.g. tiered with a lower beta, or demote=host)")
+        raise OutOfKVMemory(f"this request can never fit the KV cache: it needs up to {need:,} device KV bytes "
+                            f"({prompt_len} prompt + {max_tokens} new tokens) but --kv-memory is {cap:,}; raise "
+                            f"--kv-memory, lower --max-tokens, or keep fewer tokens on the device (e.g. tiered "
+                            f"with a lower beta, or demote=host)")
+
+
+def check_fits(core, prompt_len: int, max_tokens: int, n: int = 1) -> None:
+    """Refuse at once (``OutOfKVMemory``) a request that could never fit ``core``'s KV cache, even alone: its
+    protected set or worst case over ``--kv-memory``, or its worst-case pages (``n`` samples) over a pool."""
+    from trtkv.cache.budget import pages_needed
+    from trtkv.runtime.scheduler import never_fits_message
+
+    cfg = core.cache.cfg
+    check_device_cap(core.policy, cfg, prompt_len, max_tokens)
+    for fmt, pages in pages_needed(core.policy, cfg, prompt_len, max_tokens).items():
+        cap = core.cache.capacity_pages(fmt)
+        if pages * n > cap:
+            raise OutOfKVMemory(never_fits_message(prompt_len, max_tokens, n, fmt, pages * n, cap, cfg))

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from trtkv.errors import OutOfKVMemory
+
 if TYPE_CHECKING:
     from trtkv.cache.manager import KVCacheManager, SeqKV
 
@@ -103,7 +105,10 @@ def make_private(mgr: KVCacheManager, seq: SeqKV, layer: int, fmt: str, p: int) 
     table = seq.layers[layer]
     pool = mgr.pools[layer][fmt]
     cls = (fmt, int(pool.page_class[p]))
-    q = pool.alloc_page(cls[1])
+    try:
+        q = pool.alloc_page(cls[1])
+    except OutOfKVMemory as e:
+        raise e.at(seq.seq_id, layer, fmt) from None
     for t in pool.fields:
         t[q] = t[p]
     pool.k_group[q] = pool.k_group[p]

@@ -10,97 +10,17 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from plugins.formats import KVFormat, LayerScales, get_format
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
-from trtkv.cache import forks
+from trtkv.cache import compaction, forks, reads
+from trtkv.cache.budget import PoolPlan, plan_pools
+from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
 from trtkv.cache.pool import PagePool
-from trtkv.errors import TrtkvError
-from trtkv.sizes import parse_size
-
-EVICTION_MODES = ("inplace", "compact")
-MAX_BLOCK_SIZE = 31  # a page's validity bits fit one int32 word
-
-
-@dataclass
-class CacheConfig:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int = 8
-    residual_group: int = 1  # g: tokens held in full precision before a quantized flush (1 = write-through)
-    residual_dtype: torch.dtype = torch.float16
-    eviction: str = "inplace"  # "inplace": CT slot reuse; "compact": gather live tokens together (R-KV style)
-    max_pages: int | None = None  # per (layer, format) pool; None grows on demand
-    initial_pages: int = 8
-    device: str = "cpu"
-    kv_memory: int | None = None  # device KV bytes (pools, admission); None = a default chosen at engine start
-    # --- tiered memory (trtkv/cache/tiers.py) ---
-    demote: str = "none"  # a policy's evictions: "none" drop (T3), "host" move to T1, "host-<format>" to T2
-    host_kv_memory: int | None = None  # host tiers' bytes cap; None = unbounded
-
-    def __post_init__(self) -> None:
-        self.validate_settings({"block_size": self.block_size, "eviction": self.eviction,
-                                "max_pages": self.max_pages, "kv_memory": self.kv_memory,
-                                "demote": self.demote, "host_kv_memory": self.host_kv_memory})
-
-    @staticmethod
-    def validate_settings(settings: dict[str, Any]) -> dict[str, Any]:
-        """The one validator of user-settable cache settings (``--set``, ``engine.json``'s cache section,
-        load-time overrides): ``block_size``, ``eviction``, ``max_pages``, ``kv_memory`` (bytes or a size
-        like ``2GiB``) and the scheduler's ``max_batch``. Strings are parsed; returns typed values, raises
-        one ``TrtkvError`` line naming the setting."""
-        out: dict[str, Any] = {}
-        for key, value in settings.items():
-            if key not in CACHE_SETTINGS:
-                raise TrtkvError(f"unknown cache setting {key!r}; cache settings are {', '.join(CACHE_SETTINGS)}")
-            out[key] = _cache_setting(key, value)
-        return out
-
-
-CACHE_SETTINGS = ("block_size", "eviction", "max_batch", "max_pages", "kv_memory", "demote", "host_kv_memory")
-
-
-def _cache_setting(key: str, value: Any) -> Any:
-    def bad(why: str) -> TrtkvError:
-        return TrtkvError(f"cache setting {key}={value!r}: {why}")
-
-    text = value.strip().lower() if isinstance(value, str) else value
-    if key == "eviction":
-        if text not in EVICTION_MODES:
-            raise bad(f"choose {' or '.join(EVICTION_MODES)}")
-        return text
-    if key == "demote":
-        from trtkv.cache.tiers import parse_demote
-
-        parse_demote(text)  # a bad value fails here, with one clear line
-        return text
-    if key in ("max_pages", "kv_memory", "host_kv_memory") and text in (None, "none", "null", "auto"):
-        return None
-    if key in ("kv_memory", "host_kv_memory"):
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise bad("expected a size in bytes, e.g. 2GiB or 512MiB")
-        try:
-            return parse_size(value)
-        except TrtkvError as e:
-            raise bad(str(e)) from None
-    if isinstance(value, str):
-        try:
-            value = int(text)
-        except ValueError:
-            raise bad("expected a whole number") from None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise bad("expected a whole number")
-    if key == "block_size" and not 1 <= value <= MAX_BLOCK_SIZE:
-        raise bad(f"must be between 1 and {MAX_BLOCK_SIZE}")
-    if value < 1:
-        raise bad("must be positive")
-    return value
-
+from trtkv.errors import OutOfKVMemory, TrtkvError
 
 Cls = tuple[str, int]  # (format name, thought class): a page holds tokens of exactly one class
 
@@ -155,9 +75,16 @@ class SeqKV:
 
 
 class KVCacheManager:
-    def __init__(self, cfg: CacheConfig, kv_amax: dict | None = None):
+    """``formats``: every format the cache will store (the policy's ``pool_formats()``), so ``kv_memory``
+    can be split among them; ``drops_tokens``: whether the policy may drop tokens (sizes the key-scale
+    arenas, see ``trtkv/cache/budget.py``). The pools are sized and allocated once, on first use."""
+
+    def __init__(self, cfg: CacheConfig, kv_amax: dict | None = None, formats=None, drops_tokens: bool = True):
         self.cfg = cfg
         self.kv_amax = kv_amax  # {"k": [per layer], "v": [per layer]} from calibration, or None
+        self.formats = tuple(sorted(formats)) if formats is not None else None
+        self.drops_tokens = drops_tokens
+        self._plan: PoolPlan | None = None
         self._scales: dict[tuple[int, str], LayerScales] = {}
         self.pools: list[dict[str, PagePool]] = [{} for _ in range(cfg.num_layers)]
         self.seqs: dict[int, SeqKV] = {}
@@ -228,13 +155,47 @@ class KVCacheManager:
         return self._scales[key]
 
     # --- pools ------------------------------------------------------------------------------
+    @property
+    def plan(self) -> PoolPlan:
+        """The pools' sizes, decided once (``trtkv/cache/budget.py``); nothing is allocated until a pool is
+        first used, so a core that never runs (e.g. an engine's own, while a tool runs its core) costs nothing."""
+        if self._plan is None:
+            self._plan = plan_pools(self.cfg, self.formats, self.drops_tokens)
+        return self._plan
+
+    def allocate(self) -> None:
+        """Allocate every planned pool, all at once (the first write does this)."""
+        plan = self.plan
+        for layer in range(self.cfg.num_layers):
+            for fmt in plan.formats or ():
+                if fmt not in self.pools[layer]:
+                    self.pools[layer][fmt] = self._new_pool(fmt, plan)
+
+    def _new_pool(self, fmt: str, plan: PoolPlan) -> PagePool:
+        c = self.cfg
+        try:
+            return PagePool(get_format(fmt), c.num_kv_heads, c.head_dim, c.block_size, c.device, plan.pages,
+                            plan.groups(fmt, c))
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise OutOfKVMemory(f"could not allocate the {fmt} KV pools ({plan.pages} pages per layer) on "
+                                f"{c.device}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; lower "
+                                f"--kv-memory or kv_memory_fraction") from None
+
     def pool(self, layer: int, fmt: str) -> PagePool:
         pools = self.pools[layer]
         if fmt not in pools:
-            c = self.cfg
-            pools[fmt] = PagePool(get_format(fmt), c.num_kv_heads, c.head_dim, c.block_size, c.device,
-                                  c.initial_pages, c.max_pages)
+            self.allocate()
+            plan = self.plan
+            if fmt not in pools:
+                if plan.formats is not None:
+                    raise TrtkvError(f"the KV cache has no {fmt} pool (its pools: {', '.join(plan.formats)}); "
+                                     f"the policy must list every format it stores in pool_formats()")
+                pools[fmt] = self._new_pool(fmt, plan)
         return pools[fmt]
+
+    def capacity_pages(self, fmt: str) -> int:
+        """Pages of one (layer, format) pool."""
+        return self.plan.pages
 
     # --- slots ------------------------------------------------------------------------------
     def alloc_slots(self, seq: SeqKV, layer: int, cls: Cls, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -260,7 +221,10 @@ class KVCacheManager:
         while len(pages) < n:
             p = table.open_page.get(cls)
             if p is None:
-                p = pool.alloc_page(cls[1])
+                try:
+                    p = pool.alloc_page(cls[1])
+                except OutOfKVMemory as e:
+                    raise e.at(seq.seq_id, layer, cls[0]) from None
                 self._page_counter += 1
                 table.page_seq[(cls[0], p)] = self._page_counter
                 table.pages.setdefault(cls, []).append(p)
@@ -281,7 +245,10 @@ class KVCacheManager:
         """Store ``k, v [n, H, D]`` (one flush group for quantized formats) of one request."""
         pool = self.pool(layer, cls[0])
         pages, slots = self.alloc_slots(seq, layer, cls, len(positions))
-        gid = pool.alloc_group(len(positions))
+        try:
+            gid = pool.alloc_group(len(positions))
+        except OutOfKVMemory as e:
+            raise e.at(seq.seq_id, layer, cls[0]) from None
         if gid >= 0:
             seq.add_bytes(pool.group_bytes)
         sc = self.layer_scales(layer, cls[0])
@@ -374,54 +341,8 @@ class KVCacheManager:
         seq.add_bytes(-(pool.page_bytes + 4))
 
     def compact(self, seq: SeqKV, layer: int) -> None:
-        """Gather compaction: move every class's live tokens to the front of its pages and free the rest.
-
-        This copies K/V codes (what R-KV and AMS do after eviction); the in-place mode never does."""
-        table = seq.layers[layer]
-        for cls, pages in list(table.pages.items()):  # gathering writes: shared pages are copied first
-            for p in [p for p in pages if self.refs.sharers(layer, cls[0], p)]:
-                forks.make_private(self, seq, layer, cls[0], p)
-        for cls, pages in list(table.pages.items()):
-            pool = self.pools[layer][cls[0]]
-            src = [(p, s) for p in pages for s in range(pool.B) if pool.valid[p] >> s & 1]
-            dst = [(pages[i // pool.B], i % pool.B) for i in range(len(src))]
-            moves = [(a, b) for a, b in zip(src, dst) if a != b]
-            if moves:
-                sp = torch.tensor([a[0] for a, _ in moves], device=pool.device)
-                ss = torch.tensor([a[1] for a, _ in moves], device=pool.device)
-                dp = torch.tensor([b[0] for _, b in moves], device=pool.device)
-                ds = torch.tensor([b[1] for _, b in moves], device=pool.device)
-                for t in pool.fields:
-                    t[dp, ds] = t[sp, ss].clone()
-                pool.k_group[dp, ds] = pool.k_group[sp, ss].clone()
-                self.compaction_moves += len(moves)
-            pos = [int(pool.slot_pos[p, s]) for p, s in src]
-            segs = [int(pool.slot_seg[p, s]) for p, s in src]
-            keep_pages = pages[: (len(src) + pool.B - 1) // pool.B]
-            for p in pages:
-                pool.valid[p] = 0
-                pool.live[p] = 0
-                pool.hwm[p] = 0
-                pool.slot_pos[p] = -1
-                pool.slot_seg[p] = -1
-            for i, ((p, s), q) in enumerate(zip(dst, pos)):
-                pool.valid[p] |= np.int32(1 << s)
-                pool.live[p] += 1
-                pool.hwm[p] = max(pool.hwm[p], s + 1)
-                pool.slot_pos[p, s] = q
-                pool.slot_seg[p, s] = segs[i]
-                table.loc[q] = (cls[0], p, s)
-            pool._valid_dirty = True
-            for p in pages[len(keep_pages):]:
-                del table.page_seq[(cls[0], p)]
-                pool.release_page(p)
-                seq.add_bytes(-(pool.page_bytes + 4))
-            table.pages[cls] = list(keep_pages)
-            table.reusable[cls] = []
-            table.open_page.pop(cls, None)
-            if keep_pages and pool.hwm[keep_pages[-1]] < pool.B:
-                table.open_page[cls] = keep_pages[-1]
-            table._flat = table._bt = None
+        """Gather compaction of one layer (``trtkv/cache/compaction.py``)."""
+        compaction.compact(self, seq, layer)
 
     # --- reads ------------------------------------------------------------------------------
     def live_positions(self, seq: SeqKV, layer: int) -> np.ndarray:
@@ -429,63 +350,16 @@ class KVCacheManager:
         return np.fromiter(sorted(seq.layers[layer].loc), np.int64)
 
     def gather_kv(self, seq: SeqKV, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized fp32 ``k, v [m, H, D]`` of paged tokens (read-only; for selection, not compaction)."""
-        loc = seq.layers[layer].loc
-        out_k = torch.empty(len(positions), self.cfg.num_kv_heads, self.cfg.head_dim, device=self.cfg.device)
-        out_v = torch.empty_like(out_k)
-        by_fmt: dict[str, list[tuple[int, int, int]]] = {}
-        for i, pos in enumerate(positions.tolist() if hasattr(positions, "tolist") else positions):
-            fmt, p, s = loc[int(pos)]
-            by_fmt.setdefault(fmt, []).append((i, p, s))
-        for fmt, items in by_fmt.items():
-            pool = self.pools[layer][fmt]
-            idx = torch.tensor([i for i, _, _ in items], device=pool.device)
-            pp = torch.tensor([p for _, p, _ in items], device=pool.device)
-            ss = torch.tensor([s for _, _, s in items], device=pool.device)
-            slot = {f.name: t[pp, ss] for f, t in zip(pool.slot_specs, pool.fields)}
-            group = {}
-            if pool.group_specs:
-                gid = pool.k_group[pp, ss].long()
-                group = {f.name: t[gid] for f, t in zip(pool.group_specs, pool.group_fields)}
-            k, v = pool.fmt.decode(slot, group, self.layer_scales(layer, fmt))
-            out_k[idx], out_v[idx] = k, v
-        return out_k, out_v
+        """Dequantized fp32 ``k, v [m, H, D]`` of paged tokens (``trtkv/cache/reads.py``)."""
+        return reads.gather_kv(self, seq, layer, positions)
 
     def block_tables(self, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""
-        out = []
-        if len(seqs) == 1:  # no padding to do; the tensor is cached until the page list changes
-            table = seqs[0].layers[layer]
-            if table._bt is None:
-                table._bt = [(self.pools[layer][fmt], torch.tensor([pages], dtype=torch.int32,
-                                                                 device=self.pools[layer][fmt].device))
-                             for fmt, pages in table.pages_of_format().items() if pages]  # (a format whose
-                # pages were all released, e.g. a tree block re-stored and rebuilt, has no table)
-            return table._bt
-        per_seq = [s.layers[layer].pages_of_format() for s in seqs]
-        for fmt, pool in self.pools[layer].items():
-            rows = [d.get(fmt, ()) for d in per_seq]
-            width = max((len(r) for r in rows), default=0)
-            if width == 0:
-                continue
-            bt = np.full((len(seqs), width), -1, np.int32)
-            for i, r in enumerate(rows):
-                bt[i, : len(r)] = r
-            out.append((pool, torch.from_numpy(bt).to(pool.device)))
-        return out
+        return reads.block_tables(self, layer, seqs)
 
     def dense_run(self, layer: int, seqs: list[SeqKV]) -> tuple[int, int] | None:
-        """``(first page, live tokens)`` when a lone request's tokens fill one ascending run of pages from
-        its first slot with no hole — then attention can read a view of the pool instead of a gather."""
-        if len(seqs) != 1:
-            return None
-        table = seqs[0].layers[layer]
-        if table.holes or len(table.pages) != 1:
-            return None
-        (pages,) = table.pages.values()
-        if not pages or pages[-1] - pages[0] != len(pages) - 1 or any(b - a != 1 for a, b in zip(pages, pages[1:])):
-            return None
-        return pages[0], table.live
+        """``(first page, live tokens)`` when a lone request's tokens are one dense run of pages."""
+        return reads.dense_run(layer, seqs)
 
     # --- bytes ------------------------------------------------------------------------------
     def seq_bytes(self, seq: SeqKV) -> int:
@@ -528,7 +402,12 @@ class KVCacheManager:
         return sum(p.in_use for pools in self.pools for p in pools.values())
 
     def pool_bytes(self) -> int:
+        """Bytes the pools reserved (allocated once, used or not)."""
         return sum(p.allocated_bytes() for pools in self.pools for p in pools.values())
+
+    def pool_peak_bytes(self) -> int:
+        """Bytes of the most pages and groups each pool had in use at once (what the runs needed)."""
+        return sum(p.peak_bytes() for pools in self.pools for p in pools.values())
 
 
 def fp16_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:

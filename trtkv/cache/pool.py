@@ -2,6 +2,11 @@
 
 Pages hold ``block_size`` slots. Host-side metadata (numpy) is authoritative; the per-page validity
 words are mirrored to the device for the attention kernel (on CPU the mirror *is* the host array).
+
+A pool is allocated once, at its full size (``trtkv/cache/budget.py`` decides the size), and never grows:
+a full pool raises ``OutOfKVMemory``. Its tensors come from ``torch.empty`` and are initialised a chunk at
+a time as pages are first handed out (pages and groups are handed out lowest-first), so on CPU the memory
+of pages never used is never touched and costs no resident memory.
 """
 from __future__ import annotations
 
@@ -13,33 +18,45 @@ import torch
 from plugins.formats import KVFormat
 from trtkv.errors import OutOfKVMemory
 
+FIRST_CHUNK = 16  # pages (or groups) initialised at once the first time; later chunks double
+
 
 class PagePool:
     def __init__(self, fmt: KVFormat, num_heads: int, head_dim: int, block_size: int, device: str,
-                 initial_pages: int = 8, max_pages: int | None = None):
+                 pages: int, groups: int = 0):
         assert block_size <= 31, "validity words are int32 bit masks"
+        assert pages >= 1, "a pool holds at least one page"
         self.fmt, self.H, self.D, self.B, self.device = fmt, num_heads, head_dim, block_size, torch.device(device)
-        self.max_pages = max_pages
-        cap = min(initial_pages, max_pages) if max_pages else initial_pages
+        cap = pages
         self.slot_specs = fmt.slot_fields(num_heads, head_dim)
         self.group_specs = fmt.group_fields(num_heads, head_dim)
-        self.fields = [torch.zeros(cap, block_size, *f.shape, dtype=f.dtype, device=self.device)
+        self.fields = [torch.empty(cap, block_size, *f.shape, dtype=f.dtype, device=self.device)
                        for f in self.slot_specs]
-        self.k_group = torch.full((cap, block_size), -1, dtype=torch.int32, device=self.device)
+        self.k_group = torch.empty((cap, block_size), dtype=torch.int32, device=self.device)
         self.valid = np.zeros(cap, np.int32)  # bit s set = slot s holds a live token
         self.live = np.zeros(cap, np.int32)  # popcount(valid)
         self.hwm = np.zeros(cap, np.int32)  # slots [0, hwm) were written at least once
-        self.slot_pos = np.full((cap, block_size), -1, np.int64)  # token position in each slot (-1 free)
-        self.slot_seg = np.full((cap, block_size), -1, np.int32)  # policy segment id (ThinKV), -1 free
+        self.slot_pos = np.empty((cap, block_size), np.int64)  # token position in each slot (-1 free)
+        self.slot_seg = np.empty((cap, block_size), np.int32)  # policy segment id (ThinKV), -1 free
         self.page_class = np.zeros(cap, np.int32)  # thought type the page is dedicated to
-        self.free = list(range(cap))  # min-heap: the lowest free page first, so runs stay ascending
+        self.free: list[int] = []  # min-heap of released pages; pages >= fresh were never handed out
+        self.fresh = 0
+        self.ready = 0  # pages [0, ready) are initialised (zero codes, k_group -1, no positions)
         self.in_use = 0
+        self.peak_in_use = 0
         # key-scale arena (per flush group), refcounted by the slots that point at it
-        gcap = cap if self.group_specs else 0
-        self.group_fields = [torch.zeros(gcap, *f.shape, dtype=f.dtype, device=self.device) for f in self.group_specs]
+        gcap = groups if self.group_specs else 0
+        self.group_fields = [torch.empty(gcap, *f.shape, dtype=f.dtype, device=self.device) for f in self.group_specs]
         self.group_ref = np.zeros(gcap, np.int32)
-        self.group_free = list(range(gcap - 1, -1, -1))
+        self.group_free: list[int] = []  # released groups, reused last-released first
+        self.group_fresh = 0
+        self.groups_ready = 0
+        self.peak_groups = 0
+        if gcap:
+            self._init_groups(1)  # padding slots (k_group -1) read group 0: keep it finite
         self._valid_dev: torch.Tensor | None = None
+        if self.device.type != "cpu":
+            self._valid_dev = torch.zeros(cap, dtype=torch.int32, device=self.device)
         self._valid_dirty = True
 
     # --- capacity ---------------------------------------------------------------------------
@@ -47,30 +64,48 @@ class PagePool:
     def capacity(self) -> int:
         return len(self.valid)
 
-    def _grow(self) -> None:
-        old = self.capacity
-        new = old * 2 if not self.max_pages else min(old * 2, self.max_pages)
-        if new <= old:
-            raise OutOfKVMemory(
-                f"KV pool for {self.fmt.name} is full ({old} pages); raise --kv-memory or lower the batch size"
-            )
-        pad = new - old
-        self.fields = [torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in self.fields]
-        self.k_group = torch.cat([self.k_group, self.k_group.new_full((pad, self.B), -1)])
-        self.valid = np.concatenate([self.valid, np.zeros(pad, np.int32)])
-        self.live = np.concatenate([self.live, np.zeros(pad, np.int32)])
-        self.hwm = np.concatenate([self.hwm, np.zeros(pad, np.int32)])
-        self.slot_pos = np.concatenate([self.slot_pos, np.full((pad, self.B), -1, np.int64)])
-        self.slot_seg = np.concatenate([self.slot_seg, np.full((pad, self.B), -1, np.int32)])
-        self.page_class = np.concatenate([self.page_class, np.zeros(pad, np.int32)])
-        for p in range(old, new):
-            heapq.heappush(self.free, p)
-        self._valid_dirty = True
+    @property
+    def group_capacity(self) -> int:
+        return len(self.group_ref)
+
+    @property
+    def free_pages(self) -> int:
+        return self.capacity - self.in_use
+
+    def is_free(self, p: int) -> bool:
+        return p >= self.fresh or p in self.free
+
+    def _full(self) -> OutOfKVMemory:
+        return OutOfKVMemory(f"the {self.fmt.name} KV pool is full ({self.capacity} pages of {self.B} slots per "
+                             f"layer); raise --kv-memory (or --set max_pages) or lower the batch size")
+
+    def _init_pages(self, upto: int) -> None:
+        """Initialise pages ``[ready, upto)`` (and a doubling chunk beyond) before their first use."""
+        end = min(self.capacity, max(upto, 2 * self.ready, FIRST_CHUNK))
+        lo = self.ready
+        for t in self.fields:
+            t[lo:end].zero_()
+        self.k_group[lo:end].fill_(-1)
+        self.slot_pos[lo:end] = -1
+        self.slot_seg[lo:end] = -1
+        self.ready = end
+
+    def _init_groups(self, upto: int) -> None:
+        end = min(self.group_capacity, max(upto, 2 * self.groups_ready, FIRST_CHUNK))
+        for t in self.group_fields:
+            t[self.groups_ready:end].zero_()
+        self.groups_ready = end
 
     def alloc_page(self, page_class: int) -> int:
-        if not self.free:
-            self._grow()
-        p = heapq.heappop(self.free)
+        if self.free:
+            p = heapq.heappop(self.free)
+        elif self.fresh < self.capacity:
+            p = self.fresh
+            self.fresh += 1
+            if p >= self.ready:
+                self._init_pages(p + 1)
+        else:
+            raise self._full()
         self.valid[p] = 0
         self.live[p] = 0
         self.hwm[p] = 0
@@ -78,6 +113,7 @@ class PagePool:
         self.slot_pos[p] = -1
         self.slot_seg[p] = -1
         self.in_use += 1
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
         self._valid_dirty = True
         return p
 
@@ -93,14 +129,18 @@ class PagePool:
     def alloc_group(self, refs: int) -> int:
         if not self.group_specs:
             return -1
-        if not self.group_free:
-            old = len(self.group_ref)
-            new = max(2 * old, 8)
-            self.group_fields = [torch.cat([t, t.new_zeros(new - old, *t.shape[1:])]) for t in self.group_fields]
-            self.group_ref = np.concatenate([self.group_ref, np.zeros(new - old, np.int32)])
-            self.group_free = list(range(new - 1, old - 1, -1)) + self.group_free
-        g = self.group_free.pop()
+        if self.group_free:
+            g = self.group_free.pop()
+        elif self.group_fresh < self.group_capacity:
+            g = self.group_fresh
+            self.group_fresh += 1
+            if g >= self.groups_ready:
+                self._init_groups(g + 1)
+        else:
+            raise OutOfKVMemory(f"the {self.fmt.name} key-scale arena is full ({self.group_capacity} groups per "
+                                f"layer); raise --kv-memory or lower the batch size")
         self.group_ref[g] = refs
+        self.peak_groups = max(self.peak_groups, self.groups_in_use)
         return g
 
     def decref_group(self, g: int, n: int = 1) -> bool:
@@ -116,7 +156,7 @@ class PagePool:
 
     @property
     def groups_in_use(self) -> int:
-        return len(self.group_ref) - len(self.group_free)
+        return self.group_fresh - len(self.group_free)
 
     # --- slot state -------------------------------------------------------------------------
     def mark_written(self, pages: list[int], slots: list[int], positions: list[int], seg: int = -1) -> None:
@@ -143,13 +183,15 @@ class PagePool:
         self._valid_dirty = True
 
     def valid_bits(self) -> torch.Tensor:
-        """Device int32 ``[capacity]`` validity words for the attention kernel."""
-        if self.device.type == "cpu":  # a view of the host array, rebuilt only when the array is replaced
+        """Device int32 ``[capacity]`` validity words for the attention kernel (on a GPU, a preallocated
+        mirror refreshed over the pages handed out so far)."""
+        if self.device.type == "cpu":  # a view of the host array (rebuilt if a host pool grew)
             if self._valid_dev is None or self._valid_dev.data_ptr() != self.valid.ctypes.data:
                 self._valid_dev = torch.from_numpy(self.valid)
             return self._valid_dev
-        if self._valid_dirty or self._valid_dev is None or len(self._valid_dev) != self.capacity:
-            self._valid_dev = torch.from_numpy(self.valid).to(self.device, non_blocking=True)
+        if self._valid_dirty:
+            n = self.fresh
+            self._valid_dev[:n].copy_(torch.from_numpy(self.valid[:n]), non_blocking=True)
             self._valid_dirty = False
         return self._valid_dev
 
@@ -157,7 +199,7 @@ class PagePool:
     @property
     def page_bytes(self) -> int:
         """Codes and per-slot scales of one page, plus its metadata: validity word, class, and the
-        per-slot key-group index where the format has a key-scale arena."""
+        per-slot key-group index where the format has a key-scale arena (what a request is charged)."""
         meta = 4 + 1 + (4 * self.B if self.group_specs else 0)
         return self.B * self.fmt.slot_bytes(self.H, self.D) + meta
 
@@ -166,4 +208,9 @@ class PagePool:
         return self.fmt.group_bytes(self.H, self.D)
 
     def allocated_bytes(self) -> int:
-        return self.capacity * self.page_bytes + len(self.group_ref) * self.group_bytes
+        """Bytes the pool reserved (every page and group, used or not)."""
+        return self.capacity * self.page_bytes + self.group_capacity * self.group_bytes
+
+    def peak_bytes(self) -> int:
+        """Bytes of the most pages and groups in use at once (what the workload actually needed)."""
+        return self.peak_in_use * self.page_bytes + self.peak_groups * self.group_bytes

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from plugins.formats import FORMATS, get_format
-from trtkv.cache.manager import CacheConfig, KVCacheManager, SeqKV
-from trtkv.cache.pool import PagePool
+from trtkv.cache.host_store import HostKVStore
+from trtkv.cache.manager import KVCacheManager, SeqKV
 from trtkv.errors import OutOfKVMemory, TrtkvError
 
 TIER_DEVICE, TIER_HOST, TIER_HOST_Q, TIER_EVICTED = 0, 1, 2, 3
@@ -71,49 +71,6 @@ def parse_tier(tier: str) -> tuple[int, str | None]:
         fmt = parse_host_format(t[5:] if t.startswith("host-") else None, what=f"tier {tier!r}: format")
         return (TIER_HOST if fmt is None else TIER_HOST_Q), fmt
     raise TrtkvError(f"unknown tier {tier!r}; choose device, host, host-<format> or evicted")
-
-
-class HostPagePool(PagePool):
-    """A page pool in host memory; pinned when the device is a GPU (so copies can be asynchronous)."""
-
-    pin = False
-
-    def _pin_all(self) -> None:
-        if self.pin:
-            self.fields = [t.pin_memory() for t in self.fields]
-            self.k_group = self.k_group.pin_memory()
-            self.group_fields = [t.pin_memory() for t in self.group_fields]
-
-    def _grow(self) -> None:
-        super()._grow()
-        self._pin_all()
-
-    def alloc_group(self, refs: int) -> int:
-        n = len(self.group_ref)
-        g = super().alloc_group(refs)
-        if len(self.group_ref) != n:
-            self._pin_all()
-        return g
-
-
-class HostKVStore(KVCacheManager):
-    """The host tiers' pages: a ``KVCacheManager`` whose pools live in (pinned) host memory."""
-
-    def __init__(self, cfg: CacheConfig, kv_amax=None, pin: bool = False):
-        super().__init__(cfg, kv_amax)
-        self.pin = pin
-
-    def pool(self, layer: int, fmt: str) -> PagePool:
-        pools = self.pools[layer]
-        if fmt not in pools:
-            c = self.cfg
-            pool = HostPagePool.__new__(HostPagePool)
-            pool.pin = self.pin
-            PagePool.__init__(pool, get_format(fmt), c.num_kv_heads, c.head_dim, c.block_size, "cpu",
-                              c.initial_pages, None)
-            pool._pin_all()
-            pools[fmt] = pool
-        return pools[fmt]
 
 
 @dataclass
@@ -351,7 +308,7 @@ class TierStore:
             self.host.evict(st.host, layer, positions)
         raise OutOfKVMemory(f"host KV memory is full ({total:,} of {self.cap:,} bytes "
                             f"with this move); raise --host-kv-memory, lower the batch size or evict more "
-                            f"(e.g. --set evict_ratio=... or demote=none)")
+                            f"(e.g. --set evict_ratio=... or demote=none)", seq_id=seq.seq_id)
 
     def _moved(self, st: SeqTiers, layer: int, nbytes: int, seconds: float) -> None:
         st.version[layer] += 1
@@ -408,7 +365,10 @@ def _raw_copy(src: KVCacheManager, sseq: SeqKV, dst: KVCacheManager, dseq: SeqKV
             gids = spool.k_group[sp, ss].cpu().tolist()
             gmap = {}
             for g in sorted(set(gids)):
-                ng = dpool.alloc_group(gids.count(g))
+                try:
+                    ng = dpool.alloc_group(gids.count(g))
+                except OutOfKVMemory as e:
+                    raise e.at(dseq.seq_id, layer, cls[0]) from None
                 dseq.add_bytes(dpool.group_bytes)
                 for sgf, dgf in zip(spool.group_fields, dpool.group_fields):
                     dgf[ng] = sgf[g].to(dpool.device)

@@ -24,11 +24,17 @@ def lockstep_decode(cores: list[EngineCore], batches: list[list[Request]]) -> No
     steps = [c.begin_decode(b) for c, b in zip(cores, batches)]
     sizes = [len(b) for b in batches]
     cos, sin = torch.cat([s.cos for s in steps]), torch.cat([s.sin for s in steps])
-    x = model.embed(torch.cat([s.ids for s in steps]))
-    for layer in range(model.arch.num_hidden_layers):
-        q, k, v = model.qkv(layer, x, cos, sin)
-        outs = [c.decode_layer(s, layer, qi, ki, vi)
-                for c, s, qi, ki, vi in zip(cores, steps, q.split(sizes), k.split(sizes), v.split(sizes))]
-        x = model.finish_layer(layer, x, torch.cat(outs))
-    for c, s, lg in zip(cores, steps, model.logits(x).split(sizes)):
+    try:
+        x = model.embed(torch.cat([s.ids for s in steps]))
+        for layer in range(model.arch.num_hidden_layers):
+            q, k, v = model.qkv(layer, x, cos, sin)
+            outs = [c.decode_layer(s, layer, qi, ki, vi)
+                    for c, s, qi, ki, vi in zip(cores, steps, q.split(sizes), k.split(sizes), v.split(sizes))]
+            x = model.finish_layer(layer, x, torch.cat(outs))
+        logits = model.logits(x)
+    except BaseException:
+        for c, s in zip(cores, steps):
+            c.abort_decode(s)
+        raise
+    for c, s, lg in zip(cores, steps, logits.split(sizes)):
         c.end_decode(s, lg)

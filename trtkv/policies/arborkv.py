@@ -113,6 +113,13 @@ class ArborKVPolicy(KVPolicy):
         if len(self.theta) not in (3, 4):
             raise ValueError("theta is (v, u, a) or (v, u, a, bias)")
 
+    def pool_formats(self) -> set[str]:
+        """Off-path blocks are re-stored in ``offpath_format``: the cache needs a pool for it too."""
+        return self.formats() | ({self.offpath_format} if self.offpath_format != "none" else set())
+
+    def drops_tokens(self) -> bool:
+        return True  # tree-wide evictions of off-path blocks
+
     @property
     def tae(self) -> TAEParams:
         return TAEParams(self.alpha, self.gamma, self.eta, self.lambda_delta, self.lambda_depth, self.r_min,

@@ -93,6 +93,18 @@ class KVPolicy:
     def formats(self) -> set[str]:
         return {self.kv_format}
 
+    def pool_formats(self) -> set[str]:
+        """Every format this policy's requests may store: the cache sizes one pool per layer for each, once
+        (``trtkv/cache/budget.py``). Default: ``formats()``."""
+        return self.formats()
+
+    def drops_tokens(self) -> bool:
+        """May a request lose tokens it wrote (eviction, demotion, pruning)? Then a quantized format's flush
+        groups can thin out to one live token each, and the cache gives its key-scale arenas one group per
+        slot. Default: the footprint is below keep-everything for some request shape."""
+        shapes = ((64, 1 << 14), (1 << 14, 64), (1 << 12, 1 << 12))
+        return any(self.max_live_tokens(p, m) < p + m for p, m in shapes)
+
     def residual_group(self) -> int:
         """Tokens held in full precision before a flush: 16 when any format quantizes, else 1."""
         from plugins.formats import get_format

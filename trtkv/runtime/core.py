@@ -51,7 +51,7 @@ class EngineCore:
         self.model = model
         self.arch = model.arch
         self.policy = policy
-        self.cache = KVCacheManager(cache_cfg, kv_amax)
+        self.cache = KVCacheManager(cache_cfg, kv_amax, policy.pool_formats(), policy.drops_tokens())
         self.staging = HostStaging(self.cache)  # host tiers (T1/T2) -> device, per layer (runtime/staging.py)
         self.eos_ids = set(eos_ids)
         self.decode_text = decode_text  # ids -> str
@@ -153,11 +153,20 @@ class EngineCore:
     def decode_step(self, reqs: list[Request]) -> None:
         """One batched decode step: the dense layers and the attention of this core's own model."""
         step = self.begin_decode(reqs)
-        x = self.model.embed(step.ids)
-        for layer in range(self.arch.num_hidden_layers):
-            q, k, v = self.model.qkv(layer, x, step.cos, step.sin)
-            x = self.model.finish_layer(layer, x, self.decode_layer(step, layer, q, k, v))
-        self.end_decode(step, self.model.logits(x))
+        try:
+            x = self.model.embed(step.ids)
+            for layer in range(self.arch.num_hidden_layers):
+                q, k, v = self.model.qkv(layer, x, step.cos, step.sin)
+                x = self.model.finish_layer(layer, x, self.decode_layer(step, layer, q, k, v))
+            logits = self.model.logits(x)
+        except BaseException:  # e.g. a full pool (OutOfKVMemory): the scheduler undoes the step and reruns it
+            self.abort_decode(step)
+            raise
+        self.end_decode(step, logits)
+
+    def abort_decode(self, step: DecodeStep) -> None:
+        """Release what ``begin_decode`` staged when a step fails part-way."""
+        self.staging.end_step()
 
     # The three phases below let a caller run the dense layers itself, e.g. once over several cores that share
     # one model's weights (``trtkv.eval.lockstep``); everything the cache and policy do stays in this core.
@@ -180,10 +189,18 @@ class EngineCore:
     def decode_layer(self, step: DecodeStep, layer: int, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> torch.Tensor:
         """Write this layer's new K/V, let the policy act, attend; returns the attention output."""
-        pol, cache, seqs, positions, classes = self.policy, self.cache, step.seqs, step.positions, step.classes
         threads = torch.get_num_threads()
         if self.small_ops_threads:  # writes, eviction and decode attention are small ops: OpenMP fan-out
             torch.set_num_threads(self.small_ops_threads)  # costs more than it gains on CPU
+        try:
+            return self._decode_layer(step, layer, q, k, v)
+        finally:
+            if self.small_ops_threads:
+                torch.set_num_threads(threads)
+
+    def _decode_layer(self, step: DecodeStep, layer: int, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        pol, cache, seqs, positions, classes = self.policy, self.cache, step.seqs, step.positions, step.classes
         if self.g == 1:
             if all(cl[:2] == classes[0][:2] for cl in classes):
                 cache.write_through(layer, seqs, k, v, positions, classes[0][:2])
@@ -218,8 +235,6 @@ class EngineCore:
             if want_q[i]:  # the step's post-RoPE query (Expected Attention's query statistics)
                 st = step.stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
                 st.query = q[i].float()
-        if self.small_ops_threads:
-            torch.set_num_threads(threads)
         return out
 
     def end_decode(self, step: DecodeStep, logits: torch.Tensor) -> None:
@@ -266,6 +281,40 @@ class EngineCore:
                     break
         if req.finish_reason is None and len(req.generated) >= req.max_new:
             req.finish_reason = "length"
+
+    def abort(self, req: Request, message: str) -> GenerationResult:
+        """Fail ``req`` with one line: free whatever its prefill or decode got to hold, give it an error result."""
+        req.finish_reason = "error"
+        req.error = message
+        if req.ctx is not None and req.req_id in self.cache.seqs:
+            return self.finish(req)
+        if req.req_id in self.cache.seqs:
+            self.cache.free_sequence(req.req_id)
+        req.t_end = time.perf_counter()
+        req.result = GenerationResult(req.text, list(req.generated), "error", {}, req.prompt)
+        return req.result
+
+    def unprefill(self, req: Request) -> None:
+        """Take back a prefill that failed part-way (its pages, its policy state) so it can run again."""
+        if req.ctx is not None:
+            self.policy.end(req.ctx)
+            req.ctx = None
+        if req.req_id in self.cache.seqs:
+            self.cache.free_sequence(req.req_id)
+
+    def undo_step(self, reqs: list[Request]) -> None:
+        """Take back what a failed decode step wrote for ``reqs`` (the token at their current position, in
+        whichever layers got it, paged or buffered) so the step can run again. Evictions the policy made in
+        the failed step stay made; its step hooks run again."""
+        for r in reqs:
+            seq, pos = r.ctx.seq, r.ctx.position
+            for layer in range(self.arch.num_hidden_layers):
+                if seq.buf_pos and pos in seq.buf_pos[layer]:
+                    seq.buf_pos[layer].remove(pos)
+                if pos in seq.layers[layer].loc:
+                    n = self.cache.evict(seq, layer, [pos])
+                    seq.evicted_tokens -= n  # a rollback, not an eviction
+                    self.cache.evictions_total -= n
 
     def finish(self, req: Request) -> GenerationResult:
         """Collect stats, run the policy's finish hook and free the request's pages at once."""

@@ -90,6 +90,8 @@ class Request:
         self.last_logits: torch.Tensor | None = None  # [V] logits of the newest step (forks sample from them)
         self.forks: list[Request] = []  # SamplingParams(n=K): the K-1 sibling samples forked after prefill
         self.sample_index = 0  # which of the n samples this request is
+        self.kv_pages: dict[str, int] | None = None  # pages per (layer, format) pool admission reserves
+        self.error: str | None = None  # why the request failed (finish_reason "error")
 
     @property
     def prompt_len(self) -> int:

@@ -1,14 +1,23 @@
-"""Continuous batching: admit waiting requests (by batch slots and free KV pages), prefill them, run one
-batched decode step over everything running, and free a finished request's pages at once."""
+"""Continuous batching: admit waiting requests (by batch slots and the KV pages they may need), prefill them,
+run one batched decode step over everything running, and free a finished request's pages at once.
+
+Admission reserves, per format, the pages each running request may still need at worst
+(``trtkv/cache/budget.py``'s ``pages_needed``): a request whose reservation does not fit *now* waits at the
+head of the queue until running requests finish; one that could never fit the pools fails with one clear
+``OutOfKVMemory`` line. If a request outgrows its reservation anyway (a policy's bound was too low), the full
+pool's ``OutOfKVMemory`` fails that request alone: its pages are freed, the other requests' half-done step is
+undone and run again, and the engine goes on.
+"""
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable
 
 import torch
 
+from trtkv.cache.budget import pages_needed
+from trtkv.errors import OutOfKVMemory, TrtkvError
 from trtkv.runtime.core import EngineCore
 from trtkv.runtime.forking import spawn_samples
 from trtkv.runtime.request import Request
@@ -32,31 +41,53 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _pages_needed(self, req: Request) -> int:
-        core = self.core
-        toks = core.policy.max_live_tokens(req.prompt_len, req.max_new)
-        return math.ceil(toks / core.cache.cfg.block_size) + 2 * len(core.policy.formats())
+    # --- admission ------------------------------------------------------------------------------
+    def reserved_pages(self, req: Request) -> dict[str, int]:
+        """Pages per (layer, format) pool ``req`` may hold at worst (one sample; computed once)."""
+        if req.kv_pages is None:
+            core = self.core
+            req.kv_pages = pages_needed(core.policy, core.cache.cfg, req.prompt_len, req.max_new)
+        return req.kv_pages
 
-    def _can_admit(self, req: Request) -> bool:
-        if self.core.cache.cfg.kv_memory is not None and not self._fits_device(req):
-            return False
-        max_pages = self.core.cache.cfg.max_pages
-        if max_pages is None:
-            return True
-        reserved = sum(self._pages_needed(r) for r in self.running)
-        return reserved + self._pages_needed(req) <= max_pages or not self.running
+    def free_pages(self) -> dict[str, int]:
+        """Pages per format (of every layer's pool) not reserved by a running request."""
+        cache = self.core.cache
+        free = {f: cache.capacity_pages(f) for f in self.core.policy.formats()}
+        for r in self.running:
+            for f, n in self.reserved_pages(r).items():
+                free[f] = free.get(f, cache.capacity_pages(f)) - n
+        return free
 
-    def _fits_device(self, req: Request) -> bool:
-        """Admission by device KV bytes (``--kv-memory``): the running requests' worst-case device footprints
-        plus this one's fit the cap (a request alone is always admitted; ``Engine.make_request`` has already
-        rejected one that cannot fit even alone). Tiering and demotion shrink footprints, so more run at once."""
-        from trtkv.cache.admission import device_bytes_needed
+    def _admission(self, req: Request) -> str | None:
+        """``"now"``, ``"later"`` (waits for running requests to finish), or the error of a request that can
+        never fit the pools."""
+        cache = self.core.cache
+        mine = {f: n * req.params.n for f, n in self.reserved_pages(req).items()}
+        for f, n in mine.items():
+            cap = cache.capacity_pages(f)
+            if n > cap:
+                return never_fits_message(req.prompt_len, req.max_new, req.params.n, f, n, cap, cache.cfg)
+        free = self.free_pages()
+        return "now" if all(n <= free.get(f, cache.capacity_pages(f)) for f, n in mine.items()) else "later"
 
-        core = self.core
-        need = [device_bytes_needed(core.policy, core.cache.cfg, r.prompt_len, r.max_new) for r in self.running]
-        mine = device_bytes_needed(core.policy, core.cache.cfg, req.prompt_len, req.max_new)
-        return not self.running or sum(need) + mine <= core.cache.cfg.kv_memory
+    def culprit(self, e: OutOfKVMemory, candidates: list[Request]) -> Request | None:
+        """The request to fail for a full pool: the one holding the most pages beyond its reservation in that
+        pool (admission reserved every request's worst case, so when a pool fills some request is over), else
+        the one that asked."""
+        asked = next((r for r in candidates if r.req_id == e.seq_id), None)
+        if e.layer is None or e.fmt is None:
+            return asked
 
+        def over(r: Request) -> int:
+            if r.ctx is None or r.req_id not in self.core.cache.seqs:
+                return -1 << 30
+            held = len(r.ctx.seq.layers[e.layer].pages_of_format().get(e.fmt, ()))
+            return held - self.reserved_pages(r).get(e.fmt, 0)  # (n samples: each reserved one share)
+
+        worst = max(candidates, key=over, default=None)
+        return worst if worst is not None and over(worst) > 0 else asked
+
+    # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One scheduler iteration; returns the requests that finished in it (already freed)."""
         done = []
@@ -64,16 +95,23 @@ class Scheduler:
             self.waiting.remove(r)
             r.finish_reason = "cancelled"
             done.append(r)
-        while self.waiting and len(self.running) < self.max_batch and self._can_admit(self.waiting[0]):
+        while self.waiting and len(self.running) < self.max_batch:
+            verdict = self._admission(self.waiting[0])
+            if verdict == "later":
+                break
             req = self.waiting.popleft()
-            self._run("prefill", self.core.prefill, req, [req])
-            self.running.append(req)
-            self.running.extend(spawn_samples(self.core, req))  # SamplingParams(n>1): forked siblings
+            if verdict != "now":
+                self.core.abort(req, verdict)
+                done.append(req)
+                continue
+            done.extend(self._prefill(req))
         active = [r for r in self.running if not r.finished and not r.cancelled]
-        if active:
-            self._run("decode", self.core.decode_step, active, active)
+        failed = self._decode(active) if active else []
+        done.extend(failed)
         still = []
         for r in self.running:
+            if r in failed:
+                continue
             if r.cancelled and not r.finished:
                 r.finish_reason = "cancelled"
             if r.finished:
@@ -84,6 +122,54 @@ class Scheduler:
         self.running = still
         return done
 
+    def _prefill(self, req: Request) -> list[Request]:
+        """Prefill ``req`` and start it running; returns the requests that failed instead (already freed): ``req``
+        if its prefill fails, or a running request over its reservation that filled the pool (then ``req``'s
+        prefill is run again)."""
+        failed: list[Request] = []
+        while True:
+            try:
+                self._run("prefill", self.core.prefill, req, [req])
+                samples = spawn_samples(self.core, req)  # SamplingParams(n>1): forked siblings
+            except OutOfKVMemory as e:
+                blame = self.culprit(e, [*self.running, req])
+                if blame is not None and blame is not req and blame in self.running:
+                    self.core.unprefill(req)
+                    self.running.remove(blame)
+                    self.core.abort(blame, str(e))
+                    failed.append(blame)
+                    continue
+                return failed + self._fail_prefill(req, e)
+            except TrtkvError as e:  # a bad request: it fails, nothing else does
+                return failed + self._fail_prefill(req, e)
+            self.running.append(req)
+            self.running.extend(samples)
+            return failed
+
+    def _fail_prefill(self, req: Request, e: Exception) -> list[Request]:
+        for r in (req, *req.forks):
+            self.core.abort(r, str(e))
+        return [req, *req.forks]
+
+    def _decode(self, active: list[Request]) -> list[Request]:
+        """One decode step of ``active``; a request that overflows a pool (or holds the most pages beyond its
+        reservation when one fills) fails alone and the step is run again for the others. Returns the failed
+        requests (already freed)."""
+        failed: list[Request] = []
+        while active:
+            try:
+                self._run("decode", self.core.decode_step, active, active)
+                break
+            except OutOfKVMemory as e:
+                blame = self.culprit(e, active)
+                if blame is None:
+                    raise  # not one request's: the engine fails the batch
+                active = [r for r in active if r is not blame]
+                self.core.undo_step(active)
+                self.core.abort(blame, str(e))
+                failed.append(blame)
+        return failed
+
     def _run(self, phase: str, fn, arg, reqs: list[Request]) -> None:
         if self.step_timer is None:
             fn(arg)
@@ -93,6 +179,15 @@ class Scheduler:
         fn(arg)
         _sync(self.core.device)
         self.step_timer(phase, reqs, time.perf_counter() - t0)
+
+
+def never_fits_message(prompt_len: int, max_tokens: int, n: int, fmt: str, need: int, cap: int, cfg) -> str:
+    samples = f" x {n} samples" if n > 1 else ""
+    size = (f"kv_memory {cfg.kv_memory:,} bytes" if cfg.kv_memory is not None else
+            f"max_pages={cfg.max_pages}" if cfg.max_pages is not None else "the default KV memory")
+    return (f"this request can never fit the KV cache: it may need {need} pages of {fmt} per layer ({prompt_len} "
+            f"prompt + {max_tokens} new tokens{samples}) but each pool holds {cap} ({size}); raise --kv-memory "
+            f"(or --set max_pages), lower --max-tokens or shorten the prompt")
 
 
 def _sync(device: torch.device) -> None:
