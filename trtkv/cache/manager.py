@@ -167,6 +167,7 @@ class KVCacheManager:
         self._tiers = None
         self.refs = forks.PageRefs()  # pages shared by forked sequences (cache/forks.py)
         self.cow_copies = 0  # pages copied because a sharer evicted from them
+        self.clock = None  # the engine's decode-step profile clock (runtime/observers.py::PhaseClock), if any
 
     @property
     def tiers(self):
@@ -285,9 +286,13 @@ class KVCacheManager:
         if gid >= 0:
             seq.add_bytes(pool.group_bytes)
         sc = self.layer_scales(layer, cls[0])
+        clk = self.clock
+        prev = clk.switch("kv_write") if clk is not None else None
         plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
                                  torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
                                  gid, pool.fmt.code, sc.k, sc.v)
+        if clk is not None:
+            clk.switch(prev)
         self._record(seq, layer, pool, cls[0], pages, slots, positions, seg)
 
     def write_through(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor,
@@ -301,9 +306,13 @@ class KVCacheManager:
             pages = np.concatenate([a[0] for a in allocs])
             slots = np.concatenate([a[1] for a in allocs])
         sc = self.layer_scales(layer, cls[0])
+        clk = self.clock
+        prev = clk.switch("kv_write") if clk is not None else None
         plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
                                  torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
                                  -1, pool.fmt.code, sc.k, sc.v)
+        if clk is not None:
+            clk.switch(prev)
         for i, s in enumerate(seqs):
             self._record(s, layer, pool, cls[0], pages[i:i + 1], slots[i:i + 1], [positions[i]], -1)
 
@@ -317,11 +326,15 @@ class KVCacheManager:
     # --- residual buffer --------------------------------------------------------------------
     def buffer_append(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor,
                       positions: list[int]) -> None:
+        clk = self.clock
+        prev = clk.switch("kv_write") if clk is not None else None
         for i, seq in enumerate(seqs):
             n = len(seq.buf_pos[layer])
             seq.buf_k[layer, n] = k[i]
             seq.buf_v[layer, n] = v[i]
             seq.buf_pos[layer].append(positions[i])
+        if clk is not None:
+            clk.switch(prev)
 
     def flush(self, seq: SeqKV, layer: int, cls: Cls, seg: int = -1) -> None:
         """Quantize the buffered tokens of one layer as one group and write them to pages."""

@@ -56,10 +56,13 @@ def row_stats(logits: torch.Tensor, lse: torch.Tensor, num_kv_heads: int) -> tup
 
 
 def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: torch.Tensor, sm_scale: float,
-                     want_stats: list[bool], want_sparsity: list[bool], staged: list | None = None
-                     ) -> tuple[torch.Tensor, list[LayerStats | None]]:
+                     want_stats: list[bool], want_sparsity: list[bool], staged: list | None = None,
+                     clock=None) -> tuple[torch.Tensor, list[LayerStats | None]]:
     """``staged``: the host tiers' pages of this layer copied to the device (``runtime/staging.py``), as
-    ``(pool, block_table, scales)``; attended by the same plugin and merged like another format."""
+    ``(pool, block_table, scales)``; attended by the same plugin and merged like another format.
+    ``clock`` (``trtkv bench --profile``): kernels and merge are "attention", block tables and positions
+    "bookkeeping", the statistics the policy asked for "policy"."""
+    lap = clock.switch if clock is not None else _no_clock
     parts, logit_parts = [], []
     any_stats = any(want_stats) or any(want_sparsity)
     run = None if any_stats else cache.dense_run(layer, seqs)
@@ -67,9 +70,12 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
                for pool, bt in cache.block_tables(layer, seqs) if bt.shape[1]]  # (all pages moved to host)
     sources += [(pool, bt, sc, None) for pool, bt, sc in staged or ()]
     for pool, bt, sc, dense in sources:
+        valid = pool.valid_bits()
+        lap("attention")
         o, lse, lg = plugin_ops.paged_attention(q, pool.fields, pool.group_fields, pool.k_group,
-                                                pool.valid_bits(), bt, pool.fmt.code, sm_scale, sc.k, sc.v,
+                                                valid, bt, pool.fmt.code, sm_scale, sc.k, sc.v,
                                                 any_stats, dense_run=dense)
+        lap("bookkeeping")
         parts.append((o, lse))
         if any_stats:
             pages = bt.clamp_min(0).cpu().numpy()
@@ -77,11 +83,14 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
             pos = np.where((bt.cpu().numpy() >= 0)[:, :, None].repeat(pool.B, 2).reshape(len(seqs), -1), pos, -1)
             logit_parts.append((lg, pos))
     if cache.cfg.residual_group > 1 and any(s.buffered(layer) for s in seqs):
+        lap("attention")
         o, lse, lg, pos = buffer_partial(seqs, layer, q, sm_scale)
         parts.append((o, lse))
         if any_stats:
             logit_parts.append((lg, pos))
+    lap("attention")
     out, lse = merge_partials(parts)
+    lap("policy" if any_stats else "bookkeeping")
     stats: list[LayerStats | None] = [None] * len(seqs)
     if any_stats:
         logits = torch.cat([lg for lg, _ in logit_parts], dim=-1)
@@ -94,4 +103,9 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
             lg_i = logits[i][:, torch.from_numpy(keep).to(logits.device)]
             w, sh, u = row_stats(lg_i, lse[i], H)
             stats[i] = LayerStats(positions=positions[i][keep], weights=w, logits=lg_i, sparsity_heads=sh, sparsity=u)
+    lap("bookkeeping")
     return out, stats
+
+
+def _no_clock(phase: str) -> str:
+    return phase

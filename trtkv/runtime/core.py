@@ -19,7 +19,7 @@ from trtkv.models.decoder import DecoderModel
 from trtkv.policies.base import KVPolicy, LayerStats, StatsRequest, StepStats
 from trtkv.runtime.attention import decode_attention, row_stats
 from trtkv.runtime.context import RequestContext
-from trtkv.runtime.observers import EngineObserver, merge_stats_requests
+from trtkv.runtime.observers import EngineObserver, PhaseClock, merge_stats_requests
 from trtkv.runtime.request import GenerationResult, IncrementalDetokenizer, Request
 from trtkv.runtime.sampling import sample_next
 from trtkv.runtime.staging import HostStaging
@@ -48,18 +48,26 @@ class EngineCore:
         policy.bind_model(self.arch)
         self.observers: tuple[EngineObserver, ...] = ()
         self._forced: dict[str, StatsRequest | None] = {"decode": None}
+        self.clock: PhaseClock | None = None  # an observer's decode-step profile clock (trtkv bench --profile)
         for o in observers:
             self.attach(o)
 
     def attach(self, observer: EngineObserver) -> None:
         """Start notifying ``observer`` (tests and tools watching a live engine; see runtime/observers.py)."""
         self.observers = (*self.observers, observer)
-        # observers' attention statistics are forced at decode steps only (prefill hands them the policy's)
-        self._forced = {"decode": merge_stats_requests([o.stats_request("decode") for o in self.observers])}
+        self._observers_changed()
 
     def detach(self, observer: EngineObserver) -> None:
         self.observers = tuple(o for o in self.observers if o is not observer)
+        self._observers_changed()
+
+    def _observers_changed(self) -> None:
+        # observers' attention statistics are forced at decode steps only (prefill hands them the policy's)
         self._forced = {"decode": merge_stats_requests([o.stats_request("decode") for o in self.observers])}
+        clocks = [c for c in (o.phase_clock() for o in self.observers) if c is not None]
+        if len(clocks) > 1:
+            raise ValueError("at most one observer may profile the decode step")
+        self.clock = self.cache.clock = clocks[0] if clocks else None
 
     # --- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -133,17 +141,29 @@ class EngineCore:
     # --- decode -----------------------------------------------------------------------------
     @torch.inference_mode()
     def decode_step(self, reqs: list[Request]) -> None:
-        pol, cache = self.policy, self.cache
+        """One batched decode step. ``clk`` (``trtkv bench --profile``, else None) is told where model,
+        attention, kv_write and policy work begin and end; with no profiler each site is one ``is None``."""
+        pol, cache, clk = self.policy, self.cache, self.clock
+        if clk is not None:
+            clk.start()
         ctxs = [r.ctx for r in reqs]
         seqs = [c.seq for c in ctxs]
+        if clk is not None:
+            clk.switch("policy")
         for c in ctxs:
             pol.on_decode_step_begin(c)
         classes = [pol.write_class(c) for c in ctxs]
         sreqs = [pol.stats_request(c, "decode") for c in ctxs]
+        if clk is not None:
+            clk.switch("bookkeeping")
         positions = [c.position for c in ctxs]
         ids = torch.tensor([r.generated[-1] for r in reqs], device=self.device)
+        if clk is not None:
+            clk.switch("model")
         cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=self.device), self.dtype)
         x = self.model.embed(ids)
+        if clk is not None:
+            clk.switch("bookkeeping")
         stats = [StepStats(step=c.step) for c in ctxs]
         fs = self._forced["decode"]
         forced = [StepStats(step=c.step) for c in ctxs] if fs is not None else None
@@ -151,7 +171,11 @@ class EngineCore:
         threads = torch.get_num_threads()
         self.staging.begin_step(seqs)
         for layer in range(self.arch.num_hidden_layers):
+            if clk is not None:
+                clk.switch("model")
             q, k, v = self.model.qkv(layer, x, cos, sin)
+            if clk is not None:
+                clk.switch("bookkeeping")
             if self.small_ops_threads:  # writes, eviction and decode attention are small ops: OpenMP fan-out
                 torch.set_num_threads(self.small_ops_threads)  # costs more than it gains on CPU
             if self.g == 1:
@@ -165,8 +189,12 @@ class EngineCore:
                 for i, s in enumerate(seqs):
                     if s.buffered(layer) >= self.g:
                         cache.flush(s, layer, classes[i][:2], classes[i][2])
+            if clk is not None:
+                clk.switch("policy")
             for c in ctxs:
                 pol.before_attention(c, layer)
+            if clk is not None:
+                clk.switch("bookkeeping")
             for o in self.observers:
                 o.before_attention(reqs, layer)
             want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
@@ -176,7 +204,7 @@ class EngineCore:
             force = forced is not None and (fs.layers is None or layer in fs.layers)
             staged = self.staging.sources(layer, self.arch.num_hidden_layers)
             out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
-                                           [True] * len(seqs) if force else want_w, want_s, staged)
+                                           [True] * len(seqs) if force else want_w, want_s, staged, clk)
             if staged is not None:
                 self.staging.release(layer)
             for i, ls in enumerate(lstats):
@@ -190,9 +218,17 @@ class EngineCore:
                     st.query = q[i].float()
             if self.small_ops_threads:
                 torch.set_num_threads(threads)
+            if clk is not None:
+                clk.switch("model")
             x = self.model.finish_layer(layer, x, out)
+            if clk is not None:
+                clk.switch("bookkeeping")
         self.staging.end_step()
+        if clk is not None:
+            clk.switch("model")
         logits = self.model.logits(x)
+        if clk is not None:
+            clk.switch("bookkeeping")
         for o in self.observers:
             o.on_decode(reqs, logits, forced if forced is not None else stats)
         contexts = [r.prompt_ids + r.generated if r.params.repetition_penalty != 1.0 else [] for r in reqs]
@@ -204,13 +240,19 @@ class EngineCore:
             c.step += 1
             self._append_token(r, tok)
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))  # what this step attended
+            if clk is not None:
+                clk.switch("policy")
             pol.on_decode_step_end(c, st)
+            if clk is not None:
+                clk.switch("bookkeeping")
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))
         if cache._tiers is not None:
             for s in seqs:
                 cache.tiers.note_peaks(s)
         for o in self.observers:
             o.on_step_end(reqs)
+        if clk is not None:
+            clk.stop()
 
     # --- tokens, stop conditions, results ---------------------------------------------------
     def _append_token(self, req: Request, tok: int) -> None:
