@@ -54,19 +54,18 @@ class EngineCore:
 
     def attach(self, observer: EngineObserver) -> None:
         """Start notifying ``observer`` (tests and tools watching a live engine; see runtime/observers.py)."""
-        self.observers = (*self.observers, observer)
-        self._observers_changed()
+        self._set_observers((*self.observers, observer))
 
     def detach(self, observer: EngineObserver) -> None:
-        self.observers = tuple(o for o in self.observers if o is not observer)
-        self._observers_changed()
+        self._set_observers(tuple(o for o in self.observers if o is not observer))
 
-    def _observers_changed(self) -> None:
-        # observers' attention statistics are forced at decode steps only (prefill hands them the policy's)
-        self._forced = {"decode": merge_stats_requests([o.stats_request("decode") for o in self.observers])}
-        clocks = [c for c in (o.phase_clock() for o in self.observers) if c is not None]
+    def _set_observers(self, observers: tuple[EngineObserver, ...]) -> None:
+        clocks = [c for c in (o.phase_clock() for o in observers) if c is not None]
         if len(clocks) > 1:
             raise ValueError("at most one observer may profile the decode step")
+        self.observers = observers
+        # observers' attention statistics are forced at decode steps only (prefill hands them the policy's)
+        self._forced = {"decode": merge_stats_requests([o.stats_request("decode") for o in observers])}
         self.clock = self.cache.clock = clocks[0] if clocks else None
 
     # --- prefill ----------------------------------------------------------------------------
