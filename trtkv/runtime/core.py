@@ -190,8 +190,7 @@ class EngineCore:
                         cache.flush(s, layer, classes[i][:2], classes[i][2])
             if clk is not None:
                 clk.switch("policy")
-            for c in ctxs:
-                pol.before_attention(c, layer)
+            pol.before_attention_batch(ctxs, layer)
             if clk is not None:
                 clk.switch("bookkeeping")
             for o in self.observers:
