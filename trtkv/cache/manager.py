@@ -19,6 +19,7 @@ from plugins.formats import KVFormat, LayerScales, get_format
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache import forks
 from trtkv.cache.pool import PagePool
+from trtkv.cache.residual import ResidualArena
 from trtkv.errors import TrtkvError
 from trtkv.sizes import parse_size
 
@@ -137,8 +138,9 @@ class SeqKV:
 
     seq_id: int
     layers: list[LayerTable]
-    buf_k: torch.Tensor | None = None  # [L, g, H, D] residual buffer
+    buf_k: torch.Tensor | None = None  # [L, g, H, D] residual buffer: a row of the cache's ResidualArena
     buf_v: torch.Tensor | None = None
+    buf_row: int = -1  # that row
     buf_pos: list[list[int]] = field(default_factory=list)  # per layer, positions in the buffer
     kv_bytes: int = 0  # running total: pages + key-scale groups + residual buffer
     peak_bytes: int = 0
@@ -168,6 +170,7 @@ class KVCacheManager:
         self.refs = forks.PageRefs()  # pages shared by forked sequences (cache/forks.py)
         self.cow_copies = 0  # pages copied because a sharer evicted from them
         self.clock = None  # the engine's decode-step profile clock (runtime/observers.py::PhaseClock), if any
+        self.residual = ResidualArena(cfg) if cfg.residual_group > 1 else None  # every request's residual buffer
 
     @property
     def tiers(self):
@@ -182,10 +185,8 @@ class KVCacheManager:
     def add_sequence(self, seq_id: int) -> SeqKV:
         c = self.cfg
         seq = SeqKV(seq_id, [LayerTable() for _ in range(c.num_layers)])
-        if c.residual_group > 1:
-            shape = (c.num_layers, c.residual_group, c.num_kv_heads, c.head_dim)
-            seq.buf_k = torch.zeros(shape, dtype=c.residual_dtype, device=c.device)
-            seq.buf_v = torch.zeros(shape, dtype=c.residual_dtype, device=c.device)
+        if self.residual is not None:
+            self.residual.acquire(seq, list(self.seqs.values()))
             seq.buf_pos = [[] for _ in range(c.num_layers)]
             seq.add_bytes(2 * seq.buf_k.numel() * seq.buf_k.element_size())
         self.seqs[seq_id] = seq
@@ -194,6 +195,8 @@ class KVCacheManager:
     def free_sequence(self, seq_id: int) -> None:
         """Return every page and key-scale group of the request to the pools, at once."""
         seq = self.seqs.pop(seq_id)
+        if self.residual is not None:
+            self.residual.release(seq)
         if self._tiers is not None:  # the request's host-tier pages go too
             self._tiers.free(seq_id)
         for layer, table in enumerate(seq.layers):
@@ -328,11 +331,7 @@ class KVCacheManager:
                       positions: list[int]) -> None:
         clk = self.clock
         prev = clk.switch("kv_write") if clk is not None else None
-        for i, seq in enumerate(seqs):
-            n = len(seq.buf_pos[layer])
-            seq.buf_k[layer, n] = k[i]
-            seq.buf_v[layer, n] = v[i]
-            seq.buf_pos[layer].append(positions[i])
+        self.residual.append(layer, seqs, k, v, positions)  # one indexed write for the batch
         if clk is not None:
             clk.switch(prev)
 

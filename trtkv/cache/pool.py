@@ -6,6 +6,7 @@ words are mirrored to the device for the attention kernel (on CPU the mirror *is
 from __future__ import annotations
 
 import heapq
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -154,14 +155,14 @@ class PagePool:
         return self._valid_dev
 
     # --- bytes ------------------------------------------------------------------------------
-    @property
+    @cached_property  # constant per pool; read on every page allocation, release and eviction
     def page_bytes(self) -> int:
         """Codes and per-slot scales of one page, plus its metadata: validity word, class, and the
         per-slot key-group index where the format has a key-scale arena."""
         meta = 4 + 1 + (4 * self.B if self.group_specs else 0)
         return self.B * self.fmt.slot_bytes(self.H, self.D) + meta
 
-    @property
+    @cached_property
     def group_bytes(self) -> int:
         return self.fmt.group_bytes(self.H, self.D)
 

@@ -15,11 +15,13 @@ from trtkv.policies.base import LayerStats
 LN_ONE_PERCENT = math.log(0.01)
 
 
-def buffer_partial(seqs: list[SeqKV], layer: int, q: torch.Tensor, sm_scale: float):
-    """Attention of ``q [b, Hq, D]`` over each request's residual buffer: (out, lse, logits [b,Hq,g], pos)."""
+def buffer_partial(cache: KVCacheManager, seqs: list[SeqKV], layer: int, q: torch.Tensor, sm_scale: float,
+                   want_positions: bool = True):
+    """Attention of ``q [b, Hq, D]`` over each request's residual buffer: (out, lse, logits [b,Hq,g], pos);
+    ``pos`` (the buffered positions, -1 padded) is None unless ``want_positions``."""
     b, Hq, D = q.shape
-    kb = torch.stack([s.buf_k[layer] for s in seqs]).float()  # [b, g, H, D]
-    vb = torch.stack([s.buf_v[layer] for s in seqs]).float()
+    kb, vb = cache.residual.gather(layer, seqs)  # [b, g, H, D]
+    kb, vb = kb.float(), vb.float()
     g, H = kb.shape[1], kb.shape[2]
     counts = torch.tensor([len(s.buf_pos[layer]) for s in seqs], device=q.device)
     live = torch.arange(g, device=q.device)[None, :] < counts[:, None]  # [b, g]
@@ -29,6 +31,8 @@ def buffer_partial(seqs: list[SeqKV], layer: int, q: torch.Tensor, sm_scale: flo
     lse = torch.logsumexp(logits, -1)
     p = torch.nan_to_num(torch.exp(logits - lse.unsqueeze(-1).clamp_min(-1e30)), nan=0.0)
     out = torch.einsum("bhgn,bnhd->bhgd", p, vb).reshape(b, Hq, D)
+    if not want_positions:
+        return out, lse.reshape(b, Hq), logits.reshape(b, Hq, g), None
     pos = np.full((b, g), -1, np.int64)
     for i, s in enumerate(seqs):
         pos[i, : len(s.buf_pos[layer])] = s.buf_pos[layer]
@@ -84,7 +88,7 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
             logit_parts.append((lg, pos))
     if cache.cfg.residual_group > 1 and any(s.buffered(layer) for s in seqs):
         lap("attention")
-        o, lse, lg, pos = buffer_partial(seqs, layer, q, sm_scale)
+        o, lse, lg, pos = buffer_partial(cache, seqs, layer, q, sm_scale, any_stats)
         parts.append((o, lse))
         if any_stats:
             logit_parts.append((lg, pos))
