@@ -143,6 +143,16 @@ class PagePool:
         self.slot_seg[p, s] = -1
         self._valid_dirty = True
 
+    def mark_evicted_many(self, pages: np.ndarray, slots: np.ndarray) -> None:
+        """``mark_evicted`` of distinct live ``(page, slot)`` pairs, as array operations."""
+        bits = np.left_shift(np.int32(1), slots.astype(np.int32))
+        assert (self.valid[pages] & bits).all(), "evicting a slot that is not live"
+        np.bitwise_and.at(self.valid, pages, ~bits)
+        np.subtract.at(self.live, pages, 1)
+        self.slot_pos[pages, slots] = -1
+        self.slot_seg[pages, slots] = -1
+        self._valid_dirty = True
+
     def valid_bits(self) -> torch.Tensor:
         """Device int32 ``[capacity]`` validity words for the attention kernel."""
         if self.device.type == "cpu":  # a view of the host array, rebuilt only when the array is replaced
