@@ -25,6 +25,7 @@ from trtkv.sizes import parse_size
 
 EVICTION_MODES = ("inplace", "compact")
 MAX_BLOCK_SIZE = 31  # a page's validity bits fit one int32 word
+EVICT_BATCH_MIN = 8  # evictions of fewer tokens go one by one (same end state; see KVCacheManager.evict)
 
 
 @dataclass
@@ -350,7 +351,9 @@ class KVCacheManager:
         makes the slots reusable by later tokens of the same class; compact mode then gathers the
         survivors together. Returns the number of tokens evicted."""
         positions = positions.tolist() if hasattr(positions, "tolist") else positions
-        n = self._evict_each(seq, layer, positions) if seq.fork_mode else self._evict_private(seq, layer, positions)
+        # a few victims (a sliding window's one token a step) cost less one by one than numpy's per-call overhead
+        one_by_one = seq.fork_mode is not None or len(positions) < EVICT_BATCH_MIN
+        n = self._evict_each(seq, layer, positions) if one_by_one else self._evict_private(seq, layer, positions)
         seq.evicted_tokens += n
         self.evictions_total += n
         if n and self.cfg.eviction == "compact":
