@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import plugins  # noqa: F401
+from trtkv.cache.eviction import evict_private
 from trtkv.cache.manager import CacheConfig, KVCacheManager
 from trtkv.runtime.attention import decode_attention
 
@@ -209,7 +210,7 @@ def _state(cache: KVCacheManager):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=30))
 def test_batched_eviction_matches_one_by_one(ops):
-    """``_evict_private`` (array operations over the victims) leaves exactly the state of evicting them one at
+    """``evict_private`` (array operations over the victims) leaves exactly the state of evicting them one at
     a time (``_evict_each``): slots, pages, reuse heaps, key-scale arena (free order included), bytes."""
     caches = [make_cache(), make_cache()]
     next_pos: dict[int, int] = {}
@@ -232,7 +233,7 @@ def test_batched_eviction_matches_one_by_one(ops):
         elif o[0] == "evict":
             sid = ids[o[1] % len(ids)]
             victims = [p % max(1, next_pos[sid]) for p in o[3]]
-            a = caches[0]._evict_private(caches[0].seqs[sid], o[2], victims)
+            a = evict_private(caches[0], caches[0].seqs[sid], o[2], victims)
             b = caches[1]._evict_each(caches[1].seqs[sid], o[2], victims)
             assert a == b
         else:

@@ -18,6 +18,7 @@ import torch
 from plugins.formats import KVFormat, LayerScales, get_format
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache import forks
+from trtkv.cache.eviction import evict_private
 from trtkv.cache.pool import PagePool
 from trtkv.cache.residual import ResidualArena
 from trtkv.errors import TrtkvError
@@ -353,49 +354,12 @@ class KVCacheManager:
         positions = positions.tolist() if hasattr(positions, "tolist") else positions
         # a few victims (a sliding window's one token a step) cost less one by one than numpy's per-call overhead
         one_by_one = seq.fork_mode is not None or len(positions) < EVICT_BATCH_MIN
-        n = self._evict_each(seq, layer, positions) if one_by_one else self._evict_private(seq, layer, positions)
+        n = self._evict_each(seq, layer, positions) if one_by_one else evict_private(self, seq, layer, positions)
         seq.evicted_tokens += n
         self.evictions_total += n
         if n and self.cfg.eviction == "compact":
             self.compact(seq, layer)
         return n
-
-    def _evict_private(self, seq: SeqKV, layer: int, positions: list[int]) -> int:
-        """Eviction from pages no other sequence holds, per format as array operations over the victims
-        (the same end state as evicting them one by one, which ``_evict_each`` does)."""
-        table = seq.layers[layer]
-        table.holes = True
-        loc, by_fmt = table.loc, {}
-        for pos in positions:
-            where = loc.pop(int(pos), None)
-            if where is not None:
-                by_fmt.setdefault(where[0], []).append(where)
-        for fmt, items in by_fmt.items():
-            pool = self.pools[layer][fmt]
-            pages = np.fromiter((p for _, p, _ in items), np.int64, len(items))
-            slots = np.fromiter((s for _, _, s in items), np.int64, len(items))
-            if pool.group_specs:
-                gids = pool.k_group[torch.from_numpy(pages).to(pool.device),
-                                    torch.from_numpy(slots).to(pool.device)].cpu().numpy()
-                self._decref_groups(seq, pool, gids)
-            pool.mark_evicted_many(pages, slots)
-            page_seq = table.page_seq
-            for p, s, c in zip(pages.tolist(), slots.tolist(), pool.page_class[pages].tolist()):
-                heapq.heappush(table.reusable.setdefault((fmt, c), []), (page_seq[(fmt, p)], p, s))
-            for p in dict.fromkeys(pages.tolist()):
-                cls = (fmt, int(pool.page_class[p]))
-                if pool.live[p] == 0 and table.open_page.get(cls) != p:
-                    self._release(seq, table, pool, cls, p)
-        return sum(len(items) for items in by_fmt.values())
-
-    @staticmethod
-    def _decref_groups(seq: SeqKV, pool: PagePool, gids: np.ndarray) -> None:
-        """Drop one key-scale group reference per victim; groups freed in the order their last reference
-        goes (what evicting one by one does, so the arena hands out the same ids afterwards)."""
-        uniq, rev_first, counts = np.unique(gids[::-1], return_index=True, return_counts=True)
-        for i in np.argsort(len(gids) - 1 - rev_first, kind="stable"):
-            if pool.decref_group(int(uniq[i]), int(counts[i])):
-                seq.add_bytes(-pool.group_bytes)
 
     def _evict_each(self, seq: SeqKV, layer: int, positions: list[int]) -> int:
         """Eviction one token at a time: a forked sequence's pages may be shared (copy on write, or tree
