@@ -147,3 +147,69 @@ def test_progress_bar_logs_lines_when_not_a_terminal(capsys):
     quiet.update(10)
     quiet.close()
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.model
+def test_bench_profile_splits_every_decode_step(tiny_ckpt, engine_factory, tmp_path):
+    """--profile: every decode step splits into model, attention, kv_write, policy and bookkeeping time, none
+    negative, adding up to the measured step; the policy's hooks (ThinKV) and the kv_write kernel show up."""
+    from trtkv.cli import main
+    from trtkv.runtime.observers import PROFILE_PHASES
+
+    full = engine_factory(tiny_ckpt, "full")
+    tk = engine_factory(tiny_ckpt, "thinkv", budget=16, tau=8, group=4, retention="4", thought_schedule="RTE")
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(main, ["bench", str(full), str(tk), "--batch-sizes", "3", "--prompt-len", "12",
+                                  "--gen-len", "20", "--profile", "--no-warmup", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "decode step profile" in r.output
+    doc = json.loads((out / "results.json").read_text())
+    for run in doc["runs"]:
+        parts = run["profile_s"]
+        assert set(parts) == set(PROFILE_PHASES)
+        assert all(len(parts[p]) == len(run["decode_s"]) for p in PROFILE_PHASES)
+        for i, step in enumerate(run["decode_s"]):
+            assert all(parts[p][i] >= 0 for p in PROFILE_PHASES)
+            assert sum(parts[p][i] for p in PROFILE_PHASES) == pytest.approx(step, rel=1e-9, abs=1e-12)
+    rows = {x["policy"]: x for x in doc["results"]}
+    for row in rows.values():
+        ms = row["profile_ms"]
+        assert sum(ms.values()) == pytest.approx(row["step_ms_mean"], rel=1e-9)
+        assert ms["model"] > 0 and ms["attention"] > 0 and ms["kv_write"] > 0
+        assert row["engine_overhead_ms"] == pytest.approx(ms["kv_write"] + ms["policy"] + ms["bookkeeping"])
+    assert rows["thinkv"]["profile_ms"]["policy"] > rows["full"]["profile_ms"]["policy"]  # k-means anneals
+    assert rows["full"]["ratios_to_first"]["engine_overhead_ms"] == 1.0
+    with open(out / "results.csv") as f:
+        assert "profile_attention_ms" in next(csv.DictReader(f))
+
+
+@pytest.mark.model
+def test_profile_clock_is_off_unless_observed(tiny_ckpt, engine_factory, load_engine):
+    """Without a profiling observer the core and cache hold no clock; attaching StepProfiler sets one on both
+    and a decode step then fills every phase; detaching removes it."""
+    from trtkv.runtime.observers import PROFILE_PHASES, StepProfiler
+    from trtkv.runtime.request import Request
+    from trtkv.runtime.sampling import SamplingParams, make_generator
+    from trtkv.runtime.scheduler import Scheduler
+
+    eng = load_engine(engine_factory(tiny_ckpt, "full"))
+    core = eng.make_core()
+    assert core.clock is None and core.cache.clock is None
+    prof = StepProfiler()
+    core.attach(prof)
+    assert core.clock is prof.clock and core.cache.clock is prof.clock
+    with pytest.raises(ValueError, match="at most one"):
+        core.attach(StepProfiler())
+    assert core.observers == (prof,)
+    req = Request(1, "", list(range(5, 17)), SamplingParams(max_tokens=3, ignore_eos=True, chat=False).validate(2048),
+                  make_generator(0), 2048)
+    sched = Scheduler(core, 4)
+    sched.add(req)
+    sched.step()  # prefill + first decode step
+    parts = prof.clock.take()
+    assert set(parts) == set(PROFILE_PHASES) and parts["model"] > 0 and parts["attention"] > 0
+    assert not prof.clock.running
+    core.detach(prof)
+    assert core.clock is None and core.cache.clock is None
+    while not req.result:
+        sched.step()

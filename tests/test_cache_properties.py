@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import plugins  # noqa: F401
+from trtkv.cache.eviction import evict_private
 from trtkv.cache.manager import CacheConfig, KVCacheManager
 from trtkv.runtime.attention import decode_attention
 
@@ -192,3 +193,71 @@ def test_evicted_slots_contribute_nothing():
                     t[p, s] = torch.randint(0, 255, t[p, s].shape, dtype=torch.uint8, generator=garbage)
     b, _ = decode_attention(cache, 0, [seq], q, 0.25, [False], [False])
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _state(cache: KVCacheManager):
+    """Everything eviction touches, comparable across two caches."""
+    pools = {(layer, fmt): (pool.valid.tolist(), pool.live.tolist(), pool.slot_pos.tolist(), pool.slot_seg.tolist(),
+                            sorted(pool.free), pool.in_use, pool.group_ref.tolist(), list(pool.group_free))
+             for layer, pools in enumerate(cache.pools) for fmt, pool in pools.items()}
+    seqs = {sid: (s.kv_bytes, [(dict(t.loc), {c: list(p) for c, p in t.pages.items()},
+                                {c: sorted(h) for c, h in t.reusable.items()}, dict(t.open_page)) for t in s.layers])
+            for sid, s in cache.seqs.items()}
+    return pools, seqs
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=30))
+def test_batched_eviction_matches_one_by_one(ops):
+    """``evict_private`` (array operations over the victims) leaves exactly the state of evicting them one at
+    a time (``_evict_each``): slots, pages, reuse heaps, key-scale arena (free order included), bytes."""
+    caches = [make_cache(), make_cache()]
+    next_pos: dict[int, int] = {}
+    for o in ops:
+        ids = sorted(caches[0].seqs)
+        if o[0] == "add" or not ids:
+            sid = len(next_pos)
+            for c in caches:
+                c.add_sequence(sid)
+            next_pos[sid] = 0
+        elif o[0] == "write":
+            sid = ids[o[1] % len(ids)]
+            pos = list(range(next_pos[sid], next_pos[sid] + o[3]))
+            next_pos[sid] += o[3]
+            gen = torch.Generator().manual_seed(len(pos) + pos[0])
+            k, v = torch.randn(o[3], H, D, generator=gen), torch.randn(o[3], H, D, generator=gen)
+            for c in caches:
+                for layer in range(L):
+                    c.write(c.seqs[sid], layer, k, v, pos, CLASSES[o[2]])
+        elif o[0] == "evict":
+            sid = ids[o[1] % len(ids)]
+            victims = [p % max(1, next_pos[sid]) for p in o[3]]
+            a = evict_private(caches[0], caches[0].seqs[sid], o[2], victims)
+            b = caches[1]._evict_each(caches[1].seqs[sid], o[2], victims)
+            assert a == b
+        else:
+            for c in caches:
+                c.free_sequence(ids[o[1] % len(ids)])
+        assert _state(caches[0]) == _state(caches[1])
+    check_invariants(caches[0])
+
+
+def test_residual_arena_grows_and_appends_in_order():
+    """Residual buffers are rows of one arena: growing it re-points every live request's buffer (contents kept),
+    a request listed several times fills consecutive slots, and attention reads them like per-request buffers."""
+    cache = make_cache(g=4)
+    seqs = [cache.add_sequence(i) for i in range(3)]
+    k = torch.randn(3, H, D)
+    cache.buffer_append(0, seqs, k, -k, [5, 6, 7])
+    more = [cache.add_sequence(i) for i in range(3, 12)]  # past the arena's 8 initial rows
+    assert cache.residual.k.shape[0] >= 12 and len({s.buf_row for s in seqs + more}) == 12
+    for i, s in enumerate(seqs):
+        assert s.buf_k.data_ptr() == cache.residual.k[s.buf_row].data_ptr()
+        assert torch.equal(s.buf_k[0, 0], k[i]) and torch.equal(s.buf_v[0, 0], -k[i]) and s.buf_pos[0] == [5 + i]
+    tail = torch.randn(3, H, D)
+    cache.buffer_append(1, [more[0]] * 3, tail, tail, [0, 1, 2])
+    assert torch.equal(more[0].buf_k[1, :3], tail) and more[0].buf_pos[1] == [0, 1, 2]
+    row = more[1].buf_row
+    cache.free_sequence(more[1].seq_id)
+    again = cache.add_sequence(99)
+    assert again.buf_row == row and not again.buf_k.any()  # a reused row starts zeroed

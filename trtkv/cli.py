@@ -327,18 +327,20 @@ def _command_line(name: str) -> str | None:
 @click.option("--device", default=None, help="cpu or cuda [cuda when available].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--no-warmup", is_flag=True, help="Skip the short warm-up generation per engine.")
+@click.option("--profile", is_flag=True,
+              help="Split each decode step into model, attention, kv_write, policy and bookkeeping time.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True,
               help="Directory for results.json, results.csv and the plots.")
 def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, host_kv_memory, repeat, prompt_source, sets, device,
-          seed, no_warmup, out) -> None:
+          seed, no_warmup, profile, out) -> None:
     """Latency, throughput and KV memory of ENGINES over batch sizes, measured in one run."""
     from trtkv.bench import BenchConfig, load_engines, parse_batch_sizes, parse_size, run_bench
     from trtkv.bench.report import print_bench
-    from trtkv.bench.runner import write_results
+    from trtkv.bench.summary import write_results
 
     cfg = BenchConfig(batch_sizes=parse_batch_sizes(batch_sizes), prompt_len=prompt_len, gen_len=gen_len,
                       kv_memory=parse_size(kv_memory) if kv_memory else None, repeat=repeat, warmup=not no_warmup,
-                      prompt_source=prompt_source, seed=seed).validate()
+                      prompt_source=prompt_source, seed=seed, profile=profile).validate()
     sets = {**parse_sets(sets), **({"host_kv_memory": host_kv_memory} if host_kv_memory else {})}
     loaded = load_engines(list(engines), device=device, policy_overrides=sets or None)
     doc = run_bench(loaded, cfg, command=_command_line("bench"))

@@ -70,6 +70,7 @@ def print_bench(doc: dict[str, Any], console=None) -> None:
         console.print(ft)
         console.print(f"[dim]method: {doc['fit_method']}[/dim]")
     print_tier_stats(doc, console)
+    print_profile(doc, console)
     print_policy_stats(doc, console)
     for note in doc.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {note}")
@@ -93,6 +94,31 @@ def print_tier_stats(doc: dict[str, Any], console) -> None:
                   "staging plus tier moves of all running requests, per batched decode step; moving KV: share of "
                   "step time spent copying KV between tiers (CPU: wall time of the copies; CUDA: copy-stream "
                   "time, which overlaps compute, so an upper bound on the stall).[/dim]")
+
+
+def print_profile(doc: dict[str, Any], console) -> None:
+    """``--profile``: where a decode step's time goes, per engine and batch (mean ms per step)."""
+    from rich.table import Table
+
+    from trtkv.runtime.observers import PROFILE_PHASES
+
+    rows = [r for r in doc["results"] if r.get("profile_ms")]
+    if not rows:
+        return
+    t = Table(title="decode step profile (mean ms per step)", title_justify="left")
+    for col in ("engine", "batch", *PROFILE_PHASES, "step", "overhead", "× first"):
+        t.add_column(col, justify="left" if col == "engine" else "right", no_wrap=col == "engine")
+    for r in rows:
+        t.add_row(r["engine"], str(r["batch"]), *(_fmt(r["profile_ms"][p], ".3f") for p in PROFILE_PHASES),
+                  _fmt(r["step_ms_mean"], ".3f"), _fmt(r["engine_overhead_ms"], ".3f"),
+                  _fmt(r["ratios_to_first"].get("engine_overhead_ms"), ".2f") + "×")
+    console.print(t)
+    console.print("[dim]model: embedding, projections, norms, MLP, logits; attention: the paged-attention kernel, "
+                  "residual-buffer attention and the merge; kv_write: the kv_write kernel and residual-buffer copies; "
+                  "policy: the policy's hooks and the attention statistics it asked for; bookkeeping: the rest of the "
+                  "measured step (block tables, validity, slot allocation, eviction bookkeeping, sampling, "
+                  "detokenization). overhead = kv_write + policy + bookkeeping; × first: its ratio to the first "
+                  "engine's.[/dim]")
 
 
 def print_policy_stats(doc: dict[str, Any], console) -> None:

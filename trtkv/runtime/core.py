@@ -20,7 +20,7 @@ from trtkv.models.decoder import DecoderModel
 from trtkv.policies.base import KVPolicy, LayerStats, StatsRequest, StepStats
 from trtkv.runtime.attention import decode_attention, row_stats
 from trtkv.runtime.context import RequestContext
-from trtkv.runtime.observers import EngineObserver, merge_stats_requests
+from trtkv.runtime.observers import EngineObserver, PhaseClock, merge_stats_requests
 from trtkv.runtime.request import GenerationResult, IncrementalDetokenizer, Request
 from trtkv.runtime.sampling import sample_next
 from trtkv.runtime.staging import HostStaging
@@ -66,18 +66,25 @@ class EngineCore:
         policy.bind_model(self.arch)
         self.observers: tuple[EngineObserver, ...] = ()
         self._forced: dict[str, StatsRequest | None] = {"decode": None}
+        self.clock: PhaseClock | None = None  # an observer's decode-step profile clock (trtkv bench --profile)
         for o in observers:
             self.attach(o)
 
     def attach(self, observer: EngineObserver) -> None:
         """Start notifying ``observer`` (tests and tools watching a live engine; see runtime/observers.py)."""
-        self.observers = (*self.observers, observer)
-        # observers' attention statistics are forced at decode steps only (prefill hands them the policy's)
-        self._forced = {"decode": merge_stats_requests([o.stats_request("decode") for o in self.observers])}
+        self._set_observers((*self.observers, observer))
 
     def detach(self, observer: EngineObserver) -> None:
-        self.observers = tuple(o for o in self.observers if o is not observer)
-        self._forced = {"decode": merge_stats_requests([o.stats_request("decode") for o in self.observers])}
+        self._set_observers(tuple(o for o in self.observers if o is not observer))
+
+    def _set_observers(self, observers: tuple[EngineObserver, ...]) -> None:
+        clocks = [c for c in (o.phase_clock() for o in observers) if c is not None]
+        if len(clocks) > 1:
+            raise ValueError("at most one observer may profile the decode step")
+        self.observers = observers
+        # observers' attention statistics are forced at decode steps only (prefill hands them the policy's)
+        self._forced = {"decode": merge_stats_requests([o.stats_request("decode") for o in observers])}
+        self.clock = self.cache.clock = clocks[0] if clocks else None
 
     # --- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -151,14 +158,26 @@ class EngineCore:
     # --- decode -----------------------------------------------------------------------------
     @torch.inference_mode()
     def decode_step(self, reqs: list[Request]) -> None:
-        """One batched decode step: the dense layers and the attention of this core's own model."""
+        """One batched decode step: the dense layers and the attention of this core's own model. ``clk``
+        (``trtkv bench --profile``, else None) is told where model, attention, kv_write and policy work begin
+        and end; with no profiler each site is one ``is None``."""
+        clk = self.clock
         step = self.begin_decode(reqs)
         try:
+            if clk is not None:
+                clk.switch("model")
             x = self.model.embed(step.ids)
             for layer in range(self.arch.num_hidden_layers):
+                if clk is not None:
+                    clk.switch("model")
                 q, k, v = self.model.qkv(layer, x, step.cos, step.sin)
-                x = self.model.finish_layer(layer, x, self.decode_layer(step, layer, q, k, v))
+                out = self.decode_layer(step, layer, q, k, v)
+                if clk is not None:
+                    clk.switch("model")
+                x = self.model.finish_layer(layer, x, out)
             logits = self.model.logits(x)
+            if clk is not None:
+                clk.switch("bookkeeping")
         except BaseException:  # e.g. a full pool (OutOfKVMemory): the scheduler undoes the step and reruns it
             self.abort_decode(step)
             raise
@@ -167,21 +186,29 @@ class EngineCore:
     def abort_decode(self, step: DecodeStep) -> None:
         """Release what ``begin_decode`` staged when a step fails part-way."""
         self.staging.end_step()
+        if self.clock is not None:
+            self.clock.stop()
 
     # The three phases below let a caller run the dense layers itself, e.g. once over several cores that share
     # one model's weights (``trtkv.eval.lockstep``); everything the cache and policy do stays in this core.
     def begin_decode(self, reqs: list[Request]) -> DecodeStep:
+        clk = self.clock
+        if clk is not None:
+            clk.start()
+            clk.switch("policy")
         ctxs = [r.ctx for r in reqs]
         for c in ctxs:
             self.policy.on_decode_step_begin(c)
+        classes = [self.policy.write_class(c) for c in ctxs]
+        sreqs = [self.policy.stats_request(c, "decode") for c in ctxs]
+        if clk is not None:
+            clk.switch("bookkeeping")
         positions = [c.position for c in ctxs]
         cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=self.device), self.dtype)
-        classes = [self.policy.write_class(c) for c in ctxs]
         fs = self._forced["decode"]
         step = DecodeStep(reqs=reqs, ctxs=ctxs, seqs=[c.seq for c in ctxs], positions=positions, classes=classes,
-                          sreqs=[self.policy.stats_request(c, "decode") for c in ctxs],
-                          ids=torch.tensor([r.generated[-1] for r in reqs], device=self.device), cos=cos, sin=sin,
-                          stats=[StepStats(step=c.step) for c in ctxs], forced_req=fs,
+                          sreqs=sreqs, ids=torch.tensor([r.generated[-1] for r in reqs], device=self.device),
+                          cos=cos, sin=sin, stats=[StepStats(step=c.step) for c in ctxs], forced_req=fs,
                           forced=[StepStats(step=c.step) for c in ctxs] if fs is not None else None)
         self.staging.begin_step(step.seqs)
         return step
@@ -189,6 +216,8 @@ class EngineCore:
     def decode_layer(self, step: DecodeStep, layer: int, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> torch.Tensor:
         """Write this layer's new K/V, let the policy act, attend; returns the attention output."""
+        if self.clock is not None:
+            self.clock.switch("bookkeeping")
         threads = torch.get_num_threads()
         if self.small_ops_threads:  # writes, eviction and decode attention are small ops: OpenMP fan-out
             torch.set_num_threads(self.small_ops_threads)  # costs more than it gains on CPU
@@ -200,7 +229,8 @@ class EngineCore:
 
     def _decode_layer(self, step: DecodeStep, layer: int, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
-        pol, cache, seqs, positions, classes = self.policy, self.cache, step.seqs, step.positions, step.classes
+        pol, cache, seqs, positions, classes, clk = (self.policy, self.cache, step.seqs, step.positions,
+                                                     step.classes, self.clock)
         if self.g == 1:
             if all(cl[:2] == classes[0][:2] for cl in classes):
                 cache.write_through(layer, seqs, k, v, positions, classes[0][:2])
@@ -212,8 +242,11 @@ class EngineCore:
             for i, s in enumerate(seqs):
                 if s.buffered(layer) >= self.g:
                     cache.flush(s, layer, classes[i][:2], classes[i][2])
-        for c in step.ctxs:
-            pol.before_attention(c, layer)
+        if clk is not None:
+            clk.switch("policy")
+        pol.before_attention_batch(step.ctxs, layer)
+        if clk is not None:
+            clk.switch("bookkeeping")
         for o in self.observers:
             o.before_attention(step.reqs, layer)
         sreqs, fs = step.sreqs, step.forced_req
@@ -223,7 +256,7 @@ class EngineCore:
         force = step.forced is not None and (fs.layers is None or layer in fs.layers)
         staged = self.staging.sources(layer, self.arch.num_hidden_layers)
         out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
-                                       [True] * len(seqs) if force else want_w, want_s, staged)
+                                       [True] * len(seqs) if force else want_w, want_s, staged, clk)
         if staged is not None:
             self.staging.release(layer)
         for i, ls in enumerate(lstats):
@@ -239,7 +272,9 @@ class EngineCore:
 
     def end_decode(self, step: DecodeStep, logits: torch.Tensor) -> None:
         """Observers, sampling (or the forced token), the policy's end-of-step hook."""
-        pol, reqs, ctxs = self.policy, step.reqs, step.ctxs
+        pol, reqs, ctxs, clk = self.policy, step.reqs, step.ctxs, self.clock
+        if clk is not None:
+            clk.switch("bookkeeping")
         self.staging.end_step()
         for o in self.observers:
             o.on_decode(reqs, logits, step.forced if step.forced is not None else step.stats)
@@ -252,13 +287,19 @@ class EngineCore:
             c.step += 1
             self._append_token(r, tok)
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))  # what this step attended
+            if clk is not None:
+                clk.switch("policy")
             pol.on_decode_step_end(c, st)
+            if clk is not None:
+                clk.switch("bookkeeping")
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))
         if self.cache._tiers is not None:
             for s in step.seqs:
                 self.cache.tiers.note_peaks(s)
         for o in self.observers:
             o.on_step_end(reqs)
+        if clk is not None:
+            clk.stop()
 
     # --- tokens, stop conditions, results ---------------------------------------------------
     def _append_token(self, req: Request, tok: int) -> None:

@@ -7,6 +7,7 @@ not change what the engine computes. Each tool builds the core it needs with its
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,10 @@ if TYPE_CHECKING:
 
 class EngineObserver:
     """Base observer: every hook is a no-op. Subclass and override what you need."""
+
+    def phase_clock(self) -> PhaseClock | None:
+        """A clock the core should run through each decode step (``StepProfiler``); None: no timing at all."""
+        return None
 
     def stats_request(self, phase: str) -> StatsRequest | None:
         """Attention statistics this observer needs at every decode step (``phase == "decode"``), for every
@@ -57,3 +62,76 @@ def merge_stats_requests(reqs: list[StatsRequest | None]) -> StatsRequest | None
     return StatsRequest(layers=None if layers is None else tuple(sorted(layers)),
                         weights=any(r.weights for r in reqs), sparsity=any(r.sparsity for r in reqs),
                         prefill_window=max(r.prefill_window for r in reqs), queries=any(r.queries for r in reqs))
+
+
+# --- decode-step profile (``trtkv bench --profile``) ---------------------------------------------
+PROFILE_PHASES = ("model", "attention", "kv_write", "policy", "bookkeeping")
+"""model: embedding, QKV + RoPE, output projection, norms, MLP, logits. attention: the paged-attention kernel,
+residual-buffer attention and the log-sum-exp merge. kv_write: the kv_write kernel (write-through and flush).
+policy: the policy's hooks (scoring, eviction decisions, k-means) and the attention statistics it asked for.
+bookkeeping: everything else (block tables, validity words, slot allocation, eviction bookkeeping, buffers,
+sampling, detokenization, stop strings)."""
+
+
+class PhaseClock:
+    """Wall time of one decode step split into ``PROFILE_PHASES``.
+
+    The core and cache call ``switch(phase)`` where work of another kind begins; the time since the previous
+    switch goes to the phase that was running. ``switch`` returns that phase so a nested region restores it
+    (eviction bookkeeping inside a policy hook goes back to "policy"). On CUDA every switch synchronises,
+    or kernel time would land in whatever phase happens to wait for it. Outside a decode step it is idle."""
+
+    __slots__ = ("totals", "current", "running", "_t", "_cuda")
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.totals = dict.fromkeys(PROFILE_PHASES, 0.0)
+        self.current = "bookkeeping"
+        self.running = False
+        self._t = 0.0
+        self._cuda = torch.device(device).type == "cuda"
+
+    def start(self) -> None:
+        self._sync()
+        self.current, self.running, self._t = "bookkeeping", True, time.perf_counter()
+
+    def switch(self, phase: str) -> str:
+        prev = self.current
+        if self.running:
+            self._sync()
+            now = time.perf_counter()
+            self.totals[prev] += now - self._t
+            self._t = now
+            self.current = phase
+        return prev
+
+    def stop(self) -> None:
+        self.switch("bookkeeping")
+        self.running = False
+
+    def take(self) -> dict[str, float]:
+        """The seconds per phase accumulated since the last ``take``, and reset."""
+        out, self.totals = self.totals, dict.fromkeys(PROFILE_PHASES, 0.0)
+        return out
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+
+
+class StepProfiler(EngineObserver):
+    """Splits every decode step into ``PROFILE_PHASES``. The caller times the step itself (the bench's
+    scheduler timer) and hands that time to ``step_parts``: bookkeeping is the residual, so the parts add up
+    to the measured step time exactly."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.clock = PhaseClock(device)
+
+    def phase_clock(self) -> PhaseClock:
+        return self.clock
+
+    def step_parts(self, step_s: float) -> dict[str, float]:
+        """Seconds per phase of the step just measured as ``step_s``."""
+        parts = self.clock.take()
+        timed = sum(v for k, v in parts.items() if k != "bookkeeping")
+        parts["bookkeeping"] = step_s - timed
+        return parts

@@ -1,0 +1,71 @@
+"""Residual buffers of all requests as rows of one shared arena.
+
+A quantizing policy holds each request's last ``g`` tokens per layer in full precision until they flush as
+one group. Each request's buffer (``SeqKV.buf_k/buf_v``, ``[L, g, H, D]``) is a view of one row of a shared
+``[rows, L, g, H, D]`` pair, so a decode step appends the whole batch's new K/V in one indexed write per
+layer and attention reads the batch's buffers in one gather, instead of one small copy per request.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from trtkv.cache.manager import CacheConfig, SeqKV
+
+
+class ResidualArena:
+    def __init__(self, cfg: CacheConfig, rows: int = 8) -> None:
+        shape = (rows, cfg.num_layers, cfg.residual_group, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=cfg.residual_dtype, device=cfg.device)
+        self.v = torch.zeros_like(self.k)
+        self.free = list(range(rows - 1, -1, -1))  # pop() hands out the lowest row first
+
+    def acquire(self, seq: SeqKV, live: list[SeqKV]) -> None:
+        """Give ``seq`` a zeroed row (growing the arena, and re-pointing the ``live`` requests' views, when
+        every row is taken)."""
+        if not self.free:
+            self._grow(live)
+        row = self.free.pop()
+        self.k[row].zero_()
+        self.v[row].zero_()
+        seq.buf_row = row
+        seq.buf_k, seq.buf_v = self.k[row], self.v[row]
+
+    def release(self, seq: SeqKV) -> None:
+        if seq.buf_row >= 0:
+            self.free.append(seq.buf_row)
+            seq.buf_row = -1
+
+    def _grow(self, live: list[SeqKV]) -> None:
+        old = self.k.shape[0]
+        k = self.k.new_zeros((2 * old, *self.k.shape[1:]))
+        v = torch.zeros_like(k)
+        k[:old], v[:old] = self.k, self.v
+        self.k, self.v = k, v
+        self.free = list(range(2 * old - 1, old - 1, -1))
+        for s in live:
+            if s.buf_row >= 0:
+                s.buf_k, s.buf_v = k[s.buf_row], v[s.buf_row]
+
+    def append(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> None:
+        """Token ``i`` of ``k, v [b, H, D]`` goes to the next free buffer slot of ``seqs[i]`` in ``layer`` (a
+        request may appear several times: a prompt's tail fills consecutive slots)."""
+        rows = torch.tensor([s.buf_row for s in seqs], device=self.k.device)
+        nxt: dict[int, int] = {}
+        slots = []
+        for s in seqs:
+            n = nxt.get(s.buf_row, len(s.buf_pos[layer]))
+            slots.append(n)
+            nxt[s.buf_row] = n + 1
+        fill = torch.tensor(slots, device=self.k.device)
+        self.k[rows, layer, fill] = k.to(self.k.dtype)
+        self.v[rows, layer, fill] = v.to(self.v.dtype)
+        for s, p in zip(seqs, positions):
+            s.buf_pos[layer].append(p)
+
+    def gather(self, layer: int, seqs: list[SeqKV]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers of ``seqs`` in ``layer``: ``k, v [b, g, H, D]`` (a copy)."""
+        rows = torch.tensor([s.buf_row for s in seqs], device=self.k.device)
+        return self.k[rows, layer], self.v[rows, layer]
