@@ -272,16 +272,22 @@ class EngineCore:
 
     def end_decode(self, step: DecodeStep, logits: torch.Tensor) -> None:
         """Observers, sampling (or the forced token), the policy's end-of-step hook."""
-        pol, reqs, ctxs, clk = self.policy, step.reqs, step.ctxs, self.clock
-        if clk is not None:
-            clk.switch("bookkeeping")
+        if self.clock is not None:
+            self.clock.switch("bookkeeping")
         self.staging.end_step()
+        self._end_decode(step.reqs, logits, step.stats, step.forced)
+
+    def _end_decode(self, reqs: list[Request], logits: torch.Tensor, stats: list[StepStats],
+                    forced: list[StepStats] | None) -> None:
+        """After a decode step's forward (this core's, a lockstep one, or an exported graph's)."""
+        pol, clk = self.policy, self.clock
+        ctxs = [r.ctx for r in reqs]
         for o in self.observers:
-            o.on_decode(reqs, logits, step.forced if step.forced is not None else step.stats)
+            o.on_decode(reqs, logits, forced if forced is not None else stats)
         contexts = [r.prompt_ids + r.generated if r.params.repetition_penalty != 1.0 else [] for r in reqs]
         toks = sample_next(logits, [r.params for r in reqs], [r.generator for r in reqs], contexts)
         self.steps_total += 1
-        for i, (r, c, st, tok) in enumerate(zip(reqs, ctxs, step.stats, toks)):
+        for i, (r, c, st, tok) in enumerate(zip(reqs, ctxs, stats, toks)):
             r.last_logits = logits[i]
             r.decode_steps += 1
             c.step += 1
@@ -294,8 +300,8 @@ class EngineCore:
                 clk.switch("bookkeeping")
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))
         if self.cache._tiers is not None:
-            for s in step.seqs:
-                self.cache.tiers.note_peaks(s)
+            for c in ctxs:
+                self.cache.tiers.note_peaks(c.seq)
         for o in self.observers:
             o.on_step_end(reqs)
         if clk is not None:
