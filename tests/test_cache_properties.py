@@ -197,8 +197,12 @@ def test_evicted_slots_contribute_nothing():
 
 def _state(cache: KVCacheManager):
     """Everything eviction touches, comparable across two caches."""
-    pools = {(layer, fmt): (pool.valid.tolist(), pool.live.tolist(), pool.slot_pos.tolist(), pool.slot_seg.tolist(),
-                            sorted(pool.free), pool.in_use, pool.group_ref.tolist(), list(pool.group_free))
+    def used(pool, a):  # pages past ``fresh`` were never handed out: preallocated, uninitialised
+        return a[:pool.fresh].tolist()
+
+    pools = {(layer, fmt): (used(pool, pool.valid), used(pool, pool.live), used(pool, pool.slot_pos),
+                            used(pool, pool.slot_seg),
+                            sorted(pool.free), pool.in_use, pool.fresh, pool.group_ref.tolist(), list(pool.group_free))
              for layer, pools in enumerate(cache.pools) for fmt, pool in pools.items()}
     seqs = {sid: (s.kv_bytes, [(dict(t.loc), {c: list(p) for c, p in t.pages.items()},
                                 {c: sorted(h) for c, h in t.reusable.items()}, dict(t.open_page)) for t in s.layers])
