@@ -25,6 +25,13 @@ FIRST_CHUNK = 16  # pages (or groups) initialised at once the first time; later 
 class PagePool:
     def __init__(self, fmt: KVFormat, num_heads: int, head_dim: int, block_size: int, device: str,
                  pages: int, groups: int = 0):
+        # Pools are made lazily, sometimes inside a decode step's inference mode; their tensors must stay
+        # normal tensors so cache writes outside inference mode (tree search, tools) may update them.
+        with torch.inference_mode(False):
+            self._setup(fmt, num_heads, head_dim, block_size, device, pages, groups)
+
+    def _setup(self, fmt: KVFormat, num_heads: int, head_dim: int, block_size: int, device: str,
+               pages: int, groups: int = 0) -> None:
         assert block_size <= 31, "validity words are int32 bit masks"
         assert pages >= 1, "a pool holds at least one page"
         self.fmt, self.H, self.D, self.B, self.device = fmt, num_heads, head_dim, block_size, torch.device(device)
