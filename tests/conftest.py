@@ -2,6 +2,7 @@
 Llama built from a config (fast), and an engine builder that caches engines per (model, policy, params)."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -67,15 +68,28 @@ def engine_factory(tmp_path_factory):
     return make
 
 
+LOADED_ENGINES_KEPT = 6
+
+
 @pytest.fixture(scope="session")
 def load_engine():
+    """``load(path) -> Engine``, keeping the last few loaded. Not all: every engine reserves its KV pools'
+    address space (up to 2 GiB on CPU), and a process reserving more than its RAM cannot fork (the Triton
+    tests fork ``tritonserver``)."""
+    from collections import OrderedDict
+
     from trtkv.api import Engine
 
-    cache: dict[str, Engine] = {}
+    cache: OrderedDict[str, Engine] = OrderedDict()
 
     def load(path) -> Engine:
-        if str(path) not in cache:
-            cache[str(path)] = Engine.load(path)
-        return cache[str(path)]
+        key = str(path)
+        if key not in cache:
+            cache[key] = Engine.load(path)
+            while len(cache) > LOADED_ENGINES_KEPT:
+                cache.popitem(last=False)[1].shutdown()
+                gc.collect()
+        cache.move_to_end(key)
+        return cache[key]
 
     return load

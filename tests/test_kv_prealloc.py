@@ -123,6 +123,22 @@ def test_pool_budget_split_and_settings(tiny):
         tiny("full", cache={"kv_memory": "1KiB"}).core.cache.plan
 
 
+def test_default_budget_reserves_no_more_than_could_be_used(tiny):
+    """The 2 GiB CPU default is address space a forking process pays for (a process whose reserved pools
+    pass its RAM cannot fork): the default stops at max_batch requests at the model's full context."""
+    from trtkv.cache.budget import useful_pages
+
+    eng = tiny("full")
+    cache, cfg = eng.core.cache, eng.core.cache.cfg
+    ctx = eng.arch.max_position_embeddings
+    want = cfg.max_batch * pages_needed(eng.policy, cfg, ctx - 1, 1)["fp32" if "fp32" in cache.formats else
+                                                                      cache.formats[0]]
+    assert cache.plan.pages == useful_pages(eng.policy, cfg, ctx) == want
+    assert cache.plan.device_bytes(cfg) < DEFAULT_CPU_KV_MEMORY // 4
+    explicit = tiny("full", cache={"kv_memory": "1GiB"}).core.cache  # an explicit budget is the user's
+    assert explicit.plan.pages > cache.plan.pages
+
+
 def test_never_fits_is_refused_at_admission_and_leaks_nothing(tiny, monkeypatch):
     eng = tiny("full", cache={"max_pages": 12})
     with pytest.raises(OutOfKVMemory) as e:

@@ -4,9 +4,13 @@ reserves of them.
 **The budget.** ``kv_memory`` (``--kv-memory``, ``--set kv_memory=``) when given. Otherwise, on CPU,
 ``DEFAULT_CPU_KV_MEMORY`` (2 GiB): the pools are ``torch.empty`` tensors initialised page by page as they
 are first used, so the pages a run never touches cost address space, not memory (with
-``vm.overcommit_memory=2`` set ``--kv-memory``). On CUDA, ``kv_memory_fraction`` (default 0.9, like vLLM's
-``gpu_memory_utilization`` but of the memory *free* when the pools are allocated — the weights are already
-loaded) of the device memory free then, counting the caching allocator's unused blocks as free.
+``vm.overcommit_memory=2`` set ``--kv-memory``). Address space is not free either: a process whose
+reserved pools pass the machine's RAM can no longer ``fork`` (the kernel accounts the merged mapping), so
+the default never reserves more than the engine could ever use — ``max_batch`` requests each at the model's
+full context (``useful_pages``; a tiny model or a budgeted policy needs far less than 2 GiB).
+On CUDA, ``kv_memory_fraction`` (default 0.9, like vLLM's ``gpu_memory_utilization`` but of the memory
+*free* when the pools are allocated — the weights are already loaded) of the device memory free then,
+counting the caching allocator's unused blocks as free.
 
 **Residual buffers** (the ``g`` newest tokens per layer a quantizing policy holds in fp16 before a flush) are
 per request, allocated at admission: ``max_batch`` of them are set aside before the pools are sized.
@@ -101,8 +105,9 @@ class PoolPlan:
         return int(cfg.num_layers * self.pages * sum(page_cost(f, cfg, self.drops_tokens) for f in self.formats or ()))
 
 
-def plan_pools(cfg, formats, drops_tokens: bool = True) -> PoolPlan:
-    """Pages per pool from ``kv_memory`` (or its default) and ``max_pages``; see the module docstring."""
+def plan_pools(cfg, formats, drops_tokens: bool = True, useful_pages: int | None = None) -> PoolPlan:
+    """Pages per pool from ``kv_memory`` (or its default) and ``max_pages``; see the module docstring.
+    ``useful_pages`` (the most pages a pool could ever hold) caps the default budget, not an explicit one."""
     fmts = tuple(sorted(formats)) if formats is not None else None
     if fmts is None or (cfg.max_pages is not None and cfg.kv_memory is None):
         if cfg.max_pages is None:
@@ -115,6 +120,8 @@ def plan_pools(cfg, formats, drops_tokens: bool = True) -> PoolPlan:
     pages = int(max(0, pool_bytes) // per_page)
     if cfg.max_pages is not None:
         pages = min(pages, cfg.max_pages)
+    elif cfg.kv_memory is None and useful_pages is not None:
+        pages = min(pages, max(1, useful_pages))
     if pages < 1:
         reserve = cfg.max_batch * residual_bytes(cfg)
         raise OutOfKVMemory(f"KV memory of {budget:,} bytes cannot hold one page per layer and format ("
@@ -122,6 +129,12 @@ def plan_pools(cfg, formats, drops_tokens: bool = True) -> PoolPlan:
                             + (f", after {reserve:,} bytes of residual buffers for max_batch={cfg.max_batch}"
                                if reserve else "") + "); raise --kv-memory")
     return PoolPlan(pages, budget, drops_tokens, fmts)
+
+
+def useful_pages(policy, cfg, max_context: int) -> int:
+    """The most pages one pool could ever hold: ``max_batch`` requests, each at ``max_context`` tokens."""
+    need = pages_needed(policy, cfg, max(1, max_context - 1), 1)
+    return cfg.max_batch * max(need.values(), default=1)
 
 
 def pages_needed(policy, cfg, prompt_len: int, max_tokens: int) -> dict[str, int]:

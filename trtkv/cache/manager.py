@@ -82,13 +82,16 @@ class SeqKV:
 class KVCacheManager:
     """``formats``: every format the cache will store (the policy's ``pool_formats()``), so ``kv_memory``
     can be split among them; ``drops_tokens``: whether the policy may drop tokens (sizes the key-scale
-    arenas, see ``trtkv/cache/budget.py``). The pools are sized and allocated once, on first use."""
+    arenas, see ``trtkv/cache/budget.py``); ``useful_pages``: the most pages a pool could ever hold (caps the
+    default budget). The pools are sized and allocated once, on first use."""
 
-    def __init__(self, cfg: CacheConfig, kv_amax: dict | None = None, formats=None, drops_tokens: bool = True):
+    def __init__(self, cfg: CacheConfig, kv_amax: dict | None = None, formats=None, drops_tokens: bool = True,
+                 useful_pages: int | None = None):
         self.cfg = cfg
         self.kv_amax = kv_amax  # {"k": [per layer], "v": [per layer]} from calibration, or None
         self.formats = tuple(sorted(formats)) if formats is not None else None
         self.drops_tokens = drops_tokens
+        self.useful_pages = useful_pages
         self._plan: PoolPlan | None = None
         self._scales: dict[tuple[int, str], LayerScales] = {}
         self.pools: list[dict[str, PagePool]] = [{} for _ in range(cfg.num_layers)]
@@ -167,7 +170,7 @@ class KVCacheManager:
         """The pools' sizes, decided once (``trtkv/cache/budget.py``); nothing is allocated until a pool is
         first used, so a core that never runs (e.g. an engine's own, while a tool runs its core) costs nothing."""
         if self._plan is None:
-            self._plan = plan_pools(self.cfg, self.formats, self.drops_tokens)
+            self._plan = plan_pools(self.cfg, self.formats, self.drops_tokens, self.useful_pages)
         return self._plan
 
     def allocate(self) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from trtkv.cache.manager import CacheConfig, KVCacheManager, fp16_bytes_per_token
+from trtkv.cache.budget import useful_pages
 from trtkv.models.decoder import DecoderModel
 from trtkv.policies.base import KVPolicy, LayerStats, StatsRequest, StepStats
 from trtkv.runtime.attention import decode_attention, row_stats
@@ -51,7 +52,9 @@ class EngineCore:
         self.model = model
         self.arch = model.arch
         self.policy = policy
-        self.cache = KVCacheManager(cache_cfg, kv_amax, policy.pool_formats(), policy.drops_tokens())
+        policy.bind_model(self.arch)
+        self.cache = KVCacheManager(cache_cfg, kv_amax, policy.pool_formats(), policy.drops_tokens(),
+                                    useful_pages(policy, cache_cfg, self.arch.max_position_embeddings))
         self.staging = HostStaging(self.cache)  # host tiers (T1/T2) -> device, per layer (runtime/staging.py)
         self.eos_ids = set(eos_ids)
         self.decode_text = decode_text  # ids -> str
@@ -63,7 +66,6 @@ class EngineCore:
         self.next_fork_id = 1 << 40  # ids of forked requests (runtime/forking.py), apart from the API's
         # CPU only: run the per-layer small ops (cache writes, decode attention) on one thread
         self.small_ops_threads = 1 if self.device.type == "cpu" else 0
-        policy.bind_model(self.arch)
         self.observers: tuple[EngineObserver, ...] = ()
         self._forced: dict[str, StatsRequest | None] = {"decode": None}
         self.clock: PhaseClock | None = None  # an observer's decode-step profile clock (trtkv bench --profile)
