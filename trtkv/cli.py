@@ -462,5 +462,14 @@ def _add_serving_commands() -> None:
 _add_serving_commands()
 
 
+def _add_export_command() -> None:
+    from trtkv.export.command import export_cmd
+
+    main.add_command(export_cmd)
+
+
+_add_export_command()
+
+
 if __name__ == "__main__":
     main()

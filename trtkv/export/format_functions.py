@@ -126,7 +126,8 @@ def _float_functions(fmt: FloatFormat) -> FormatFunctions:
                       scale_v=scale_v)  # [b, P, B, H, D]
         flat = op.Concat(op.Shape(k, start=0, end=1), [-1], op.Shape(k, start=3), axis=0)
         live = SlotLive(valid, block_table, op.Shape(k_pool, start=1, end=2))
-        return MaskedAttention(q, op.Reshape(k, flat), op.Reshape(v, flat), live, sm_scale=sm_scale)
+        out, lse, logits = MaskedAttention(q, op.Reshape(k, flat), op.Reshape(v, flat), live, sm_scale=sm_scale)
+        return out, lse, logits
 
     return FormatFunctions(fmt.name, _named(encode, f"KVEncode_{fmt.name}"), decode,
                            _named(paged_attention, f"PagedAttention_{fmt.name}"), (SlotLive, MaskedAttention))
@@ -224,7 +225,8 @@ def _blockscaled_functions(fmt: BlockScaledFormat) -> FormatFunctions:
                           op.Gather(k_offset_arena, gid, axis=0), scale_k=scale_k, scale_v=scale_v)
             flat = op.Concat(op.Shape(k, start=0, end=1), [-1], op.Shape(k, start=3), axis=0)
             live = SlotLive(valid, block_table, op.Shape(k_pool, start=1, end=2))
-            return MaskedAttention(q, op.Reshape(k, flat), op.Reshape(v, flat), live, sm_scale=sm_scale)
+            out, lse, logits = MaskedAttention(q, op.Reshape(k, flat), op.Reshape(v, flat), live, sm_scale=sm_scale)
+            return out, lse, logits
     else:
         @onnxscript.script(TRTKV, default_opset=op)
         def encode(k: FLOAT, v: FLOAT, live: BOOL, scale_k: float, scale_v: float):
@@ -253,7 +255,8 @@ def _blockscaled_functions(fmt: BlockScaledFormat) -> FormatFunctions:
                           scale_k=scale_k, scale_v=scale_v)
             flat = op.Concat(op.Shape(k, start=0, end=1), [-1], op.Shape(k, start=3), axis=0)
             live = SlotLive(valid, block_table, op.Shape(k_pool, start=1, end=2))
-            return MaskedAttention(q, op.Reshape(k, flat), op.Reshape(v, flat), live, sm_scale=sm_scale)
+            out, lse, logits = MaskedAttention(q, op.Reshape(k, flat), op.Reshape(v, flat), live, sm_scale=sm_scale)
+            return out, lse, logits
 
     return FormatFunctions(fmt.name, _named(encode, f"KVEncode_{fmt.name}"), decode,
                            _named(paged_attention, f"PagedAttention_{fmt.name}"), helpers)
