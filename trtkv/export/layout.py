@@ -98,7 +98,7 @@ class KVLayout:
         L, H, D = self.num_layers, self.num_kv_heads, self.head_dim
         out = [TensorSpec("logits", "float32", ("batch", self.vocab_size))]
         if self.group > 1:
-            out += [TensorSpec("k_new", "float32", (L, "batch", H, D)), TensorSpec("v_new", "float32", (L, "batch", H, D))]
+            out += [TensorSpec(n, "float32", (L, "batch", H, D)) for n in ("k_new", "v_new")]
         for layer in range(L):
             for fmt in self.formats:
                 out += self.write_outputs(layer, fmt, "batch")

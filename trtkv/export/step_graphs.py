@@ -105,7 +105,7 @@ class DecodeStep(_StepGraph):
         lay, model = self.layout, self.model
         a = dict(zip([s.name for s in lay.decode_inputs()], inputs))
         ids = a["input_ids"]
-        b, g, H, D = ids.shape[0], lay.group, lay.num_kv_heads, lay.head_dim
+        g = lay.group
         dtype = model.model.embed_tokens.weight.dtype
         cos, sin = model.rotary.cos_sin(a["positions"], dtype)
         x = model.embed(ids)

@@ -62,15 +62,33 @@ class EngineCore:
         self._forced = {"decode": merge_stats_requests([o.stats_request("decode") for o in self.observers])}
 
     # --- prefill ----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, req: Request) -> None:
+    def _begin_prefill(self, req: Request) -> tuple[RequestContext, StatsRequest]:
+        """The request's cache sequence and context, the policy's ``begin``, its prefill statistics request."""
         seq = self.cache.add_sequence(req.req_id)
         ctx = RequestContext(req.req_id, req.prompt_len, self.cache, seq, self.arch.num_hidden_layers,
                              self.arch.num_attention_heads)
         req.ctx = ctx
+        self.policy.begin(ctx)
+        return ctx, self.policy.stats_request(ctx, "prefill") or StatsRequest()
+
+    def _end_prefill(self, req: Request, logits: torch.Tensor, stats: StepStats) -> None:
+        """After the prompt is in the cache: observers, the first sampled token, the policy's prefill end."""
+        ctx = req.ctx
+        req.last_logits = logits[0]  # what a fork of this request samples its first token from
+        for o in self.observers:
+            o.on_prefill(req, logits, stats)
+        tok = sample_next(logits, [req.params], [req.generator], [req.prompt_ids])[0]
+        req.t_first = time.perf_counter()
+        ctx.step = 0
+        self._append_token(req, tok)
+        self.policy.on_prefill_end(ctx, stats)
+        req.peak_live_tokens = max(req.peak_live_tokens, ctx.num_live(0))
+
+    @torch.inference_mode()
+    def prefill(self, req: Request) -> None:
+        ctx, sreq = self._begin_prefill(req)
+        seq = ctx.seq
         pol = self.policy
-        pol.begin(ctx)
-        sreq = pol.stats_request(ctx, "prefill") or StatsRequest()
         T = req.prompt_len
         ids = torch.tensor(req.prompt_ids, device=self.device)
         positions = torch.arange(T, device=self.device)
@@ -88,16 +106,7 @@ class EngineCore:
             if (sreq.weights or sreq.sparsity or sreq.prefill_window) and (sreq.layers is None or layer in sreq.layers):
                 stats.layers[layer] = self._prefill_stats(q, k, max(sreq.prefill_window, 1))
             x = self.model.finish_layer(layer, x, attn)
-        logits = self.model.logits(x[-1:])
-        req.last_logits = logits[0]  # what a fork of this request samples its first token from
-        for o in self.observers:
-            o.on_prefill(req, logits, stats)
-        tok = sample_next(logits, [req.params], [req.generator], [req.prompt_ids])[0]
-        req.t_first = time.perf_counter()
-        ctx.step = 0
-        self._append_token(req, tok)
-        pol.on_prefill_end(ctx, stats)
-        req.peak_live_tokens = max(req.peak_live_tokens, ctx.num_live(0))
+        self._end_prefill(req, self.model.logits(x[-1:]), stats)
 
     def _store_prompt(self, seq, layer, k, v, positions, cls, seg) -> None:
         g = self.g
@@ -192,7 +201,14 @@ class EngineCore:
                 torch.set_num_threads(threads)
             x = self.model.finish_layer(layer, x, out)
         self.staging.end_step()
-        logits = self.model.logits(x)
+        self._end_decode(reqs, self.model.logits(x), stats, forced)
+
+    def _end_decode(self, reqs: list[Request], logits: torch.Tensor, stats: list[StepStats],
+                    forced: list[StepStats] | None) -> None:
+        """After a decode step's forward: observers, sampling, token bookkeeping, the policy's step end."""
+        pol, cache = self.policy, self.cache
+        ctxs = [r.ctx for r in reqs]
+        seqs = [c.seq for c in ctxs]
         for o in self.observers:
             o.on_decode(reqs, logits, forced if forced is not None else stats)
         contexts = [r.prompt_ids + r.generated if r.params.repetition_penalty != 1.0 else [] for r in reqs]
