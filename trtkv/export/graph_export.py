@@ -102,7 +102,7 @@ def export_graph(module: torch.nn.Module, inputs: list[TensorSpec], outputs: lis
         program = torch.onnx.export(
             module, args, dynamo=True, custom_translation_table=translation_table(),
             dynamic_shapes=_for_signature(module, dynamic_shapes(inputs)), input_names=[s.name for s in inputs],
-            output_names=[s.name for s in outputs], opset_version=opset, optimize=True, verbose=False)
+            output_names=[s.name for s in outputs], opset_version=opset, optimize=False, verbose=False)
     _complete_types(program.model, outputs)
     model = program.model_proto
     attach_functions(model, formats)
