@@ -14,7 +14,12 @@ from trtkv.export import DEFAULT_OPSET
 @click.option("--opset", type=int, default=DEFAULT_OPSET, show_default=True, help="Default-domain opset (18..23).")
 @click.option("--inline", is_flag=True, help="Inline the trtkv functions (for tools that cannot read functions).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Policy parameter override (repeatable).")
-def export_cmd(engine, out, opset, inline, sets) -> None:
+@click.option("--check", is_flag=True,
+              help="Then run the graphs with Polygraphy (ONNX Runtime) on recorded steps against the PyTorch "
+                   "engine's logits and print the max abs/rel error per output.")
+@click.option("--atol", type=float, default=1e-2, show_default=True, help="--check: absolute logits tolerance.")
+@click.option("--rtol", type=float, default=1e-2, show_default=True, help="--check: relative logits tolerance.")
+def export_cmd(engine, out, opset, inline, sets, check, atol, rtol) -> None:
     """Write ENGINE's prefill and decode steps as ONNX (trtkv plugins as trtkv-domain functions) to --out."""
     from trtkv.cli import parse_sets
     from trtkv.export import require_onnx
@@ -28,3 +33,13 @@ def export_cmd(engine, out, opset, inline, sets) -> None:
     m = export_engine(eng, out, opset=opset, inline=inline, log=lambda msg: click.echo(msg, err=True))
     click.echo(f"exported {m.policy} engine ({', '.join(m.kv.formats)}) to {out} "
                f"({', '.join(g.file for g in m.graphs.values())}, export.json)")
+    if check:
+        from trtkv.errors import TrtkvError
+        from trtkv.export.check import CHECK_PROMPTS, run_check
+
+        click.echo(f"polygraphy: ONNX Runtime vs the PyTorch engine's logits, {len(CHECK_PROMPTS)} prompts "
+                   "(greedy, teacher-forced replay)")
+        results = run_check(engine, out, atol=atol, rtol=rtol, log=click.echo)
+        failed = [r.graph for r in results if not r.passed]
+        if failed:
+            raise TrtkvError(f"polygraphy check failed for {', '.join(failed)} (atol {atol:g}, rtol {rtol:g})")
