@@ -174,8 +174,12 @@ def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed, cali
 @click.option("--host-kv-memory", default=None, metavar="SIZE", help="Cap on host-tier KV bytes (T1 + T2).")
 @click.option("--demote", default=None, metavar="MODE",
               help="Evictions become moves to host memory: none, host, host-<format> [the engine's setting].")
+@click.option("--runtime", type=click.Choice(["torch", "onnxruntime"]), default="torch", show_default=True,
+              help="What runs the model steps: PyTorch, or ONNX Runtime on the engine's ONNX export.")
+@click.option("--onnx-dir", type=click.Path(path_type=Path), default=None,
+              help="--runtime onnxruntime: the export directory [ENGINE/onnx, exported there when missing].")
 def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, raw, ignore_eos,
-             as_json, kv_memory, host_kv_memory, demote) -> None:
+             as_json, kv_memory, host_kv_memory, demote, runtime, onnx_dir) -> None:
     """Generate text with ENGINE (streams to the terminal)."""
     from trtkv.api import Engine, SamplingParams
 
@@ -185,7 +189,7 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
     params.validate()
     overrides = {k: v for k, v in (("kv_memory", kv_memory), ("host_kv_memory", host_kv_memory), ("demote", demote))
                  if v is not None}
-    eng = Engine.load(engine, cache_overrides=overrides or None)
+    eng = Engine.load(engine, cache_overrides=overrides or None, runtime=runtime, onnx_dir=onnx_dir)
     if as_json:
         res = eng.generate(prompt, params)[0]
         click.echo(json.dumps(res.to_dict()))
@@ -314,8 +318,10 @@ def _command_line(name: str) -> str | None:
 @click.option("--no-warmup", is_flag=True, help="Skip the short warm-up generation per engine.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True,
               help="Directory for results.json, results.csv and the plots.")
+@click.option("--runtime", default="torch", show_default=True, metavar="NAMES",
+              help="torch, onnxruntime, or both comma-separated (each engine runs under each, interleaved).")
 def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, host_kv_memory, repeat, prompt_source, sets, device,
-          seed, no_warmup, out) -> None:
+          seed, no_warmup, out, runtime) -> None:
     """Latency, throughput and KV memory of ENGINES over batch sizes, measured in one run."""
     from trtkv.bench import BenchConfig, load_engines, parse_batch_sizes, parse_size, run_bench
     from trtkv.bench.report import print_bench
@@ -325,7 +331,12 @@ def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, host_kv_memory, 
                       kv_memory=parse_size(kv_memory) if kv_memory else None, repeat=repeat, warmup=not no_warmup,
                       prompt_source=prompt_source, seed=seed).validate()
     sets = {**parse_sets(sets), **({"host_kv_memory": host_kv_memory} if host_kv_memory else {})}
-    loaded = load_engines(list(engines), device=device, policy_overrides=sets or None)
+    from trtkv.api import RUNTIMES
+
+    runtimes = tuple(dict.fromkeys(r.strip() for r in runtime.split(",") if r.strip()))
+    if not runtimes or any(r not in RUNTIMES for r in runtimes):
+        raise TrtkvError(f"--runtime {runtime!r}: choose {', '.join(RUNTIMES)} or both comma-separated")
+    loaded = load_engines(list(engines), device=device, policy_overrides=sets or None, runtimes=runtimes)
     doc = run_bench(loaded, cfg, command=_command_line("bench"))
     written = write_results(doc, out)
     print_bench(doc)
