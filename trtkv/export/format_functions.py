@@ -171,9 +171,16 @@ def _blockscaled_functions(fmt: BlockScaledFormat) -> FormatFunctions:
         sk = op.Mul(op.Gather(op.Constant(value=E4M3_TABLE), op.Cast(k_scale, to=7), axis=0), gk)
         sv = op.Mul(op.Gather(op.Constant(value=E4M3_TABLE), op.Cast(v_scale, to=7), axis=0), gv)
         sv = op.Reshape(op.Mul(op.Unsqueeze(sv, [-1]), op.Constant(value=ONES16)), op.Shape(v))
+        # a group whose scale is 0 stores code 0; the select happens on the codes, because a float Where
+        # turns -0.0 into +0.0 in ONNX Runtime and E2M1 keeps the sign bit of x / s (torch.signbit)
         zero = op.CastLike(0.0, k)
-        kc = pack(element_encode(op.Where(op.Greater(sk, zero), op.Div(k, sk), zero)))
-        vc = pack(element_encode(op.Where(op.Greater(sv, zero), op.Div(v, sv), zero)))
+        one = op.CastLike(1.0, k)
+        k_ok = op.Greater(sk, zero)
+        v_ok = op.Greater(sv, zero)
+        kc = element_encode(op.Div(k, op.Where(k_ok, sk, one)))
+        vc = element_encode(op.Div(v, op.Where(v_ok, sv, one)))
+        kc = pack(op.Where(k_ok, kc, op.CastLike(0, kc)))
+        vc = pack(op.Where(v_ok, vc, op.CastLike(0, vc)))
         return kc, vc, v_scale, op.Squeeze(k_scale, [1])
 
     quantize = _named(quantize, f"BlockQuantize_{fmt.name}")
@@ -262,7 +269,7 @@ def _blockscaled_functions(fmt: BlockScaledFormat) -> FormatFunctions:
                            _named(paged_attention, f"PagedAttention_{fmt.name}"), helpers)
 
 
-EXPORTABLE_FORMATS = ("fp32", "fp16", "bf16", "nvfp4", "nvfp4o", "ternary", "ternaryo")
+EXPORTABLE_FORMATS = ("fp32", "fp16", "nvfp4", "nvfp4o", "ternary", "ternaryo")
 
 
 @functools.cache
