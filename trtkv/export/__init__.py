@@ -14,9 +14,16 @@ ONNX_EXTRA = ("onnx", "onnxscript", "onnxruntime", "polygraphy")
 DEFAULT_OPSET = 20  # the exported graphs' default-domain opset (--opset picks 18..23)
 
 
+def _importable(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def require_onnx(packages: tuple[str, ...] = ONNX_EXTRA) -> None:
     """Raise one ``TrtkvError`` line naming what is missing when the ``onnx`` extra is not installed."""
-    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    missing = [p for p in packages if not _importable(p)]
     if missing:
         raise TrtkvError(f"{', '.join(missing)} not installed: the ONNX export and runtime need the onnx extra; "
                          "install it with `pip install 'trtkv[onnx]'`")
