@@ -28,8 +28,9 @@ def SlotLive(valid: INT32, block_table: INT32, block_size: INT64) -> BOOL:
                      op.CastLike(0, valid))
     pow2 = op.Slice(op.Constant(value_ints=POW2), [0], op.Cast(block_size, to=7))
     bits = op.Mod(op.Div(op.Unsqueeze(op.Cast(words, to=7), [-1]), pow2), op.Constant(value_int=2))
-    live = op.Equal(bits, op.Constant(value_int=1))  # [b, P, B]
-    return op.Reshape(live, op.Concat(op.Shape(block_table, start=0, end=1), [-1], axis=0))
+    live = op.Reshape(op.Equal(bits, op.Constant(value_int=1)), op.Concat(op.Shape(block_table, start=0, end=1),
+                                                                           [-1], axis=0))
+    return live
 
 
 @onnxscript.script(TRTKV, default_opset=op)
@@ -42,16 +43,17 @@ def MaskedAttention(q: FLOAT, k: FLOAT, v: FLOAT, live: BOOL, sm_scale: float) -
     heads = op.Shape(k, start=2, end=3)
     bq = op.Shape(q, start=0, end=2)
     qg = op.Reshape(q, op.Concat(op.Shape(q, start=0, end=1), heads, [-1], op.Shape(q, start=2, end=3), axis=0))
-    logits = op.Mul(op.MatMul(qg, op.Transpose(k, perm=[0, 2, 3, 1])), op.CastLike(sm_scale, q))  # [b, H, G, n]
-    logits = op.Where(op.Unsqueeze(live, [1, 2]), logits, op.CastLike(NEG_INF, q))
-    m = op.ReduceMax(logits, [-1], keepdims=1)
+    scaled = op.Mul(op.MatMul(qg, op.Transpose(k, perm=[0, 2, 3, 1])), op.CastLike(sm_scale, q))  # [b, H, G, n]
+    masked = op.Where(op.Unsqueeze(live, [1, 2]), scaled, op.CastLike(NEG_INF, q))
+    m = op.ReduceMax(masked, [-1], keepdims=1)
     m = op.Where(op.IsInf(m), op.CastLike(0.0, m), m)  # a row with nothing live: exp(-inf) = 0 below
-    p = op.Exp(op.Sub(logits, m))
+    p = op.Exp(op.Sub(masked, m))
     s = op.ReduceSum(p, [-1], keepdims=1)
-    out = op.Div(op.MatMul(p, op.Transpose(v, perm=[0, 2, 1, 3])), op.Max(s, op.CastLike(TINY, s)))
-    lse = op.Add(op.Log(s), m)
-    return (op.Reshape(out, qs), op.Reshape(lse, bq),
-            op.Reshape(logits, op.Concat(bq, [-1], axis=0)))
+    weighted = op.Div(op.MatMul(p, op.Transpose(v, perm=[0, 2, 1, 3])), op.Max(s, op.CastLike(TINY, s)))
+    out = op.Reshape(weighted, qs)
+    lse = op.Reshape(op.Add(op.Log(s), m), bq)
+    logits = op.Reshape(masked, op.Concat(bq, [-1], axis=0))
+    return out, lse, logits
 
 
 SHARED_FUNCTIONS = (SlotLive, MaskedAttention)

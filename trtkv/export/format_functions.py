@@ -110,11 +110,15 @@ def _float_functions(fmt: FloatFormat) -> FormatFunctions:
     @onnxscript.script(TRTKV, default_opset=op)
     def encode(k: FLOAT, v: FLOAT, live: BOOL, scale_k: float, scale_v: float):
         """Stored as-is: the cast is the whole encoding."""
-        return op.Cast(k, to=dt), op.Cast(v, to=dt)
+        k_record = op.Cast(k, to=dt)
+        v_record = op.Cast(v, to=dt)
+        return k_record, v_record
 
     @onnxscript.script(TRTKV, default_opset=op)
-    def decode(k, v, scale_k: float, scale_v: float) -> tuple[FLOAT, FLOAT]:
-        return op.Cast(k, to=1), op.Cast(v, to=1)
+    def decode(k_record, v_record, scale_k: float, scale_v: float) -> tuple[FLOAT, FLOAT]:
+        k = op.Cast(k_record, to=1)
+        v = op.Cast(v_record, to=1)
+        return k, v
 
     decode = _named(decode, f"KVDecode_{fmt.name}")
 
@@ -179,22 +183,28 @@ def _blockscaled_functions(fmt: BlockScaledFormat) -> FormatFunctions:
         v_ok = op.Greater(sv, zero)
         kc = element_encode(op.Div(k, op.Where(k_ok, sk, one)))
         vc = element_encode(op.Div(v, op.Where(v_ok, sv, one)))
-        kc = pack(op.Where(k_ok, kc, op.CastLike(0, kc)))
-        vc = pack(op.Where(v_ok, vc, op.CastLike(0, vc)))
-        return kc, vc, v_scale, op.Squeeze(k_scale, [1])
+        k_record = pack(op.Where(k_ok, kc, op.CastLike(0, kc)))
+        v_record = pack(op.Where(v_ok, vc, op.CastLike(0, vc)))
+        v_scale_record = op.Identity(v_scale)
+        k_scale_record = op.Squeeze(k_scale, [1])
+        return k_record, v_record, v_scale_record, k_scale_record
 
     quantize = _named(quantize, f"BlockQuantize_{fmt.name}")
 
     @onnxscript.script(TRTKV, default_opset=op)
-    def dequantize(k: UINT8, v: UINT8, v_scale: UINT8, k_scale: UINT8, scale_k: float,
+    def dequantize(k_record: UINT8, v_record: UINT8, v_scale_record: UINT8, k_scale_record: UINT8, scale_k: float,
                    scale_v: float) -> tuple[FLOAT, FLOAT]:
-        kc = unpack(k)
-        vc = unpack(v)
+        kc = unpack(k_record)
+        vc = unpack(v_record)
+        k_scale = k_scale_record
+        v_scale = v_scale_record
         table = op.Constant(value=E4M3_TABLE)
         kd = op.Mul(op.Mul(kc, op.Gather(table, op.Cast(k_scale, to=7), axis=0)), op.CastLike(scale_k, kc))
         sv = op.Gather(table, op.Cast(v_scale, to=7), axis=0)
         sv = op.Reshape(op.Mul(op.Unsqueeze(sv, [-1]), op.Constant(value=ONES16)), op.Shape(vc))
-        return kd, op.Mul(op.Mul(vc, sv), op.CastLike(scale_v, vc))
+        k = op.Identity(kd)
+        v = op.Mul(op.Mul(vc, sv), op.CastLike(scale_v, vc))
+        return k, v
 
     dequantize = _named(dequantize, f"BlockDequantize_{fmt.name}")
     helpers = (SlotLive, MaskedAttention, E4M3EncodeUp, element_encode, pack, unpack, quantize, dequantize)
@@ -208,16 +218,18 @@ def _blockscaled_functions(fmt: BlockScaledFormat) -> FormatFunctions:
             kmax = op.ReduceMax(op.Where(live4, k, op.CastLike(NEG_INF, k)), [1], keepdims=1)
             kmin = op.ReduceMin(op.Where(live4, k, op.CastLike(POS_INF, k)), [1], keepdims=1)
             offset = op.Cast(op.Div(op.Add(kmax, kmin), op.CastLike(2.0, k)), to=10)
-            kc, vc, v_scale, k_scale = quantize(op.Sub(k, op.Cast(offset, to=1)), v, live, scale_k=scale_k,
-                                                scale_v=scale_v)
-            return kc, vc, v_scale, k_scale, op.Squeeze(offset, [1])
+            k_record, v_record, v_scale_record, k_scale_record = quantize(op.Sub(k, op.Cast(offset, to=1)), v, live,
+                                                                          scale_k=scale_k, scale_v=scale_v)
+            k_offset_record = op.Squeeze(offset, [1])
+            return k_record, v_record, v_scale_record, k_scale_record, k_offset_record
 
         @onnxscript.script(TRTKV, default_opset=op)
-        def decode(k: UINT8, v: UINT8, v_scale: UINT8, k_scale: UINT8, k_offset, scale_k: float,
-                   scale_v: float) -> tuple[FLOAT, FLOAT]:
+        def decode(k_record: UINT8, v_record: UINT8, v_scale_record: UINT8, k_scale_record: UINT8, k_offset_record,
+                   scale_k: float, scale_v: float) -> tuple[FLOAT, FLOAT]:
             """Slot records ``[..., *shape]`` with their group records gathered per slot."""
-            kd, vd = dequantize(k, v, v_scale, k_scale, scale_k=scale_k, scale_v=scale_v)
-            return op.Add(kd, op.Cast(k_offset, to=1)), vd
+            kd, v = dequantize(k_record, v_record, v_scale_record, k_scale_record, scale_k=scale_k, scale_v=scale_v)
+            k = op.Add(kd, op.Cast(k_offset_record, to=1))
+            return k, v
 
         decode = _named(decode, f"KVDecode_{fmt.name}")
 
@@ -239,15 +251,16 @@ def _blockscaled_functions(fmt: BlockScaledFormat) -> FormatFunctions:
         def encode(k: FLOAT, v: FLOAT, live: BOOL, scale_k: float, scale_v: float):
             """One flush group per row: ``k, v [n, g, H, D]``, ``live [n, g]`` (a partial group's dead rows
             are left out of its key statistics). Keys per channel over the group, values per token."""
-            kc, vc, v_scale, k_scale = quantize(k, v, live, scale_k=scale_k, scale_v=scale_v)
-            return kc, vc, v_scale, k_scale
+            k_record, v_record, v_scale_record, k_scale_record = quantize(k, v, live, scale_k=scale_k,
+                                                                          scale_v=scale_v)
+            return k_record, v_record, v_scale_record, k_scale_record
 
         @onnxscript.script(TRTKV, default_opset=op)
-        def decode(k: UINT8, v: UINT8, v_scale: UINT8, k_scale: UINT8, scale_k: float,
+        def decode(k_record: UINT8, v_record: UINT8, v_scale_record: UINT8, k_scale_record: UINT8, scale_k: float,
                    scale_v: float) -> tuple[FLOAT, FLOAT]:
             """Slot records ``[..., *shape]`` with their group records gathered per slot."""
-            kd, vd = dequantize(k, v, v_scale, k_scale, scale_k=scale_k, scale_v=scale_v)
-            return kd, vd
+            k, v = dequantize(k_record, v_record, v_scale_record, k_scale_record, scale_k=scale_k, scale_v=scale_v)
+            return k, v
 
         decode = _named(decode, f"KVDecode_{fmt.name}")
 
