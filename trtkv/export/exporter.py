@@ -16,7 +16,7 @@ from trtkv.export.step_graphs import DecodeStep, PrefillStep
 
 # Policies whose hooks only need what the graphs return: the logits, the write records and the decode step's
 # attention logits (statistics). Others read prefill statistics, queries or host tiers the graphs do not give.
-EXPORTABLE_POLICIES = ("full", "streamingllm", "random", "thinkv", "thinkv-tbq", "thinkv-tbe")
+EXPORTABLE_POLICIES = ("full", "streamingllm", "thinkv", "thinkv-tbq", "thinkv-tbe")
 
 
 def check_exportable(engine) -> None:
