@@ -97,8 +97,15 @@ def polygraphy_check(export_dir, feeds, reference, atol: float = DEFAULT_ATOL,
                      rtol: float = DEFAULT_RTOL) -> list[GraphCheck]:
     """Run each graph on its recorded feeds with Polygraphy's ONNX Runtime runner; compare ``logits``."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-    from polygraphy.comparator import Comparator, CompareFunc
+    from polygraphy.comparator import Comparator
     from polygraphy.logger import G_LOGGER
+
+    try:  # polygraphy >= 0.50; CompareFunc.simple before
+        from polygraphy.comparator import SimpleCompareFunc as simple_compare
+    except ImportError:
+        from polygraphy.comparator import CompareFunc
+
+        simple_compare = CompareFunc.simple
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
     out = []
@@ -107,7 +114,7 @@ def polygraphy_check(export_dir, feeds, reference, atol: float = DEFAULT_ATOL,
                               name=f"onnxrt:{graph}")
         results = Comparator.run([runner], data_loader=feeds[graph])
         results.add([{"logits": r} for r in reference[graph]], runner_name=f"torch:{graph}")  # the reference
-        accuracy = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=atol, rtol=rtol))
+        accuracy = Comparator.compare_accuracy(results, compare_func=simple_compare(atol=atol, rtol=rtol))
         max_abs = max_rel = 0.0
         passed = bool(accuracy)
         for acc in accuracy:  # one AccuracyResult per compare function: runner pair -> per-iteration results

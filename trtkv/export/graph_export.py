@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import onnx
+import onnx.inliner
 import torch
 
 from trtkv.errors import TrtkvError
