@@ -58,5 +58,9 @@ def open_sessions(engine, export_dir: Path | None = None, opset: int = DEFAULT_O
                              f"with `trtkv export {engine.path} --out {export_dir}` or pass another directory")
     if not fresh:
         print(f"trtkv: exporting {engine.path} to {export_dir} for ONNX Runtime", file=sys.stderr)
-        export_engine(engine, export_dir, opset=opset)
+        try:
+            export_engine(engine, export_dir, opset=opset)
+        except OSError as e:
+            raise TrtkvError(f"cannot write the ONNX export to {export_dir} ({e.strerror or e}); pass another "
+                             "directory (--onnx-dir)") from None
     return StepSessions(export_dir)
