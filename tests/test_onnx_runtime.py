@@ -27,6 +27,9 @@ ENGINES = {
     "full-fp16": ("full", {"kv_format": "fp16"}),
     "thinkv": ("thinkv", {"budget": 48, "tau": 16, "group": 16, "retention": "8,4", "thought_schedule": "RTER"}),
     "streamingllm": ("streamingllm", {"budget": 20}),
+    # labels from decode attention sparsity: the statistics come from the graph's attention logits
+    "thinkv-sparsity": ("thinkv", {"budget": 48, "tau": 16, "group": 16, "retention": "8,4", "thresholds": "0.3,0.6",
+                                   "layers": "0,1"}),
 }
 
 
@@ -81,7 +84,7 @@ def test_export_files_manifest_and_checker(exported):
     assert schemas["PagedAttention_nvfp4"]["inputs"][-2:] == ["valid", "block_table"]
 
 
-@pytest.mark.parametrize("name", ["full-fp16", "thinkv"])
+@pytest.mark.parametrize("name", ["full-fp16", "thinkv", "thinkv-sparsity"])
 def test_onnxruntime_greedy_tokens_identical(exported, name):
     _, _, torch_engine, ort_engine = exported(name)
     ref = torch_engine.generate(PROMPTS, GREEDY)
@@ -89,6 +92,9 @@ def test_onnxruntime_greedy_tokens_identical(exported, name):
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     assert all(len(r.token_ids) >= 64 for r in got)
     assert [r.stats["kv_bytes"] for r in got] == [r.stats["kv_bytes"] for r in ref]  # same pages held
+    if name.startswith("thinkv"):
+        assert [r.stats["thinkv"] for r in got] == [r.stats["thinkv"] for r in ref]  # labels, evictions, overflows
+        assert all(len(r.stats["thinkv"]["labels"]) == 5 for r in got)
 
 
 class _KeptTokens(EngineObserver):
