@@ -6,7 +6,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 # CPU machines here have a local CPU wheel of torch 2.13.0; on a GPU machine plain `torch` (CUDA) is used.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
-EXTRAS  ?= gguf,test,serve
+EXTRAS  ?= gguf,test,serve,onnx
 ENGINES ?= engines
 PROMPT  ?= Write a long, detailed essay about the history of mathematics, from ancient Babylon to modern computers. Cover many eras and people.
 # SmolLM2-135M loops under greedy decoding even with the full cache; the demo samples (seeded, reproducible)

@@ -25,6 +25,7 @@ from trtkv.runtime.sampling import SamplingParams, make_generator
 from trtkv.runtime.scheduler import Scheduler
 from trtkv.tokenizer import load_tokenizer
 
+RUNTIMES = ("torch", "onnxruntime")  # what executes the model steps (docs/deploy.md for onnxruntime)
 # the rest are fixed when the engine is built
 LOAD_TIME_CACHE_SETTINGS = ("max_batch", "max_pages", "kv_memory", "kv_memory_fraction", "demote", "host_kv_memory")
 
@@ -62,7 +63,7 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, path: Path, manifest: EngineManifest, model, tokenizer, policy, cache_cfg: CacheConfig,
-                 max_batch: int, kv_amax=None):
+                 max_batch: int, kv_amax=None, runtime: str = "torch", onnx_dir: str | Path | None = None):
         self.path = path
         self.manifest = manifest
         self.model = model
@@ -73,7 +74,17 @@ class Engine:
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self.cache_cfg = cache_cfg
         self.kv_amax = kv_amax
+        self.runtime = runtime
         self.core = EngineCore(model, policy, cache_cfg, self.eos_ids, tokenizer.decode, kv_amax)
+        self._sessions = None
+        if runtime == "onnxruntime":  # the ONNX export of this engine, run by ONNX Runtime (trtkv/export)
+            from trtkv.export import require_onnx
+
+            require_onnx()
+            from trtkv.export.ort_session import open_sessions
+
+            self._sessions = open_sessions(self, onnx_dir)
+            self.core = self.make_core()
         self.scheduler = Scheduler(self.core, max_batch)
         self._next_id = 0
         self._lock = threading.RLock()  # one thread drives the model at a time
@@ -87,12 +98,19 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, device: str | None = None, verify: bool = True,
              policy_overrides: dict[str, Any] | None = None, cache_overrides: dict[str, Any] | None = None,
-             model_cache: dict | None = None) -> "Engine":
+             model_cache: dict | None = None, runtime: str = "torch",
+             onnx_dir: str | Path | None = None) -> "Engine":
         """Load an engine directory. ``policy_overrides`` replace policy parameters; ``cache_overrides`` the
         load-time cache settings (``max_batch``, ``max_pages``, ``kv_memory``, ``kv_memory_fraction``...; sizes
         like ``"2GiB"`` work).
         ``model_cache`` (a dict the caller keeps) lets engines of identical weights, dtype and device share
-        one model object (the bench and eval load many engines at once)."""
+        one model object (the bench and eval load many engines at once). ``runtime="onnxruntime"`` runs the
+        steps from the engine's ONNX export in ``onnx_dir`` (default ``ENGINE/onnx``, exported there when
+        missing or stale) with ONNX Runtime; the KV cache then lives in host memory (device ``cpu``)."""
+        if runtime not in RUNTIMES:
+            raise TrtkvError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+        if runtime == "onnxruntime":
+            device = "cpu"
         path = Path(path)
         m = read_manifest(path)
         if cache_overrides:
@@ -134,7 +152,7 @@ class Engine:
             max_batch=c.max_batch, device=device, demote=c.demote, host_kv_memory=c.host_kv_memory,
         )
         kv_amax = m.kv_amax.to_dict() if m.kv_amax is not None else None
-        return cls(path, m, model, tokenizer, policy, cache_cfg, c.max_batch, kv_amax)
+        return cls(path, m, model, tokenizer, policy, cache_cfg, c.max_batch, kv_amax, runtime, onnx_dir)
 
     def make_core(self, policy=None, observers=(), **cache_overrides) -> EngineCore:
         """A new core on this engine's model object (shared weights, its own KV cache): what a tool that
@@ -144,6 +162,11 @@ class Engine:
 
         policy = policy if policy is not None else self.policy
         cfg = dataclasses.replace(self.cache_cfg, residual_group=policy.residual_group(), **cache_overrides)
+        if self._sessions is not None:
+            from trtkv.export.ort_core import OrtEngineCore
+
+            return OrtEngineCore(self.model, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax,
+                                 observers, sessions=self._sessions)
         return EngineCore(self.model, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax, observers)
 
     @property
@@ -152,7 +175,8 @@ class Engine:
         return {"path": str(self.path), "model": mm.alias, "architecture": mm.architecture,
                 "dtype": mm.dtype, "policy": self.manifest.policy.name,
                 "policy_params": self.policy.params(), "max_position_embeddings": self.arch.max_position_embeddings,
-                "block_size": self.core.cache.cfg.block_size, "max_batch": self.scheduler.max_batch}
+                "block_size": self.core.cache.cfg.block_size, "max_batch": self.scheduler.max_batch,
+                "runtime": self.runtime}
 
     # --- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:

@@ -177,8 +177,12 @@ def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed, cali
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Load-time cache setting (max_pages, kv_memory, kv_memory_fraction, max_batch...) or policy "
                    "parameter (repeatable).")
+@click.option("--runtime", type=click.Choice(["torch", "onnxruntime"]), default="torch", show_default=True,
+              help="What runs the model steps: PyTorch, or ONNX Runtime on the engine's ONNX export.")
+@click.option("--onnx-dir", type=click.Path(path_type=Path), default=None,
+              help="--runtime onnxruntime: the export directory [ENGINE/onnx, exported there when missing].")
 def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, raw, ignore_eos,
-             as_json, kv_memory, host_kv_memory, demote, sets) -> None:
+             as_json, kv_memory, host_kv_memory, demote, sets, runtime, onnx_dir) -> None:
     """Generate text with ENGINE (streams to the terminal)."""
     from trtkv.api import Engine, SamplingParams
     from trtkv.cache.manager import CACHE_SETTINGS
@@ -197,7 +201,8 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
             overrides[k] = v
         else:
             policy_overrides[k] = v
-    eng = Engine.load(engine, cache_overrides=overrides or None, policy_overrides=policy_overrides or None)
+    eng = Engine.load(engine, cache_overrides=overrides or None, policy_overrides=policy_overrides or None,
+                      runtime=runtime, onnx_dir=onnx_dir)
     if as_json:
         res = eng.generate(prompt, params)[0]
         click.echo(json.dumps(res.to_dict()))
@@ -331,8 +336,10 @@ def _command_line(name: str) -> str | None:
               help="Split each decode step into model, attention, kv_write, policy and bookkeeping time.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True,
               help="Directory for results.json, results.csv and the plots.")
+@click.option("--runtime", default="torch", show_default=True, metavar="NAMES",
+              help="torch, onnxruntime, or both comma-separated (each engine runs under each, interleaved).")
 def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, host_kv_memory, repeat, prompt_source, sets, device,
-          seed, no_warmup, profile, out) -> None:
+          seed, no_warmup, profile, out, runtime) -> None:
     """Latency, throughput and KV memory of ENGINES over batch sizes, measured in one run."""
     from trtkv.bench import BenchConfig, load_engines, parse_batch_sizes, parse_size, run_bench
     from trtkv.bench.report import print_bench
@@ -342,7 +349,15 @@ def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, host_kv_memory, 
                       kv_memory=parse_size(kv_memory) if kv_memory else None, repeat=repeat, warmup=not no_warmup,
                       prompt_source=prompt_source, seed=seed, profile=profile).validate()
     sets = {**parse_sets(sets), **({"host_kv_memory": host_kv_memory} if host_kv_memory else {})}
-    loaded = load_engines(list(engines), device=device, policy_overrides=sets or None)
+    from trtkv.api import RUNTIMES
+
+    runtimes = tuple(dict.fromkeys(r.strip() for r in runtime.split(",") if r.strip()))
+    if not runtimes or any(r not in RUNTIMES for r in runtimes):
+        raise TrtkvError(f"--runtime {runtime!r}: choose {', '.join(RUNTIMES)} or both comma-separated")
+    if profile and "onnxruntime" in runtimes:
+        raise TrtkvError("--profile splits the PyTorch runtime's decode step; ONNX Runtime runs it as one graph: "
+                         "profile with --runtime torch")
+    loaded = load_engines(list(engines), device=device, policy_overrides=sets or None, runtimes=runtimes)
     doc = run_bench(loaded, cfg, command=_command_line("bench"))
     written = write_results(doc, out)
     print_bench(doc)
@@ -477,6 +492,15 @@ def _add_serving_commands() -> None:
 
 
 _add_serving_commands()
+
+
+def _add_export_command() -> None:
+    from trtkv.export.command import export_cmd
+
+    main.add_command(export_cmd)
+
+
+_add_export_command()
 
 
 if __name__ == "__main__":

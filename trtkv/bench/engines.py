@@ -29,17 +29,20 @@ class BenchEngine:
                 "dtype": str(e.core.dtype).replace("torch.", ""), "device": str(e.core.device),
                 "policy": e.manifest.policy.name, "policy_params": e.policy.params(),
                 "synthetic_weights": self.synthetic, "weight_bytes": weight_bytes(e.model),
-                "block_size": e.core.cache.cfg.block_size, "residual_group": e.core.cache.cfg.residual_group}
+                "block_size": e.core.cache.cfg.block_size, "residual_group": e.core.cache.cfg.residual_group,
+                "runtime": e.runtime}
+
 
 def load_engines(paths: list[Path], device: str | None = None, policy_overrides: dict[str, Any] | None = None,
-                 share_weights: bool = True) -> list[BenchEngine]:
+                 share_weights: bool = True, runtimes: tuple[str, ...] = ("torch",)) -> list[BenchEngine]:
     """Load every engine (checking all paths first, so a typo fails before minutes of loading).
 
     ``policy_overrides`` (``--set``) go to each engine whose policy has that parameter (so a ThinKV-only
     setting can be passed in a run that also has full engines); a key no engine takes is an error, and a
     value ``@FILE`` is replaced by the file's text. With
     ``share_weights``, engines of the same model, weights and dtype share one model object: one copy of the
-    weights exists (what lets several 8B engines share one GPU)."""
+    weights exists (what lets several 8B engines share one GPU). Each engine is loaded once per runtime in
+    ``runtimes`` (``torch``, ``onnxruntime``), labelled ``LABEL@RUNTIME`` when there are several."""
     from trtkv.api import Engine
     from trtkv.build.engine_dir import read_manifest
     from trtkv.policies import POLICIES, policy_fields
@@ -64,8 +67,10 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
     out: list[BenchEngine] = []
     shared: dict[tuple, Any] | None = {} if share_weights else None
     for lbl, p, ov in zip(_labels(paths), paths, per_engine):
-        out.append(BenchEngine(lbl, Path(p), Engine.load(p, device=device, policy_overrides=ov, model_cache=shared,
-                                                         cache_overrides=cache_ov)))
+        for rt in runtimes:
+            eng = Engine.load(p, device=device, policy_overrides=ov, model_cache=shared, cache_overrides=cache_ov,
+                              runtime=rt)
+            out.append(BenchEngine(f"{lbl}@{rt}" if len(runtimes) > 1 else lbl, Path(p), eng))
     return out
 
 

@@ -62,6 +62,7 @@ class PagePool:
         self.peak_groups = 0
         if gcap:
             self._init_groups(1)  # padding slots (k_group -1) read group 0: keep it finite
+        self._init_pages(1)  # padded block-table entries (-1) read page 0, even before any page is handed out
         self._valid_dev: torch.Tensor | None = None
         if self.device.type != "cpu":
             self._valid_dev = torch.zeros(cap, dtype=torch.int32, device=self.device)

@@ -89,15 +89,33 @@ class EngineCore:
         self.clock = self.cache.clock = clocks[0] if clocks else None
 
     # --- prefill ----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, req: Request) -> None:
+    def _begin_prefill(self, req: Request) -> tuple[RequestContext, StatsRequest]:
+        """The request's cache sequence and context, the policy's ``begin``, its prefill statistics request."""
         seq = self.cache.add_sequence(req.req_id)
         ctx = RequestContext(req.req_id, req.prompt_len, self.cache, seq, self.arch.num_hidden_layers,
                              self.arch.num_attention_heads)
         req.ctx = ctx
+        self.policy.begin(ctx)
+        return ctx, self.policy.stats_request(ctx, "prefill") or StatsRequest()
+
+    def _end_prefill(self, req: Request, logits: torch.Tensor, stats: StepStats) -> None:
+        """After the prompt is in the cache: observers, the first sampled token, the policy's prefill end."""
+        ctx = req.ctx
+        req.last_logits = logits[0]  # what a fork of this request samples its first token from
+        for o in self.observers:
+            o.on_prefill(req, logits, stats)
+        tok = sample_next(logits, [req.params], [req.generator], [req.prompt_ids])[0]
+        req.t_first = time.perf_counter()
+        ctx.step = 0
+        self._append_token(req, tok)
+        self.policy.on_prefill_end(ctx, stats)
+        req.peak_live_tokens = max(req.peak_live_tokens, ctx.num_live(0))
+
+    @torch.inference_mode()
+    def prefill(self, req: Request) -> None:
+        ctx, sreq = self._begin_prefill(req)
+        seq = ctx.seq
         pol = self.policy
-        pol.begin(ctx)
-        sreq = pol.stats_request(ctx, "prefill") or StatsRequest()
         T = req.prompt_len
         ids = torch.tensor(req.prompt_ids, device=self.device)
         positions = torch.arange(T, device=self.device)
@@ -115,16 +133,7 @@ class EngineCore:
             if (sreq.weights or sreq.sparsity or sreq.prefill_window) and (sreq.layers is None or layer in sreq.layers):
                 stats.layers[layer] = self._prefill_stats(q, k, max(sreq.prefill_window, 1))
             x = self.model.finish_layer(layer, x, attn)
-        logits = self.model.logits(x[-1:])
-        req.last_logits = logits[0]  # what a fork of this request samples its first token from
-        for o in self.observers:
-            o.on_prefill(req, logits, stats)
-        tok = sample_next(logits, [req.params], [req.generator], [req.prompt_ids])[0]
-        req.t_first = time.perf_counter()
-        ctx.step = 0
-        self._append_token(req, tok)
-        pol.on_prefill_end(ctx, stats)
-        req.peak_live_tokens = max(req.peak_live_tokens, ctx.num_live(0))
+        self._end_prefill(req, self.model.logits(x[-1:]), stats)
 
     def _store_prompt(self, seq, layer, k, v, positions, cls, seg) -> None:
         g = self.g
