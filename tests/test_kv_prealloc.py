@@ -298,3 +298,17 @@ def test_page_pool_is_fixed_and_says_when_full():
     host = HostPagePool(get_format("int4"), 2, 16, 4, pages=2)  # host tiers still grow (host memory only)
     assert [host.alloc_page(0) for _ in range(5)] == [0, 1, 2, 3, 4] and host.capacity == 8
     assert [host.alloc_group(1) for _ in range(3)] == [0, 1, 2] and host.group_capacity >= 3
+
+
+def test_residual_arena_has_max_batch_rows_and_admission_never_grows_it(tiny):
+    """The residual buffers' bytes are set aside for max_batch requests by the budget; the arena holds
+    that many rows from the start, so admitting a full batch never reallocates it."""
+    eng = tiny("kivi", bits=4, cache={"max_batch": 12})
+    arena = eng.core.cache.residual
+    assert arena is not None and arena.k.shape[0] == 12
+    before = (arena.k.data_ptr(), arena.v.data_ptr())
+    res = eng.generate([f"{PROMPT} ({i})" for i in range(12)], SamplingParams(max_tokens=24, ignore_eos=True,
+                                                                             chat=False))
+    assert all(len(r.token_ids) == 24 for r in res)
+    assert (arena.k.data_ptr(), arena.v.data_ptr()) == before and arena.k.shape[0] == 12
+    assert sorted(arena.free) == list(range(12))  # every row came back

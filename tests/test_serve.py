@@ -6,6 +6,7 @@ is stopped in a `finally`, and every request loop is bounded.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -51,6 +52,7 @@ def service(engine):
     from trtkv.api import SamplingParams
     from trtkv.serve.triton_server import TritonService
 
+    gc.collect()  # engines earlier tests dropped still reserve pool address space, and starting Triton forks
     http, grpc, metrics, trtkv_metrics = free_ports(4)
     svc = TritonService(engine, SamplingParams, host=HOST, http_port=http, grpc_port=grpc,
                         metrics_port=metrics, trtkv_metrics_port=trtkv_metrics)

@@ -4,6 +4,10 @@ A quantizing policy holds each request's last ``g`` tokens per layer in full pre
 one group. Each request's buffer (``SeqKV.buf_k/buf_v``, ``[L, g, H, D]``) is a view of one row of a shared
 ``[rows, L, g, H, D]`` pair, so a decode step appends the whole batch's new K/V in one indexed write per
 layer and attention reads the batch's buffers in one gather, instead of one small copy per request.
+
+The arena has ``max_batch`` rows from the start (the KV budget sets their bytes aside, ``cache/budget.py``), so
+admission never reallocates it; only more live sequences than ``max_batch`` (tree search's forks) grow it,
+between steps.
 """
 from __future__ import annotations
 
@@ -16,10 +20,12 @@ if TYPE_CHECKING:
 
 
 class ResidualArena:
-    def __init__(self, cfg: CacheConfig, rows: int = 8) -> None:
+    def __init__(self, cfg: CacheConfig, rows: int | None = None) -> None:
+        rows = max(1, rows or cfg.max_batch)
         shape = (rows, cfg.num_layers, cfg.residual_group, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=cfg.residual_dtype, device=cfg.device)
-        self.v = torch.zeros_like(self.k)
+        with torch.inference_mode(False):  # a row is zeroed when it is handed out
+            self.k = torch.empty(shape, dtype=cfg.residual_dtype, device=cfg.device)
+            self.v = torch.empty_like(self.k)
         self.free = list(range(rows - 1, -1, -1))  # pop() hands out the lowest row first
 
     def acquire(self, seq: SeqKV, live: list[SeqKV]) -> None:
@@ -40,9 +46,10 @@ class ResidualArena:
 
     def _grow(self, live: list[SeqKV]) -> None:
         old = self.k.shape[0]
-        k = self.k.new_zeros((2 * old, *self.k.shape[1:]))
-        v = torch.zeros_like(k)
-        k[:old], v[:old] = self.k, self.v
+        with torch.inference_mode(False):
+            k = self.k.new_zeros((2 * old, *self.k.shape[1:]))
+            v = torch.zeros_like(k)
+            k[:old], v[:old] = self.k, self.v
         self.k, self.v = k, v
         self.free = list(range(2 * old - 1, old - 1, -1))
         for s in live:

@@ -27,6 +27,11 @@ from trtkv.runtime.sampling import sample_next
 from trtkv.runtime.staging import HostStaging
 
 
+# CPU: decode attention over at least this many live (token, KV head) pairs runs on all intra-op threads;
+# below it, on one (waking the OpenMP pool costs more than it saves). Measured: docs/benchmarks.md.
+PARALLEL_ATTENTION_SLOTS = 16384
+
+
 @dataclasses.dataclass
 class DecodeStep:
     """What one decode step carries from ``begin_decode`` through each ``decode_layer`` to ``end_decode``."""
@@ -42,6 +47,8 @@ class DecodeStep:
     stats: list[StepStats]
     forced_req: StatsRequest | None
     forced: list[StepStats] | None
+    threads: int = 1  # the caller's intra-op threads (decode_layer narrows them for the small ops)
+    attn_slots: int = 0  # live (token, KV head) pairs the step's attention reads, per layer (layer 0's)
 
 
 class EngineCore:
@@ -221,6 +228,8 @@ class EngineCore:
                           sreqs=sreqs, ids=torch.tensor([r.generated[-1] for r in reqs], device=self.device),
                           cos=cos, sin=sin, stats=[StepStats(step=c.step) for c in ctxs], forced_req=fs,
                           forced=[StepStats(step=c.step) for c in ctxs] if fs is not None else None)
+        step.threads = torch.get_num_threads()
+        step.attn_slots = sum(c.num_live(0) for c in ctxs) * self.arch.num_key_value_heads
         self.staging.begin_step(step.seqs)
         return step
 
@@ -266,8 +275,15 @@ class EngineCore:
         want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
         force = step.forced is not None and (fs.layers is None or layer in fs.layers)
         staged = self.staging.sources(layer, self.arch.num_hidden_layers)
-        out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
-                                       [True] * len(seqs) if force else want_w, want_s, staged, clk)
+        wide = self.small_ops_threads and step.attn_slots >= PARALLEL_ATTENTION_SLOTS
+        if wide:  # a long batch's attention is worth every core (the kernel splits sequences x heads x pages)
+            torch.set_num_threads(step.threads)
+        try:
+            out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
+                                           [True] * len(seqs) if force else want_w, want_s, staged, clk)
+        finally:
+            if wide:
+                torch.set_num_threads(self.small_ops_threads)
         if staged is not None:
             self.staging.release(layer)
         for i, ls in enumerate(lstats):
