@@ -28,12 +28,6 @@ struct Pools {
   float sk = 1.0f, sv = 1.0f;
 };
 
-template <int BITS>
-inline int code_at(const uint8_t* bytes, int64_t d) {
-  constexpr int per = 8 / BITS;
-  return (bytes[d / per] >> (BITS * (d % per))) & ((1 << BITS) - 1);
-}
-
 // Key-group parameters of one (flush group, KV head) decoded to fp32 rows [D], cached across the slots of
 // a task: a flush group's 16 tokens usually sit side by side, so each group row is decoded once.
 struct GroupRows {
@@ -60,6 +54,31 @@ inline void load_group(const Pools& p, int64_t gid, int64_t h, GroupRows& gr) {
       for (int64_t d = 0; d < D; ++d) gr.b[d] = half_to_float(ko[d]);
     }
   }
+}
+
+// Packed codes -> element values through one table row per byte (the scalar decoders' exact values; a
+// byte holds 2 four-bit or 4 two-bit codes, element d at bits BITS*(d % per) of byte d / per): one small copy per byte instead
+// of a shift, mask and decode per element, which did not vectorize (NVFP4 pages were read ~7x slower than
+// fp16 ones; docs/benchmarks.md). INT codes become their integer values.
+template <int FMT>
+struct ByteLut {
+  static constexpr int PER = (FMT == NVFP4 || FMT == NVFP4O || FMT == INT4) ? 2 : 4;
+  float v[256][PER];
+  ByteLut() {
+    constexpr int BITS = 8 / PER;
+    for (int b = 0; b < 256; ++b)
+      for (int j = 0; j < PER; ++j) {
+        const int c = (b >> (BITS * j)) & ((1 << BITS) - 1);
+        v[b][j] = (FMT == INT4 || FMT == INT2) ? (float)c : (PER == 2 ? e2m1_decode(c) : ternary_decode(c));
+      }
+  }
+};
+
+template <int FMT>
+inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) {
+  static const ByteLut<FMT> lut;
+  constexpr int PER = ByteLut<FMT>::PER;
+  for (int64_t i = 0; i < nbytes; ++i) std::memcpy(out + i * PER, lut.v[bytes[i]], PER * sizeof(float));
 }
 
 // Dequantized K and V rows (fp32, [D]) of slot `slot` of page `page`, KV head `h`; same fp32 operations in
@@ -91,21 +110,21 @@ inline void load_kv(const Pools& p, int64_t page, int64_t slot, int64_t h, float
     constexpr bool four = FMT == NVFP4 || FMT == NVFP4O || FMT == INT4;
     constexpr int BITS = four ? 4 : 2;
     const int64_t rb = D * BITS / 8;  // packed bytes per (slot, head)
-    const uint8_t* kp = p.f[0] + row * rb;
-    const uint8_t* vp = p.f[1] + row * rb;
     load_group<FMT>(p, std::max<int32_t>(p.k_group[page * p.B + slot], 0), h, gr);
     const float* ga = gr.a.data();
     const float* gb = gr.b.data();
     const int64_t vrow = row * (D / 16);  // per-token value params [page, slot, h, d/16]
+    unpack<FMT>(p.f[0] + row * rb, rb, k);  // element values (codes as floats for INT), then scaled in place
+    unpack<FMT>(p.f[1] + row * rb, rb, v);
     if constexpr (FMT == INT4 || FMT == INT2) {
       const uint16_t* vs = reinterpret_cast<const uint16_t*>(p.f[2]) + vrow;
       const uint16_t* vz = reinterpret_cast<const uint16_t*>(p.f[3]) + vrow;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) k[d] = (float)code_at<BITS>(kp, d) * ga[d] + gb[d];
+      for (int64_t d = 0; d < D; ++d) k[d] = k[d] * ga[d] + gb[d];
       for (int64_t c = 0; c < D / 16; ++c) {
         const float s = half_to_float(vs[c]), z = half_to_float(vz[c]);
 #pragma omp simd
-        for (int64_t d = c * 16; d < c * 16 + 16; ++d) v[d] = (float)code_at<BITS>(vp, d) * s + z;
+        for (int64_t d = c * 16; d < c * 16 + 16; ++d) v[d] = v[d] * s + z;
       }
     } else {
       const float* t = e4m3_table().v;
@@ -113,17 +132,13 @@ inline void load_kv(const Pools& p, int64_t page, int64_t slot, int64_t h, float
       const float sk = p.sk, sv = p.sv;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) {
-        const float ke = four ? e2m1_decode(code_at<4>(kp, d)) : ternary_decode(code_at<2>(kp, d));
-        k[d] = (ke * ga[d]) * sk;
+        k[d] = (k[d] * ga[d]) * sk;
         if constexpr (FMT == NVFP4O || FMT == TERNARYO) k[d] += gb[d];
       }
       for (int64_t c = 0; c < D / 16; ++c) {
         const float s = t[vs[c]];
 #pragma omp simd
-        for (int64_t d = c * 16; d < c * 16 + 16; ++d) {
-          const float ve = four ? e2m1_decode(code_at<4>(vp, d)) : ternary_decode(code_at<2>(vp, d));
-          v[d] = (ve * s) * sv;
-        }
+        for (int64_t d = c * 16; d < c * 16 + 16; ++d) v[d] = (v[d] * s) * sv;
       }
     }
   }
