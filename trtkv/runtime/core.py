@@ -228,8 +228,9 @@ class EngineCore:
                           sreqs=sreqs, ids=torch.tensor([r.generated[-1] for r in reqs], device=self.device),
                           cos=cos, sin=sin, stats=[StepStats(step=c.step) for c in ctxs], forced_req=fs,
                           forced=[StepStats(step=c.step) for c in ctxs] if fs is not None else None)
-        step.threads = torch.get_num_threads()
-        step.attn_slots = sum(c.num_live(0) for c in ctxs) * self.arch.num_key_value_heads
+        if self.small_ops_threads:  # only CPU narrows threads (decode_layer), so only CPU needs the size
+            step.threads = torch.get_num_threads()
+            step.attn_slots = sum(c.num_live(0) for c in ctxs) * self.arch.num_key_value_heads
         self.staging.begin_step(step.seqs)
         return step
 
@@ -238,7 +239,7 @@ class EngineCore:
         """Write this layer's new K/V, let the policy act, attend; returns the attention output."""
         if self.clock is not None:
             self.clock.switch("bookkeeping")
-        threads = torch.get_num_threads()
+        threads = step.threads
         if self.small_ops_threads:  # writes, eviction and decode attention are small ops: OpenMP fan-out
             torch.set_num_threads(self.small_ops_threads)  # costs more than it gains on CPU
         try:
