@@ -76,6 +76,10 @@ def kmeans_select(keys, counts, k_keep, iters):
         from plugins.kmeans_select.triton_kernel import kmeans_select_triton
 
         return kmeans_select_triton(keys, counts, k_keep, iters)
+    if use_cpu_kernels(keys):
+        from plugins.cpu_kernels.ops import kmeans_select_cpu
+
+        return kmeans_select_cpu(keys, counts, k_keep, iters)
     return kmeans_select_ref(keys, counts, k_keep, iters)
 
 

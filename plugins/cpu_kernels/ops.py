@@ -37,3 +37,8 @@ def kv_write_cpu(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fm
     """Same contract as ``kv_write_ref``: quantize ``k, v [n, H, D]`` and scatter into ``(pages, slots)``."""
     cpu_kernels().kv_write(k, v, list(slot_fields), list(group_fields), k_group, pages, slots, int(gid),
                            int(fmt_code), float(scale_k), float(scale_v))
+
+
+def kmeans_select_cpu(keys, counts, k_keep, iters):
+    """Same contract as ``kmeans_select_ref``: ``[J, max(k_keep)]`` int64 kept rows, ascending, -1 padded."""
+    return cpu_kernels().kmeans_select(keys, counts, k_keep, int(iters))

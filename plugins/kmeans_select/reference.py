@@ -67,10 +67,12 @@ def kmeans_core(keys: torch.Tensor, counts: torch.Tensor, k_keep: torch.Tensor, 
         a = torch.where(done[:, None], a, a_new)
         done = done | ~changed
 
-    # distance to the own centroid, recomputed here so both assign paths rank members identically
-    # (a 2-member cluster's members are equidistant: only the summation order breaks that tie)
+    # distance to the own centroid, in fp64 so every implementation ranks members identically: a 2-member
+    # cluster's members are equidistant in exact arithmetic, and an fp32 sum's order (SIMD width, GEMM
+    # blocking) would break that tie differently per kernel; in fp64 only the centroid's own fp32 rounding,
+    # identical everywhere for a 2-member sum, decides
     own = torch.gather(c, 1, a.clamp(0, max(Kmax - 1, 0))[:, :, None].expand(J, M, F)) if Kmax else keys
-    dmin = ((keys - own) ** 2).sum(-1)
+    dmin = ((keys.double() - own.double()) ** 2).sum(-1)
 
     # representative per cluster: its member nearest the centroid (first on ties)
     member = (a[:, None, :] == kidx[None, :, None]) & row_ok[:, None, :] & clu_ok[:, :, None]  # [J, Kmax, M]

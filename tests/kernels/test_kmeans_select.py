@@ -130,3 +130,62 @@ def test_triton_assign_ties_pick_lowest_cluster():
     c[0, :3] = 5.0
     a = assign_triton(x, c, torch.tensor([3], **I32), torch.tensor([20], **I32))
     assert a.tolist() == [[3, 3, 3]]
+
+
+def _cpu_kernel():
+    from plugins.cpu_kernels import cpu_kernels_available, kmeans_select_cpu
+
+    if not cpu_kernels_available():
+        pytest.skip("the C++ CPU kernels could not be built here")
+    return kmeans_select_cpu
+
+
+@pytest.mark.parametrize("F,iters", [(1, 10), (8, 0), (40, 1), (130, 10), (192, 10)])
+def test_cpu_kernel_matches_reference(F, iters):
+    """Ragged jobs, NaN padding, no-op and K=0 jobs, clustered and unclustered rows; F=192 random rows with
+    K = M/2 are mostly 2-member clusters, whose representative is decided by rounding (fp64 ranking)."""
+    kmeans_select_cpu = _cpu_kernel()
+    g = torch.Generator().manual_seed(F + iters)
+    x, _ = clusters(6, 9, F=F, seed=F)
+    rows = [x, torch.randn(33, F, generator=g), torch.randn(64, F, generator=g), torch.randn(2, F, generator=g),
+            torch.randn(10, F, generator=g), torch.randn(1, F, generator=g)]
+    keys, counts = padded(rows, M=64)
+    k_keep = torch.tensor([6, 16, 32, 4, 0, 3], **I32)
+    got = kmeans_select_cpu(keys, counts, k_keep, iters)
+    check_contract(got, counts, k_keep)
+    assert torch.equal(got, kmeans_select_ref(keys, counts, k_keep, iters))
+
+
+def test_cpu_kernel_matches_reference_at_thinkv_shapes():
+    """Anneal shapes of SmolLM2 (F = 3 KV heads x 64): 128-token segments to 64, 64 to 32, ..., many jobs
+    (the parallel path)."""
+    kmeans_select_cpu = _cpu_kernel()
+    g = torch.Generator().manual_seed(7)
+    for M, K in [(128, 64), (64, 32), (16, 8)]:
+        keys = torch.randn(48, M, 192, generator=g)
+        counts = torch.randint(K, M + 1, (48,), generator=g, dtype=torch.int32)
+        k_keep = torch.full((48,), K, **I32)
+        assert torch.equal(kmeans_select_cpu(keys, counts, k_keep, 10), kmeans_select_ref(keys, counts, k_keep, 10))
+
+
+def test_cpu_kernel_ties_and_duplicates():
+    kmeans_select_cpu = _cpu_kernel()
+    keys = torch.ones(2, 20, 8)
+    keys[1, :10] = 0.0
+    counts, k_keep = torch.tensor([20, 20], **I32), torch.tensor([6, 5], **I32)
+    assert torch.equal(kmeans_select_cpu(keys, counts, k_keep, 10), kmeans_select_ref(keys, counts, k_keep, 10))
+    x = torch.arange(12.0)[:, None]
+    assert kmeans_select_cpu(x[None], torch.tensor([12], **I32), torch.tensor([4], **I32), 0).tolist() == [[0, 3, 6, 9]]
+
+
+def test_op_dispatches_to_cpu_kernel(monkeypatch):
+    _cpu_kernel()
+    import plugins.cpu_kernels.ops as cpu_ops
+
+    calls = []
+    real = cpu_ops.kmeans_select_cpu
+    monkeypatch.setattr(cpu_ops, "kmeans_select_cpu", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.delenv("TRTKV_KERNELS", raising=False)
+    keys, counts = padded([torch.randn(9, 4)], M=9)
+    torch.ops.trtkv.kmeans_select(keys, counts, torch.tensor([3], **I32), 10)
+    assert calls == [1]

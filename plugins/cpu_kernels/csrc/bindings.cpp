@@ -12,9 +12,12 @@ std::vector<at::Tensor> paged_attention_cpu(const at::Tensor& q, const std::vect
 void kv_write_cpu(const at::Tensor& k, const at::Tensor& v, const std::vector<at::Tensor>& slot_fields,
                   const std::vector<at::Tensor>& group_fields, const at::Tensor& k_group, const at::Tensor& pages,
                   const at::Tensor& slots, int64_t gid, int64_t fmt_code, double scale_k, double scale_v);
+at::Tensor kmeans_select_cpu(const at::Tensor& keys, const at::Tensor& counts, const at::Tensor& k_keep,
+                             int64_t iters);
 }  // namespace trtkv
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &trtkv::paged_attention_cpu, "paged decode attention over packed pages (CPU)");
   m.def("kv_write", &trtkv::kv_write_cpu, "quantize, pack and scatter K/V into pages (CPU)");
+  m.def("kmeans_select", &trtkv::kmeans_select_cpu, "batched k-means token selection (CPU)");
 }
