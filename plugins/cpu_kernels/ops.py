@@ -8,13 +8,12 @@ from plugins.cpu_kernels.build import cpu_kernels
 MIN_PAGES_PER_SPLIT = 8  # below this a split's fixed cost (partial state, merge) outweighs the parallelism
 
 
-def num_splits(b: int, H: int, P: int) -> int:
-    """Splits of the block table per (sequence, KV head): only when those tasks cannot fill the threads."""
+def num_splits(b: int, P: int) -> int:
+    """Splits of each sequence's block table: only when the sequences alone cannot fill the threads."""
     threads = torch.get_num_threads()
-    tasks = b * H
-    if tasks >= 2 * threads or P < 2 * MIN_PAGES_PER_SPLIT:
+    if b >= 2 * threads or P < 2 * MIN_PAGES_PER_SPLIT:
         return 1
-    return max(1, min(-(-2 * threads // max(tasks, 1)), P // MIN_PAGES_PER_SPLIT))
+    return max(1, min(-(-2 * threads // max(b, 1)), P // MIN_PAGES_PER_SPLIT))
 
 
 def paged_attention_cpu(q, slot_fields, group_fields, k_group, valid_bits, block_table, fmt_code, sm_scale, scale_k,
@@ -25,8 +24,7 @@ def paged_attention_cpu(q, slot_fields, group_fields, k_group, valid_bits, block
     padding when ``return_logits``, else empty. Splits of one sequence's pages are merged inside the
     kernel; the result merges with other formats' partials through ``merge_partials`` as before."""
     P = block_table.shape[1]
-    H = slot_fields[0].shape[2]
-    S = num_splits_override or num_splits(q.shape[0], H, P)
+    S = num_splits_override or num_splits(q.shape[0], P)
     out, lse, logits = cpu_kernels().paged_attention(
         q, list(slot_fields), list(group_fields), k_group, valid_bits, block_table, int(fmt_code), float(sm_scale),
         float(scale_k), float(scale_v), bool(return_logits), int(S))
