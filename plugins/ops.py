@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from plugins.backend import use_cpu_kernels, use_triton
+from plugins.buffer_attention.reference import buffer_attention_ref
 from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, dense_attention_cpu, paged_attention_ref
@@ -31,6 +32,10 @@ _lib.define(
     "-> (Tensor, Tensor, Tensor)"
 )
 _lib.define("kmeans_select(Tensor keys, Tensor counts, Tensor k_keep, int iters) -> Tensor")
+_lib.define(
+    "buffer_attention(Tensor q, Tensor arena_k, Tensor arena_v, Tensor rows, int layer, Tensor counts, "
+    "float sm_scale, Tensor(a!) out, Tensor(b!) lse) -> ()"
+)
 
 
 def kv_write(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_code, scale_k, scale_v) -> None:
@@ -83,6 +88,19 @@ def kmeans_select(keys, counts, k_keep, iters):
     return kmeans_select_ref(keys, counts, k_keep, iters)
 
 
+def buffer_attention(q, arena_k, arena_v, rows, layer, counts, sm_scale, out, lse) -> None:
+    """Merge attention over the residual buffers into the pages' ``out``/``lse`` in place
+    (see buffer_attention/reference.py)."""
+    if use_cpu_kernels(q):
+        from plugins.cpu_kernels.ops import buffer_attention_cpu
+
+        buffer_attention_cpu(q, arena_k, arena_v, rows, layer, counts, sm_scale, out, lse)
+        return
+    o, s = buffer_attention_ref(q, arena_k, arena_v, rows, layer, counts, sm_scale, out, lse)
+    out.copy_(o)
+    lse.copy_(s)
+
+
 def _paged_attention_meta(q, slot_fields, group_fields, k_group, valid_bits, block_table, fmt_code, sm_scale, scale_k,
                           scale_v, return_logits):
     b, Hq, D = q.shape
@@ -102,6 +120,8 @@ for _key in ("CPU", "CUDA"):
     _lib.impl("kv_write", kv_write, _key)
     _lib.impl("paged_attention", paged_attention, _key)
     _lib.impl("kmeans_select", kmeans_select, _key)
+    _lib.impl("buffer_attention", buffer_attention, _key)
 _lib.impl("kv_write", lambda *a: None, "Meta")
+_lib.impl("buffer_attention", lambda *a: None, "Meta")
 _lib.impl("paged_attention", _paged_attention_meta, "Meta")
 torch.library.register_fake("trtkv::kmeans_select", _kmeans_fake, lib=_lib)

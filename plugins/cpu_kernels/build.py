@@ -21,7 +21,7 @@ from types import ModuleType
 log = logging.getLogger("trtkv")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "kv_write.cpp", "kmeans_select.cpp")
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "kv_write.cpp", "kmeans_select.cpp", "buffer_attention.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]  # torch adds its -std and ABI flags
 
 

@@ -40,3 +40,9 @@ def kv_write_cpu(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fm
 def kmeans_select_cpu(keys, counts, k_keep, iters):
     """Same contract as ``kmeans_select_ref``: ``[J, max(k_keep)]`` int64 kept rows, ascending, -1 padded."""
     return cpu_kernels().kmeans_select(keys, counts, k_keep, int(iters))
+
+
+def buffer_attention_cpu(q, arena_k, arena_v, rows, layer, counts, sm_scale, out, lse):
+    """Same contract as ``buffer_attention_ref``; merges into ``out``/``lse`` in place and returns them."""
+    cpu_kernels().buffer_attention_merge(q, arena_k, arena_v, rows, int(layer), counts, float(sm_scale), out, lse)
+    return out, lse

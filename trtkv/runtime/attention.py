@@ -7,6 +7,7 @@ import math
 import numpy as np
 import torch
 
+from plugins.buffer_attention.reference import dense_partial
 from plugins.paged_attention.reference import merge_partials
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.manager import KVCacheManager, SeqKV
@@ -19,24 +20,16 @@ def buffer_partial(cache: KVCacheManager, seqs: list[SeqKV], layer: int, q: torc
                    want_positions: bool = True):
     """Attention of ``q [b, Hq, D]`` over each request's residual buffer: (out, lse, logits [b,Hq,g], pos);
     ``pos`` (the buffered positions, -1 padded) is None unless ``want_positions``."""
-    b, Hq, D = q.shape
     kb, vb = cache.residual.gather(layer, seqs)  # [b, g, H, D]
-    kb, vb = kb.float(), vb.float()
-    g, H = kb.shape[1], kb.shape[2]
+    g = kb.shape[1]
     counts = torch.tensor([len(s.buf_pos[layer]) for s in seqs], device=q.device)
-    live = torch.arange(g, device=q.device)[None, :] < counts[:, None]  # [b, g]
-    qf = q.float().view(b, H, Hq // H, D)
-    logits = torch.einsum("bhgd,bnhd->bhgn", qf, kb) * sm_scale
-    logits = logits.masked_fill(~live[:, None, None, :], -math.inf)
-    lse = torch.logsumexp(logits, -1)
-    p = torch.nan_to_num(torch.exp(logits - lse.unsqueeze(-1).clamp_min(-1e30)), nan=0.0)
-    out = torch.einsum("bhgn,bnhd->bhgd", p, vb).reshape(b, Hq, D)
+    out, lse, logits = dense_partial(q, kb, vb, counts, sm_scale)
     if not want_positions:
-        return out, lse.reshape(b, Hq), logits.reshape(b, Hq, g), None
-    pos = np.full((b, g), -1, np.int64)
+        return out, lse, logits, None
+    pos = np.full((len(seqs), g), -1, np.int64)
     for i, s in enumerate(seqs):
         pos[i, : len(s.buf_pos[layer])] = s.buf_pos[layer]
-    return out, lse.reshape(b, Hq), logits.reshape(b, Hq, g), pos
+    return out, lse, logits, pos
 
 
 def row_stats(logits: torch.Tensor, lse: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -86,14 +79,20 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
             pos = pool.slot_pos[pages].reshape(len(seqs), -1)
             pos = np.where((bt.cpu().numpy() >= 0)[:, :, None].repeat(pool.B, 2).reshape(len(seqs), -1), pos, -1)
             logit_parts.append((lg, pos))
-    if cache.cfg.residual_group > 1 and any(s.buffered(layer) for s in seqs):
+    buffered = cache.cfg.residual_group > 1 and any(s.buffered(layer) for s in seqs)
+    if buffered and any_stats:  # the statistics need the buffer's logits: the torch path
         lap("attention")
         o, lse, lg, pos = buffer_partial(cache, seqs, layer, q, sm_scale, any_stats)
         parts.append((o, lse))
-        if any_stats:
-            logit_parts.append((lg, pos))
+        logit_parts.append((lg, pos))
     lap("attention")
-    out, lse = merge_partials(parts)
+    out, lse = merge_partials(parts) if parts else _empty_partial(q)
+    if buffered and not any_stats:  # one call: the buffers' attention merged into the pages' partial in place
+        out, lse = out.contiguous(), lse.contiguous()
+        rows = torch.tensor([s.buf_row for s in seqs])
+        counts = torch.tensor([len(s.buf_pos[layer]) for s in seqs])
+        plugin_ops.buffer_attention(q, cache.residual.k, cache.residual.v, rows.to(q.device), layer,
+                                    counts.to(q.device), sm_scale, out, lse)
     lap("policy" if any_stats else "bookkeeping")
     stats: list[LayerStats | None] = [None] * len(seqs)
     if any_stats:
@@ -109,6 +108,12 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
             stats[i] = LayerStats(positions=positions[i][keep], weights=w, logits=lg_i, sparsity_heads=sh, sparsity=u)
     lap("bookkeeping")
     return out, stats
+
+
+def _empty_partial(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial of no tokens: out 0, lse -inf (every page moved off the device and none staged)."""
+    b, Hq, D = q.shape
+    return q.new_zeros((b, Hq, D), dtype=torch.float32), q.new_full((b, Hq), -math.inf, dtype=torch.float32)
 
 
 def _no_clock(phase: str) -> str:
