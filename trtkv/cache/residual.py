@@ -59,7 +59,7 @@ class ResidualArena:
     def append(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> None:
         """Token ``i`` of ``k, v [b, H, D]`` goes to the next free buffer slot of ``seqs[i]`` in ``layer`` (a
         request may appear several times: a prompt's tail fills consecutive slots)."""
-        rows = torch.tensor([s.buf_row for s in seqs], device=self.k.device)
+        rows = self.rows(seqs)
         nxt: dict[int, int] = {}
         slots = []
         for s in seqs:
@@ -74,5 +74,13 @@ class ResidualArena:
 
     def gather(self, layer: int, seqs: list[SeqKV]) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffers of ``seqs`` in ``layer``: ``k, v [b, g, H, D]`` (a copy)."""
-        rows = torch.tensor([s.buf_row for s in seqs], device=self.k.device)
+        rows = self.rows(seqs)
         return self.k[rows, layer], self.v[rows, layer]
+
+    def rows(self, seqs: list[SeqKV]) -> torch.Tensor:
+        """Arena row of each of ``seqs``, ``[b]`` int64."""
+        return torch.tensor([s.buf_row for s in seqs], device=self.k.device)
+
+    def counts(self, layer: int, seqs: list[SeqKV]) -> torch.Tensor:
+        """Buffered tokens of each of ``seqs`` in ``layer``, ``[b]`` int64."""
+        return torch.tensor([len(s.buf_pos[layer]) for s in seqs], device=self.k.device)

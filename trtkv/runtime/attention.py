@@ -22,8 +22,7 @@ def buffer_partial(cache: KVCacheManager, seqs: list[SeqKV], layer: int, q: torc
     ``pos`` (the buffered positions, -1 padded) is None unless ``want_positions``."""
     kb, vb = cache.residual.gather(layer, seqs)  # [b, g, H, D]
     g = kb.shape[1]
-    counts = torch.tensor([len(s.buf_pos[layer]) for s in seqs], device=q.device)
-    out, lse, logits = dense_partial(q, kb, vb, counts, sm_scale)
+    out, lse, logits = dense_partial(q, kb, vb, cache.residual.counts(layer, seqs), sm_scale)
     if not want_positions:
         return out, lse, logits, None
     pos = np.full((len(seqs), g), -1, np.int64)
@@ -89,10 +88,9 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     out, lse = merge_partials(parts) if parts else _empty_partial(q)
     if buffered and not any_stats:  # one call: the buffers' attention merged into the pages' partial in place
         out, lse = out.contiguous(), lse.contiguous()
-        rows = torch.tensor([s.buf_row for s in seqs])
-        counts = torch.tensor([len(s.buf_pos[layer]) for s in seqs])
-        plugin_ops.buffer_attention(q, cache.residual.k, cache.residual.v, rows.to(q.device), layer,
-                                    counts.to(q.device), sm_scale, out, lse)
+        arena = cache.residual
+        plugin_ops.buffer_attention(q, arena.k, arena.v, arena.rows(seqs), layer, arena.counts(layer, seqs),
+                                    sm_scale, out, lse)
     lap("policy" if any_stats else "bookkeeping")
     stats: list[LayerStats | None] = [None] * len(seqs)
     if any_stats:
