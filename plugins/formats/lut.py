@@ -23,8 +23,10 @@ def _byte_table(decode: Callable[[torch.Tensor], torch.Tensor], bits: int, devic
 def decode_packed(packed: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor], bits: int) -> torch.Tensor:
     """``[..., n]`` uint8 -> ``[..., n * 8/bits]`` fp32 decoded elements."""
     table = _byte_table(decode, bits, str(packed.device))
-    # explicit last dim: a gather of zero tokens (an empty selection) has no size to infer -1 from
-    return table[packed.long()].reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
+    # index_select of the flattened codes: the same rows as table[packed], ~3x faster than advanced indexing
+    # on CPU; explicit last dim: a gather of zero tokens (an empty selection) has no size to infer -1 from
+    rows = table.index_select(0, packed.reshape(-1).long())
+    return rows.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
 @functools.cache
@@ -36,7 +38,7 @@ def _e4m3_table(device: str) -> torch.Tensor:
 
 def e4m3_lookup(bits: torch.Tensor) -> torch.Tensor:
     """fp32 values of E4M3 bit patterns, by table."""
-    return _e4m3_table(str(bits.device))[bits.long()]
+    return _e4m3_table(str(bits.device)).index_select(0, bits.reshape(-1).long()).reshape(bits.shape)
 
 
 def identity_codes(codes: torch.Tensor) -> torch.Tensor:

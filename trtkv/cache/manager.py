@@ -374,11 +374,19 @@ class KVCacheManager:
     # --- reads ------------------------------------------------------------------------------
     def live_positions(self, seq: SeqKV, layer: int) -> np.ndarray:
         """Positions held in pages (not the residual buffer), ascending."""
-        return np.fromiter(sorted(seq.layers[layer].loc), np.int64)
+        loc = seq.layers[layer].loc
+        pos = np.fromiter(loc, np.int64, len(loc))  # insertion order: ascending unless a tier restored some
+        if len(pos) > 1 and not (pos[1:] > pos[:-1]).all():
+            pos.sort()
+        return pos
 
     def gather_kv(self, seq: SeqKV, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized fp32 ``k, v [m, H, D]`` of paged tokens (``trtkv/cache/reads.py``)."""
         return reads.gather_kv(self, seq, layer, positions)
+
+    def gather_kv_many(self, layer: int, items: list[tuple[SeqKV, object]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``gather_kv`` of several requests in one read per format (``trtkv/cache/reads.py``)."""
+        return reads.gather_kv_many(self, layer, items)
 
     def block_tables(self, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""

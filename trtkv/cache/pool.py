@@ -22,6 +22,8 @@ from trtkv.errors import OutOfKVMemory
 FIRST_CHUNK = 16  # pages (or groups) initialised at once the first time; later chunks double
 
 
+MARK_MANY_MIN = 8  # slots written in one call from which mark_written uses array operations
+
 class PagePool:
     def __init__(self, fmt: KVFormat, num_heads: int, head_dim: int, block_size: int, device: str,
                  pages: int, groups: int = 0):
@@ -169,6 +171,18 @@ class PagePool:
 
     # --- slot state -------------------------------------------------------------------------
     def mark_written(self, pages: list[int], slots: list[int], positions: list[int], seg: int = -1) -> None:
+        """Distinct ``(page, slot)`` pairs now hold the tokens at ``positions``."""
+        if len(pages) >= MARK_MANY_MIN:  # a flush group: array operations beat the per-slot loop
+            pg, sl = np.asarray(pages, np.int64), np.asarray(slots, np.int64)
+            bits = np.left_shift(np.int32(1), sl.astype(np.int32))
+            assert not (self.valid[pg] & bits).any(), "writing into a live slot"
+            np.bitwise_or.at(self.valid, pg, bits)
+            np.add.at(self.live, pg, 1)
+            np.maximum.at(self.hwm, pg, (sl + 1).astype(np.int32))
+            self.slot_pos[pg, sl] = positions
+            self.slot_seg[pg, sl] = seg
+            self._valid_dirty = True
+            return
         valid, live, hwm = self.valid, self.live, self.hwm
         for p, s, pos in zip(pages, slots, positions):
             bit = 1 << s

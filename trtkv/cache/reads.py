@@ -14,26 +14,43 @@ if TYPE_CHECKING:
 
 def gather_kv(mgr: KVCacheManager, seq: SeqKV, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized fp32 ``k, v [m, H, D]`` of paged tokens (read-only; for selection, not compaction)."""
-    loc = seq.layers[layer].loc
-    out_k = torch.empty(len(positions), mgr.cfg.num_kv_heads, mgr.cfg.head_dim, device=mgr.cfg.device)
+    return gather_kv_many(mgr, layer, [(seq, positions)])[0]
+
+
+def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, object]]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`gather_kv` of several requests' positions in one layer, one dequantization per format for
+    all of them (a batch's anneals read their keys in one call instead of one per request)."""
+    sizes = [len(positions) for _, positions in items]
+    total = sum(sizes)
+    out_k = torch.empty(total, mgr.cfg.num_kv_heads, mgr.cfg.head_dim, device=mgr.cfg.device)
     out_v = torch.empty_like(out_k)
-    by_fmt: dict[str, list[tuple[int, int, int]]] = {}
-    for i, pos in enumerate(positions.tolist() if hasattr(positions, "tolist") else positions):
-        fmt, p, s = loc[int(pos)]
-        by_fmt.setdefault(fmt, []).append((i, p, s))
-    for fmt, items in by_fmt.items():
+    by_fmt: dict[str, tuple[list[int], list[int], list[int]]] = {}
+    row = 0
+    for seq, positions in items:
+        loc = seq.layers[layer].loc
+        for pos in positions.tolist() if hasattr(positions, "tolist") else positions:
+            fmt, p, s = loc[int(pos)]
+            rows, pages, slots = by_fmt.setdefault(fmt, ([], [], []))
+            rows.append(row)
+            pages.append(p)
+            slots.append(s)
+            row += 1
+    for fmt, (rows, pages, slots) in by_fmt.items():
         pool = mgr.pools[layer][fmt]
-        idx = torch.tensor([i for i, _, _ in items], device=pool.device)
-        pp = torch.tensor([p for _, p, _ in items], device=pool.device)
-        ss = torch.tensor([s for _, _, s in items], device=pool.device)
-        slot = {f.name: t[pp, ss] for f, t in zip(pool.slot_specs, pool.fields)}
+        flat = torch.tensor(pages, device=pool.device) * pool.B + torch.tensor(slots, device=pool.device)
+        slot = {f.name: t.flatten(0, 1).index_select(0, flat) for f, t in zip(pool.slot_specs, pool.fields)}
         group = {}
         if pool.group_specs:
-            gid = pool.k_group[pp, ss].long()
-            group = {f.name: t[gid] for f, t in zip(pool.group_specs, pool.group_fields)}
+            gid = pool.k_group.flatten().index_select(0, flat).long()
+            group = {f.name: t.index_select(0, gid) for f, t in zip(pool.group_specs, pool.group_fields)}
         k, v = pool.fmt.decode(slot, group, mgr.layer_scales(layer, fmt))
-        out_k[idx], out_v[idx] = k, v
-    return out_k, out_v
+        if len(by_fmt) == 1:  # every row in this format, in order
+            out_k, out_v = k.float(), v.float()
+        else:
+            idx = torch.tensor(rows, device=pool.device)
+            out_k[idx], out_v[idx] = k, v
+    return list(zip(out_k.split(sizes), out_v.split(sizes)))
 
 
 def block_tables(mgr: KVCacheManager, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:

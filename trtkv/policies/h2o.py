@@ -67,5 +67,4 @@ class H2OPolicy(ScorerPolicy):
 
     def protected(self, req, layer: int, held: np.ndarray) -> np.ndarray:
         """The recent window includes the next token (``req.position``), so it protects ``recent - 1`` held."""
-        live = req.live_positions(layer)
-        return live[live >= req.position - self.recent + 1]
+        return held[held >= req.position - self.recent + 1]

@@ -58,6 +58,9 @@ class PolicyRequest(Protocol):
     def kv(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized post-RoPE ``k, v [m, H, D]`` fp32 of paged *or* buffered positions (read-only)."""
     def keys(self, layer: int, positions) -> torch.Tensor: ...
+    def keys_many(self, layer: int, jobs: list[tuple["PolicyRequest", Any]]) -> list[torch.Tensor]:
+        """``keys`` of ``(request, positions)`` jobs of requests in this one's batch, in one read per
+        storage format (a batch hook's selection reads every request's keys at once)."""
     def evict(self, layer: int, positions) -> int:
         """Evict paged positions of one layer (buffered ones are ignored); returns how many went. With the
         cache setting ``demote=host|host-<format>`` the victims move to a host tier instead (still attended)."""

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from trtkv.policies.base import KVPolicy, StatsRequest
 from trtkv.policies.scorers import Scorer, head_mean
-from trtkv.policies.scoring import lowest, top_keep
+from trtkv.policies.scoring import lowest, sorted_member, top_keep
 
 
 @dataclass(frozen=True)
@@ -133,25 +134,35 @@ class ScorerPolicy(KVPolicy):
         self.scorer.reset(req.state.memo)
 
     def protected(self, req, layer: int, held: np.ndarray) -> np.ndarray:
-        """Positions never evicted at this event: sinks, the recent window and the residual buffer."""
-        prot = np.union1d(held[: self.n_sink], held[max(0, len(held) - self.recent):] if self.recent else held[:0])
-        return np.union1d(prot, req.buffered_positions(layer))
+        """Positions never evicted at this event: sinks, the recent window and the residual buffer (any
+        order, duplicates allowed)."""
+        parts = [held[: self.n_sink], held[max(0, len(held) - self.recent):] if self.recent else held[:0]]
+        if req.num_buffered(layer):
+            parts.append(req.buffered_positions(layer))
+        return np.concatenate(parts)
 
     def evict_layer(self, req, layer: int, target: int) -> bool:
         """Cut one layer to ``target`` tokens; True when it held more."""
-        if req.num_live(layer) <= target:
+        n_live = req.num_live(layer)
+        if n_live <= target:
             return False
         paged = req.live_positions(layer)
-        prot = self.protected(req, layer, req.all_positions(layer))
-        is_prot = np.isin(paged, prot)
-        cand = paged[~is_prot]
-        n_keep = target - (req.num_live(layer) - len(cand))
+        held = req.all_positions(layer) if req.num_buffered(layer) else paged
+        prot = self.protected(req, layer, held)
+        is_prot = sorted_member(paged, np.sort(prot)) if len(prot) else None
+        cand = paged if is_prot is None else paged[~is_prot]
+        n_keep = target - (n_live - len(cand))
         if n_keep < len(cand):
-            keep = self.keep(req, layer, cand, head_mean(self.scorer.score(req, layer, cand, req.state.memo)),
-                             n_keep)
-            req.evict(layer, cand[~np.isin(cand, keep)])
+            scores = head_mean(self.scorer.score(req, layer, cand, req.state.memo))
+            if n_keep == len(cand) - 1 and isinstance(scores, torch.Tensor) and type(self).keep is ScorerPolicy.keep:
+                # one victim (a full cache, one token a step): the first minimum of the ascending candidates,
+                # i.e. the lowest score, ties to the older token — what top_keep leaves out (NaN included)
+                req.evict(layer, cand[int(torch.argmin(scores))][None])
+            else:
+                keep = self.keep(req, layer, cand, scores, n_keep)
+                req.evict(layer, cand[~sorted_member(cand, np.sort(keep))])
         if n_keep < 0 and self.evict_protected_when_short:
-            rest = paged[is_prot]
+            rest = paged[is_prot] if is_prot is not None else paged[:0]
             req.evict(layer, lowest(rest, head_mean(self.scorer.score(req, layer, rest, req.state.memo)), -n_keep))
         return True
 

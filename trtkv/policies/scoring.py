@@ -40,18 +40,19 @@ class PositionTable:
         self.data = grown
 
     def index(self, positions) -> torch.Tensor:
-        idx = torch.as_tensor(np.asarray(positions, dtype=np.int64), device=self.device)
-        if idx.numel():
-            self.ensure(int(idx.max()))
-        return idx
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        if len(pos):
+            self.ensure(int(pos.max()))
+        return torch.from_numpy(pos).to(self.device)
 
     def get(self, layer: int, positions) -> torch.Tensor:
         idx = self.index(positions)
-        return self.data[layer][..., idx]
+        return self.data[layer].index_select(-1, idx)
 
     def add(self, layer: int, positions, values: torch.Tensor) -> None:
+        """Add ``values [*inner, n]`` at distinct ``positions [n]``."""
         idx = self.index(positions)
-        self.data[layer][..., idx] += values.to(self.device, self.dtype)
+        self.data[layer].index_add_(-1, idx, values.to(self.device, self.dtype))
 
     def set(self, layer: int, positions, values) -> None:
         idx = self.index(positions)
@@ -131,11 +132,16 @@ def rkv_z(importance: torch.Tensor, keys: torch.Tensor, mix_lambda: float, kerne
 
 
 # --- selection --------------------------------------------------------------------------------
+def as_numpy(scores) -> np.ndarray:
+    """Scores as a float numpy array (a tensor's values copied to the host)."""
+    return scores.detach().float().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores, float)
+
+
 def lowest(positions: np.ndarray, scores, k: int) -> np.ndarray:
     """The ``k`` positions with the lowest score; ties: the older position first (deterministic)."""
     if k <= 0 or len(positions) == 0:
         return positions[:0]
-    s = scores.detach().float().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores, float)
+    s = as_numpy(scores)
     order = np.lexsort((positions, s))
     return positions[order[:k]]
 
@@ -144,15 +150,25 @@ def top_keep(positions: np.ndarray, scores, k: int) -> np.ndarray:
     """The ``k`` positions with the highest score; ties: the more recent position first."""
     if k <= 0 or len(positions) == 0:
         return positions[:0]
-    s = scores.detach().float().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores, float)
+    s = as_numpy(scores)
     order = np.lexsort((-positions, -s))
     return np.sort(positions[order[:k]])
+
+
+def sorted_member(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.isin(a, b)`` for ascending ``b`` (duplicates allowed): a binary search per element of ``a``,
+    without ``isin``'s sort of both arrays (the per-(request, layer) eviction path calls this every step)."""
+    if len(b) == 0 or len(a) == 0:
+        return np.zeros(len(a), bool)
+    i = np.searchsorted(b, a)
+    np.minimum(i, len(b) - 1, out=i)
+    return b[i] == a
 
 
 def lookup(positions: np.ndarray, values, default: float = 0.0):
     """``f(query_positions) -> np.ndarray`` reading ``values [n]`` (given at ``positions [n]``, any order);
     positions not given read ``default``."""
-    vals = values.detach().float().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values, float)
+    vals = as_numpy(values)
     order = np.argsort(positions, kind="stable")
     sp, sv = np.asarray(positions)[order], vals[order]
 

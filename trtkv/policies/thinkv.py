@@ -369,7 +369,8 @@ class ThinKVPolicy(KVPolicy):
                 shape = (max(len(mem) for mem, _ in jobs), max(t for _, t in jobs))
                 calls.setdefault(shape, []).append((req, jobs))
         for (m, _), group in calls.items():
-            keys = [req.keys(layer, mem).reshape(len(mem), -1) for req, jobs in group for mem, _ in jobs]
+            keys = [k.reshape(len(k), -1) for k in
+                    group[0][0].keys_many(layer, [(req, mem) for req, jobs in group for mem, _ in jobs])]
             feats = torch.zeros(len(keys), m, keys[0].shape[1], device=keys[0].device)
             for j, kf in enumerate(keys):
                 feats[j, : len(kf)] = kf

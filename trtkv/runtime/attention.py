@@ -38,17 +38,29 @@ def row_stats(logits: torch.Tensor, lse: torch.Tensor, num_kv_heads: int) -> tup
     computed in logit space). ThinKV's statistic max-pools the G query heads of each KV group, applies
     softmax, averages the groups' rows and then counts (spec §2.2).
     """
-    weights = torch.nan_to_num(torch.exp(logits - lse[:, None]), nan=0.0)
-    Hq, n = logits.shape
-    live = torch.isfinite(logits[0])
-    n_live = live.sum().clamp_min(1)
-    pooled = logits.view(num_kv_heads, Hq // num_kv_heads, n).amax(1)  # [H, n]
+    weights, sparsity_heads, u = batch_row_stats(logits[None], lse[None], num_kv_heads)
+    return weights[0], sparsity_heads[0], float(u[0])
+
+
+def batch_row_stats(logits: torch.Tensor, lse: torch.Tensor, num_kv_heads: int, sparsity: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`row_stats` of a batch in one set of tensor operations: ``logits [b, Hq, n]``, ``lse [b, Hq]`` ->
+    weights ``[b, Hq, n]``, sparsity per KV head ``[b, H]``, ThinKV sparsity ``[b]`` (both None unless
+    ``sparsity``)."""
+    # a row with no live key has lse = -inf: subtract 0 there instead, so its weights are exp(-inf) = 0, not NaN
+    weights = torch.exp(logits - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    if not sparsity:
+        return weights, None, None
+    b, Hq, n = logits.shape
+    live = torch.isfinite(logits[:, 0])  # [b, n]
+    n_live = live.sum(-1, keepdim=True).clamp_min(1)
+    pooled = logits.view(b, num_kv_heads, Hq // num_kv_heads, n).amax(2)  # [b, H, n]
     head_max = pooled.amax(-1, keepdim=True)
-    below = (pooled < head_max + LN_ONE_PERCENT) & live
+    below = (pooled < head_max + LN_ONE_PERCENT) & live[:, None]
     sparsity_heads = below.sum(-1).float() / n_live
-    a = torch.nan_to_num(torch.softmax(pooled, -1), nan=0.0).mean(0)  # averaged row over KV groups
-    u = ((a < 0.01 * a.max()) & live).sum().float() / n_live
-    return weights, sparsity_heads, float(u)
+    a = torch.nan_to_num(torch.softmax(pooled, -1), nan=0.0).mean(1)  # [b, n] averaged row over KV groups
+    u = ((a < 0.01 * a.amax(-1, keepdim=True)) & live).sum(-1).float() / n_live[:, 0]
+    return weights, sparsity_heads, u
 
 
 def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: torch.Tensor, sm_scale: float,
@@ -74,10 +86,10 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         lap("bookkeeping")
         parts.append((o, lse))
         if any_stats:
-            pages = bt.clamp_min(0).cpu().numpy()
-            pos = pool.slot_pos[pages].reshape(len(seqs), -1)
-            pos = np.where((bt.cpu().numpy() >= 0)[:, :, None].repeat(pool.B, 2).reshape(len(seqs), -1), pos, -1)
-            logit_parts.append((lg, pos))
+            bt_np = bt.cpu().numpy()
+            pos = pool.slot_pos[np.maximum(bt_np, 0)]  # [b, P, B]
+            pos[bt_np < 0] = -1
+            logit_parts.append((lg, pos.reshape(len(seqs), -1)))
     buffered = cache.cfg.residual_group > 1 and any(s.buffered(layer) for s in seqs)
     if buffered and any_stats:  # the statistics need the buffer's logits: the torch path
         lap("attention")
@@ -96,14 +108,22 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     if any_stats:
         logits = torch.cat([lg for lg, _ in logit_parts], dim=-1)
         positions = np.concatenate([p for _, p in logit_parts], axis=1)
-        H = cache.cfg.num_kv_heads
-        for i in range(len(seqs)):
-            if not (want_stats[i] or want_sparsity[i]):
+        want = [i for i in range(len(seqs)) if want_stats[i] or want_sparsity[i]]
+        rows = torch.tensor(want) if len(want) < len(seqs) else None
+        lg_w = logits if rows is None else logits[rows]
+        sparse = any(want_sparsity[i] for i in want)
+        w, sh, u = batch_row_stats(lg_w, lse if rows is None else lse[rows], cache.cfg.num_kv_heads, sparse)
+        u = u.tolist() if sparse else [None] * len(want)
+        for j, i in enumerate(want):
+            sh_j = sh[j] if sparse else None
+            keep = np.flatnonzero(positions[i] >= 0)
+            if len(keep) == positions.shape[1]:
+                stats[i] = LayerStats(positions=positions[i], weights=w[j], logits=lg_w[j], sparsity_heads=sh_j,
+                                      sparsity=u[j])
                 continue
-            keep = positions[i] >= 0
-            lg_i = logits[i][:, torch.from_numpy(keep).to(logits.device)]
-            w, sh, u = row_stats(lg_i, lse[i], H)
-            stats[i] = LayerStats(positions=positions[i][keep], weights=w, logits=lg_i, sparsity_heads=sh, sparsity=u)
+            cols = torch.from_numpy(keep).to(logits.device)
+            stats[i] = LayerStats(positions=positions[i][keep], weights=w[j][:, cols], logits=lg_w[j][:, cols],
+                                  sparsity_heads=sh_j, sparsity=u[j])
     lap("bookkeeping")
     return out, stats
 

@@ -98,6 +98,24 @@ class RequestContext:
     def keys(self, layer: int, positions) -> torch.Tensor:
         return self.kv(layer, positions)[0]
 
+    def keys_many(self, layer: int, jobs: list[tuple["RequestContext", Any]]) -> list[torch.Tensor]:
+        """``keys`` of several requests of this one's batch (same cache), one read per format for all the
+        paged ones; a job touching the residual buffer reads through ``kv``."""
+        paged, out = [], [None] * len(jobs)
+        for j, (req, positions) in enumerate(jobs):
+            if req._cache is not self._cache:
+                raise ValueError("keys_many: every request must share this request's cache")
+            positions = np.asarray(positions, dtype=np.int64)
+            buf = req._seq.buf_pos[layer] if req._seq.buf_pos else []
+            if len(buf) and np.isin(positions, buf).any():
+                out[j] = req.keys(layer, positions)
+            else:
+                paged.append((j, req._seq, positions))
+        read = self._cache.gather_kv_many(layer, [(seq, pos) for _, seq, pos in paged])
+        for (j, _, _), (k, _) in zip(paged, read):
+            out[j] = k
+        return out
+
     def evict(self, layer: int, positions) -> int:
         clk = self._cache.clock  # the policy decided; executing it is the cache's bookkeeping (bench --profile)
         prev = clk.switch("bookkeeping") if clk is not None else None

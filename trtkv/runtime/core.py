@@ -281,7 +281,8 @@ class EngineCore:
             torch.set_num_threads(step.threads)
         try:
             out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
-                                           [True] * len(seqs) if force else want_w, want_s, staged, clk)
+                                           [True] * len(seqs) if force else want_w,
+                                           [True] * len(seqs) if force and fs.sparsity else want_s, staged, clk)
         finally:
             if wide:
                 torch.set_num_threads(self.small_ops_threads)
