@@ -265,3 +265,40 @@ def test_residual_arena_grows_and_appends_in_order():
     cache.free_sequence(more[1].seq_id)
     again = cache.add_sequence(99)
     assert again.buf_row == row and not again.buf_k.any()  # a reused row starts zeroed
+
+
+def test_gather_kv_many_equals_one_read_per_request_across_formats():
+    """One read per format for several requests (a batch's anneals) returns what each request's own read
+    returns, row for row, whatever mix of formats and holes they hold."""
+    torch.manual_seed(5)
+    cache = make_cache("inplace", block=8, g=16)
+    seqs = [cache.add_sequence(i) for i in range(3)]
+    for i, seq in enumerate(seqs):
+        for start, fmt in zip(range(0, 48, 16), ("nvfp4", "int2", "fp32")):
+            pos = list(range(start, start + 16))
+            cache.write(seq, 1, torch.randn(16, H, D) * (i + 1), torch.randn(16, H, D), pos, (fmt, 0))
+    cache.evict(seqs[1], 1, [3, 4, 20, 40])
+    rng = np.random.default_rng(0)
+    items = [(s, rng.permutation(cache.live_positions(s, 1))[: 5 + 7 * i]) for i, s in enumerate(seqs)]
+    items.append((seqs[0], np.empty(0, np.int64)))
+    many = cache.gather_kv_many(1, items)
+    for (seq, pos), (k, v) in zip(items, many):
+        k1, v1 = cache.gather_kv(seq, 1, pos)
+        assert k.shape == (len(pos), H, D)
+        assert torch.equal(k, k1) and torch.equal(v, v1)
+
+
+def test_flush_group_marks_equal_slot_by_slot_marks():
+    """mark_written's array path (a flush group) leaves the pool as the per-slot loop does."""
+    a, b = make_cache(block=8).pool(0, "fp32"), make_cache(block=8).pool(0, "fp32")
+    for pool in (a, b):
+        pool.alloc_page(0), pool.alloc_page(0)
+    pages, slots = [0] * 5 + [1] * 6, [0, 2, 3, 6, 7, 1, 2, 3, 4, 5, 0]
+    a.mark_written(pages, slots, list(range(100, 111)), seg=4)
+    for p, s, pos in zip(pages, slots, range(100, 111)):
+        b.mark_written([p], [s], [pos], seg=4)
+    for name in ("valid", "live", "hwm"):
+        assert np.array_equal(getattr(a, name)[:2], getattr(b, name)[:2]), name
+    assert np.array_equal(a.slot_pos[:2], b.slot_pos[:2]) and np.array_equal(a.slot_seg[:2], b.slot_seg[:2])
+    with pytest.raises(AssertionError, match="live slot"):
+        a.mark_written([0] * 8, list(range(8)), list(range(8)))

@@ -1,0 +1,53 @@
+"""Selection helpers of the scoring policies (trtkv/policies/scoring.py): membership by binary search equals
+``np.isin``, and the scored policies' one-victim shortcut evicts what keeping the top n-1 leaves out."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trtkv.policies.scoring import lowest, sorted_member, top_keep
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sorted_member_equals_isin(seed):
+    rng = np.random.default_rng(seed)
+    a = np.sort(rng.choice(200, rng.integers(0, 60), replace=False))
+    b = np.sort(rng.integers(0, 220, rng.integers(0, 30)))  # duplicates and values beyond a's range
+    assert np.array_equal(sorted_member(a, b), np.isin(a, b))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_argmin_victim_is_what_top_keep_leaves_out(seed):
+    """ScorerPolicy.evict_layer's shortcut: with one victim, ``cand[argmin(scores)]`` over ascending
+    candidates equals the complement of ``top_keep(n - 1)`` — ties (and NaN) included."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 40))
+    cand = np.sort(rng.choice(500, n, replace=False))
+    scores = torch.tensor(rng.integers(0, 4, n), dtype=torch.float32)  # many ties
+    if seed % 5 == 0:
+        scores[rng.integers(0, n, 2)] = float("nan")
+    keep = top_keep(cand, scores, n - 1)
+    victim = cand[int(torch.argmin(scores))]
+    assert np.array_equal(np.setdiff1d(cand, keep), [victim])
+    if not torch.isnan(scores).any():
+        assert lowest(cand, scores, 1).tolist() == [victim]
+
+
+def test_batch_row_stats_equals_row_stats_per_request():
+    """The batch's statistics in one set of tensor ops equal each request's own (dead slots and a row with no
+    live key included); without sparsity only the weights come back."""
+    from trtkv.runtime.attention import batch_row_stats, row_stats
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 50) * 3
+    logits[:, :, 7:12] = -float("inf")
+    logits[2] = -float("inf")
+    lse = torch.logsumexp(logits, -1)
+    w, sh, u = batch_row_stats(logits, lse, 2)
+    for i in range(4):
+        w1, sh1, u1 = row_stats(logits[i], lse[i], 2)
+        assert torch.equal(w[i], w1) and torch.equal(sh[i], sh1) and float(u[i]) == u1
+    assert torch.equal(w[2], torch.zeros(6, 50))
+    w2, none_h, none_u = batch_row_stats(logits, lse, 2, sparsity=False)
+    assert torch.equal(w2, w) and none_h is None and none_u is None
