@@ -30,6 +30,7 @@ def test_argmin_victim_is_what_top_keep_leaves_out(seed):
     keep = top_keep(cand, scores, n - 1)
     victim = cand[int(torch.argmin(scores))]
     assert np.array_equal(np.setdiff1d(cand, keep), [victim])
+    assert cand[int(np.argmin(scores.numpy()))] == victim  # numpy scores (TOVA's lookup) take the same path
     if not torch.isnan(scores).any():
         assert lowest(cand, scores, 1).tolist() == [victim]
 

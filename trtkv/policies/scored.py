@@ -154,10 +154,11 @@ class ScorerPolicy(KVPolicy):
         n_keep = target - (n_live - len(cand))
         if n_keep < len(cand):
             scores = head_mean(self.scorer.score(req, layer, cand, req.state.memo))
-            if n_keep == len(cand) - 1 and isinstance(scores, torch.Tensor) and type(self).keep is ScorerPolicy.keep:
+            if n_keep == len(cand) - 1 and type(self).keep is ScorerPolicy.keep:
                 # one victim (a full cache, one token a step): the first minimum of the ascending candidates,
                 # i.e. the lowest score, ties to the older token — what top_keep leaves out (NaN included)
-                req.evict(layer, cand[int(torch.argmin(scores))][None])
+                at = torch.argmin(scores) if isinstance(scores, torch.Tensor) else np.argmin(scores)
+                req.evict(layer, cand[int(at)][None])
             else:
                 keep = self.keep(req, layer, cand, scores, n_keep)
                 req.evict(layer, cand[~sorted_member(cand, np.sort(keep))])
