@@ -11,7 +11,7 @@ from plugins.buffer_attention.reference import buffer_attention_ref, dense_parti
 from plugins.cpu_kernels import buffer_attention_cpu, cpu_kernels_available
 from plugins.paged_attention.reference import merge_partials
 
-pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels could not be built here")
+needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels could not be built here")
 
 
 def case(dtype, b=5, rows=8, L=3, g=16, H=3, G=3, D=64, seed=0):
@@ -28,6 +28,7 @@ def case(dtype, b=5, rows=8, L=3, g=16, H=3, G=3, D=64, seed=0):
     return q, ak, av, rows_, counts, out, lse
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layer", [0, 2])
 def test_matches_reference(dtype, layer):
@@ -40,6 +41,7 @@ def test_matches_reference(dtype, layer):
     assert torch.equal(got_o[0, 2:], out[0, 2:]) and torch.equal(got_l[0], lse[0])
 
 
+@needs_kernels
 def test_buffer_only_rows_and_head_sizes():
     """No page tokens (lse -inf everywhere): the result is the buffer's own attention; D=128, G=4."""
     q, ak, av, rows, counts, out, lse = case(torch.float32, b=4, H=2, G=4, D=128, seed=3)
@@ -53,6 +55,8 @@ def test_buffer_only_rows_and_head_sizes():
 
 
 def test_op_merges_in_place_like_merge_partials():
+    """The registered op (compiled kernel where it builds, the torch reference otherwise) merges like
+    merge_partials."""
     q, ak, av, rows, counts, out, lse = case(torch.float16, seed=5)
     want = merge_partials([(out, lse), dense_partial(q, ak[rows, 1], av[rows, 1], counts, 0.2)[:2]])
     o, s = out.clone(), lse.clone()
@@ -61,6 +65,7 @@ def test_op_merges_in_place_like_merge_partials():
     torch.testing.assert_close(s, want[1], atol=2e-5, rtol=1e-5)
 
 
+@needs_kernels
 def test_bad_rows_are_one_clear_error():
     q, ak, av, rows, counts, out, lse = case(torch.float32)
     with pytest.raises(RuntimeError, match="arena row out of range"):

@@ -20,9 +20,8 @@ from plugins.formats import KVFormat
 from trtkv.errors import OutOfKVMemory
 
 FIRST_CHUNK = 16  # pages (or groups) initialised at once the first time; later chunks double
-
-
 MARK_MANY_MIN = 8  # slots written in one call from which mark_written uses array operations
+
 
 class PagePool:
     def __init__(self, fmt: KVFormat, num_heads: int, head_dim: int, block_size: int, device: str,

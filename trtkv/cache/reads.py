@@ -22,9 +22,6 @@ def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, obj
     """:func:`gather_kv` of several requests' positions in one layer, one dequantization per format for
     all of them (a batch's anneals read their keys in one call instead of one per request)."""
     sizes = [len(positions) for _, positions in items]
-    total = sum(sizes)
-    out_k = torch.empty(total, mgr.cfg.num_kv_heads, mgr.cfg.head_dim, device=mgr.cfg.device)
-    out_v = torch.empty_like(out_k)
     by_fmt: dict[str, tuple[list[int], list[int], list[int]]] = {}
     row = 0
     for seq, positions in items:
@@ -36,6 +33,9 @@ def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, obj
             pages.append(p)
             slots.append(s)
             row += 1
+    if len(by_fmt) != 1:  # rows of several formats (or none) land in one output; one format's decode is it
+        out_k = torch.empty(sum(sizes), mgr.cfg.num_kv_heads, mgr.cfg.head_dim, device=mgr.cfg.device)
+        out_v = torch.empty_like(out_k)
     for fmt, (rows, pages, slots) in by_fmt.items():
         pool = mgr.pools[layer][fmt]
         flat = torch.tensor(pages, device=pool.device) * pool.B + torch.tensor(slots, device=pool.device)
@@ -45,7 +45,7 @@ def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, obj
             gid = pool.k_group.flatten().index_select(0, flat).long()
             group = {f.name: t.index_select(0, gid) for f, t in zip(pool.group_specs, pool.group_fields)}
         k, v = pool.fmt.decode(slot, group, mgr.layer_scales(layer, fmt))
-        if len(by_fmt) == 1:  # every row in this format, in order
+        if len(by_fmt) == 1:  # every row, in order
             out_k, out_v = k.float(), v.float()
         else:
             idx = torch.tensor(rows, device=pool.device)

@@ -148,9 +148,8 @@ class ScorerPolicy(KVPolicy):
             return False
         paged = req.live_positions(layer)
         held = req.all_positions(layer) if req.num_buffered(layer) else paged
-        prot = self.protected(req, layer, held)
-        is_prot = sorted_member(paged, np.sort(prot)) if len(prot) else None
-        cand = paged if is_prot is None else paged[~is_prot]
+        is_prot = sorted_member(paged, np.sort(self.protected(req, layer, held)))
+        cand = paged[~is_prot]
         n_keep = target - (n_live - len(cand))
         if n_keep < len(cand):
             scores = head_mean(self.scorer.score(req, layer, cand, req.state.memo))
@@ -163,7 +162,7 @@ class ScorerPolicy(KVPolicy):
                 keep = self.keep(req, layer, cand, scores, n_keep)
                 req.evict(layer, cand[~sorted_member(cand, np.sort(keep))])
         if n_keep < 0 and self.evict_protected_when_short:
-            rest = paged[is_prot] if is_prot is not None else paged[:0]
+            rest = paged[is_prot]
             req.evict(layer, lowest(rest, head_mean(self.scorer.score(req, layer, rest, req.state.memo)), -n_keep))
         return True
 

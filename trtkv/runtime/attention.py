@@ -115,15 +115,13 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         w, sh, u = batch_row_stats(lg_w, lse if rows is None else lse[rows], cache.cfg.num_kv_heads, sparse)
         u = u.tolist() if sparse else [None] * len(want)
         for j, i in enumerate(want):
-            sh_j = sh[j] if sparse else None
-            keep = np.flatnonzero(positions[i] >= 0)
-            if len(keep) == positions.shape[1]:
-                stats[i] = LayerStats(positions=positions[i], weights=w[j], logits=lg_w[j], sparsity_heads=sh_j,
-                                      sparsity=u[j])
-                continue
-            cols = torch.from_numpy(keep).to(logits.device)
-            stats[i] = LayerStats(positions=positions[i][keep], weights=w[j][:, cols], logits=lg_w[j][:, cols],
-                                  sparsity_heads=sh_j, sparsity=u[j])
+            pos_i, w_i, lg_i = positions[i], w[j], lg_w[j]
+            keep = np.flatnonzero(pos_i >= 0)
+            if len(keep) < len(pos_i):  # drop dead slots and padding
+                cols = torch.from_numpy(keep).to(logits.device)
+                pos_i, w_i, lg_i = pos_i[keep], w_i[:, cols], lg_i[:, cols]
+            stats[i] = LayerStats(positions=pos_i, weights=w_i, logits=lg_i, sparsity_heads=sh[j] if sparse else None,
+                                  sparsity=u[j])
     lap("bookkeeping")
     return out, stats
 
