@@ -66,10 +66,11 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
                          f"({', '.join(sorted({m.policy.name for m in manifests}))}) has that parameter")
     out: list[BenchEngine] = []
     shared: dict[tuple, Any] | None = {} if share_weights else None
+    n = len(paths) * len(runtimes)
     for lbl, p, ov in zip(_labels(paths), paths, per_engine):
         for rt in runtimes:
-            eng = Engine.load(p, device=device, policy_overrides=ov, model_cache=shared, cache_overrides=cache_ov,
-                              runtime=rt)
+            eng = Engine.load(p, device=device, policy_overrides=ov, model_cache=shared,
+                              cache_overrides=_share_of_device(cache_ov, len(out), n), runtime=rt)
             out.append(BenchEngine(f"{lbl}@{rt}" if len(runtimes) > 1 else lbl, Path(p), eng))
     return out
 
@@ -91,6 +92,19 @@ def model_key(engine) -> tuple:
     weights = ("synthetic", mm.synthetic_seed) if mm.synthetic else mm.weights_sha256
     return (mm.alias, weights, str(engine.core.dtype), str(engine.core.device),
             json.dumps(mm.arch.to_dict(), sort_keys=True))
+
+
+def _share_of_device(cache_ov: dict[str, Any], i: int, n: int) -> dict[str, Any]:
+    """Engine ``i`` of ``n`` loaded into one process: unless the user sized the pools, each takes
+    ``fraction / n`` of the device memory free before the first pool (``fraction / (n - i * fraction)`` of
+    what is free when it loads), so the first engine does not take the default 90% and leave the others
+    none, and the total stays ``fraction``. On CPU pools have a fixed default size and this is unused."""
+    if n == 1 or any(k in cache_ov for k in ("kv_memory", "max_pages")):
+        return cache_ov
+    from trtkv.cache.config import CacheConfig
+
+    frac = float(cache_ov.get("kv_memory_fraction", CacheConfig.kv_memory_fraction))
+    return {**cache_ov, "kv_memory_fraction": frac / (n - i * frac)}
 
 
 def _labels(paths: list[Path]) -> list[str]:

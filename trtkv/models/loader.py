@@ -63,9 +63,13 @@ def load_weights(model: DecoderModel, files: list[Path], dtype: torch.dtype, dev
 
 
 def build_model(arch: ModelArch, dtype: torch.dtype, device: str, files: list[Path] | None, seed: int = 0):
-    model = DecoderModel(arch)
     if files is None:  # synthetic: random weights of the right shape (for speed and memory work only)
-        g = torch.Generator().manual_seed(seed)
+        # On a GPU they are drawn there (an 8B model's draw takes about a minute on CPU cores), so a seed
+        # gives different weights on CPU and on CUDA; on CPU they are what they always were.
+        on_gpu = torch.device(device).type == "cuda"
+        with torch.device(device if on_gpu else "cpu"):
+            model = DecoderModel(arch)
+        g = torch.Generator(device=device if on_gpu else "cpu").manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -73,7 +77,7 @@ def build_model(arch: ModelArch, dtype: torch.dtype, device: str, files: list[Pa
                 else:
                     p.normal_(0.0, 0.02, generator=g)
         return model.to(device=device, dtype=dtype).eval().fuse_projections()
-    return load_weights(model, files, dtype, device).fuse_projections()
+    return load_weights(DecoderModel(arch), files, dtype, device).fuse_projections()
 
 
 def sha256_files(files: list[Path]) -> str:

@@ -1,0 +1,154 @@
+"""Micro-benchmark of the Triton ``paged_attention`` and ``kv_write`` kernels on a GPU, every format, at
+r1-llama-8b geometry (8 KV heads, G=4, D=128, block 8): time per call (``triton.testing.do_bench``,
+median), the bytes of pages the call must read, the bandwidth that implies, and the time against fp16's.
+Each shape is also checked against the torch reference on the same GPU (max abs error of the output).
+
+    PYTHONPATH=. python build_scripts/bench_gpu_kernels.py [--batch 1,32] [--ctx 4096,16384] [--json F]
+
+Pools hold random codes (every slot live, each slot's flush group its own 16-slot run): speed does not
+depend on the values, and the reference check uses the same pool.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+import triton.testing
+
+from plugins.formats import FORMATS
+from plugins.kv_write.reference import kv_write_ref
+from plugins.kv_write.triton_kernel import kv_write_triton
+from plugins.paged_attention.reference import paged_attention_ref
+from plugins.paged_attention.triton_kernel import paged_attention_triton
+
+H, G, D, B = 8, 4, 128, 8
+GROUP = 16
+
+
+def time_ms(fn) -> float:
+    """Median ms per call: ``do_bench`` (CUDA events, L2 flushed) on a GPU; wall clock for the CPU smoke run."""
+    if torch.cuda.is_available():
+        return triton.testing.do_bench(fn, warmup=25, rep=100)
+    fn()
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[1] * 1e3
+
+
+def random_pool(fmt, pages: int, dev: str):
+    """Slot and group fields of ``pages`` full pages with random codes; scales positive and finite."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    slot = []
+    for f in fmt.slot_fields(H, D):
+        shape = (pages, B, *f.shape)
+        if f.dtype == torch.uint8 and "scale" in f.name:  # E4M3 block scales: finite, positive codes
+            slot.append(torch.randint(0x30, 0x48, shape, device=dev, generator=gen, dtype=torch.uint8))
+        elif f.dtype == torch.uint8 and fmt.code == 3:  # FP8 elements: avoid the NaN codes 0x7f/0xff
+            slot.append(torch.randint(0, 0x7e, shape, device=dev, generator=gen, dtype=torch.uint8))
+        elif f.dtype == torch.uint8:
+            slot.append(torch.randint(0, 256, shape, device=dev, generator=gen, dtype=torch.uint8))
+        else:
+            slot.append((torch.rand(shape, device=dev, generator=gen) + 0.5).to(f.dtype))
+    groups = -(-pages * B // GROUP)
+    group = []
+    for f in fmt.group_fields(H, D):
+        shape = (groups, *f.shape)
+        if f.dtype == torch.uint8:
+            group.append(torch.randint(0x30, 0x48, shape, device=dev, generator=gen, dtype=torch.uint8))
+        else:
+            group.append((torch.rand(shape, device=dev, generator=gen) + 0.5).to(f.dtype))
+    k_group = (torch.arange(pages * B, device=dev, dtype=torch.int32) // GROUP).view(pages, B)
+    if not fmt.quantized:
+        k_group.fill_(-1)
+    bits = torch.full((pages,), (1 << B) - 1, dtype=torch.int32, device=dev)
+    return slot, group, k_group.contiguous(), bits
+
+
+def read_bytes(fmt, tokens: int) -> int:
+    """Bytes of cache one attention call over ``tokens`` live slots reads (slot fields + group fields)."""
+    per_slot = sum(f.nbytes for f in fmt.slot_fields(H, D))
+    per_group = sum(f.nbytes for f in fmt.group_fields(H, D))
+    return tokens * per_slot + (-(-tokens // GROUP)) * per_group if fmt.quantized else tokens * per_slot
+
+
+def bench_attention(names, batches, ctxs, dev, check_tokens):
+    rows = []
+    for b in batches:
+        for ctx in ctxs:
+            P = ctx // B
+            q = torch.randn(b, H * G, D, device=dev)
+            bt = torch.arange(b * P, device=dev, dtype=torch.int32).view(b, P)
+            base = None
+            for name in names:
+                fmt = FORMATS[name]
+                slot, group, kg, bits = random_pool(fmt, b * P, dev)
+                args = (q, slot, group, kg, bits, bt, fmt.code, D ** -0.5, 1.0, 1.0, False)
+                ms = time_ms(lambda: paged_attention_triton(*args))
+                err = float("nan")
+                if b * ctx <= check_tokens:
+                    got, want = paged_attention_triton(*args), paged_attention_ref(*args)
+                    err = float((got[0] - want[0]).abs().max())
+                nbytes = read_bytes(fmt, b * ctx)
+                base = ms if name == "fp16" else base
+                row = {"format": name, "batch": b, "ctx": ctx, "ms": ms, "read_MB": nbytes / 1e6,
+                       "GBps": nbytes / ms / 1e6, "vs_fp16": (base / ms) if base else None, "max_abs_err": err}
+                rows.append(row)
+                print(f"{name:9} b={b:3} ctx={ctx:6} {ms * 1e3:9.1f} us  {nbytes / 1e6:9.1f} MB  "
+                      f"{row['GBps']:7.0f} GB/s  x fp16 {row['vs_fp16'] or float('nan'):5.2f}  err {err:.2e}",
+                      flush=True)
+                del slot, group, kg, bits
+    return rows
+
+
+def bench_write(names, tokens_list, dev):
+    rows = []
+    for name in names:
+        fmt = FORMATS[name]
+        slot, group, kg, _ = random_pool(fmt, 64, dev)
+        for n in tokens_list:
+            n = max(n, 1) if fmt.quantized else n
+            k, v = torch.randn(n, H, D, device=dev), torch.randn(n, H, D, device=dev)
+            idx = torch.arange(n, device=dev)
+            wargs = (k, v, slot, group, kg, idx // B, idx % B, 0, fmt.code, 1.0, 1.0)
+            ms = time_ms(lambda: kv_write_triton(*wargs))
+            ref = [t.clone() for t in slot], [t.clone() for t in group], kg.clone()
+            kv_write_ref(k, v, *ref, idx // B, idx % B, 0, fmt.code, 1.0, 1.0)
+            kv_write_triton(*wargs)
+            same = all(torch.equal(a, e) for a, e in zip([*slot, *group, kg], [*ref[0], *ref[1], ref[2]]))
+            rows.append({"format": name, "tokens": n, "us": ms * 1e3, "bit_exact_vs_reference": same})
+            print(f"kv_write {name:9} tokens={n:3} {ms * 1e3:8.1f} us  bit-exact vs reference: {same}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,32")
+    ap.add_argument("--ctx", default="4096,16384")
+    ap.add_argument("--formats", default="fp16,bf16,fp32,fp8,nvfp4,nvfp4o,ternary,ternaryo,int4,int2")
+    ap.add_argument("--check-tokens", type=int, default=32 * 4096, help="reference check up to b*ctx tokens")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run under TRITON_INTERPRET=1
+    name = torch.cuda.get_device_properties(0).name if dev == "cuda" else "cpu (TRITON_INTERPRET)"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 0
+    print(f"{name}, {sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
+          f"H={H} G={G} D={D} block={B}", flush=True)
+    names = a.formats.split(",")
+    att = bench_attention(names, [int(x) for x in a.batch.split(",")], [int(x) for x in a.ctx.split(",")], dev,
+                          a.check_tokens)
+    wr = bench_write(names, [1, 16], dev)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"device": name, "torch": torch.__version__, "triton": triton.__version__,
+                       "host": platform.node(), "geometry": {"H": H, "G": G, "D": D, "block": B},
+                       "attention": att, "kv_write": wr}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU checks, as one short script for a lent GPU machine (repo root, the machine's own python3 with torch
+# and triton; nothing to install): the Triton kernel tests on CUDA, the kernel micro-benchmark at r1-llama-8b
+# geometry, a shape-only r1-llama-8b engine bench, and the engine tests that need no SmolLM2 weights on CUDA.
+# Every step has its own time limit and its log under $OUT (at most 8 files), so one failing step does not lose
+# the others.
+#   OUT=results/gpu build_scripts/gpu_check.sh [steps: env tests kernels engines enginetests]
+set -u
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+STEPS=${*:-env tests kernels engines enginetests}
+PY=python3
+JOBS=$(( $(nproc) > 16 ? 16 : $(nproc) ))
+step() { echo "=== $1 ($(date -u +%H:%M:%S))"; }
+
+for s in $STEPS; do case $s in
+env)
+  step env
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$OUT/env.txt"
+  $PY -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy',
+numpy.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee -a "$OUT/env.txt" ;;
+tests)
+  step "kernel tests on CUDA"
+  timeout ${KERNEL_TESTS_S:-120} $PY -m pytest -q -n "$JOBS" -p no:cacheprovider tests/kernels/test_paged_attention_triton.py \
+      tests/kernels/test_kv_write_triton.py tests/kernels/test_kmeans_select.py >"$OUT/kernel_tests.txt" 2>&1
+  echo "rc=$?" >>"$OUT/kernel_tests.txt"; tail -25 "$OUT/kernel_tests.txt" ;;
+kernels)
+  step "kernel micro-benchmark"
+  timeout ${KERNEL_BENCH_S:-90} $PY build_scripts/bench_gpu_kernels.py --batch 1,32 --ctx 4096,16384 --json "$OUT/kernels.json" \
+      2>&1 | tee "$OUT/kernels.txt" | tail -60 ;;
+engines)
+  step "r1-llama-8b shape-only engine bench"
+  E=/tmp/gpu-engines
+  {
+  $PY -m trtkv.cli build --model r1-llama-8b --synthetic-weights --dtype bf16 --policy full --out $E/full-bf16
+  $PY -m trtkv.cli build --model r1-llama-8b --synthetic-weights --dtype bf16 --policy full --set kv_format=nvfp4 \
+      --out $E/full-nvfp4
+  $PY -m trtkv.cli build --model r1-llama-8b --synthetic-weights --dtype bf16 --policy h2o --budget 1024 --out $E/h2o-1024
+  $PY -m trtkv.cli build --model r1-llama-8b --synthetic-weights --dtype bf16 --policy thinkv --budget 1024 \
+      --set thought_schedule=RRRTRERRTRRE --out $E/thinkv-1024
+  } >"$OUT/engine_build.txt" 2>&1
+  timeout ${ENGINE_BENCH_S:-170} $PY -m trtkv.cli bench $E/full-bf16 $E/full-nvfp4 $E/h2o-1024 $E/thinkv-1024 --batch-sizes 1,32 \
+      --prompt-len 1024 --gen-len 256 --kv-memory 10GiB --set kv_memory=10GiB --prompt ids --repeat 1 --out /tmp/gpu-bench \
+      >"$OUT/engine_bench.txt" 2>&1
+  echo "rc=$?" >>"$OUT/engine_bench.txt"; cp /tmp/gpu-bench/results.json "$OUT/bench_results.json" 2>/dev/null
+  tail -40 "$OUT/engine_bench.txt" ;;
+enginetests)
+  step "engine tests on CUDA (no SmolLM2 weights)"
+  # the tiny test model borrows SmolLM2's tokenizer: TRTKV_CACHE may hold just its tokenizer files (no weights)
+  timeout ${ENGINE_TESTS_S:-150} $PY -m pytest -v --tb=line -n "$JOBS" -p no:cacheprovider -m "not slow and not serve" \
+      -k "not smol and not test_16bit_large_budget_matches_full" \
+      tests/test_bench.py tests/test_policy_matrix.py tests/test_lazyeviction.py tests/test_thinkv.py \
+      tests/test_cache_properties.py >"$OUT/engine_tests.txt" 2>&1
+  echo "rc=$?" >>"$OUT/engine_tests.txt"; grep -v PASSED "$OUT/engine_tests.txt" | tail -40 ;;
+*) echo "unknown step $s (env tests kernels engines enginetests)"; exit 2 ;;
+esac; done
