@@ -41,7 +41,7 @@ engines)
       --set thought_schedule=RRRTRERRTRRE --out $E/thinkv-1024
   } >"$OUT/engine_build.txt" 2>&1
   timeout ${ENGINE_BENCH_S:-170} $PY -m trtkv.cli bench $E/full-bf16 $E/full-nvfp4 $E/h2o-1024 $E/thinkv-1024 --batch-sizes 1,32 \
-      --prompt-len 1024 --gen-len 256 --kv-memory 10GiB --set kv_memory=10GiB --prompt ids --repeat 1 --out /tmp/gpu-bench \
+      --prompt-len 1024 --gen-len ${GEN_LEN:-256} ${BENCH_FLAGS:-} --kv-memory 10GiB --set kv_memory=10GiB --prompt ids --repeat 1 --out /tmp/gpu-bench \
       >"$OUT/engine_bench.txt" 2>&1
   echo "rc=$?" >>"$OUT/engine_bench.txt"; cp /tmp/gpu-bench/results.json "$OUT/bench_results.json" 2>/dev/null
   tail -40 "$OUT/engine_bench.txt" ;;

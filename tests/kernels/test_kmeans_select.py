@@ -125,10 +125,11 @@ def test_triton_matches_reference(F):
 def test_triton_assign_ties_pick_lowest_cluster():
     from plugins.kmeans_select.triton_kernel import assign_triton
 
-    x = torch.zeros(1, 3, 4)
-    c = torch.zeros(1, 20, 4)  # every centroid equidistant, across two cluster tiles
+    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    x = torch.zeros(1, 3, 4, device=dev)
+    c = torch.zeros(1, 20, 4, device=dev)  # every centroid equidistant, across two cluster tiles
     c[0, :3] = 5.0
-    a = assign_triton(x, c, torch.tensor([3], **I32), torch.tensor([20], **I32))
+    a = assign_triton(x, c, torch.tensor([3], device=dev, **I32), torch.tensor([20], device=dev, **I32))
     assert a.tolist() == [[3, 3, 3]]
 
 
