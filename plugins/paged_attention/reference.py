@@ -152,6 +152,15 @@ def _mask_table(block_size: int, device) -> torch.Tensor:
     return _BIT_LUT[key]
 
 
+def merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``merge_partials`` over a split axis held in one tensor (``out [b,Hq,S,D]``, ``lse [b,Hq,S]``): a fixed
+    handful of ops whatever ``S``, not two per split (on a GPU the per-split ops' launches, not the kernel,
+    were most of a batch-1 decode attention call: docs/benchmarks.md, GPU)."""
+    total = torch.logsumexp(lse, dim=2)
+    w = torch.nan_to_num(torch.exp(lse - total.clamp_min(-1e30).unsqueeze(-1)), nan=0.0)
+    return (w.unsqueeze(-1) * out).sum(2), total
+
+
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-sum-exp merge of partial attentions ``(out [b,Hq,D], lse [b,Hq])`` into one."""
     if len(parts) == 1:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.paged_attention.reference import merge_partials
+from plugins.paged_attention.reference import merge_splits
 
 # format codes (plugins.formats), as constexprs so the jit functions can branch on them
 FP32, FP16, BF16, FP8, NVFP4, TERNARY, INT4, INT2, NVFP4O, TERNARYO = (tl.constexpr(c) for c in range(10))
@@ -219,5 +219,5 @@ def paged_attention_triton(
     )
     if S == 1:
         return out[:, :, 0], lse[:, :, 0], logits
-    o, l = merge_partials([(out[:, :, i], lse[:, :, i]) for i in range(S)])
+    o, l = merge_splits(out, lse)
     return o, l, logits

@@ -70,3 +70,21 @@ def test_bad_rows_are_one_clear_error():
     q, ak, av, rows, counts, out, lse = case(torch.float32)
     with pytest.raises(RuntimeError, match="arena row out of range"):
         buffer_attention_cpu(q, ak, av, torch.tensor([0, 1, 2, 3, 99]), 0, counts, 0.1, out, lse)
+
+
+def test_merge_splits_equals_merge_partials():
+    """The split-axis merge (the Triton path's) equals the list merge, dead splits (lse -inf) and rows with
+    nothing live anywhere included."""
+    from plugins.paged_attention.reference import merge_splits
+
+    g = torch.Generator().manual_seed(0)
+    out, lse = torch.randn(3, 4, 5, 8, generator=g), torch.randn(3, 4, 5, generator=g) * 4
+    lse[0, :, 1] = -math.inf
+    out[0, :, 1] = 0
+    lse[2] = -math.inf
+    out[2] = 0
+    want = merge_partials([(out[:, :, i], lse[:, :, i]) for i in range(5)])
+    got = merge_splits(out, lse)
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got[1], want[1])
+    assert torch.all(got[0][2] == 0) and torch.all(got[1][2] == -math.inf)
