@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from trtkv.policies.scoring import lowest, sorted_member, top_keep
+from trtkv.policies.scoring import lookup, lowest, sorted_member, top_keep
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -52,3 +52,21 @@ def test_batch_row_stats_equals_row_stats_per_request():
     assert torch.equal(w[2], torch.zeros(6, 50))
     w2, none_h, none_u = batch_row_stats(logits, lse, 2, sparsity=False)
     assert torch.equal(w2, w) and none_h is None and none_u is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lookup_dense_table_equals_sorted_search(seed, monkeypatch):
+    """The dense position table and the sorted search (forced by a zero span) read the same values."""
+    import trtkv.policies.scoring as scoring
+
+    rng = np.random.default_rng(seed)
+    for n in (0, 1, 7, 300):
+        pos = rng.choice(5000 if seed % 2 else 400, size=n, replace=False)
+        vals = torch.rand(n, generator=torch.Generator().manual_seed(seed))
+        query = rng.integers(0, 5000, size=64)
+        query[: min(n, 20)] = pos[:20]
+        dense = lookup(pos, vals, default=-1.0)(query)
+        monkeypatch.setattr(scoring, "DENSE_LOOKUP_SPAN", -10**9)
+        searched = lookup(pos, vals, default=-1.0)(query)
+        monkeypatch.undo()
+        assert dense.dtype == searched.dtype and np.array_equal(dense, searched)

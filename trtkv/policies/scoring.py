@@ -165,17 +165,28 @@ def sorted_member(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return b[i] == a
 
 
+DENSE_LOOKUP_SPAN = 64  # a dense table up to this many entries per given-or-asked position (plus 4096)
+
+
 def lookup(positions: np.ndarray, values, default: float = 0.0):
-    """``f(query_positions) -> np.ndarray`` reading ``values [n]`` (given at ``positions [n]``, any order);
-    positions not given read ``default``."""
+    """``f(query_positions) -> np.ndarray`` reading ``values [n]`` (given at unique ``positions [n]``, any
+    order); positions not given read ``default``. Token positions are small non-negative integers, so the
+    usual case is a dense table indexed by position (a fill, a scatter and a gather: no sort; a scored
+    policy asks once per request, layer and step); otherwise a sorted search."""
     vals = as_numpy(values)
-    order = np.argsort(positions, kind="stable")
-    sp, sv = np.asarray(positions)[order], vals[order]
+    pos = np.asarray(positions, dtype=np.int64)
 
     def f(query) -> np.ndarray:
         query = np.asarray(query, dtype=np.int64)
-        if len(sp) == 0:
+        if len(pos) == 0:
             return np.full(len(query), default)
+        lo, hi = min(pos.min(), query.min(initial=0)), max(pos.max(), query.max(initial=0))
+        if lo >= 0 and hi < 4096 + DENSE_LOOKUP_SPAN * (len(pos) + len(query)):
+            table = np.full(hi + 1, default, dtype=np.result_type(vals, default))
+            table[pos] = vals
+            return table[query]
+        order = np.argsort(pos, kind="stable")
+        sp, sv = pos[order], vals[order]
         i = np.clip(np.searchsorted(sp, query), 0, len(sp) - 1)
         return np.where(sp[i] == query, sv[i], default)
 
