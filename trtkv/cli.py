@@ -426,6 +426,21 @@ def eval_cmd(engines, task, data, limit, max_tokens, samples, temperature, top_p
         click.echo(f"results written to {out}/ ({', '.join(p.name for p in written)})")
 
 
+@main.command("eval-merge")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory for the merged results.")
+def eval_merge_cmd(runs, out) -> None:
+    """One fidelity table and Pareto frontier from RUNS (trtkv eval --out directories) over the same traces."""
+    from trtkv.eval.merge import merge_runs, read_run
+    from trtkv.eval.run import print_eval, write_eval
+
+    doc = merge_runs([read_run(p) for p in runs])
+    doc["command"] = _command_line("eval-merge")
+    print_eval(doc)
+    written = write_eval(out, doc)
+    click.echo(f"results written to {out}/ ({', '.join(p.name for p in written)})")
+
+
 @main.command("search")
 @click.argument("engine", type=click.Path(path_type=Path))
 @click.option("--task", required=True, help="game24 (generated puzzles), gsm8k or math500.")
