@@ -5,6 +5,9 @@
 # Every step has its own time limit and its log under $OUT (at most 8 files), so one failing step does not lose
 # the others.
 #   OUT=results/gpu build_scripts/gpu_check.sh [steps: env tests kernels engines enginetests]
+# Here, before the device call: `build_scripts/gpu_check.sh prepare` puts SmolLM2's tokenizer files (no weights;
+# the tiny test model borrows the tokenizer) in .gpu_carry/, git-ignored; carry it and set
+# TRTKV_CACHE=$PWD/.gpu_carry there for the enginetests step.
 set -u
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
@@ -15,6 +18,15 @@ JOBS=$(( $(nproc) > 16 ? 16 : $(nproc) ))
 step() { echo "=== $1 ($(date -u +%H:%M:%S))"; }
 
 for s in $STEPS; do case $s in
+prepare)
+  src=$(python3 -c "from trtkv.models.fetch import checkpoint_dir; from trtkv.models.registry import resolve_model; \
+print(checkpoint_dir(resolve_model('smollm2-135m')))" 2>/dev/null || echo "$HOME/.cache/trtkv/models/smollm2-135m")
+  [ -f "$src/tokenizer.json" ] || { echo "no SmolLM2 checkpoint at $src: run trtkv models fetch smollm2-135m"; exit 2; }
+  mkdir -p .gpu_carry/models/smollm2-135m
+  cp "$src"/{.trtkv-ready,config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu_carry/models/smollm2-135m/
+  mkdir -p "$(git rev-parse --git-dir)/info"
+  grep -qx "/.gpu_carry/" "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null || echo "/.gpu_carry/" >>"$(git rev-parse --git-dir)/info/exclude"
+  du -sh .gpu_carry ;;
 env)
   step env
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$OUT/env.txt"
@@ -53,5 +65,5 @@ enginetests)
       tests/test_bench.py tests/test_policy_matrix.py tests/test_lazyeviction.py tests/test_thinkv.py \
       tests/test_cache_properties.py >"$OUT/engine_tests.txt" 2>&1
   echo "rc=$?" >>"$OUT/engine_tests.txt"; grep -v PASSED "$OUT/engine_tests.txt" | tail -40 ;;
-*) echo "unknown step $s (env tests kernels engines enginetests)"; exit 2 ;;
+*) echo "unknown step $s (prepare env tests kernels engines enginetests)"; exit 2 ;;
 esac; done
