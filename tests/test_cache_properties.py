@@ -302,3 +302,53 @@ def test_flush_group_marks_equal_slot_by_slot_marks():
     assert np.array_equal(a.slot_pos[:2], b.slot_pos[:2]) and np.array_equal(a.slot_seg[:2], b.slot_seg[:2])
     with pytest.raises(AssertionError, match="live slot"):
         a.mark_written([0] * 8, list(range(8)), list(range(8)))
+
+
+WT_CLASSES = [("fp32", 0), ("fp32", 1), ("fp16", 0)]  # write-through formats (one token per write)
+_step = st.tuples(st.just("write"), st.integers(0, 3), st.integers(0, 2), st.integers(0, 3))
+wt_op = st.one_of(st.tuples(st.just("add")), _step, _step, _step, _step,  # mostly decode steps
+                  st.tuples(st.just("evict"), st.integers(0, 3), st.integers(0, 1),
+                            st.lists(st.integers(0, 200), min_size=1, max_size=3)),
+                  st.tuples(st.just("free"), st.integers(0, 3)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(wt_op, min_size=20, max_size=40), cls_i=st.integers(0, len(WT_CLASSES) - 1))
+def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
+    """``write_through`` (one slot per request from ``alloc_one``, one slot mark for the batch) leaves exactly
+    the state of writing each request's token with ``write`` (``alloc_slots(.., 1)``): slots chosen, reuse
+    heaps, open pages, stored values."""
+    caches = [make_cache(g=1), make_cache(g=1)]
+    next_pos: dict[int, int] = {}
+    for o in ops:
+        ids = sorted(caches[0].seqs)
+        if o[0] == "add" or not ids:
+            sid = len(next_pos)
+            for c in caches:
+                c.add_sequence(sid)
+            next_pos[sid] = 0
+        elif o[0] == "write":  # one decode step: a token for every request, in one class
+            cls = WT_CLASSES[cls_i] if o[2] else WT_CLASSES[(cls_i + 1) % len(WT_CLASSES)]  # mostly one class
+            pos = [next_pos[sid] for sid in ids]
+            for sid in ids:
+                next_pos[sid] += 1
+            gen = torch.Generator().manual_seed(sum(pos) + o[3])
+            k, v = torch.randn(len(ids), H, D, generator=gen), torch.randn(len(ids), H, D, generator=gen)
+            for layer in range(L):
+                caches[0].write_through(layer, [caches[0].seqs[s] for s in ids], k, v, pos, cls)
+                for i, sid in enumerate(ids):
+                    caches[1].write(caches[1].seqs[sid], layer, k[i:i + 1], v[i:i + 1], [pos[i]], cls)
+        elif o[0] == "evict":
+            sid = ids[o[1] % len(ids)]
+            for c in caches:
+                c.evict(c.seqs[sid], o[2], [p % max(1, next_pos[sid]) for p in o[3]])
+        else:
+            for c in caches:
+                c.free_sequence(ids[o[1] % len(ids)])
+        assert _state(caches[0]) == _state(caches[1])
+        for layer in range(L):
+            for fmt, pool in caches[0].pools[layer].items():
+                other = caches[1].pools[layer][fmt]
+                for a, b in zip(pool.fields, other.fields):
+                    assert torch.equal(a[:pool.fresh], b[:pool.fresh])
+    check_invariants(caches[0])

@@ -250,6 +250,26 @@ class KVCacheManager:
                 del table.open_page[cls]
         return np.asarray(pages, np.int64), np.asarray(slots, np.int64)
 
+    def alloc_one(self, seq: SeqKV, layer: int, cls: Cls) -> tuple[int, int]:
+        """``alloc_slots(seq, layer, cls, 1)`` as two ints (a decode step's write, per request and layer):
+        the same choice — a reusable slot of the class, else the open page's tail, else a new page —
+        without building arrays."""
+        table, pool = seq.layers[layer], self.pool(layer, cls[0])
+        heap = table.reusable.get(cls)
+        while heap:
+            seq_no, p, s = heapq.heappop(heap)
+            if table.page_seq.get((cls[0], p)) == seq_no and not pool.valid[p] >> s & 1:
+                return int(p), int(s)
+        p = table.open_page.get(cls)
+        if p is None:  # a new page: the general path
+            pages, slots = self.alloc_slots(seq, layer, cls, 1)
+            return int(pages[0]), int(slots[0])
+        s = int(pool.hwm[p])
+        pool.hwm[p] = s + 1
+        if s + 1 >= pool.B:
+            del table.open_page[cls]
+        return int(p), s
+
     def write(self, seq: SeqKV, layer: int, k: torch.Tensor, v: torch.Tensor, positions: list[int],
               cls: Cls, seg: int = -1) -> None:
         """Store ``k, v [n, H, D]`` (one flush group for quantized formats) of one request."""
@@ -275,22 +295,20 @@ class KVCacheManager:
                       positions: list[int], cls: Cls) -> None:
         """One token per request ``k, v [b, H, D]`` into a write-through format, in one kernel call."""
         pool = self.pool(layer, cls[0])
-        allocs = [self.alloc_slots(s, layer, cls, 1) for s in seqs]
-        if len(allocs) == 1:
-            pages, slots = allocs[0]
-        else:
-            pages = np.concatenate([a[0] for a in allocs])
-            slots = np.concatenate([a[1] for a in allocs])
+        allocs = [self.alloc_one(s, layer, cls) for s in seqs]
+        pages, slots = [p for p, _ in allocs], [s for _, s in allocs]
         sc = self.layer_scales(layer, cls[0])
         clk = self.clock
         prev = clk.switch("kv_write") if clk is not None else None
         plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
-                                 torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
+                                 torch.tensor(pages, device=pool.device), torch.tensor(slots, device=pool.device),
                                  -1, pool.fmt.code, sc.k, sc.v)
         if clk is not None:
             clk.switch(prev)
-        for i, s in enumerate(seqs):
-            self._record(s, layer, pool, cls[0], pages[i:i + 1], slots[i:i + 1], [positions[i]], -1)
+        pool.mark_written(pages, slots, positions, -1)  # distinct slots: one call for the batch
+        fmt = cls[0]
+        for s, p, sl, pos in zip(seqs, pages, slots, positions):
+            s.layers[layer].loc[pos] = (fmt, p, sl)
 
     def _record(self, seq, layer, pool, fmt, pages, slots, positions, seg) -> None:
         pages, slots = pages.tolist(), slots.tolist()
