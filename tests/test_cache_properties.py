@@ -210,6 +210,14 @@ def _state(cache: KVCacheManager):
     return pools, seqs
 
 
+def add_everywhere(caches: list[KVCacheManager], next_pos: dict[int, int]) -> None:
+    """A new request, the same in every cache of a side-by-side comparison."""
+    sid = len(next_pos)
+    for c in caches:
+        c.add_sequence(sid)
+    next_pos[sid] = 0
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=30))
 def test_batched_eviction_matches_one_by_one(ops):
@@ -220,10 +228,7 @@ def test_batched_eviction_matches_one_by_one(ops):
     for o in ops:
         ids = sorted(caches[0].seqs)
         if o[0] == "add" or not ids:
-            sid = len(next_pos)
-            for c in caches:
-                c.add_sequence(sid)
-            next_pos[sid] = 0
+            add_everywhere(caches, next_pos)
         elif o[0] == "write":
             sid = ids[o[1] % len(ids)]
             pos = list(range(next_pos[sid], next_pos[sid] + o[3]))
@@ -323,10 +328,7 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
     for o in ops:
         ids = sorted(caches[0].seqs)
         if o[0] == "add" or not ids:
-            sid = len(next_pos)
-            for c in caches:
-                c.add_sequence(sid)
-            next_pos[sid] = 0
+            add_everywhere(caches, next_pos)
         elif o[0] == "write":  # one decode step: a token for every request, in one class
             cls = WT_CLASSES[cls_i] if o[2] else WT_CLASSES[(cls_i + 1) % len(WT_CLASSES)]  # mostly one class
             pos = [next_pos[sid] for sid in ids]
