@@ -49,7 +49,7 @@ def random_pool(fmt, pages: int, dev: str):
         shape = (pages, B, *f.shape)
         if f.dtype == torch.uint8 and "scale" in f.name:  # E4M3 block scales: finite, positive codes
             slot.append(torch.randint(0x30, 0x48, shape, device=dev, generator=gen, dtype=torch.uint8))
-        elif f.dtype == torch.uint8 and fmt.code == 3:  # FP8 elements: avoid the NaN codes 0x7f/0xff
+        elif f.dtype == torch.uint8 and fmt.name == "fp8":  # FP8 elements: avoid the NaN codes 0x7f/0xff
             slot.append(torch.randint(0, 0x7e, shape, device=dev, generator=gen, dtype=torch.uint8))
         elif f.dtype == torch.uint8:
             slot.append(torch.randint(0, 256, shape, device=dev, generator=gen, dtype=torch.uint8))

@@ -210,17 +210,9 @@ class KVCacheManager:
     # --- slots ------------------------------------------------------------------------------
     def alloc_slots(self, seq: SeqKV, layer: int, cls: Cls, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Reuse evicted slots of the same class first (oldest page, lowest slot), then the open page's
-        tail, and only then new pages."""
+        tail, and only then new pages. (One slot a request at a time, the decode step's case: ``alloc_one``.)"""
         table, pool = seq.layers[layer], self.pool(layer, cls[0])
         heap = table.reusable.get(cls)
-        if n == 1 and not heap:  # fast path: next tail slot of the open page
-            p = table.open_page.get(cls)
-            if p is not None:
-                s = int(pool.hwm[p])
-                pool.hwm[p] = s + 1
-                if s + 1 >= pool.B:
-                    del table.open_page[cls]
-                return np.array([p], np.int64), np.array([s], np.int64)
         pages, slots = [], []
         while heap and len(pages) < n:
             seq_no, p, s = heapq.heappop(heap)
@@ -306,13 +298,17 @@ class KVCacheManager:
         if clk is not None:
             clk.switch(prev)
         pool.mark_written(pages, slots, positions, -1)  # distinct slots: one call for the batch
-        fmt = cls[0]
-        for s, p, sl, pos in zip(seqs, pages, slots, positions):
-            s.layers[layer].loc[pos] = (fmt, p, sl)
+        for i, s in enumerate(seqs):
+            self._locate(s, layer, cls[0], pages[i:i + 1], slots[i:i + 1], positions[i:i + 1])
 
     def _record(self, seq, layer, pool, fmt, pages, slots, positions, seg) -> None:
         pages, slots = pages.tolist(), slots.tolist()
         pool.mark_written(pages, slots, positions, seg)
+        self._locate(seq, layer, fmt, pages, slots, positions)
+
+    @staticmethod
+    def _locate(seq, layer, fmt, pages, slots, positions) -> None:
+        """Where each written position now lives: ``loc[pos] = (format, page, slot)``."""
         loc = seq.layers[layer].loc
         for p, s, pos in zip(pages, slots, positions):
             loc[pos] = (fmt, p, s)
