@@ -7,134 +7,13 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include <algorithm>
-#include <cstring>
-#include <limits>
-#include <vector>
+#include <cstdlib>
 
-#include "codecs.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#endif
+#include "code_attention.h"
+#include "paged_common.h"
 
 namespace trtkv {
 namespace {
-
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-constexpr int64_t SERIAL_SLOT_HEADS = 4096;
-
-struct Pools {
-  const uint8_t* f[4] = {nullptr, nullptr, nullptr, nullptr};
-  const uint8_t* g[2] = {nullptr, nullptr};
-  const int32_t* k_group = nullptr;
-  int64_t H = 0, D = 0, B = 0;
-  float sk = 1.0f, sv = 1.0f;
-};
-
-// Key-group parameters of one (flush group, KV head) decoded to fp32 rows [D], cached across the slots of
-// a task: a flush group's 16 tokens usually sit side by side, so each group row is decoded once.
-struct GroupRows {
-  int64_t gid = -1;
-  std::vector<float> a, b;  // block-scaled: E4M3 key scale, key offset; int: key scale, key zero
-  explicit GroupRows(int64_t D) : a(D), b(D) {}
-};
-
-template <int FMT>
-inline void load_group(const Pools& p, int64_t gid, int64_t h, GroupRows& gr) {
-  if (gr.gid == gid) return;
-  gr.gid = gid;
-  const int64_t D = p.D, grow = (gid * p.H + h) * D;  // group field [gid, h, d]
-  if constexpr (FMT == INT4 || FMT == INT2) {
-    const uint16_t* ks = reinterpret_cast<const uint16_t*>(p.g[0]) + grow;
-    const uint16_t* kz = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
-    for (int64_t d = 0; d < D; ++d) { gr.a[d] = half_to_float(ks[d]); gr.b[d] = half_to_float(kz[d]); }
-  } else {
-    const float* t = e4m3_table().v;
-    const uint8_t* ks = p.g[0] + grow;
-    for (int64_t d = 0; d < D; ++d) gr.a[d] = t[ks[d]];
-    if constexpr (FMT == NVFP4O || FMT == TERNARYO) {
-      const uint16_t* ko = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
-      for (int64_t d = 0; d < D; ++d) gr.b[d] = half_to_float(ko[d]);
-    }
-  }
-}
-
-// Packed codes -> element values through one table row per byte (the scalar decoders' exact values; a
-// byte holds 2 four-bit or 4 two-bit codes, element d at bits BITS*(d % per) of byte d / per): one small copy per byte instead
-// of a shift, mask and decode per element, which did not vectorize (NVFP4 pages were read ~7x slower than
-// fp16 ones; docs/benchmarks.md). INT codes become their integer values.
-template <int FMT>
-struct ByteLut {
-  static constexpr int PER = (FMT == NVFP4 || FMT == NVFP4O || FMT == INT4) ? 2 : 4;
-  float v[256][PER];
-  ByteLut() {
-    constexpr int BITS = 8 / PER;
-    for (int b = 0; b < 256; ++b)
-      for (int j = 0; j < PER; ++j) {
-        const int c = (b >> (BITS * j)) & ((1 << BITS) - 1);
-        v[b][j] = (FMT == INT4 || FMT == INT2) ? (float)c : (PER == 2 ? e2m1_decode(c) : ternary_decode(c));
-      }
-  }
-};
-
-template <int FMT>
-inline void unpack_bytes(const uint8_t* bytes, int64_t nbytes, float* out) {
-  static const ByteLut<FMT> lut;
-  constexpr int PER = ByteLut<FMT>::PER;
-  for (int64_t i = 0; i < nbytes; ++i) std::memcpy(out + i * PER, lut.v[bytes[i]], PER * sizeof(float));
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// AVX-512: the codes of 16 bytes become byte indices in element order, widen to 32 bits and index a
-// register-held table of the (at most 16) code values with one permute per 16 elements: ~4x fewer
-// instructions than a copy per byte. Same values (the table is the scalar decoder's).
-template <int FMT>
-struct CodeTable {
-  alignas(64) float v[16] = {};
-  CodeTable() {
-    const ByteLut<FMT> lut;
-    constexpr int PER = ByteLut<FMT>::PER;
-    for (int c = 0; c < (PER == 2 ? 16 : 4); ++c) v[c] = lut.v[PER == 2 ? c | (c << 4) : c * 0x55][0];
-  }
-};
-
-inline void permute_store(__m128i idx, __m512 tab, float* out) {
-  _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(idx), tab));
-}
-
-template <int FMT>
-inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) {
-  static const CodeTable<FMT> table;
-  constexpr int PER = ByteLut<FMT>::PER;
-  const __m512 tab = _mm512_load_ps(table.v);
-  int64_t i = 0;
-  for (; i + 16 <= nbytes; i += 16) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i));
-    float* o = out + i * PER;
-    if constexpr (PER == 2) {  // byte k = elements 2k (low nibble), 2k+1
-      const __m128i m = _mm_set1_epi8(0x0F);
-      const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-      permute_store(_mm_unpacklo_epi8(lo, hi), tab, o);
-      permute_store(_mm_unpackhi_epi8(lo, hi), tab, o + 16);
-    } else {  // byte k = elements 4k .. 4k+3, from the low bits up
-      const __m128i m = _mm_set1_epi8(0x03);
-      const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
-      const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
-      const __m128i a01 = _mm_unpacklo_epi8(c0, c1), a23 = _mm_unpacklo_epi8(c2, c3);
-      const __m128i b01 = _mm_unpackhi_epi8(c0, c1), b23 = _mm_unpackhi_epi8(c2, c3);
-      permute_store(_mm_unpacklo_epi16(a01, a23), tab, o);
-      permute_store(_mm_unpackhi_epi16(a01, a23), tab, o + 16);
-      permute_store(_mm_unpacklo_epi16(b01, b23), tab, o + 32);
-      permute_store(_mm_unpackhi_epi16(b01, b23), tab, o + 48);
-    }
-  }
-  if (i < nbytes) unpack_bytes<FMT>(bytes + i, nbytes - i, out + i * PER);
-}
-#else
-template <int FMT>
-inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) { unpack_bytes<FMT>(bytes, nbytes, out); }
-#endif
 
 // Dequantized K and V rows (fp32, [D]) of slot `slot` of page `page`, KV head `h`; same fp32 operations in
 // the same order as the formats' torch decoders.
@@ -199,13 +78,6 @@ inline void load_kv(const Pools& p, int64_t page, int64_t slot, int64_t h, float
   }
 }
 
-// One task = (sequence, split of its block table), every KV head: a page's slots hold their H heads side by
-// side ([B, H, ...]), so the task streams each page once, front to back, instead of H tasks each reading a
-// third of every slot. Live tokens gather into tiles of TILE across pages (a page holds only 8 slots at
-// SmolLM2's block size) and each tile makes one online-softmax update per query head. A tile keeps K
-// transposed ([D][TILE]) so the G scores of TILE tokens are TILE-wide vector FMAs rather than one
-// horizontal sum per (token, head), and V as rows for the weighted sum.
-constexpr int64_t TILE = 16;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // 16 rows of 16 floats (row stride rs) -> 16 columns (column c at dst + c * TILE): the K tile's transpose in
@@ -278,32 +150,6 @@ inline void tile_scores(const float* qg, const float* kh /*[D][TILE]*/, int64_t 
   for (int64_t i = 0; i < TILE; ++i) sp[i] = (s0[i] + s1[i]) + (s2[i] + s3[i]);
 }
 
-// acc[D] += sum_i p[i] * v[i][D]. With the head size known at compile time (DC) the accumulator lives in
-// registers across the tile's tokens instead of a load-FMA-store round trip per token.
-template <int64_t DC>
-inline void tile_pv(float* ag, const float* sp, const float* vh, int64_t n, int64_t D) {
-  if constexpr (DC > 0) {
-    float a[DC];
-#pragma omp simd
-    for (int64_t d = 0; d < DC; ++d) a[d] = ag[d];
-    for (int64_t i = 0; i < n; ++i) {
-      const float pr = sp[i];
-      const float* vr = vh + i * DC;
-#pragma omp simd
-      for (int64_t d = 0; d < DC; ++d) a[d] += pr * vr[d];
-    }
-#pragma omp simd
-    for (int64_t d = 0; d < DC; ++d) ag[d] = a[d];
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const float pr = sp[i];
-      const float* vr = vh + i * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ag[d] += pr * vr[d];
-    }
-  }
-}
-
 template <int FMT, int64_t DC>
 void attend_task(const Pools& p, const float* q /*[H*G, D]*/, const int32_t* table, const int32_t* valid,
                  int64_t p_lo, int64_t p_hi, int64_t G, float sm_scale, float* logits /*[H*G, P*B] or null*/,
@@ -325,26 +171,8 @@ void attend_task(const Pools& p, const float* q /*[H*G, D]*/, const int32_t* tab
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hg = h * G + g;
         tile_scores(q + hg * D, kh, D, sp);
-        float mx = m[hg];
-        for (int64_t i = 0; i < n; ++i) {
-          sp[i] *= sm_scale;
-          mx = std::max(mx, sp[i]);
-          if (logits) logits[hg * logit_stride + where[i]] = sp[i];
-        }
-        const float alpha = exp_neg(m[hg] - mx);  // m = -inf on the first tile: alpha = 0
-        float lsum = 0.0f;
-#pragma omp simd reduction(+ : lsum)
-        for (int64_t i = 0; i < TILE; ++i) {
-          const float e = exp_neg(sp[i] - mx);
-          sp[i] = i < n ? e : 0.0f;  // lanes past n hold stale tiles' values
-          lsum += sp[i];
-        }
-        float* ag = acc + hg * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
-        tile_pv<DC>(ag, sp, vh, n, D);
-        l[hg] = l[hg] * alpha + lsum;
-        m[hg] = mx;
+        for (int64_t i = 0; i < n; ++i) sp[i] *= sm_scale;
+        fold_tile<DC>(sp, n, m[hg], l[hg], acc + hg * D, vh, D, logits ? logits + hg * logit_stride : nullptr, where);
       }
     }
     n = 0;
@@ -366,6 +194,15 @@ void attend_task(const Pools& p, const float* q /*[H*G, D]*/, const int32_t* tab
   if (n) update();
 }
 
+// TRTKV_PLAIN_TILES=1 keeps every format on the float-tile task (to measure the code-domain task against it).
+inline bool plain_tiles() {
+  static const bool plain = [] {
+    const char* e = std::getenv("TRTKV_PLAIN_TILES");
+    return e && e[0] == '1';
+  }();
+  return plain;
+}
+
 template <int FMT, int64_t DC>
 void run(const Pools& p, const float* q, const int32_t* table, const int32_t* valid, int64_t b, int64_t P, int64_t G,
          int64_t S, float sm_scale, float* out, float* lse, float* logits) {
@@ -380,6 +217,15 @@ void run(const Pools& p, const float* q, const int32_t* table, const int32_t* va
       const int64_t bi = t / S, sp = t % S;
       const int64_t lo = sp * per_split, hi = std::min(P, lo + per_split);
       float* lg = logits ? logits + bi * Hq * (P * B) : nullptr;
+#ifdef TRTKV_CODE_ATTENTION
+      if constexpr (DC > 0 && code_format<FMT>) {
+        if (!plain_tiles()) {
+          attend_task_codes<FMT, DC>(p, q + bi * Hq * D, table + bi * P, valid, lo, hi, G, sm_scale, lg, P * B,
+                                     &pm[t * Hq], &pl[t * Hq], &pacc[t * Hq * D]);
+          continue;
+        }
+      }
+#endif
       attend_task<FMT, DC>(p, q + bi * Hq * D, table + bi * P, valid, lo, hi, G, sm_scale, lg, P * B, &pm[t * Hq],
                        &pl[t * Hq], &pacc[t * Hq * D]);
     }

@@ -1,0 +1,221 @@
+// Pieces shared by the CPU paged-attention tasks (paged_attention.cpp, code_attention.h): the pools' raw
+// pointers, key-group rows, code tables, and the online-softmax fold of one tile.
+#pragma once
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "codecs.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
+namespace trtkv {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int64_t SERIAL_SLOT_HEADS = 4096;
+
+struct Pools {
+  const uint8_t* f[4] = {nullptr, nullptr, nullptr, nullptr};
+  const uint8_t* g[2] = {nullptr, nullptr};
+  const int32_t* k_group = nullptr;
+  int64_t H = 0, D = 0, B = 0;
+  float sk = 1.0f, sv = 1.0f;
+};
+
+// Key-group parameters of one (flush group, KV head) decoded to fp32 rows [D], cached across the slots of
+// a task: a flush group's 16 tokens usually sit side by side, so each group row is decoded once.
+struct GroupRows {
+  int64_t gid = -1;
+  std::vector<float> a, b;  // block-scaled: E4M3 key scale, key offset; int: key scale, key zero
+  explicit GroupRows(int64_t D) : a(D), b(D) {}
+};
+
+template <int FMT>
+inline void load_group(const Pools& p, int64_t gid, int64_t h, GroupRows& gr) {
+  if (gr.gid == gid) return;
+  gr.gid = gid;
+  const int64_t D = p.D, grow = (gid * p.H + h) * D;  // group field [gid, h, d]
+  if constexpr (FMT == INT4 || FMT == INT2) {
+    const uint16_t* ks = reinterpret_cast<const uint16_t*>(p.g[0]) + grow;
+    const uint16_t* kz = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
+    for (int64_t d = 0; d < D; ++d) { gr.a[d] = half_to_float(ks[d]); gr.b[d] = half_to_float(kz[d]); }
+  } else {
+    const float* t = e4m3_table().v;
+    const uint8_t* ks = p.g[0] + grow;
+    for (int64_t d = 0; d < D; ++d) gr.a[d] = t[ks[d]];
+    if constexpr (FMT == NVFP4O || FMT == TERNARYO) {
+      const uint16_t* ko = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
+      for (int64_t d = 0; d < D; ++d) gr.b[d] = half_to_float(ko[d]);
+    }
+  }
+}
+
+// Packed codes -> element values through one table row per byte (the scalar decoders' exact values; a
+// byte holds 2 four-bit or 4 two-bit codes, element d at bits BITS*(d % per) of byte d / per): one small copy per byte instead
+// of a shift, mask and decode per element, which did not vectorize (NVFP4 pages were read ~7x slower than
+// fp16 ones; docs/benchmarks.md). INT codes become their integer values.
+template <int FMT>
+struct ByteLut {
+  static constexpr int PER = (FMT == NVFP4 || FMT == NVFP4O || FMT == INT4) ? 2 : 4;
+  float v[256][PER];
+  ByteLut() {
+    constexpr int BITS = 8 / PER;
+    for (int b = 0; b < 256; ++b)
+      for (int j = 0; j < PER; ++j) {
+        const int c = (b >> (BITS * j)) & ((1 << BITS) - 1);
+        v[b][j] = (FMT == INT4 || FMT == INT2) ? (float)c : (PER == 2 ? e2m1_decode(c) : ternary_decode(c));
+      }
+  }
+};
+
+template <int FMT>
+inline void unpack_bytes(const uint8_t* bytes, int64_t nbytes, float* out) {
+  static const ByteLut<FMT> lut;
+  constexpr int PER = ByteLut<FMT>::PER;
+  for (int64_t i = 0; i < nbytes; ++i) std::memcpy(out + i * PER, lut.v[bytes[i]], PER * sizeof(float));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// AVX-512: the codes of 16 bytes become byte indices in element order, widen to 32 bits and index a
+// register-held table of the (at most 16) code values with one permute per 16 elements: ~4x fewer
+// instructions than a copy per byte. Same values (the table is the scalar decoder's).
+template <int FMT>
+struct CodeTable {
+  alignas(64) float v[16] = {};
+  CodeTable() {
+    const ByteLut<FMT> lut;
+    constexpr int PER = ByteLut<FMT>::PER;
+    for (int c = 0; c < (PER == 2 ? 16 : 4); ++c) v[c] = lut.v[PER == 2 ? c | (c << 4) : c * 0x55][0];
+  }
+};
+
+inline void permute_store(__m128i idx, __m512 tab, float* out) {
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(idx), tab));
+}
+
+template <int FMT>
+inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) {
+  static const CodeTable<FMT> table;
+  constexpr int PER = ByteLut<FMT>::PER;
+  const __m512 tab = _mm512_load_ps(table.v);
+  int64_t i = 0;
+  for (; i + 16 <= nbytes; i += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i));
+    float* o = out + i * PER;
+    if constexpr (PER == 2) {  // byte k = elements 2k (low nibble), 2k+1
+      const __m128i m = _mm_set1_epi8(0x0F);
+      const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+      permute_store(_mm_unpacklo_epi8(lo, hi), tab, o);
+      permute_store(_mm_unpackhi_epi8(lo, hi), tab, o + 16);
+    } else {  // byte k = elements 4k .. 4k+3, from the low bits up
+      const __m128i m = _mm_set1_epi8(0x03);
+      const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+      const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+      const __m128i a01 = _mm_unpacklo_epi8(c0, c1), a23 = _mm_unpacklo_epi8(c2, c3);
+      const __m128i b01 = _mm_unpackhi_epi8(c0, c1), b23 = _mm_unpackhi_epi8(c2, c3);
+      permute_store(_mm_unpacklo_epi16(a01, a23), tab, o);
+      permute_store(_mm_unpackhi_epi16(a01, a23), tab, o + 16);
+      permute_store(_mm_unpacklo_epi16(b01, b23), tab, o + 32);
+      permute_store(_mm_unpackhi_epi16(b01, b23), tab, o + 48);
+    }
+  }
+  if (i < nbytes) unpack_bytes<FMT>(bytes + i, nbytes - i, out + i * PER);
+}
+#else
+template <int FMT>
+inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) { unpack_bytes<FMT>(bytes, nbytes, out); }
+#endif
+
+// One task = (sequence, split of its block table), every KV head: a page's slots hold their H heads side by
+// side ([B, H, ...]), so the task streams each page once, front to back, instead of H tasks each reading a
+// third of every slot. Live tokens gather into tiles of TILE across pages (a page holds only 8 slots at
+// SmolLM2's block size) and each tile makes one online-softmax update per query head. A tile keeps K
+// transposed ([D][TILE]) so the G scores of TILE tokens are TILE-wide vector FMAs rather than one
+// horizontal sum per (token, head), and V as rows for the weighted sum.
+constexpr int64_t TILE = 16;
+
+// acc[D] = alpha * acc[D] + sum_i p[i] * v[i][D]. With the head size known at compile time (DC) the
+// accumulator lives in registers across the tile's tokens, in two chains (even and odd tokens) so that
+// consecutive FMAs on one register do not wait on each other's latency.
+template <int64_t DC>
+inline void tile_pv(float* ag, float alpha, const float* sp, const float* vh, int64_t n, int64_t D) {
+  if constexpr (DC > 0) {
+    float a[DC], b[DC];
+#pragma omp simd
+    for (int64_t d = 0; d < DC; ++d) {
+      a[d] = ag[d] * alpha;
+      b[d] = 0.0f;
+    }
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+      const float p0 = sp[i], p1 = sp[i + 1];
+      const float* v0 = vh + i * DC;
+#pragma omp simd
+      for (int64_t d = 0; d < DC; ++d) {
+        a[d] += p0 * v0[d];
+        b[d] += p1 * v0[DC + d];
+      }
+    }
+    if (i < n) {
+      const float p0 = sp[i];
+      const float* v0 = vh + i * DC;
+#pragma omp simd
+      for (int64_t d = 0; d < DC; ++d) a[d] += p0 * v0[d];
+    }
+#pragma omp simd
+    for (int64_t d = 0; d < DC; ++d) ag[d] = a[d] + b[d];
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+    for (int64_t i = 0; i < n; ++i) {
+      const float pr = sp[i];
+      const float* vr = vh + i * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] += pr * vr[d];
+    }
+  }
+}
+
+// A tile's n scaled scores sp[TILE] -> their softmax weights exp(s - m') in place (0 past n), folded into
+// one query head's running maximum m and sum l; returns alpha = exp(m - m'), the factor the head's
+// accumulator must be scaled by. The scores are written to lg (a logits row) at where[i] when asked for.
+// Lanes past n hold stale values and are ignored.
+inline float softmax_tile(float* sp, int64_t n, float& m, float& l, float* lg, const int64_t* where) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const float mx = std::max(m, _mm512_mask_reduce_max_ps((__mmask16)((1u << n) - 1u), _mm512_loadu_ps(sp)));
+#else
+  float mx = m;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sp[i]);
+#endif
+  if (lg)
+    for (int64_t i = 0; i < n; ++i) lg[where[i]] = sp[i];
+  // m = -inf on the first tile: alpha = 0; an unchanged maximum (most tiles of a long row) needs no exp
+  const float alpha = mx == m ? 1.0f : exp_neg(m - mx);
+#pragma omp simd
+  for (int64_t i = 0; i < TILE; ++i) {
+    const float e = exp_neg(sp[i] - mx);
+    sp[i] = i < n ? e : 0.0f;  // lanes past n hold stale tiles' values
+  }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const float lsum = _mm512_reduce_add_ps(_mm512_loadu_ps(sp));  // a tree, not a chain of 16 dependent adds
+#else
+  float lsum = 0.0f;
+  for (int64_t i = 0; i < TILE; ++i) lsum += sp[i];
+#endif
+  l = l * alpha + lsum;
+  m = mx;
+  return alpha;
+}
+
+// softmax_tile, then the accumulator ag[D] updated with V rows vh [TILE][D] (the float-tile task's P.V).
+template <int64_t DC>
+inline void fold_tile(float* sp, int64_t n, float& m, float& l, float* ag, const float* vh, int64_t D, float* lg,
+                      const int64_t* where) {
+  const float alpha = softmax_tile(sp, n, m, l, lg, where);
+  tile_pv<DC>(ag, alpha, sp, vh, n, D);
+}
+
+}  // namespace trtkv
