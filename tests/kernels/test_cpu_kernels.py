@@ -143,6 +143,50 @@ def test_large_pool_64bit_offsets():
     assert_same(paged_attention_cpu(*args), paged_attention_ref(*args))
 
 
+def flushed_pool(fmt, H, D, num_pages, seed, offset_every=0):
+    """A pool written the way engines write it: flush groups of 16 consecutive tokens in consecutive slots
+    (full 16-token tiles of one key group, what the code-domain task is built for), every slot live but
+    a few; ``offset_every`` shifts a flush group by 3 slots every that many groups (tiles that straddle
+    groups and pages)."""
+    g = torch.Generator().manual_seed(seed)
+    slot = [torch.zeros((num_pages, B, *f.shape), dtype=f.dtype) for f in fmt.slot_fields(H, D)]
+    n_slots = num_pages * B
+    group = [torch.zeros((n_slots, *f.shape), dtype=f.dtype) for f in fmt.group_fields(H, D)]
+    k_group = torch.full((num_pages, B), -1, dtype=torch.int32)
+    offset = torch.randn(H, D, generator=g) * 3
+    start, gid = 0, 0
+    while start < n_slots:
+        size = 13 if offset_every and gid % offset_every == offset_every - 1 else fmt.group_size
+        idx = torch.arange(start, min(start + size, n_slots))
+        k = torch.randn(len(idx), H, D, generator=g) * 2 + offset
+        v = torch.randn(len(idx), H, D, generator=g)
+        kv_write_ref(k, v, slot, group, k_group, idx // B, idx % B, gid, fmt.code, 0.7, 1.3)
+        start, gid = start + len(idx), gid + 1
+    bits = torch.full((num_pages,), (1 << B) - 1, dtype=torch.int32)
+    bits[::5] = 0b11011111  # a few holes
+    return slot, group, k_group, bits
+
+
+# (H, G, D): SmolLM2 (3, 3, 64), r1-llama-8b (8 KV heads, G=4, D=128) cut to 2 heads, and GQA widths whose
+# query heads span several register chunks (G = 5..7: scores 4 at a time, P.V 4 (D=64) or 2 (D=128)).
+CODE_SHAPES = [(3, 3, 64), (2, 4, 128), (1, 1, 64), (1, 5, 64), (2, 6, 128), (1, 7, 128), (1, 2, 64)]
+
+
+@pytest.mark.parametrize("shape", CODE_SHAPES, ids=lambda s: "H{}G{}D{}".format(*s))
+@pytest.mark.parametrize("name", [n for n in FORMATS if FORMATS[n].quantized])
+def test_attention_flushed_groups_match_reference(name, shape):
+    """Long rows of full 16-token tiles (and tiles cut by a group boundary), several splits, logits."""
+    H, G, D = shape
+    fmt = FORMATS[name]
+    pool = flushed_pool(fmt, H, D, num_pages=24, seed=D + G, offset_every=4)
+    q = torch.randn(3, H * G, D, generator=torch.Generator().manual_seed(3)) * 2
+    bt = torch.stack([torch.arange(24), torch.arange(24).flip(0), torch.arange(24)]).int()
+    bt[2, 15:] = -1
+    for splits, logits in ((None, False), (3, True)):
+        got, want = run_both(fmt, q, pool, bt, logits=logits, splits=splits)
+        assert_same(got, want)
+
+
 # --- kv_write: byte-identical with the reference -------------------------------------------------
 def check_write(name, k, v, pages, slots, gid, scales, seed=0):
     fmt = FORMATS[name]

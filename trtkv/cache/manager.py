@@ -40,6 +40,7 @@ class LayerTable:
         self.loc: dict[int, tuple[str, int, int]] = {}  # position -> (format, page, slot)
         self._flat: dict[str, list[int]] | None = None
         self._bt: list | None = None  # cached single-request block tables, reset with _flat
+        self._arrays: tuple[dict[str, list[int]], dict[str, np.ndarray]] | None = None  # (of which _flat, arrays)
         self.holes = False  # an eviction ever hit this table (its live slots are no longer a prefix)
 
     def pages_of_format(self) -> dict[str, list[int]]:
@@ -49,6 +50,14 @@ class LayerTable:
                 flat.setdefault(fmt, []).extend(pages)
             self._flat = flat
         return self._flat
+
+    def page_arrays(self) -> dict[str, np.ndarray]:
+        """:meth:`pages_of_format` as int32 arrays, rebuilt only when the page lists change (a batch's block
+        table is copied from them every layer of every step)."""
+        flat = self.pages_of_format()
+        if self._arrays is None or self._arrays[0] is not flat:
+            self._arrays = (flat, {f: np.asarray(p, np.int32) for f, p in flat.items()})
+        return self._arrays[1]
 
     @property
     def live(self) -> int:

@@ -53,6 +53,9 @@ def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, obj
     return list(zip(out_k.split(sizes), out_v.split(sizes)))
 
 
+_NO_PAGES = np.empty(0, np.int32)
+
+
 def block_tables(mgr: KVCacheManager, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
     """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""
     out = []
@@ -64,9 +67,9 @@ def block_tables(mgr: KVCacheManager, layer: int, seqs: list[SeqKV]) -> list[tup
                          for fmt, pages in table.pages_of_format().items() if pages]  # (a format whose
             # pages were all released, e.g. a tree block re-stored and rebuilt, has no table)
         return table._bt
-    per_seq = [s.layers[layer].pages_of_format() for s in seqs]
+    per_seq = [s.layers[layer].page_arrays() for s in seqs]
     for fmt, pool in mgr.pools[layer].items():
-        rows = [d.get(fmt, ()) for d in per_seq]
+        rows = [d.get(fmt, _NO_PAGES) for d in per_seq]
         width = max((len(r) for r in rows), default=0)
         if width == 0:
             continue

@@ -108,8 +108,8 @@ inline void score_chunk(const uint8_t* cols, const float* qs /*[GC][D]*/, const 
 }
 
 // P.V of the tile for GV query heads of KV head h, V decoded straight into registers: each token's row
-// is decoded once (16 channels per broadcast, multishift and table permute, then scaled as the reference
-// does: (code * scale) * global scale, or code * scale + zero for the integer formats) and multiplied into
+// is decoded once (16 channels per broadcast, multishift and table permute, then scaled: code * block scale,
+// the global scale folded into the weights, or code * scale + zero for the integer formats) and multiplied into
 // every head's accumulator, which stays in registers across the tile (GV * D/16 <= 16 of them).
 // pw: the heads' softmax weights [GV][TILE]; alpha: their accumulators' rescale; acc: GV rows [D], stride D.
 template <int FMT, int64_t D, int GV>
@@ -127,6 +127,10 @@ inline void pv_chunk(const Pools& p, const int64_t* slot_row, int64_t n, int64_t
   const uint16_t* const vs = reinterpret_cast<const uint16_t*>(p.f[2]);
   const uint16_t* const vz = reinterpret_cast<const uint16_t*>(p.f[3]);
   const int64_t H = p.H;
+  constexpr bool integer = FMT == INT4 || FMT == INT2;
+  alignas(64) float pg[GV][TILE];  // the weights times the global V scale (block-scaled formats), so that a
+  for (int g = 0; g < GV; ++g)     // decoded row needs one multiply (by its block scale), not two
+    _mm512_store_ps(pg[g], integer ? _mm512_loadu_ps(pw + g * TILE) : _mm512_mul_ps(_mm512_loadu_ps(pw + g * TILE), sv));
   __m512 a[GV][NB];
   for (int g = 0; g < GV; ++g)
     for (int64_t c = 0; c < NB; ++c) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * c), _mm512_set1_ps(alpha[g]));
@@ -147,13 +151,13 @@ inline void pv_chunk(const Pools& p, const int64_t* slot_row, int64_t n, int64_t
         src = _mm512_set1_epi32(w);
       }
       const __m512 val = _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(ctl, src), tab);
-      if constexpr (FMT == INT4 || FMT == INT2)
-        v[c] = _mm512_fmadd_ps(val, _mm512_set1_ps(half_to_float(vs[vrow + c])), _mm512_set1_ps(half_to_float(vz[vrow + c])));
+      if constexpr (integer)
+        v[c] = _mm512_fmadd_ps(val, _mm512_set1_ps(_cvtsh_ss(vs[vrow + c])), _mm512_set1_ps(_cvtsh_ss(vz[vrow + c])));
       else
-        v[c] = _mm512_mul_ps(_mm512_mul_ps(val, _mm512_set1_ps(e4m3[scales[vrow + c]])), sv);
+        v[c] = _mm512_mul_ps(val, _mm512_set1_ps(e4m3[scales[vrow + c]]));
     }
     for (int g = 0; g < GV; ++g) {
-      const __m512 pb = _mm512_set1_ps(pw[g * TILE + i]);
+      const __m512 pb = _mm512_set1_ps(pg[g][i]);
       for (int64_t c = 0; c < NB; ++c) a[g][c] = _mm512_fmadd_ps(pb, v[c], a[g][c]);
     }
   }
