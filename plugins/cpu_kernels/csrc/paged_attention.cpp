@@ -177,20 +177,11 @@ void attend_task(const Pools& p, const float* q /*[H*G, D]*/, const int32_t* tab
     }
     n = 0;
   };
-  for (int64_t pi = p_lo; pi < p_hi; ++pi) {
-    const int64_t page = table[pi];
-    if (page < 0) continue;
-    const uint32_t word = (uint32_t)valid[page];
-    if (word == 0) continue;
-    for (int64_t j = 0; j < B; ++j) {
-      if (!((word >> j) & 1u)) continue;
-      for (int64_t h = 0; h < H; ++h) {
-        load_kv<FMT>(p, page, j, h, &kt[(h * TILE + n) * D], &vt[(h * TILE + n) * D], gr[h]);
-      }
-      where[n++] = pi * B + j;
-      if (n == TILE) update();
-    }
-  }
+  for_each_live_slot(table, valid, p_lo, p_hi, B, [&](int64_t pi, int64_t page, int64_t j) {
+    for (int64_t h = 0; h < H; ++h) load_kv<FMT>(p, page, j, h, &kt[(h * TILE + n) * D], &vt[(h * TILE + n) * D], gr[h]);
+    where[n++] = pi * B + j;
+    if (n == TILE) update();
+  });
   if (n) update();
 }
 
@@ -219,7 +210,7 @@ void run(const Pools& p, const float* q, const int32_t* table, const int32_t* va
       float* lg = logits ? logits + bi * Hq * (P * B) : nullptr;
 #ifdef TRTKV_CODE_ATTENTION
       if constexpr (DC > 0 && code_format<FMT>) {
-        if (!plain_tiles()) {
+        if (!plain_tiles() && long_group_runs(p, table + bi * P, valid, lo, hi)) {
           attend_task_codes<FMT, DC>(p, q + bi * Hq * D, table + bi * P, valid, lo, hi, G, sm_scale, lg, P * B,
                                      &pm[t * Hq], &pl[t * Hq], &pacc[t * Hq * D]);
           continue;

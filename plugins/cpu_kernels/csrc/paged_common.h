@@ -179,6 +179,21 @@ inline void tile_pv(float* ag, float alpha, const float* sp, const float* vh, in
   }
 }
 
+// fn(pi, page, slot) for every live slot of block-table entries [p_lo, p_hi), in table order: -1 entries
+// and pages whose validity word is 0 are skipped whole, dead slots by their bit.
+template <typename Fn>
+inline void for_each_live_slot(const int32_t* table, const int32_t* valid, int64_t p_lo, int64_t p_hi, int64_t B,
+                               Fn&& fn) {
+  for (int64_t pi = p_lo; pi < p_hi; ++pi) {
+    const int64_t page = table[pi];
+    if (page < 0) continue;
+    const uint32_t word = (uint32_t)valid[page];
+    if (word == 0) continue;
+    for (int64_t j = 0; j < B; ++j)
+      if ((word >> j) & 1u) fn(pi, page, j);
+  }
+}
+
 // A tile's n scaled scores sp[TILE] -> their softmax weights exp(s - m') in place (0 past n), folded into
 // one query head's running maximum m and sum l; returns alpha = exp(m - m'), the factor the head's
 // accumulator must be scaled by. The scores are written to lg (a logits row) at where[i] when asked for.
