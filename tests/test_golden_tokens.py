@@ -10,6 +10,10 @@ SmolLM2 with 2-/4-bit storage (kivi, thinkv, thinkv-tbq) is exact only per CPU: 
 ``-march=native`` kernels round differently on AVX2 and AVX-512 machines (~1e-6 in the logits), and a
 2-bit code amplifies that into another token after ~10-25 tokens. Those cases are recorded per CPU key
 (``smol_lowbit``) and compared exactly where this CPU has a recording; 16/32-bit cases are exact everywhere.
+The AVX-512 recording of kivi / thinkv / thinkv-tbq was re-taken on 2026-11-26 with the code-domain CPU
+attention (scales folded into the queries: another fp32 rounding order; the first differing token moved
+from none to 10 / 36 / 36 of 48), after teacher-forced fidelity of five 2-/4-bit engines measured the same
+with either kernel (docs/benchmarks.md).
 """
 from __future__ import annotations
 
