@@ -1,8 +1,9 @@
 """Micro-benchmark of one paged-attention / kv_write call: compiled CPU kernel vs torch reference (and the
 dense_run view path for float formats), at SmolLM2-135M geometry (3 KV heads, G=3, D=64, B=8).
 
-    PYTHONPATH=. python build_scripts/bench_cpu_kernels.py [--ctx 128,640,2048] [--batch 1,4]
-Prints microseconds per call, median of repeats; ratios are within one run.
+    PYTHONPATH=. python build_scripts/bench_cpu_kernels.py [--ctx 128,640,2048] [--batch 1,4] [--interleaved]
+Prints microseconds per call, median of repeats; ratios are within one run. ``TRTKV_PLAIN_TILES=1`` keeps
+the 4-/2-bit formats on the float-tile task (docs/design.md, "CPU kernels").
 """
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ def main() -> None:
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--formats", default="fp16,fp32,fp8,nvfp4,nvfp4o,ternary,int4,int2")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--interleaved", action="store_true",
+                    help="each sequence's pages in 2-page runs interleaved with the batch's other sequences "
+                         "(what a batch decoding in lockstep allocates), not one contiguous run")
+    ap.add_argument("--no-ref", action="store_true", help="skip the (slow) torch reference timings")
     a = ap.parse_args()
     print(f"threads={torch.get_num_threads()}  H={H} G={G} D={D} B={B}")
     print(f"{'format':8} {'b':>2} {'ctx':>5} {'ref us':>9} {'cpu us':>9} {'dense us':>9} {'ref/cpu':>8}")
@@ -59,9 +64,11 @@ def main() -> None:
                 P = -(-ctx // B)
                 slot, group, kg, bits = pool_for(fmt, b * P)
                 bt = torch.arange(b * P, dtype=torch.int32).view(b, P)
+                if a.interleaved and P % 2 == 0:
+                    bt = bt.view(P // 2, b, 2).permute(1, 0, 2).reshape(b, P).contiguous()
                 q = torch.randn(b, H * G, D)
                 args = (q, slot, group, kg, bits, bt, fmt.code, D ** -0.5, 1.0, 1.0, False)
-                ref = timeit(lambda: paged_attention_ref(*args), a.reps)
+                ref = float("nan") if a.no_ref else timeit(lambda: paged_attention_ref(*args), a.reps)
                 cpu = timeit(lambda: paged_attention_cpu(*args), a.reps)
                 dense = float("nan")
                 if b == 1 and not fmt.quantized:
@@ -75,7 +82,7 @@ def main() -> None:
         k, v = torch.randn(n, H, D), torch.randn(n, H, D)
         pages, slots = torch.arange(n) // B, torch.arange(n) % B
         wargs = (k, v, slot, group, kg, pages, slots, 0, fmt.code, 1.0, 1.0)
-        ref = timeit(lambda: kv_write_ref(*wargs), a.reps)
+        ref = float("nan") if a.no_ref else timeit(lambda: kv_write_ref(*wargs), a.reps)
         cpu = timeit(lambda: kv_write_cpu(*wargs), a.reps)
         print(f"{name:8} ref {ref:8.1f} us  cpu {cpu:8.1f} us  ref/cpu {ref / cpu:6.2f}")
 
