@@ -9,6 +9,7 @@ and accounts every byte it holds.
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,26 +39,19 @@ class LayerTable:
         self.reusable: dict[Cls, list[tuple[int, int, int]]] = {}  # heap of (page seq, page, slot)
         self.page_seq: dict[tuple[str, int], int] = {}  # allocation order of live pages
         self.loc: dict[int, tuple[str, int, int]] = {}  # position -> (format, page, slot)
-        self._flat: dict[str, list[int]] | None = None
+        self._flat: dict[str, np.ndarray] | None = None
         self._bt: list | None = None  # cached single-request block tables, reset with _flat
-        self._arrays: tuple[dict[str, list[int]], dict[str, np.ndarray]] | None = None  # (of which _flat, arrays)
         self.holes = False  # an eviction ever hit this table (its live slots are no longer a prefix)
 
-    def pages_of_format(self) -> dict[str, list[int]]:
+    def pages_of_format(self) -> dict[str, np.ndarray]:
+        """Pages per format in table order, as int32 arrays (a batch's block table is copied from them every
+        layer of every step); rebuilt only when the page lists change (``_flat`` is reset with them)."""
         if self._flat is None:
             flat: dict[str, list[int]] = {}
             for (fmt, _), pages in self.pages.items():
                 flat.setdefault(fmt, []).extend(pages)
-            self._flat = flat
+            self._flat = {f: np.asarray(p, np.int32) for f, p in flat.items()}
         return self._flat
-
-    def page_arrays(self) -> dict[str, np.ndarray]:
-        """:meth:`pages_of_format` as int32 arrays, rebuilt only when the page lists change (a batch's block
-        table is copied from them every layer of every step)."""
-        flat = self.pages_of_format()
-        if self._arrays is None or self._arrays[0] is not flat:
-            self._arrays = (flat, {f: np.asarray(p, np.int32) for f, p in flat.items()})
-        return self._arrays[1]
 
     @property
     def live(self) -> int:
@@ -307,19 +301,18 @@ class KVCacheManager:
         if clk is not None:
             clk.switch(prev)
         pool.mark_written(pages, slots, positions, -1)  # distinct slots: one call for the batch
-        for i, s in enumerate(seqs):
-            self._locate(s, layer, cls[0], pages[i:i + 1], slots[i:i + 1], positions[i:i + 1])
+        self._locate((s.layers[layer].loc for s in seqs), cls[0], pages, slots, positions)
 
     def _record(self, seq, layer, pool, fmt, pages, slots, positions, seg) -> None:
         pages, slots = pages.tolist(), slots.tolist()
         pool.mark_written(pages, slots, positions, seg)
-        self._locate(seq, layer, fmt, pages, slots, positions)
+        self._locate(itertools.repeat(seq.layers[layer].loc), fmt, pages, slots, positions)
 
     @staticmethod
-    def _locate(seq, layer, fmt, pages, slots, positions) -> None:
-        """Where each written position now lives: ``loc[pos] = (format, page, slot)``."""
-        loc = seq.layers[layer].loc
-        for p, s, pos in zip(pages, slots, positions):
+    def _locate(locs, fmt, pages, slots, positions) -> None:
+        """Where each written position now lives: ``loc[pos] = (format, page, slot)``, each position in its
+        own table's ``loc`` (one request's for a write, one per request for a batch's write-through)."""
+        for loc, p, s, pos in zip(locs, pages, slots, positions):
             loc[pos] = (fmt, p, s)
 
     # --- residual buffer --------------------------------------------------------------------

@@ -53,7 +53,7 @@ def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, obj
     return list(zip(out_k.split(sizes), out_v.split(sizes)))
 
 
-_NO_PAGES = np.empty(0, np.int32)
+NO_PAGES = np.empty(0, np.int32)  # a sequence without pages of a format
 
 
 def block_tables(mgr: KVCacheManager, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
@@ -62,14 +62,13 @@ def block_tables(mgr: KVCacheManager, layer: int, seqs: list[SeqKV]) -> list[tup
     if len(seqs) == 1:  # no padding to do; the tensor is cached until the page list changes
         table = seqs[0].layers[layer]
         if table._bt is None:
-            table._bt = [(mgr.pools[layer][fmt], torch.tensor([pages], dtype=torch.int32,
-                                                             device=mgr.pools[layer][fmt].device))
-                         for fmt, pages in table.pages_of_format().items() if pages]  # (a format whose
+            table._bt = [(mgr.pools[layer][fmt], torch.from_numpy(pages[None]).to(mgr.pools[layer][fmt].device))
+                         for fmt, pages in table.pages_of_format().items() if len(pages)]  # (a format whose
             # pages were all released, e.g. a tree block re-stored and rebuilt, has no table)
         return table._bt
-    per_seq = [s.layers[layer].page_arrays() for s in seqs]
+    per_seq = [s.layers[layer].pages_of_format() for s in seqs]
     for fmt, pool in mgr.pools[layer].items():
-        rows = [d.get(fmt, _NO_PAGES) for d in per_seq]
+        rows = [d.get(fmt, NO_PAGES) for d in per_seq]
         width = max((len(r) for r in rows), default=0)
         if width == 0:
             continue

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from trtkv.cache.manager import KVCacheManager, SeqKV
+from trtkv.cache.reads import NO_PAGES
 
 
 class StagedPool:
@@ -175,12 +176,12 @@ class HostStaging:
             rows = []
             for s in self.batch:
                 st = tiers.seqs.get(s.seq_id)
-                rows.append(st.host.layers[layer].pages_of_format().get(fmt, []) if st is not None else [])
-            flat = [p for r in rows for p in r]
-            if not flat:
+                rows.append(st.host.layers[layer].pages_of_format().get(fmt, NO_PAGES) if st is not None else NO_PAGES)
+            flat = np.concatenate(rows) if rows else NO_PAGES
+            if not len(flat):
                 continue
             n = len(flat)
-            idx = torch.tensor(flat, dtype=torch.long)
+            idx = torch.from_numpy(flat.astype(np.int64))
             like = [*hpool.fields, hpool.k_group[:, None]]
             dst = buf.tensors(fmt, like, n, self.device, self.cuda)
             if self.cuda:

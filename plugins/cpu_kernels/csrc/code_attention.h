@@ -28,21 +28,6 @@ constexpr bool code_format = FMT == NVFP4 || FMT == NVFP4O || FMT == TERNARY || 
 template <int FMT>
 constexpr int code_bits = (FMT == NVFP4 || FMT == NVFP4O || FMT == INT4) ? 4 : 2;
 
-// Code values indexed by a lane's low 4 bits: 4-bit codes use all 16 entries; 2-bit codes repeat every 4
-// entries, so the neighbouring code that sits in bits 2-3 of a shifted byte does not matter.
-template <int FMT>
-struct LaneTable {
-  alignas(64) float v[16];
-  LaneTable() {
-    const ByteLut<FMT> lut;
-    constexpr int PER = ByteLut<FMT>::PER;
-    for (int i = 0; i < 16; ++i) {
-      const int c = PER == 2 ? i : (i & 3);
-      v[i] = lut.v[PER == 2 ? c | (c << 4) : c * 0x55][0];
-    }
-  }
-};
-
 struct alignas(64) ByteIndex {
   uint8_t v[64];
 };
@@ -265,7 +250,7 @@ void attend_task_codes(const Pools& p, const float* q /*[H*G, D]*/, const int32_
                        int64_t logit_stride, float* m /*[H*G]*/, float* l /*[H*G]*/, float* acc /*[H*G, D]*/) {
   constexpr int64_t RB = D * code_bits<FMT> / 8;
   static_assert(RB % 16 == 0, "byte columns are transposed 16 at a time");
-  static const LaneTable<FMT> lanes;
+  static const CodeTable<FMT> lanes;
   static const uint8_t zeros[RB] = {};  // rows of the lanes past n
   const __m512 tab = _mm512_load_ps(lanes.v);
   const int64_t B = p.B, H = p.H;

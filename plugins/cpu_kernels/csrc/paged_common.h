@@ -81,14 +81,19 @@ inline void unpack_bytes(const uint8_t* bytes, int64_t nbytes, float* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // AVX-512: the codes of 16 bytes become byte indices in element order, widen to 32 bits and index a
 // register-held table of the (at most 16) code values with one permute per 16 elements: ~4x fewer
-// instructions than a copy per byte. Same values (the table is the scalar decoder's).
+// instructions than a copy per byte. Same values (the table is the scalar decoder's). Indexed by a lane's
+// low 4 bits: 2-bit codes repeat every 4 entries, so whatever sits in bits 2-3 of an index (a neighbouring
+// code, in code_attention.h's shifted bytes) does not matter.
 template <int FMT>
 struct CodeTable {
-  alignas(64) float v[16] = {};
+  alignas(64) float v[16];
   CodeTable() {
     const ByteLut<FMT> lut;
     constexpr int PER = ByteLut<FMT>::PER;
-    for (int c = 0; c < (PER == 2 ? 16 : 4); ++c) v[c] = lut.v[PER == 2 ? c | (c << 4) : c * 0x55][0];
+    for (int i = 0; i < 16; ++i) {
+      const int c = PER == 2 ? i : (i & 3);
+      v[i] = lut.v[PER == 2 ? c | (c << 4) : c * 0x55][0];
+    }
   }
 };
 
