@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from trtkv.policies.scoring import lookup, lowest, sorted_member, top_keep
+from trtkv.policies.scoring import PositionTable, lookup, lowest, sorted_member, top_keep
+from trtkv.runtime.attention import live_first, live_views
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -70,3 +71,28 @@ def test_lookup_dense_table_equals_sorted_search(seed, monkeypatch):
         searched = lookup(pos, vals, default=-1.0)(query)
         monkeypatch.undo()
         assert dense.dtype == searched.dtype and np.array_equal(dense, searched)
+
+
+def test_position_table_add_layers_matches_add():
+    """One scatter for every layer's statistics lands exactly where per-layer ``add`` calls do, growing
+    the table past its capacity on the way."""
+    rng = np.random.default_rng(0)
+    one, many = PositionTable(4), PositionTable(4)
+    for step in range(3):
+        items = [(layer, rng.choice(50 + 40 * step, 12 + layer, replace=False), torch.rand(12 + layer))
+                 for layer in (0, 2, 3)]
+        for layer, pos, val in items:
+            one.add(layer, pos, val)
+        many.add_layers(items)
+    assert torch.equal(one.data, many.data)
+
+
+def test_live_first_views_keep_each_rows_live_columns_in_slot_order():
+    pos = np.array([[5, -1, 7, 2], [-1, -1, 9, 1], [3, 4, 6, 8]])
+    w = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)
+    p2, w2, lg2, counts = live_first(pos, w, -w)
+    assert counts == [3, 2, 4]
+    for i, (rw, rl) in enumerate(zip(live_views(w2, counts), live_views(lg2, counts))):
+        cols = np.flatnonzero(pos[i] >= 0)
+        assert p2[i, :counts[i]].tolist() == pos[i, cols].tolist()
+        assert torch.equal(rw, w[i][:, cols]) and torch.equal(rl, -w[i][:, cols])

@@ -160,10 +160,10 @@ class LazyEvictionPolicy(ScorerPolicy):
     def make_scorer(self) -> MRIScorer:
         return MRIScorer(self.alpha, self.head_reduce, self.score, self.ablate)
 
-    def evict_layer(self, req, layer: int, target: int) -> bool:
+    def evict_layer(self, req, layer: int, target: int, attended=None) -> bool:
         if req.state.memo.ts is None:  # nothing tracked yet (no decode step ran)
             return False
-        return super().evict_layer(req, layer, target)
+        return super().evict_layer(req, layer, target, attended)
 
     def keep(self, req, layer, cand, scores, k):
         """Lexicographic (I desc, MRI asc, TS desc, position desc), spec §3.9."""

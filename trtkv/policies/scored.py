@@ -123,13 +123,17 @@ class ScorerPolicy(KVPolicy):
     def on_decode_step_end(self, req, stats) -> None:
         self.scorer.observe(req, req.state.memo, stats, "decode")
         if self.cadence.is_event(req.step):
-            self.event(req)
+            self.event(req, stats)
 
     # --- one event ------------------------------------------------------------------------------
-    def event(self, req) -> None:
+    def event(self, req, stats=None) -> None:
+        """Cut every layer to its target. ``stats``: this step's attention statistics, whose positions are
+        the layers' held tokens when nothing is buffered or on a host tier (saves reading them again)."""
         acted = False
+        layers = stats.layers if stats is not None else {}
         for layer in range(req.num_layers):
-            acted |= self.evict_layer(req, layer, self.target(req, layer))
+            ls = layers.get(layer)
+            acted |= self.evict_layer(req, layer, self.target(req, layer), None if ls is None else ls.positions)
         req.state.events += int(acted)
         self.scorer.reset(req.state.memo)
 
@@ -141,12 +145,16 @@ class ScorerPolicy(KVPolicy):
             parts.append(req.buffered_positions(layer))
         return np.concatenate(parts)
 
-    def evict_layer(self, req, layer: int, target: int) -> bool:
-        """Cut one layer to ``target`` tokens; True when it held more."""
+    def evict_layer(self, req, layer: int, target: int, attended: np.ndarray | None = None) -> bool:
+        """Cut one layer to ``target`` tokens; True when it held more. ``attended``: the positions this step's
+        attention covered in this layer (any order), when known."""
         n_live = req.num_live(layer)
         if n_live <= target:
             return False
-        paged = req.live_positions(layer)
+        if attended is not None and n_live == len(attended) == req.num_paged(layer):
+            paged = np.sort(attended)  # nothing buffered, nothing on a host tier: what attention saw is paged
+        else:
+            paged = req.live_positions(layer)
         held = req.all_positions(layer) if req.num_buffered(layer) else paged
         is_prot = sorted_member(paged, np.sort(self.protected(req, layer, held)))
         cand = paged[~is_prot]

@@ -54,11 +54,40 @@ class PositionTable:
         idx = self.index(positions)
         self.data[layer].index_add_(-1, idx, values.to(self.device, self.dtype))
 
+    def add_layers(self, items: list[tuple[int, np.ndarray, torch.Tensor]]) -> None:
+        """``add`` of several ``(layer, positions [n], values [*inner, n])`` in one scatter (a decode step's
+        statistics of every layer, per request: one call instead of one per layer)."""
+        if not self.inner and len(items) > 1:
+            pos = [np.asarray(p, np.int64) for _, p, _ in items]
+            lens = [len(p) for p in pos]
+            flat = np.concatenate(pos)
+            if len(flat):
+                self.ensure(int(flat.max()))
+                cap = self.data.shape[-1]
+                flat += np.repeat(np.fromiter((layer * cap for layer, _, _ in items), np.int64, len(items)), lens)
+                vals = torch.cat([v.to(self.dtype) for _, _, v in items])
+                self.data.view(-1).index_add_(0, torch.from_numpy(flat).to(self.device), vals.to(self.device))
+            return
+        for layer, positions, values in items:
+            self.add(layer, positions, values)
+
     def set(self, layer: int, positions, values) -> None:
         idx = self.index(positions)
         if isinstance(values, torch.Tensor):
             values = values.to(self.device, self.dtype)
         self.data[layer][..., idx] = values
+
+
+def accumulate_attention(table: PositionTable | None, req, stats, phase: str) -> PositionTable | None:
+    """Add each observed layer's attention, summed over query heads (and the prefill window's queries),
+    to a ``[L, positions]`` table (created on first use): H2O's accumulated attention, SnapKV's votes."""
+    if not stats.layers:
+        return table
+    if table is None:
+        table = PositionTable(req.num_layers, device=next(iter(stats.layers.values())).weights.device)
+    table.add_layers([(layer, ls.positions, ls.weights.sum(dim=(0, 1)) if phase == "prefill" else ls.weights.sum(0))
+                      for layer, ls in stats.layers.items()])
+    return table
 
 
 # --- attention reductions ---------------------------------------------------------------------

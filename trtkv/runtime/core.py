@@ -28,8 +28,10 @@ from trtkv.runtime.staging import HostStaging
 
 
 # CPU: decode attention over at least this many live (token, KV head) pairs runs on all intra-op threads;
-# below it, on one (waking the OpenMP pool costs more than it saves). Measured: docs/benchmarks.md.
-PARALLEL_ATTENTION_SLOTS = 16384
+# below it, on one (waking the OpenMP pool costs more than it saves). The CPU kernel's own serial threshold
+# (SERIAL_SLOT_HEADS): a budget-256 batch of 16 (~12k pairs) is 1.8x faster per call on 2 threads than on
+# one. Measured: docs/benchmarks.md.
+PARALLEL_ATTENTION_SLOTS = 4096
 
 
 @dataclasses.dataclass

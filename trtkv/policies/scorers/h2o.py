@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trtkv.policies.base import StatsRequest
-from trtkv.policies.scoring import PositionTable
+from trtkv.policies.scoring import PositionTable, accumulate_attention
 from trtkv.policies.scorers.base import Scorer
 
 
@@ -28,10 +28,7 @@ class H2OScorer(Scorer):
         return StatsRequest(weights=True)  # accumulation needs every step's attention
 
     def observe(self, req, memo, stats, phase):
-        for layer, ls in stats.layers.items():
-            if memo.acc is None:
-                memo.acc = PositionTable(req.num_layers, device=ls.weights.device)
-            memo.acc.add(layer, ls.positions, ls.weights.sum(dim=(0, 1)) if phase == "prefill" else ls.weights.sum(0))
+        memo.acc = accumulate_attention(memo.acc, req, stats, phase)
 
     def score(self, req, layer, positions, memo, ev=None):
         return memo.acc.get(layer, positions)

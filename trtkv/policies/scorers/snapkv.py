@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trtkv.policies.base import StatsRequest
-from trtkv.policies.scoring import PositionTable, pool1d
+from trtkv.policies.scoring import PositionTable, accumulate_attention, pool1d
 from trtkv.policies.scorers.base import Scorer
 
 
@@ -30,10 +30,7 @@ class SnapKVScorer(Scorer):
             else StatsRequest(weights=True)
 
     def observe(self, req, memo, stats, phase):
-        for layer, ls in stats.layers.items():
-            if memo.votes is None:
-                memo.votes = PositionTable(req.num_layers, device=ls.weights.device)
-            memo.votes.add(layer, ls.positions, ls.weights.sum(dim=(0, 1)) if phase == "prefill" else ls.weights.sum(0))
+        memo.votes = accumulate_attention(memo.votes, req, stats, phase)
 
     def reset(self, memo):
         memo.votes = None
