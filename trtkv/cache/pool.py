@@ -204,6 +204,14 @@ class PagePool:
         self.slot_seg[p, s] = -1
         self._valid_dirty = True
 
+    def clear_page(self, p: int) -> None:
+        """``mark_evicted`` of every live slot of page ``p`` at once."""
+        self.valid[p] = 0
+        self.live[p] = 0
+        self.slot_pos[p] = -1
+        self.slot_seg[p] = -1
+        self._valid_dirty = True
+
     def mark_evicted_many(self, pages: np.ndarray, slots: np.ndarray) -> None:
         """``mark_evicted`` of distinct live ``(page, slot)`` pairs, as array operations."""
         bits = np.left_shift(np.int32(1), slots.astype(np.int32))
