@@ -7,6 +7,7 @@ H2O/R-KV event); pages shared by forked sequences, and evictions of a few tokens
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,9 +33,10 @@ def evict_private(mgr: KVCacheManager, seq: SeqKV, layer: int, positions: list[i
         pages = np.fromiter((p for _, p, _ in items), np.int64, len(items))
         slots = np.fromiter((s for _, _, s in items), np.int64, len(items))
         if pool.group_specs:
-            gids = pool.k_group[torch.from_numpy(pages).to(pool.device),
-                                torch.from_numpy(slots).to(pool.device)].cpu().numpy()
-            _decref_groups(seq, pool, gids)
+            kg = pool.k_group
+            gids = kg.numpy()[pages, slots] if kg.device.type == "cpu" else \
+                kg[torch.from_numpy(pages).to(kg.device), torch.from_numpy(slots).to(kg.device)].cpu().numpy()
+            _decref_groups(seq, pool, gids.tolist())
         pool.mark_evicted_many(pages, slots)
         page_seq = table.page_seq
         for p, s, c in zip(pages.tolist(), slots.tolist(), pool.page_class[pages].tolist()):
@@ -46,10 +48,11 @@ def evict_private(mgr: KVCacheManager, seq: SeqKV, layer: int, positions: list[i
     return sum(len(items) for items in by_fmt.values())
 
 
-def _decref_groups(seq: SeqKV, pool: PagePool, gids: np.ndarray) -> None:
+def _decref_groups(seq: SeqKV, pool: PagePool, gids: list[int]) -> None:
     """Drop one key-scale group reference per victim; groups freed in the order their last reference
     goes (what evicting one by one does, so the arena hands out the same ids afterwards)."""
-    uniq, rev_first, counts = np.unique(gids[::-1], return_index=True, return_counts=True)
-    for i in np.argsort(len(gids) - 1 - rev_first, kind="stable"):
-        if pool.decref_group(int(uniq[i]), int(counts[i])):
+    last = {g: i for i, g in enumerate(gids)}  # each group's last victim
+    counts = Counter(gids)
+    for g in sorted(last, key=last.__getitem__):
+        if pool.decref_group(g, counts[g]):
             seq.add_bytes(-pool.group_bytes)

@@ -196,9 +196,9 @@ class PagePool:
         self._valid_dirty = True
 
     def mark_evicted(self, p: int, s: int) -> None:
-        bit = np.int32(1 << s)
-        assert self.valid[p] & bit, "evicting a slot that is not live"
-        self.valid[p] &= ~bit
+        bit, v = 1 << s, int(self.valid[p])  # Python ints: bit <= 30 (block_size <= 31)
+        assert v & bit, "evicting a slot that is not live"
+        self.valid[p] = v ^ bit
         self.live[p] -= 1
         self.slot_pos[p, s] = -1
         self.slot_seg[p, s] = -1
