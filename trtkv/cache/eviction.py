@@ -36,7 +36,7 @@ def evict_private(mgr: KVCacheManager, seq: SeqKV, layer: int, positions: list[i
             kg = pool.k_group
             gids = kg.numpy()[pages, slots] if kg.device.type == "cpu" else \
                 kg[torch.from_numpy(pages).to(kg.device), torch.from_numpy(slots).to(kg.device)].cpu().numpy()
-            _decref_groups(seq, pool, gids.tolist())
+            decref_groups(seq, pool, gids.tolist())
         pool.mark_evicted_many(pages, slots)
         page_seq = table.page_seq
         for p, s, c in zip(pages.tolist(), slots.tolist(), pool.page_class[pages].tolist()):
@@ -48,7 +48,7 @@ def evict_private(mgr: KVCacheManager, seq: SeqKV, layer: int, positions: list[i
     return sum(len(items) for items in by_fmt.values())
 
 
-def _decref_groups(seq: SeqKV, pool: PagePool, gids: list[int]) -> None:
+def decref_groups(seq: SeqKV, pool: PagePool, gids: list[int]) -> None:
     """Drop one key-scale group reference per victim; groups freed in the order their last reference
     goes (what evicting one by one does, so the arena hands out the same ids afterwards)."""
     last = {g: i for i, g in enumerate(gids)}  # each group's last victim

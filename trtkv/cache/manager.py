@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +20,7 @@ from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.
 from trtkv.cache import compaction, forks, reads
 from trtkv.cache.budget import PoolPlan, plan_pools
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
-from trtkv.cache.eviction import evict_private
+from trtkv.cache.eviction import decref_groups, evict_private
 from trtkv.cache.pool import PagePool
 from trtkv.cache.residual import ResidualArena
 from trtkv.errors import OutOfKVMemory, TrtkvError
@@ -154,9 +153,7 @@ class KVCacheManager:
             return
         if pool.group_specs:
             row = pool.k_group[p].tolist()
-            for g, n in Counter(row[s] for s in range(pool.B) if bits >> s & 1).items():
-                if pool.decref_group(g, n):
-                    seq.add_bytes(-pool.group_bytes)
+            decref_groups(seq, pool, [row[s] for s in range(pool.B) if bits >> s & 1])
         pool.clear_page(p)
 
     def layer_scales(self, layer: int, fmt: str) -> LayerScales:
