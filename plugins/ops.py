@@ -27,6 +27,10 @@ _lib.define(
     "Tensor pages, Tensor slots, int gid, int fmt_code, float scale_k, float scale_v) -> ()"
 )
 _lib.define(
+    "kv_write_groups(Tensor k, Tensor v, Tensor(a!)[] slot_fields, Tensor(b!)[] group_fields, Tensor(c!) k_group, "
+    "Tensor pages, Tensor slots, Tensor gids, int fmt_code, float scale_k, float scale_v) -> ()"
+)
+_lib.define(
     "paged_attention(Tensor q, Tensor[] slot_fields, Tensor[] group_fields, Tensor k_group, Tensor valid_bits, "
     "Tensor block_table, int fmt_code, float sm_scale, float scale_k, float scale_v, bool return_logits) "
     "-> (Tensor, Tensor, Tensor)"
@@ -50,6 +54,19 @@ def kv_write(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_co
         kv_write_cpu(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_code, scale_k, scale_v)
     else:
         kv_write_ref(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_code, scale_k, scale_v)
+
+
+def kv_write_groups(k, v, slot_fields, group_fields, k_group, pages, slots, gids, fmt_code, scale_k, scale_v) -> None:
+    """``G`` flush groups at once (``k, v [G, n, H, D]``, ``pages, slots [G, n]``, ``gids [G]``; see
+    kv_write/reference.py): a batch's flushes in one layer cost one call, not one per request. The compiled
+    CPU kernel takes them in one call; elsewhere each group goes through ``kv_write``."""
+    if use_cpu_kernels(k):
+        from plugins.cpu_kernels.ops import kv_write_groups_cpu
+
+        kv_write_groups_cpu(k, v, slot_fields, group_fields, k_group, pages, slots, gids, fmt_code, scale_k, scale_v)
+        return
+    for j, gid in enumerate(gids.tolist()):
+        kv_write(k[j], v[j], slot_fields, group_fields, k_group, pages[j], slots[j], gid, fmt_code, scale_k, scale_v)
 
 
 def paged_attention(q, slot_fields, group_fields, k_group, valid_bits, block_table, fmt_code, sm_scale, scale_k,
@@ -118,10 +135,12 @@ def _kmeans_fake(keys, counts, k_keep, iters):
 
 for _key in ("CPU", "CUDA"):
     _lib.impl("kv_write", kv_write, _key)
+    _lib.impl("kv_write_groups", kv_write_groups, _key)
     _lib.impl("paged_attention", paged_attention, _key)
     _lib.impl("kmeans_select", kmeans_select, _key)
     _lib.impl("buffer_attention", buffer_attention, _key)
 _lib.impl("kv_write", lambda *a: None, "Meta")
+_lib.impl("kv_write_groups", lambda *a: None, "Meta")
 _lib.impl("buffer_attention", lambda *a: None, "Meta")
 _lib.impl("paged_attention", _paged_attention_meta, "Meta")
 torch.library.register_fake("trtkv::kmeans_select", _kmeans_fake, lib=_lib)

@@ -354,3 +354,63 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
                 for a, b in zip(pool.fields, other.fields):
                     assert torch.equal(a[:pool.fresh], b[:pool.fresh])
     check_invariants(caches[0])
+
+
+FLUSH_CLASSES = [("nvfp4", 0), ("nvfp4", 1), ("fp32", 0), ("int2", 0)]
+_fstep = st.tuples(st.just("step"), st.lists(st.integers(0, 3), min_size=4, max_size=4))
+flush_op = st.one_of(st.tuples(st.just("add")), _fstep, _fstep, _fstep, _fstep, _fstep, _fstep,
+                     st.tuples(st.just("evict"), st.integers(0, 3), st.integers(0, 1),
+                               st.lists(st.integers(0, 200), min_size=1, max_size=12)),
+                     st.tuples(st.just("free"), st.integers(0, 3)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(flush_op, min_size=20, max_size=60), block=st.sampled_from([2, 4, 8]))
+def test_batched_flush_matches_one_write_per_request(ops, block):
+    """``flush_many`` (the batch's full buffers of one layer: fresh pages taken in one call, one kernel call per
+    format, one slot mark) leaves exactly the state of writing each request's group with ``write`` in batch
+    order: slots (reused, open-page tails, fresh pages), key-scale groups, stored codes, bytes."""
+    g = 4
+    batched, each = make_cache(block=block, g=g), make_cache(block=block, g=g)
+    next_pos: dict[int, int] = {}
+    tokens: dict[int, list] = {}  # per request, its buffered (k, v) rows: what ``each`` writes at a flush
+    for o in ops:
+        ids = sorted(batched.seqs)
+        if o[0] == "add" or not ids:
+            add_everywhere([batched, each], next_pos)
+            tokens[len(next_pos) - 1] = []
+        elif o[0] == "step":  # one decode token per request; full buffers flush, each in its request's class
+            pos = [next_pos[sid] for sid in ids]
+            for sid in ids:
+                next_pos[sid] += 1
+            gen = torch.Generator().manual_seed(sum(pos) + len(ids))
+            k, v = torch.randn(len(ids), H, D, generator=gen) * 3, torch.randn(len(ids), H, D, generator=gen)
+            classes = [FLUSH_CLASSES[o[1][i % 4]] for i in range(len(ids))]
+            for i, sid in enumerate(ids):
+                tokens[sid].append((k[i], v[i]))
+            for layer in range(L):
+                seqs = [batched.seqs[sid] for sid in ids]
+                batched.buffer_append(layer, seqs, k, v, pos)
+                full = [i for i, s in enumerate(seqs) if s.buffered(layer) >= g]
+                batched.flush_many(layer, [seqs[i] for i in full], [classes[i] for i in full], [7 + i for i in full])
+                for i in full:
+                    group = tokens[ids[i]][-g:]
+                    each.write(each.seqs[ids[i]], layer, torch.stack([t[0] for t in group]),
+                               torch.stack([t[1] for t in group]), list(range(pos[i] - g + 1, pos[i] + 1)),
+                               classes[i], 7 + i)
+        elif o[0] == "evict":
+            sid = ids[o[1] % len(ids)]
+            for c in (batched, each):
+                c.evict(c.seqs[sid], o[2], [p % max(1, next_pos[sid]) for p in o[3]])
+        else:
+            for c in (batched, each):
+                c.free_sequence(ids[o[1] % len(ids)])
+        assert _state(batched) == _state(each)
+        for layer in range(L):
+            for fmt, pool in batched.pools[layer].items():
+                other = each.pools[layer][fmt]
+                for x, y in zip([*pool.fields, pool.k_group], [*other.fields, other.k_group]):
+                    assert torch.equal(x[:pool.fresh], y[:pool.fresh])
+                for x, y in zip(pool.group_fields, other.group_fields):
+                    assert torch.equal(x[:pool.group_fresh], y[:pool.group_fresh])
+    check_invariants(batched)

@@ -6,7 +6,8 @@ The torch references in ``plugins/paged_attention``, ``plugins/kv_write``, ``plu
 ``plugins.backend`` picks them on CPU.
 """
 from plugins.cpu_kernels.build import cpu_kernels, cpu_kernels_available
-from plugins.cpu_kernels.ops import buffer_attention_cpu, kmeans_select_cpu, kv_write_cpu, paged_attention_cpu
+from plugins.cpu_kernels.ops import (buffer_attention_cpu, kmeans_select_cpu, kv_write_cpu, kv_write_groups_cpu,
+                                     paged_attention_cpu)
 
 __all__ = ["buffer_attention_cpu", "cpu_kernels", "cpu_kernels_available", "kmeans_select_cpu", "kv_write_cpu",
-           "paged_attention_cpu"]
+           "kv_write_groups_cpu", "paged_attention_cpu"]

@@ -37,6 +37,13 @@ def kv_write_cpu(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fm
                            int(fmt_code), float(scale_k), float(scale_v))
 
 
+def kv_write_groups_cpu(k, v, slot_fields, group_fields, k_group, pages, slots, gids, fmt_code, scale_k,
+                        scale_v) -> None:
+    """Same contract as ``kv_write_groups_ref``: ``G`` flush groups ``k, v [G, n, H, D]`` in one call."""
+    cpu_kernels().kv_write_groups(k, v, list(slot_fields), list(group_fields), k_group, pages, slots, gids,
+                                  int(fmt_code), float(scale_k), float(scale_v))
+
+
 def kmeans_select_cpu(keys, counts, k_keep, iters):
     """Same contract as ``kmeans_select_ref``: ``[J, max(k_keep)]`` int64 kept rows, ascending, -1 padded."""
     return cpu_kernels().kmeans_select(keys, counts, k_keep, int(iters))

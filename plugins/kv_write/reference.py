@@ -40,3 +40,23 @@ def kv_write_ref(
         for name, arena in zip(gnames, group_fields):
             arena[gid] = group_enc[name]
         k_group[pages.long(), slots.long()] = gid
+
+
+def kv_write_groups_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_fields: list[torch.Tensor],
+    group_fields: list[torch.Tensor],
+    k_group: torch.Tensor,
+    pages: torch.Tensor,
+    slots: torch.Tensor,
+    gids: torch.Tensor,
+    fmt_code: int,
+    scale_k: float,
+    scale_v: float,
+) -> None:
+    """``G`` flush groups at once: ``k, v [G, n, H, D]`` into ``(pages[j], slots[j])`` (``[G, n]``), group
+    ``j``'s key scales to arena entry ``gids[j]`` — exactly ``kv_write_ref`` of each group in turn."""
+    for j, gid in enumerate(gids.tolist()):
+        kv_write_ref(k[j], v[j], slot_fields, group_fields, k_group, pages[j], slots[j], gid, fmt_code, scale_k,
+                     scale_v)

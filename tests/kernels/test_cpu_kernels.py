@@ -14,9 +14,9 @@ import torch
 from test_kv_write_triton import TIES, assert_bitwise, pools, scatter, tensors, tie_tensors
 from test_paged_attention_triton import make_pool, make_table
 
-from plugins.cpu_kernels import cpu_kernels_available, kv_write_cpu, paged_attention_cpu
+from plugins.cpu_kernels import cpu_kernels_available, kv_write_cpu, kv_write_groups_cpu, paged_attention_cpu
 from plugins.formats import FORMATS
-from plugins.kv_write.reference import kv_write_ref
+from plugins.kv_write.reference import kv_write_groups_ref, kv_write_ref
 from plugins.paged_attention.reference import merge_partials, paged_attention_ref
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels could not be built here")
@@ -235,6 +235,56 @@ def test_kv_write_special_values_bit_exact():
     k = vals[torch.arange(3 * 2 * 16) % len(vals)].view(3, 2, 16)
     for name in ("fp16", "bf16", "fp8"):
         check_write(name, k, k.flip(0), *scatter(3, seed=9), gid=-1, scales=(1.0, 1.0))
+
+
+@pytest.mark.parametrize("name", ["fp8", "nvfp4", "ternaryo"])
+def test_kv_write_magnitude_sweep_bit_exact(name):
+    """E4M3 scales and elements across every binade the encoders see: fp32 subnormals, E4M3 subnormals,
+    the exact E4M3 midpoints (ties) and the saturation edge, with both signs (branch-free encoders)."""
+    from plugins.formats.e4m3 import e4m3_decode
+
+    grid = e4m3_decode(torch.arange(0, 127, dtype=torch.uint8)).float()
+    mids = (grid[1:] + grid[:-1]) / 2
+    mags = torch.cat([grid, mids, torch.logspace(-44, 3, 300, base=2.0), torch.tensor([1e-45, 3e-39, 447.9, 448.0,
+                                                                                        464.0, 1e6])])
+    vals = torch.cat([mags, -mags])
+    n, H, D = 16, 1, 32
+    reps = -(-len(vals) // (n * H * D))
+    k = vals.repeat(reps)[: reps * n * H * D].view(reps, n, H, D)
+    for j in range(reps):
+        check_write(name, k[j], k[j].flip(0) * 0.37, *scatter(n, seed=j), gid=1, scales=(1.0, 1.0))
+
+
+@pytest.mark.parametrize("n", [2, 13])  # G * n <= the test pools' 40 slots
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_kv_write_groups_bit_exact(name, n):
+    """G flush groups in one call equal ``kv_write_ref`` of each group in turn (distinct slots, any gids)."""
+    G, H, D = 3, 2, 32
+    fmt = FORMATS[name]
+    k, v = tensors(name, G * n, H, D, seed=n)
+    pages, slots = scatter(G * n, seed=n + 1)
+    gids = torch.tensor([3, 0, 2]) if fmt.quantized else torch.full((G,), -1)
+    slot, group, kg = pools(fmt, H, D, n)
+    want = ([t.clone() for t in slot], [t.clone() for t in group], kg.clone())
+    for j in range(G):
+        kv_write_ref(k[j * n:(j + 1) * n], v[j * n:(j + 1) * n], *want, pages[j * n:(j + 1) * n],
+                     slots[j * n:(j + 1) * n], int(gids[j]), fmt.code, 0.37, 1.7)
+    kv_write_groups_cpu(k.view(G, n, H, D), v.view(G, n, H, D), slot, group, kg, pages.view(G, n), slots.view(G, n),
+                        gids, fmt.code, 0.37, 1.7)
+    assert_bitwise([*want[0], *want[1], want[2]], [*slot, *group, kg])
+    slot2, group2, kg2 = pools(fmt, H, D, n)  # the reference of the batched op: the same loop
+    kv_write_groups_ref(k.view(G, n, H, D), v.view(G, n, H, D), slot2, group2, kg2, pages.view(G, n),
+                        slots.view(G, n), gids, fmt.code, 0.37, 1.7)
+    assert_bitwise([*want[0], *want[1], want[2]], [*slot2, *group2, kg2])
+
+
+def test_kv_write_groups_shape_errors_are_one_line():
+    fmt = FORMATS["nvfp4"]
+    slot, group, kg = pools(fmt, 2, 32, 0)
+    k = torch.randn(2, 4, 2, 32)
+    with pytest.raises(RuntimeError, match="one entry per group"):
+        kv_write_groups_cpu(k, k, slot, group, kg, torch.zeros(2, 4, dtype=torch.long),
+                            torch.arange(8).view(2, 4), torch.tensor([0]), fmt.code, 1.0, 1.0)
 
 
 # --- dispatch and fallback -----------------------------------------------------------------------

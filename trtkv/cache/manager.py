@@ -21,6 +21,7 @@ from trtkv.cache import compaction, forks, reads
 from trtkv.cache.budget import PoolPlan, plan_pools
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
 from trtkv.cache.eviction import decref_groups, evict_private
+from trtkv.cache.flush import flush_many
 from trtkv.cache.pool import PagePool
 from trtkv.cache.residual import ResidualArena
 from trtkv.errors import OutOfKVMemory, TrtkvError
@@ -329,12 +330,11 @@ class KVCacheManager:
 
     def flush(self, seq: SeqKV, layer: int, cls: Cls, seg: int = -1) -> None:
         """Quantize the buffered tokens of one layer as one group and write them to pages."""
-        n = len(seq.buf_pos[layer])
-        if n == 0:
-            return
-        pos = seq.buf_pos[layer]
-        self.write(seq, layer, seq.buf_k[layer, :n].float(), seq.buf_v[layer, :n].float(), list(pos), cls, seg)
-        seq.buf_pos[layer] = []
+        flush_many(self, layer, [seq], [cls], [seg])
+
+    def flush_many(self, layer: int, seqs: list[SeqKV], classes: list[Cls], segs: list[int]) -> None:
+        """``flush`` of several requests in one layer, batched (``trtkv/cache/flush.py``)."""
+        flush_many(self, layer, seqs, classes, segs)
 
     # --- eviction ---------------------------------------------------------------------------
     def evict(self, seq: SeqKV, layer: int, positions) -> int:

@@ -127,6 +127,29 @@ class PagePool:
         self._valid_dirty = True
         return p
 
+    def alloc_pages(self, count: int, page_class: int) -> np.ndarray | None:
+        """``count`` pages at once, the same ones ``count`` calls of ``alloc_page`` would hand out, in that
+        order; None (nothing allocated) when the pool lacks them."""
+        if count > self.free_pages:
+            return None
+        reused = [heapq.heappop(self.free) for _ in range(min(count, len(self.free)))]
+        fresh = np.arange(self.fresh, self.fresh + count - len(reused), dtype=np.int64)
+        if len(fresh):
+            self.fresh += len(fresh)
+            if self.fresh > self.ready:
+                self._init_pages(self.fresh)
+        ps = np.concatenate([np.asarray(reused, np.int64), fresh])
+        self.valid[ps] = 0
+        self.live[ps] = 0
+        self.hwm[ps] = 0
+        self.page_class[ps] = page_class
+        self.slot_pos[ps] = -1
+        self.slot_seg[ps] = -1
+        self.in_use += count
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        self._valid_dirty = True
+        return ps
+
     def release_page(self, p: int) -> None:
         assert self.live[p] == 0, "releasing a page that still holds live tokens"
         self.valid[p] = 0
@@ -169,9 +192,11 @@ class PagePool:
         return self.group_fresh - len(self.group_free)
 
     # --- slot state -------------------------------------------------------------------------
-    def mark_written(self, pages: list[int], slots: list[int], positions: list[int], seg: int = -1) -> None:
-        """Distinct ``(page, slot)`` pairs now hold the tokens at ``positions``."""
-        if len(pages) >= MARK_MANY_MIN:  # a flush group: array operations beat the per-slot loop
+    def mark_written(self, pages: list[int], slots: list[int], positions: list[int],
+                     seg: int | np.ndarray = -1) -> None:
+        """Distinct ``(page, slot)`` pairs now hold the tokens at ``positions`` (of segment ``seg``: one for all,
+        or one per token)."""
+        if len(pages) >= MARK_MANY_MIN or isinstance(seg, np.ndarray):  # array operations beat the per-slot loop
             pg, sl = np.asarray(pages, np.int64), np.asarray(slots, np.int64)
             bits = np.left_shift(np.int32(1), sl.astype(np.int32))
             assert not (self.valid[pg] & bits).any(), "writing into a live slot"

@@ -262,9 +262,16 @@ class EngineCore:
                     cache.write(s, layer, k[i:i + 1], v[i:i + 1], [positions[i]], classes[i][:2], classes[i][2])
         else:
             cache.buffer_append(layer, seqs, k, v, positions)
-            for i, s in enumerate(seqs):
-                if s.buffered(layer) >= self.g:
-                    cache.flush(s, layer, classes[i][:2], classes[i][2])
+            full = [i for i, s in enumerate(seqs) if s.buffered(layer) >= self.g]
+            if full:  # the batch's buffers fill on the same step: one batched flush, on every thread
+                if self.small_ops_threads:
+                    torch.set_num_threads(step.threads)
+                try:
+                    cache.flush_many(layer, [seqs[i] for i in full], [classes[i][:2] for i in full],
+                                     [classes[i][2] for i in full])
+                finally:
+                    if self.small_ops_threads:
+                        torch.set_num_threads(self.small_ops_threads)
         if clk is not None:
             clk.switch("policy")
         pol.before_attention_batch(step.ctxs, layer)

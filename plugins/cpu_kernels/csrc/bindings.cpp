@@ -12,6 +12,10 @@ std::vector<at::Tensor> paged_attention_cpu(const at::Tensor& q, const std::vect
 void kv_write_cpu(const at::Tensor& k, const at::Tensor& v, const std::vector<at::Tensor>& slot_fields,
                   const std::vector<at::Tensor>& group_fields, const at::Tensor& k_group, const at::Tensor& pages,
                   const at::Tensor& slots, int64_t gid, int64_t fmt_code, double scale_k, double scale_v);
+void kv_write_groups_cpu(const at::Tensor& k, const at::Tensor& v, const std::vector<at::Tensor>& slot_fields,
+                         const std::vector<at::Tensor>& group_fields, const at::Tensor& k_group,
+                         const at::Tensor& pages, const at::Tensor& slots, const at::Tensor& gids, int64_t fmt_code,
+                         double scale_k, double scale_v);
 void buffer_attention_merge_cpu(const at::Tensor& q, const at::Tensor& arena_k, const at::Tensor& arena_v,
                                 const at::Tensor& rows, int64_t layer, const at::Tensor& counts, double sm_scale,
                                 at::Tensor& out, at::Tensor& lse);
@@ -22,6 +26,8 @@ at::Tensor kmeans_select_cpu(const at::Tensor& keys, const at::Tensor& counts, c
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &trtkv::paged_attention_cpu, "paged decode attention over packed pages (CPU)");
   m.def("kv_write", &trtkv::kv_write_cpu, "quantize, pack and scatter K/V into pages (CPU)");
+  m.def("kv_write_groups", &trtkv::kv_write_groups_cpu,
+        "kv_write of G flush groups of n tokens each, group j's key scales to arena entry gids[j] (CPU)");
   m.def("buffer_attention_merge", &trtkv::buffer_attention_merge_cpu,
         "attention over the residual buffers, merged into the pages' (out, lse) in place (CPU)");
   m.def("kmeans_select", &trtkv::kmeans_select_cpu, "batched k-means token selection (CPU)");

@@ -48,23 +48,25 @@ struct E4M3Table {
 inline const E4M3Table& e4m3_table() { static const E4M3Table t; return t; }
 
 // fp32 -> E4M3fn bits (plugins/formats/e4m3.py::e4m3_encode): RNE or ceiling of the magnitude,
-// saturating at 448, NaN -> 0 (sign kept), sign bit from the input's IEEE sign.
+// saturating at 448, NaN -> 0 (sign kept), sign bit from the input's IEEE sign. Branch-free, so the loops
+// that call it vectorize: the exponent comes from the float's bits (fp32 subnormals clamp to -6 like
+// frexp's would), and a * 2^(3-e) is an exact power-of-two scaling built from bits (3-e in [-5, 9]).
 inline uint8_t e4m3_encode(float x, bool round_up) {
-  const int neg = std::signbit(x) ? 1 : 0;
+  const uint32_t neg = float_to_bits(x) >> 31;
   float a = std::fabs(x);
-  if (std::isnan(a)) a = 0.0f;
-  if (a > 448.0f) a = 448.0f;
-  int ex;
-  std::frexp(a, &ex);
-  int e = ex - 1;
-  if (e < -6) e = -6;
-  float m = std::ldexp(a, 3 - e);
+  a = a == a ? a : 0.0f;  // NaN -> 0
+  a = a > 448.0f ? 448.0f : a;
+  int e = (int)((float_to_bits(a) >> 23) & 0xffu) - 127;  // floor(log2 a) for normals
+  e = e < -6 ? -6 : e;  // zero and fp32 subnormals too: their m is then a * 2^9 (0 for zero)
+  float m = a * bits_to_float((uint32_t)(3 - e + 127) << 23);
   m = round_up ? std::ceil(m) : std::nearbyint(m);  // nearbyint: round half to even (default mode)
-  if (m == 16.0f) { e += 1; m = 8.0f; }
+  const bool carry = m == 16.0f;
+  e = carry ? e + 1 : e;
+  m = carry ? 8.0f : m;
   const bool normal = m >= 8.0f;
   const int exp_field = normal ? e + 7 : 0;
   const int man = normal ? (int)m - 8 : (int)m;
-  return (uint8_t)((exp_field << 3) | man | (neg << 7));
+  return (uint8_t)((exp_field << 3) | man | (int)(neg << 7));
 }
 
 // E2M1 nibble (bit 3 sign) -> fp32, and fp32 -> nibble with RNE ties (plugins/formats/nvfp4.py).
@@ -76,11 +78,11 @@ inline float e2m1_decode(int c) {
   return bits_to_float(float_to_bits(mag) | ((uint32_t)(c & 8) << 28));
 }
 inline int e2m1_encode(float r) {
-  float a = std::fabs(r);
-  if (std::isnan(a)) a = 0.0f;
-  if (a > 6.0f) a = 6.0f;
-  int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return code | ((std::signbit(r) ? 1 : 0) << 3);
+  // NaN compares false everywhere (code 0) and anything above 6 counts every threshold (code 7), which is
+  // exactly the reference's NaN -> 0 and clamp at 6; branch-free so the callers' loops vectorize.
+  const float a = std::fabs(r);
+  const int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return code | (int)((float_to_bits(r) >> 31) << 3);
 }
 
 // Ternary crumb: 01 -> +1, 11 -> -1, 00/10 -> 0; encode = round-half-even clamped to {-1,0,1}.

@@ -15,6 +15,7 @@ namespace {
 
 constexpr float FP16_MAX = 65504.0f;
 constexpr int64_t SERIAL_ELEMENTS = 1 << 16;  // a flush group or a decode step's tokens: no thread wake-up
+constexpr int64_t GROUPS_PARALLEL_ELEMENTS = 1 << 13;  // several groups' encoding outweighs a thread wake-up
 
 // at::parallel_for grain for `tasks` tasks of `per_task` elements: serial (grain > range) when small.
 inline int64_t grain_for(int64_t tasks, int64_t per_task) { return tasks * per_task < SERIAL_ELEMENTS ? tasks + 1 : 1; }
@@ -60,14 +61,20 @@ void write_fp8(const Io& io, const std::vector<at::Tensor>& sf, float sk, float 
   at::parallel_for(0, io.n * io.H, grain_for(io.n * io.H, io.D), [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t i = t / io.H, h = t % io.H, row = slot_row(io, i, h);
-      for (int kv = 0; kv < 2; ++kv) {
-        const float* x = (kv ? io.v : io.k) + t * io.D;
+      for (int kv = 0; kv < 2; ++kv) {  // locals: a uint8_t store may alias io's fields, which stops vectorizing
+        const int64_t D = io.D;
+        const float* x = (kv ? io.v : io.k) + t * D;
         const float s = kv ? sv : sk;
-        uint8_t* dst = sf[kv].data_ptr<uint8_t>() + row * io.D;
-        for (int64_t d = 0; d < io.D; ++d) dst[d] = e4m3_encode(x[d] / s, false);
+        uint8_t* dst = sf[kv].data_ptr<uint8_t>() + row * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = e4m3_encode(x[d] / s, false);
       }
     }
   });
+}
+
+// E4M3 scale codes of ``a[d] / q`` rounded up (restrict: the byte stores cannot alias the inputs, so it vectorizes).
+inline void encode_scales(const float* __restrict a, float q, uint8_t* __restrict dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = e4m3_encode(a[d] / q, true);
 }
 
 // NVFP4 / ternary (+ key-offset twins): plugins/formats/blockscaled.py::BlockScaledFormat.encode.
@@ -80,32 +87,34 @@ void write_blockscaled(const Io& io, const std::vector<at::Tensor>& sf, const st
   const int64_t n = io.n, H = io.H, D = io.D, rb = D * BITS / 8, VG = D / 16;
   const float qk = qmax * gk, qv = qmax * gv;
   at::parallel_for(0, H, grain_for(H, n * D), [&](int64_t h_lo, int64_t h_hi) {
-    std::vector<float> kr(n * D);
+    std::vector<float> kr(n * D), amax(D), s_eff(D), mx(D), mn(D);
     std::vector<int> codes(D);
     for (int64_t h = h_lo; h < h_hi; ++h) {
       const int64_t grow = (gid * H + h) * D;
       for (int64_t i = 0; i < n; ++i)
         std::memcpy(&kr[i * D], io.k + (i * H + h) * D, D * sizeof(float));
+      // per-channel statistics token by token: the loops over channels are contiguous and vectorize
       if constexpr (OFFSET) {
         uint16_t* off = static_cast<uint16_t*>(gf[1].data_ptr()) + grow;
+        std::memcpy(mx.data(), kr.data(), D * sizeof(float));
+        std::memcpy(mn.data(), kr.data(), D * sizeof(float));
+        for (int64_t i = 1; i < n; ++i)
+          for (int64_t d = 0; d < D; ++d) { mx[d] = std::max(mx[d], kr[i * D + d]); mn[d] = std::min(mn[d], kr[i * D + d]); }
         for (int64_t d = 0; d < D; ++d) {
-          float mx = kr[d], mn = kr[d];
-          for (int64_t i = 1; i < n; ++i) { mx = std::max(mx, kr[i * D + d]); mn = std::min(mn, kr[i * D + d]); }
-          const uint16_t hb = float_to_half_bits((mx + mn) / 2.0f);
+          const uint16_t hb = float_to_half_bits((mx[d] + mn[d]) / 2.0f);
           off[d] = hb;
-          const float o = half_to_float(hb);
-          for (int64_t i = 0; i < n; ++i) kr[i * D + d] = kr[i * D + d] - o;
+          mx[d] = half_to_float(hb);  // now the offset
         }
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t d = 0; d < D; ++d) kr[i * D + d] = kr[i * D + d] - mx[d];
       }
       // keys: one E4M3 scale per channel over the group's tokens
       uint8_t* ksc = gf[0].data_ptr<uint8_t>() + grow;
-      std::vector<float> s_eff(D);
-      for (int64_t d = 0; d < D; ++d) {
-        float a = 0.0f;
-        for (int64_t i = 0; i < n; ++i) a = std::max(a, std::fabs(kr[i * D + d]));
-        ksc[d] = e4m3_encode(a / qk, true);
-        s_eff[d] = e4[ksc[d]] * gk;
-      }
+      std::fill(amax.begin(), amax.end(), 0.0f);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; ++d) amax[d] = std::max(amax[d], std::fabs(kr[i * D + d]));
+      encode_scales(amax.data(), qk, ksc, D);
+      for (int64_t d = 0; d < D; ++d) s_eff[d] = e4[ksc[d]] * gk;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t row = slot_row(io, i, h);
         for (int64_t d = 0; d < D; ++d) {
@@ -185,6 +194,35 @@ void write_int(const Io& io, const std::vector<at::Tensor>& sf, const std::vecto
   });
 }
 
+// One flush group (or a write-through batch) through its format's writer, then its slots' key-group index.
+void write_group(const Io& io, int64_t fmt_code, const std::vector<at::Tensor>& slot_fields,
+                 const std::vector<at::Tensor>& group_fields, int32_t* kg, int64_t gid, float sk, float sv) {
+  if (io.n == 0) return;
+  switch (fmt_code) {
+    case FP32: case FP16: case BF16: write_float(io, (int)fmt_code, slot_fields); break;
+    case FP8: write_fp8(io, slot_fields, sk, sv); break;
+    case NVFP4: write_blockscaled<true, false>(io, slot_fields, group_fields, gid, sk, sv); break;
+    case NVFP4O: write_blockscaled<true, true>(io, slot_fields, group_fields, gid, sk, sv); break;
+    case TERNARY: write_blockscaled<false, false>(io, slot_fields, group_fields, gid, sk, sv); break;
+    case TERNARYO: write_blockscaled<false, true>(io, slot_fields, group_fields, gid, sk, sv); break;
+    case INT4: write_int<4>(io, slot_fields, group_fields, gid); break;
+    case INT2: write_int<2>(io, slot_fields, group_fields, gid); break;
+    default: TORCH_CHECK(false, "unknown KV format code ", fmt_code);
+  }
+  if (kg != nullptr)
+    for (int64_t i = 0; i < io.n; ++i) kg[io.pages[i] * io.B + io.slots[i]] = (int32_t)gid;
+}
+
+// The checks both entry points share; returns k_group's data (nullptr: the format has no key-scale arena).
+int32_t* check_fields(const std::vector<at::Tensor>& slot_fields, const std::vector<at::Tensor>& group_fields,
+                      const at::Tensor& k_group) {
+  for (const auto& t : slot_fields) TORCH_CHECK(t.is_contiguous(), "slot fields must be contiguous");
+  for (const auto& t : group_fields) TORCH_CHECK(t.is_contiguous(), "group fields must be contiguous");
+  if (group_fields.empty()) return nullptr;
+  TORCH_CHECK(k_group.is_contiguous() && k_group.scalar_type() == at::kInt, "k_group must be contiguous int32");
+  return k_group.data_ptr<int32_t>();
+}
+
 }  // namespace
 
 void kv_write_cpu(const at::Tensor& k_in, const at::Tensor& v_in, const std::vector<at::Tensor>& slot_fields,
@@ -198,26 +236,36 @@ void kv_write_cpu(const at::Tensor& k_in, const at::Tensor& v_in, const std::vec
   Io io{k.data_ptr<float>(), v.data_ptr<float>(), pages.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
         k.size(0), k.size(1), k.size(2), slot_fields.at(0).size(1)};
   TORCH_CHECK(pages.numel() == io.n && slots.numel() == io.n, "pages/slots must have one entry per token");
-  for (const auto& t : slot_fields) TORCH_CHECK(t.is_contiguous(), "slot fields must be contiguous");
-  for (const auto& t : group_fields) TORCH_CHECK(t.is_contiguous(), "group fields must be contiguous");
-  if (io.n == 0) return;
-  const float sk = (float)scale_k, sv = (float)scale_v;
-  switch (fmt_code) {
-    case FP32: case FP16: case BF16: write_float(io, (int)fmt_code, slot_fields); break;
-    case FP8: write_fp8(io, slot_fields, sk, sv); break;
-    case NVFP4: write_blockscaled<true, false>(io, slot_fields, group_fields, gid, sk, sv); break;
-    case NVFP4O: write_blockscaled<true, true>(io, slot_fields, group_fields, gid, sk, sv); break;
-    case TERNARY: write_blockscaled<false, false>(io, slot_fields, group_fields, gid, sk, sv); break;
-    case TERNARYO: write_blockscaled<false, true>(io, slot_fields, group_fields, gid, sk, sv); break;
-    case INT4: write_int<4>(io, slot_fields, group_fields, gid); break;
-    case INT2: write_int<2>(io, slot_fields, group_fields, gid); break;
-    default: TORCH_CHECK(false, "unknown KV format code ", fmt_code);
-  }
-  if (!group_fields.empty()) {
-    TORCH_CHECK(k_group.is_contiguous() && k_group.scalar_type() == at::kInt, "k_group must be contiguous int32");
-    int32_t* kg = k_group.data_ptr<int32_t>();
-    for (int64_t i = 0; i < io.n; ++i) kg[io.pages[i] * io.B + io.slots[i]] = (int32_t)gid;
-  }
+  int32_t* kg = check_fields(slot_fields, group_fields, k_group);
+  write_group(io, fmt_code, slot_fields, group_fields, kg, gid, (float)scale_k, (float)scale_v);
+}
+
+void kv_write_groups_cpu(const at::Tensor& k_in, const at::Tensor& v_in, const std::vector<at::Tensor>& slot_fields,
+                         const std::vector<at::Tensor>& group_fields, const at::Tensor& k_group,
+                         const at::Tensor& pages_in, const at::Tensor& slots_in, const at::Tensor& gids_in,
+                         int64_t fmt_code, double scale_k, double scale_v) {
+  TORCH_CHECK(k_in.dim() == 4 && v_in.sizes() == k_in.sizes(), "k, v must be [G, n, H, D] of equal shape");
+  const auto k = k_in.to(at::kFloat).contiguous();
+  const auto v = v_in.to(at::kFloat).contiguous();
+  const auto pages = pages_in.reshape({-1}).to(at::kLong).contiguous();
+  const auto slots = slots_in.reshape({-1}).to(at::kLong).contiguous();
+  const auto gids = gids_in.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t G = k.size(0), n = k.size(1), H = k.size(2), D = k.size(3);
+  TORCH_CHECK(gids.numel() == G, "gids must have one entry per group");
+  TORCH_CHECK(pages.numel() == G * n && slots.numel() == G * n, "pages/slots must be [G, n]: one entry per token");
+  int32_t* kg = check_fields(slot_fields, group_fields, k_group);
+  const int64_t B = slot_fields.at(0).size(1);
+  // groups write distinct slots and arena entries: parallel over groups (each group's own loop then runs
+  // inline), from a batch's worth of work — a decode step's 16 NVFP4 groups take ~0.4 ms on one thread
+  const int64_t grain = G * n * H * D < GROUPS_PARALLEL_ELEMENTS ? G + 1 : 1;
+  at::parallel_for(0, G, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      Io io{k.data_ptr<float>() + j * n * H * D, v.data_ptr<float>() + j * n * H * D,
+            pages.data_ptr<int64_t>() + j * n, slots.data_ptr<int64_t>() + j * n, n, H, D, B};
+      write_group(io, fmt_code, slot_fields, group_fields, kg, gids.data_ptr<int64_t>()[j], (float)scale_k,
+                  (float)scale_v);
+    }
+  });
 }
 
 }  // namespace trtkv

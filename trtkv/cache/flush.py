@@ -1,0 +1,116 @@
+"""Flushing residual buffers: each request's ``g`` buffered tokens of one layer become one quantized group.
+
+A decode step fills every request's buffer on the same step (they all started flushed, one token a step), so
+the whole batch flushes together: one ``kv_write_groups`` call per format writes every request's group, and
+the slots are marked live in one array operation, instead of one kernel call, one allocation record and one
+validity update per request (measured ~160 us each on CPU: a batch of 16 at 30 layers paid ~78 ms on every
+16th step). Slots are allocated request by request, in batch order, exactly as a flush of each would.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from plugins import ops as plugin_ops
+from trtkv.errors import OutOfKVMemory
+
+if TYPE_CHECKING:
+    from trtkv.cache.manager import Cls, KVCacheManager, SeqKV
+
+
+def flush_many(cache: KVCacheManager, layer: int, seqs: list[SeqKV], classes: list[Cls], segs: list[int]) -> None:
+    """Write the buffered tokens of ``seqs`` in ``layer`` to pages, request ``i`` as one group of class
+    ``classes[i]`` (segment ``segs[i]``); requests of one format with equal fill share a kernel call."""
+    calls: dict[tuple[str, int], list[int]] = {}
+    for i, s in enumerate(seqs):
+        n = len(s.buf_pos[layer])
+        if n:
+            calls.setdefault((classes[i][0], n), []).append(i)
+    for (fmt, n), idx in calls.items():
+        _flush_call(cache, layer, fmt, n, [seqs[i] for i in idx], [classes[i] for i in idx], [segs[i] for i in idx])
+
+
+def _flush_call(cache: KVCacheManager, layer: int, fmt: str, n: int, seqs: list[SeqKV], classes: list[Cls],
+                segs: list[int]) -> None:
+    pool = cache.pool(layer, fmt)
+    pages, slots = _alloc(cache, layer, pool, n, seqs, classes)
+    gids = []
+    for s in seqs:
+        try:
+            gid = pool.alloc_group(n)
+        except OutOfKVMemory as e:
+            raise e.at(s.seq_id, layer, fmt) from None
+        if gid >= 0:
+            s.add_bytes(pool.group_bytes)
+        gids.append(gid)
+    G = len(seqs)
+    k, v = _buffers(cache.residual, seqs, layer, n)
+    pg, sl = np.concatenate(pages), np.concatenate(slots)
+    sc = cache.layer_scales(layer, fmt)
+    clk = cache.clock
+    prev = clk.switch("kv_write") if clk is not None else None
+    plugin_ops.kv_write_groups(k, v, pool.fields, pool.group_fields, pool.k_group,
+                               torch.from_numpy(pg).view(G, n).to(pool.device),
+                               torch.from_numpy(sl).view(G, n).to(pool.device),
+                               torch.tensor(gids, dtype=torch.int64), pool.fmt.code, sc.k, sc.v)
+    if clk is not None:
+        clk.switch(prev)
+    positions = [p for s in seqs for p in s.buf_pos[layer]]
+    seg = segs[0] if all(x == segs[0] for x in segs) else np.repeat(np.asarray(segs, np.int64), n)
+    pool.mark_written(pg, sl, positions, seg)
+    for j, s in enumerate(seqs):
+        s.layers[layer].loc.update(zip(s.buf_pos[layer], zip(itertools.repeat(fmt), pages[j].tolist(),
+                                                             slots[j].tolist())))
+        s.buf_pos[layer] = []
+
+
+def _buffers(arena, seqs: list[SeqKV], layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` buffered tokens of ``seqs`` in ``layer``, ``[G, n, H, D]``: a view of the arena when
+    their rows are consecutive (a batch admitted together), else a gather (the kernel converts either)."""
+    r0 = seqs[0].buf_row
+    if all(s.buf_row == r0 + j for j, s in enumerate(seqs)):
+        return arena.k[r0:r0 + len(seqs), layer, :n], arena.v[r0:r0 + len(seqs), layer, :n]
+    rows = arena.rows(seqs)
+    return arena.k[rows, layer, :n], arena.v[rows, layer, :n]
+
+
+def _alloc(cache: KVCacheManager, layer: int, pool, n: int, seqs: list[SeqKV], classes: list[Cls]
+           ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Slots for ``n`` tokens of each request, as ``KVCacheManager.alloc_slots`` of each in turn would choose
+    them. The common case — a group exactly filling fresh pages (no reusable slot, no open page of the class)
+    — takes all those pages from the pool in one call; the rest go through ``alloc_slots``."""
+    B = pool.B
+    fresh = [j for j, (s, cls) in enumerate(zip(seqs, classes))
+             if n % B == 0 and not s.layers[layer].reusable.get(cls) and cls not in s.layers[layer].open_page]
+    per = n // B
+    got = pool.alloc_pages(len(fresh) * per, classes[fresh[0]][1]) if fresh and len(
+        {classes[j][1] for j in fresh}) == 1 else None
+    fresh_at = {j: i for i, j in enumerate(fresh)}
+    new_pages = {} if got is None else {j: got[i * per:(i + 1) * per].tolist() for i, j in enumerate(fresh)}
+    if got is not None:
+        pool.hwm[got] = B
+    pages, slots = [], []
+    full_slots = np.tile(np.arange(B, dtype=np.int64), per)
+    every_slot = np.repeat(got, B) if got is not None else None
+    for j, (s, cls) in enumerate(zip(seqs, classes)):
+        ps = new_pages.get(j)
+        if ps is None:
+            p, sl = cache.alloc_slots(s, layer, cls, n)
+            pages.append(p)
+            slots.append(sl)
+            continue
+        table = s.layers[layer]
+        owned = table.pages.setdefault(cls, [])
+        for p in ps:
+            cache._page_counter += 1
+            table.page_seq[(cls[0], p)] = cache._page_counter
+            owned.append(p)
+        table._flat = table._bt = None
+        s.add_bytes(per * (pool.page_bytes + 4))
+        i = fresh_at[j]
+        pages.append(every_slot[i * n:(i + 1) * n])
+        slots.append(full_slots)
+    return pages, slots
