@@ -291,6 +291,8 @@ def test_gather_kv_many_equals_one_read_per_request_across_formats():
         k1, v1 = cache.gather_kv(seq, 1, pos)
         assert k.shape == (len(pos), H, D)
         assert torch.equal(k, k1) and torch.equal(v, v1)
+    for (seq, pos), (k, v) in zip(items, cache.gather_kv_many(1, items, keys_only=True)):  # the keys alone
+        assert v is None and torch.equal(k, cache.gather_kv(seq, 1, pos)[0])
 
 
 def test_flush_group_marks_equal_slot_by_slot_marks():
@@ -356,6 +358,18 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
     check_invariants(caches[0])
 
 
+def _ranked_state(cache: KVCacheManager):
+    """``_state`` with each reuse-heap entry's page age replaced by its rank among its table's pages."""
+    pools, seqs = _state(cache)
+    for sid, s in cache.seqs.items():
+        for li, t in enumerate(s.layers):
+            rank = {no: r for r, no in enumerate(sorted(t.page_seq.values()))}
+            loc, pages, heaps, open_page = seqs[sid][1][li]
+            heaps = {c: sorted((rank.get(no, -1), p, sl) for no, p, sl in h) for c, h in heaps.items()}
+            seqs[sid][1][li] = (loc, pages, heaps, open_page)
+    return pools, seqs
+
+
 FLUSH_CLASSES = [("nvfp4", 0), ("nvfp4", 1), ("fp32", 0), ("int2", 0)]
 _fstep = st.tuples(st.just("step"), st.lists(st.integers(0, 3), min_size=4, max_size=4))
 flush_op = st.one_of(st.tuples(st.just("add")), _fstep, _fstep, _fstep, _fstep, _fstep, _fstep,
@@ -369,7 +383,9 @@ flush_op = st.one_of(st.tuples(st.just("add")), _fstep, _fstep, _fstep, _fstep, 
 def test_batched_flush_matches_one_write_per_request(ops, block):
     """``flush_many`` (the batch's full buffers of one layer: fresh pages taken in one call, one kernel call per
     format, one slot mark) leaves exactly the state of writing each request's group with ``write`` in batch
-    order: slots (reused, open-page tails, fresh pages), key-scale groups, stored codes, bytes."""
+    order: slots (reused, open-page tails, fresh pages), key-scale groups, stored codes, bytes. Page ages
+    (``page_seq``, the reuse order) are compared as ranks within each table: the batched path numbers one
+    format's pages before the next format's, which orders no table differently."""
     g = 4
     batched, each = make_cache(block=block, g=g), make_cache(block=block, g=g)
     next_pos: dict[int, int] = {}
@@ -405,7 +421,7 @@ def test_batched_flush_matches_one_write_per_request(ops, block):
         else:
             for c in (batched, each):
                 c.free_sequence(ids[o[1] % len(ids)])
-        assert _state(batched) == _state(each)
+        assert _ranked_state(batched) == _ranked_state(each)
         for layer in range(L):
             for fmt, pool in batched.pools[layer].items():
                 other = each.pools[layer][fmt]
@@ -414,3 +430,40 @@ def test_batched_flush_matches_one_write_per_request(ops, block):
                 for x, y in zip(pool.group_fields, other.group_fields):
                     assert torch.equal(x[:pool.group_fresh], y[:pool.group_fresh])
     check_invariants(batched)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=30), jobs=st.lists(st.tuples(st.integers(0, 3), st.lists(
+    st.integers(0, 200), min_size=8, max_size=40)), min_size=1, max_size=5))
+def test_evict_many_matches_one_request_at_a_time(ops, jobs):
+    """``evict_many`` (a batch's anneal: one key-group read and one validity update per format, a request
+    possibly listed twice) leaves exactly the state of evicting each job in turn, and returns each job's count."""
+    caches = [make_cache(), make_cache()]
+    next_pos: dict[int, int] = {}
+    for o in ops:
+        ids = sorted(caches[0].seqs)
+        if o[0] == "add" or not ids:
+            add_everywhere(caches, next_pos)
+        elif o[0] == "write":
+            sid = ids[o[1] % len(ids)]
+            pos = list(range(next_pos[sid], next_pos[sid] + o[3]))
+            next_pos[sid] += o[3]
+            gen = torch.Generator().manual_seed(len(pos) + pos[0])
+            k, v = torch.randn(o[3], H, D, generator=gen), torch.randn(o[3], H, D, generator=gen)
+            for c in caches:
+                for layer in range(L):
+                    c.write(c.seqs[sid], layer, k, v, pos, CLASSES[o[2]])
+        elif o[0] == "free" and len(ids) > 1:
+            for c in caches:
+                c.free_sequence(ids[o[1] % len(ids)])
+    ids = sorted(caches[0].seqs)
+    if not ids:
+        add_everywhere(caches, next_pos)
+        ids = sorted(caches[0].seqs)
+    picked = [(ids[i % len(ids)], [p % max(1, next_pos[ids[i % len(ids)]]) for p in victims]) for i, victims in jobs]
+    picked = [(sid, list(dict.fromkeys(v))) for sid, v in picked]
+    got = caches[0].evict_many(1, [(caches[0].seqs[sid], v) for sid, v in picked])
+    want = [caches[1].evict(caches[1].seqs[sid], 1, v) for sid, v in picked]
+    assert got == want
+    assert _state(caches[0]) == _state(caches[1])
+    check_invariants(caches[0])

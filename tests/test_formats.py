@@ -8,7 +8,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from plugins.formats import LayerScales, format_by_code, get_format
+from plugins.formats import FORMATS, LayerScales, format_by_code, get_format
 from plugins.formats.e4m3 import e4m3_decode, e4m3_encode
 from plugins.formats.nvfp4 import e2m1_decode, e2m1_encode
 from plugins.formats.packing import pack, per_channel, unpack
@@ -525,3 +525,16 @@ def test_cuda_matches_cpu(name):
     kr, vr = f.decode(sc, {x: t.cpu() for x, t in gx.items()}, scales)
     torch.testing.assert_close(kd.cpu(), kr, rtol=1e-6, atol=0)
     torch.testing.assert_close(vd.cpu(), vr, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_decode_keys_equals_decode_from_the_key_fields_alone(name):
+    """``decode_keys`` (what selection reads) is ``decode(...)[0]`` given only the ``k`` slot field."""
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(16, 2, 32, generator=g) * 3, torch.randn(16, 2, 32, generator=g)
+    slot, group = fmt.encode(k, v, LayerScales(0.7, 1.3))
+    per_slot = {n: t.expand(16, *t.shape) for n, t in group.items()}  # group fields gathered per slot
+    want, _ = fmt.decode(slot, per_slot, LayerScales(0.7, 1.3))
+    got = fmt.decode_keys({"k": slot["k"]}, per_slot, LayerScales(0.7, 1.3))
+    assert torch.equal(got, want)

@@ -171,6 +171,7 @@ class Hooks:
         pol, cache, hooks = self.pol, self.cache, self
         begin, end = type(pol).on_decode_step_begin, type(pol).on_decode_step_end
         flush, evict = type(cache).flush, type(cache).evict
+        flush_many, evict_many = type(cache).flush_many, type(cache).evict_many
 
         def on_begin(req):
             hooks.step = req.step
@@ -189,23 +190,43 @@ class Hooks:
             hooks.flushes.append((hooks.step, layer, seq.buffered(layer)))
             return flush(cache, seq, layer, cls, seg)
 
-        def on_evict(seq, layer, positions):
+        def on_flush_many(layer, seqs, classes, segs):
+            for seq in seqs:
+                hooks.flushes.append((hooks.step, layer, seq.buffered(layer)))
+            return flush_many(cache, layer, seqs, classes, segs)
+
+        def hits(seq, layer, positions):
             table = seq.layers[layer]
             pos = [int(p) for p in (positions.tolist() if hasattr(positions, "tolist") else positions)]
-            hit = {p: table.loc[p] for p in pos if p in table.loc}
-            n = evict(cache, seq, layer, positions)
-            assert n == len(hit)
+            return {p: table.loc[p] for p in pos if p in table.loc}
+
+        def record(layer, hit):
             hooks.evicted.setdefault(layer, {}).update(hit)
             hooks.evict_steps.append((hooks.step, layer, sorted(hit)))
+
+        def on_evict(seq, layer, positions):
+            hit = hits(seq, layer, positions)
+            n = evict(cache, seq, layer, positions)
+            assert n == len(hit)
+            record(layer, hit)
             return n
+
+        def on_evict_many(layer, items):
+            hit = [hits(seq, layer, positions) for seq, positions in items]
+            counts = evict_many(cache, layer, items)
+            assert counts == [len(h) for h in hit]
+            for h in hit:
+                record(layer, h)
+            return counts
 
         pol.on_decode_step_begin, pol.on_decode_step_end = on_begin, on_end
         cache.flush, cache.evict = on_flush, on_evict
+        cache.flush_many, cache.evict_many = on_flush_many, on_evict_many
         return self
 
     def __exit__(self, *exc):
         del self.pol.on_decode_step_begin, self.pol.on_decode_step_end
-        del self.cache.flush, self.cache.evict
+        del self.cache.flush, self.cache.evict, self.cache.flush_many, self.cache.evict_many
         sched = self.eng.scheduler  # a failed check leaves its request running in the shared engine: drop it
         for r in [*sched.waiting, *sched.running]:
             r.cancelled = True

@@ -93,6 +93,12 @@ class KVFormat(abc.ABC):
         """Dequantize to fp32. ``slot[f]`` is ``[..., *shape]``; ``group[f]`` is already gathered
         per slot, so it is ``[..., *shape]`` with the same leading dims. Returns k, v ``[..., H, D]``."""
 
+    @abc.abstractmethod
+    def decode_keys(self, slot: dict[str, torch.Tensor], group: dict[str, torch.Tensor], scales: LayerScales
+                    ) -> torch.Tensor:
+        """``decode(...)[0]`` from the key fields alone (``slot`` needs only ``"k"``; ``group`` is all key
+        statistics): selection reads keys only, so it gathers and dequantizes half the bytes."""
+
 
 @functools.cache
 def field_names(fmt_code: int) -> tuple[tuple[str, ...], tuple[str, ...]]:

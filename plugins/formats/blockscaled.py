@@ -95,13 +95,18 @@ class BlockScaledFormat(KVFormat):
     def decode(self, slot, group, scales: LayerScales):
         from .lut import decode_packed, e4m3_lookup
 
-        kc = decode_packed(slot["k"], self.element_decode, self.code_bits)
         vc = decode_packed(slot["v"], self.element_decode, self.code_bits)
-        k = (kc * e4m3_lookup(group["k_scale"])) * self._glob(scales.k, kc)
         v = (vc * per_channel(e4m3_lookup(slot["v_scale"]))) * self._glob(scales.v, vc)
+        return self.decode_keys(slot, group, scales), v
+
+    def decode_keys(self, slot, group, scales: LayerScales):
+        from .lut import decode_packed, e4m3_lookup
+
+        kc = decode_packed(slot["k"], self.element_decode, self.code_bits)
+        k = (kc * e4m3_lookup(group["k_scale"])) * self._glob(scales.k, kc)
         if self.key_offset:
             k = k + group["k_offset"].float()
-        return k, v
+        return k
 
     def saturated(self, k, v, scales: LayerScales) -> tuple[torch.Tensor, torch.Tensor]:
         """Number of K and V scale groups whose scale clipped at 448 (0-dim tensors; no host sync)."""

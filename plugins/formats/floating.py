@@ -21,6 +21,9 @@ class FloatFormat(KVFormat):
     def decode(self, slot, group, scales: LayerScales):
         return slot["k"].float(), slot["v"].float()
 
+    def decode_keys(self, slot, group, scales: LayerScales):
+        return slot["k"].float()
+
 
 FP32 = FloatFormat("fp32", code=0, element_bits=32, dtype=torch.float32, description="fp32, uncompressed")
 FP16 = FloatFormat("fp16", code=1, element_bits=16, dtype=torch.float16, description="fp16, uncompressed")

@@ -33,6 +33,12 @@ class FP8Format(KVFormat):
         k, v = e4m3_lookup(slot["k"]), e4m3_lookup(slot["v"])
         return k * _t(scales.k, k), v * _t(scales.v, v)
 
+    def decode_keys(self, slot, group, scales: LayerScales):
+        from .lut import e4m3_lookup
+
+        k = e4m3_lookup(slot["k"])
+        return k * _t(scales.k, k)
+
     def saturated(self, k, v, scales: LayerScales) -> tuple[torch.Tensor, torch.Tensor]:
         """Number of K and V elements clipped at 448 (0-dim tensors; no host sync)."""
         return (

@@ -69,11 +69,15 @@ class IntFormat(KVFormat):
     def decode(self, slot, group, scales: LayerScales):
         from .lut import decode_packed, identity_codes
 
-        kc = decode_packed(slot["k"], identity_codes, self.bits)
         vc = decode_packed(slot["v"], identity_codes, self.bits)
-        k = kc * group["k_scale"].float() + group["k_zero"].float()
         v = vc * per_channel(slot["v_scale"].float()) + per_channel(slot["v_zero"].float())
-        return k, v
+        return self.decode_keys(slot, group, scales), v
+
+    def decode_keys(self, slot, group, scales: LayerScales):
+        from .lut import decode_packed, identity_codes
+
+        kc = decode_packed(slot["k"], identity_codes, self.bits)
+        return kc * group["k_scale"].float() + group["k_zero"].float()
 
 
 INT4 = IntFormat(

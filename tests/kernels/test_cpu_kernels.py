@@ -276,6 +276,10 @@ def test_kv_write_groups_bit_exact(name, n):
     kv_write_groups_ref(k.view(G, n, H, D), v.view(G, n, H, D), slot2, group2, kg2, pages.view(G, n),
                         slots.view(G, n), gids, fmt.code, 0.37, 1.7)
     assert_bitwise([*want[0], *want[1], want[2]], [*slot2, *group2, kg2])
+    slot3, group3, kg3 = pools(fmt, H, D, n)  # the registered op (whatever backend the mode picks)
+    torch.ops.trtkv.kv_write_groups(k.view(G, n, H, D), v.view(G, n, H, D), slot3, group3, kg3, pages.view(G, n),
+                                    slots.view(G, n), gids, fmt.code, 0.37, 1.7)
+    assert_bitwise([*want[0], *want[1], want[2]], [*slot3, *group3, kg3])
 
 
 def test_kv_write_groups_shape_errors_are_one_line():

@@ -7,11 +7,14 @@ H2O/R-KV event); pages shared by forked sequences, and evictions of a few tokens
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+DECREF_ARRAY_MIN = 64  # victims from which decref_groups uses array operations (numpy costs ~20 us a call)
 
 if TYPE_CHECKING:
     from trtkv.cache.manager import KVCacheManager, SeqKV
@@ -21,38 +24,88 @@ if TYPE_CHECKING:
 def evict_private(mgr: KVCacheManager, seq: SeqKV, layer: int, positions: list[int]) -> int:
     """Eviction from pages no other sequence holds, per format as array operations over the victims
     (the same end state as evicting them one by one, which ``KVCacheManager._evict_each`` does)."""
-    table = seq.layers[layer]
-    table.holes = True
-    loc, by_fmt = table.loc, {}
-    for pos in positions:
-        where = loc.pop(int(pos), None)
-        if where is not None:
-            by_fmt.setdefault(where[0], []).append(where)
-    for fmt, items in by_fmt.items():
+    return evict_private_many(mgr, layer, [(seq, positions)])[0]
+
+
+def evict_private_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, list[int]]]) -> list[int]:
+    """``evict_private`` of several requests in one layer (a batch's anneal): one key-group read and one
+    validity update per format for all of them; the per-request parts (position maps, reference drops, reuse
+    heaps, page releases) run request by request, in order, so the end state is that of evicting each in turn."""
+    counts, merged = [], {}  # a request listed twice (two segments annealed at once) is one request here
+    for seq, positions in items:
+        table = seq.layers[layer]
+        table.holes = True
+        found = [w for w in map(table.loc.pop, map(int, positions), itertools.repeat(None)) if w is not None]
+        counts.append(len(found))
+        merged.setdefault(id(seq), (seq, []))[1].extend(found)
+    items, found_of = [(seq, None) for seq, _ in merged.values()], [found for _, found in merged.values()]
+    fmts = {w[0] for found in found_of for w in found}
+    for fmt in sorted(fmts):
         pool = mgr.pools[layer][fmt]
-        pages = np.fromiter((p for _, p, _ in items), np.int64, len(items))
-        slots = np.fromiter((s for _, _, s in items), np.int64, len(items))
+        mine = [[w for w in found if w[0] == fmt] for found in found_of] if len(fmts) > 1 else found_of
+        bounds = np.cumsum([0] + [len(m) for m in mine])
+        _, pages, slots = zip(*(w for m in mine for w in m))
+        pages, slots = np.asarray(pages, np.int64), np.asarray(slots, np.int64)
+        gids = None
         if pool.group_specs:
             kg = pool.k_group
             gids = kg.numpy()[pages, slots] if kg.device.type == "cpu" else \
                 kg[torch.from_numpy(pages).to(kg.device), torch.from_numpy(slots).to(kg.device)].cpu().numpy()
-            decref_groups(seq, pool, gids.tolist())
         pool.mark_evicted_many(pages, slots)
-        page_seq = table.page_seq
-        for p, s, c in zip(pages.tolist(), slots.tolist(), pool.page_class[pages].tolist()):
-            heapq.heappush(table.reusable.setdefault((fmt, c), []), (page_seq[(fmt, p)], p, s))
-        for p in dict.fromkeys(pages.tolist()):
-            cls = (fmt, int(pool.page_class[p]))
-            if pool.live[p] == 0 and table.open_page.get(cls) != p:
-                mgr._release(seq, table, pool, cls, p)
-    return sum(len(items) for items in by_fmt.values())
+        for i, (seq, _) in enumerate(items):
+            lo, hi = bounds[i], bounds[i + 1]
+            if lo == hi:
+                continue
+            if gids is not None:
+                decref_groups(seq, pool, gids[lo:hi])
+            _free_slots(mgr, seq, seq.layers[layer], pool, fmt, pages[lo:hi].tolist(), slots[lo:hi].tolist())
+    return counts
 
 
-def decref_groups(seq: SeqKV, pool: PagePool, gids: list[int]) -> None:
+def _free_slots(mgr: KVCacheManager, seq: SeqKV, table, pool: PagePool, fmt: str, pl: list[int], sl: list[int]
+                ) -> None:
+    """Evicted slots join their class's reuse heap; pages left empty (and not open) go back to the pool."""
+    touched = {p: (table.page_seq[(fmt, p)], int(pool.page_class[p])) for p in dict.fromkeys(pl)}
+    by_cls: dict[int, list] = {}
+    for p, s in zip(pl, sl):
+        no, c = touched[p]
+        by_cls.setdefault(c, []).append((no, p, s))
+    for c, freed in by_cls.items():  # pops come out the same whichever way the heap is built (entries differ)
+        heap = table.reusable.setdefault((fmt, c), [])
+        if len(freed) > len(heap):
+            heap.extend(freed)
+            heapq.heapify(heap)
+        else:
+            for item in freed:
+                heapq.heappush(heap, item)
+    for p, (_, c) in touched.items():
+        cls = (fmt, c)
+        if pool.live[p] == 0 and table.open_page.get(cls) != p:
+            mgr._release(seq, table, pool, cls, p)
+
+
+def decref_groups(seq: SeqKV, pool: PagePool, gids) -> None:
     """Drop one key-scale group reference per victim; groups freed in the order their last reference
     goes (what evicting one by one does, so the arena hands out the same ids afterwards)."""
-    last = {g: i for i, g in enumerate(gids)}  # each group's last victim
-    counts = Counter(gids)
-    for g in sorted(last, key=last.__getitem__):
-        if pool.decref_group(g, counts[g]):
-            seq.add_bytes(-pool.group_bytes)
+    if len(gids) < DECREF_ARRAY_MIN:  # a page's slots (one or two groups): plain Python is cheaper
+        gids = gids.tolist() if isinstance(gids, np.ndarray) else gids
+        last = {g: i for i, g in enumerate(gids)}  # each group's last victim
+        counts = Counter(gids)
+        for g in sorted(last, key=last.__getitem__):
+            if pool.decref_group(g, counts[g]):
+                seq.add_bytes(-pool.group_bytes)
+        return
+    g = np.asarray(gids, np.int64)
+    g = g[g >= 0]  # slots without a group
+    if not len(g):
+        return
+    u, first_rev, counts = np.unique(g[::-1], return_index=True, return_counts=True)
+    order = np.argsort(len(g) - 1 - first_rev, kind="stable")  # by each group's last victim
+    u, counts = u[order], counts[order]
+    ref = pool.group_ref
+    ref[u] -= counts
+    assert (ref[u] >= 0).all(), "key-scale arena refcount below zero"
+    freed = u[ref[u] == 0].tolist()
+    pool.group_free.extend(freed)
+    if freed:
+        seq.add_bytes(-pool.group_bytes * len(freed))

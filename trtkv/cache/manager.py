@@ -20,7 +20,7 @@ from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.
 from trtkv.cache import compaction, forks, reads
 from trtkv.cache.budget import PoolPlan, plan_pools
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
-from trtkv.cache.eviction import decref_groups, evict_private
+from trtkv.cache.eviction import decref_groups, evict_private, evict_private_many
 from trtkv.cache.flush import flush_many
 from trtkv.cache.pool import PagePool
 from trtkv.cache.residual import ResidualArena
@@ -351,6 +351,20 @@ class KVCacheManager:
             self.compact(seq, layer)
         return n
 
+    def evict_many(self, layer: int, items: list[tuple[SeqKV, object]]) -> list[int]:
+        """``evict`` of several requests in one layer: in one pass over the batch (``evict_private_many``)
+        when every request's victims take the array path, else request by request."""
+        items = [(s, p.tolist() if hasattr(p, "tolist") else list(p)) for s, p in items]
+        if any(s.fork_mode is not None or len(p) < EVICT_BATCH_MIN for s, p in items):
+            return [self.evict(s, layer, p) for s, p in items]
+        counts = evict_private_many(self, layer, items)
+        for (seq, _), n in zip(items, counts):
+            seq.evicted_tokens += n
+            self.evictions_total += n
+            if n and self.cfg.eviction == "compact":
+                self.compact(seq, layer)
+        return counts
+
     def _evict_each(self, seq: SeqKV, layer: int, positions: list[int]) -> int:
         """Eviction one token at a time: a forked sequence's pages may be shared (copy on write, or tree
         eviction in place; cache/forks.py)."""
@@ -403,9 +417,10 @@ class KVCacheManager:
         """Dequantized fp32 ``k, v [m, H, D]`` of paged tokens (``trtkv/cache/reads.py``)."""
         return reads.gather_kv(self, seq, layer, positions)
 
-    def gather_kv_many(self, layer: int, items: list[tuple[SeqKV, object]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def gather_kv_many(self, layer: int, items: list[tuple[SeqKV, object]], keys_only: bool = False
+                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """``gather_kv`` of several requests in one read per format (``trtkv/cache/reads.py``)."""
-        return reads.gather_kv_many(self, layer, items)
+        return reads.gather_kv_many(self, layer, items, keys_only)
 
     def block_tables(self, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""

@@ -17,40 +17,52 @@ def gather_kv(mgr: KVCacheManager, seq: SeqKV, layer: int, positions) -> tuple[t
     return gather_kv_many(mgr, layer, [(seq, positions)])[0]
 
 
-def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, object]]
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, object]], keys_only: bool = False
+                   ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """:func:`gather_kv` of several requests' positions in one layer, one dequantization per format for
-    all of them (a batch's anneals read their keys in one call instead of one per request)."""
+    all of them (a batch's anneals read their keys in one call instead of one per request). ``keys_only``:
+    gather and dequantize the key fields alone (values come back None)."""
     sizes = [len(positions) for _, positions in items]
-    by_fmt: dict[str, tuple[list[int], list[int], list[int]]] = {}
-    row = 0
-    for seq, positions in items:
-        loc = seq.layers[layer].loc
-        for pos in positions.tolist() if hasattr(positions, "tolist") else positions:
-            fmt, p, s = loc[int(pos)]
+    where = [w for seq, positions in items for w in map(seq.layers[layer].loc.__getitem__, _ints(positions))]
+    fmts = {w[0] for w in where}
+    if len(fmts) == 1:  # every row in one format (the common case): no per-row sorting
+        (fmt,) = fmts
+        _, pages, slots = zip(*where)
+        by_fmt = {fmt: (None, pages, slots)}
+    else:  # rows of several formats (or none) land in one output; one format's decode is it
+        by_fmt: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        for row, (fmt, p, s) in enumerate(where):
             rows, pages, slots = by_fmt.setdefault(fmt, ([], [], []))
             rows.append(row)
             pages.append(p)
             slots.append(s)
-            row += 1
-    if len(by_fmt) != 1:  # rows of several formats (or none) land in one output; one format's decode is it
         out_k = torch.empty(sum(sizes), mgr.cfg.num_kv_heads, mgr.cfg.head_dim, device=mgr.cfg.device)
-        out_v = torch.empty_like(out_k)
+        out_v = None if keys_only else torch.empty_like(out_k)
     for fmt, (rows, pages, slots) in by_fmt.items():
         pool = mgr.pools[layer][fmt]
-        flat = torch.tensor(pages, device=pool.device) * pool.B + torch.tensor(slots, device=pool.device)
-        slot = {f.name: t.flatten(0, 1).index_select(0, flat) for f, t in zip(pool.slot_specs, pool.fields)}
+        flat = torch.from_numpy(np.asarray(pages, np.int64) * pool.B + np.asarray(slots, np.int64)).to(pool.device)
+        slot = {f.name: t.flatten(0, 1).index_select(0, flat) for f, t in zip(pool.slot_specs, pool.fields)
+                if not keys_only or f.name == "k"}
         group = {}
         if pool.group_specs:
             gid = pool.k_group.flatten().index_select(0, flat).long()
             group = {f.name: t.index_select(0, gid) for f, t in zip(pool.group_specs, pool.group_fields)}
-        k, v = pool.fmt.decode(slot, group, mgr.layer_scales(layer, fmt))
-        if len(by_fmt) == 1:  # every row, in order
-            out_k, out_v = k.float(), v.float()
+        scales = mgr.layer_scales(layer, fmt)
+        k, v = (pool.fmt.decode_keys(slot, group, scales), None) if keys_only else pool.fmt.decode(slot, group,
+                                                                                                     scales)
+        if rows is None:  # every row, in order
+            out_k, out_v = k.float(), None if v is None else v.float()
         else:
             idx = torch.tensor(rows, device=pool.device)
-            out_k[idx], out_v[idx] = k, v
-    return list(zip(out_k.split(sizes), out_v.split(sizes)))
+            out_k[idx] = k
+            if v is not None:
+                out_v[idx] = v
+    ks = out_k.split(sizes)
+    return list(zip(ks, [None] * len(ks) if keys_only else out_v.split(sizes)))
+
+
+def _ints(positions) -> list[int]:
+    return positions.tolist() if hasattr(positions, "tolist") else [int(p) for p in positions]
 
 
 NO_PAGES = np.empty(0, np.int32)  # a sequence without pages of a format

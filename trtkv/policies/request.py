@@ -64,6 +64,9 @@ class PolicyRequest(Protocol):
     def evict(self, layer: int, positions) -> int:
         """Evict paged positions of one layer (buffered ones are ignored); returns how many went. With the
         cache setting ``demote=host|host-<format>`` the victims move to a host tier instead (still attended)."""
+    def evict_many(self, layer: int, jobs: list[tuple["PolicyRequest", Any]]) -> list[int]:
+        """``evict`` of ``(request, positions)`` jobs of requests in this one's batch, in one pass (a batch
+        hook's anneal evicts from every request at once); returns each job's count."""
     def evict_all_layers(self, positions) -> int: ...
 
     # --- tiers (T0 device, T1 host, T2 host compressed, T3 evicted; trtkv/cache/tiers.py) ------------

@@ -378,14 +378,15 @@ class ThinKVPolicy(KVPolicy):
             counts = torch.tensor([len(mem) for mem, _ in flat], dtype=torch.int32, device=feats.device)
             k_keep = torch.tensor([t for _, t in flat], dtype=torch.int32, device=feats.device)
             keep = torch.ops.trtkv.kmeans_select(feats, counts, k_keep, self.kmeans_iters).cpu().numpy()
-            j = 0
+            j, victims = 0, []
             for req, jobs in group:
                 for members, _ in jobs:
                     kept = keep[j][keep[j] >= 0]
                     mask = np.ones(len(members), bool)
                     mask[kept] = False
-                    req.evict(layer, members[mask])
+                    victims.append((req, members[mask]))
                     j += 1
+            group[0][0].evict_many(layer, victims)
 
     # --- after each step: label the open segment at refresh steps, account tokens -----------
     def on_decode_step_end(self, req, stats) -> None:

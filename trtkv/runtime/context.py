@@ -111,7 +111,7 @@ class RequestContext:
                 out[j] = req.keys(layer, positions)
             else:
                 paged.append((j, req._seq, positions))
-        read = self._cache.gather_kv_many(layer, [(seq, pos) for _, seq, pos in paged])
+        read = self._cache.gather_kv_many(layer, [(seq, pos) for _, seq, pos in paged], keys_only=True)
         for (j, _, _), (k, _) in zip(paged, read):
             out[j] = k
         return out
@@ -126,6 +126,19 @@ class RequestContext:
         if clk is not None:
             clk.switch(prev)
         return n
+
+    def evict_many(self, layer: int, jobs: list[tuple["RequestContext", Any]]) -> list[int]:
+        """``evict`` of several requests of this one's batch in one layer, in one pass over the batch."""
+        if any(req._cache is not self._cache for req, _ in jobs):
+            raise ValueError("evict_many: every request must share this request's cache")
+        if self._cache.cfg.demote != "none":
+            return [req.evict(layer, positions) for req, positions in jobs]
+        clk = self._cache.clock
+        prev = clk.switch("bookkeeping") if clk is not None else None
+        counts = self._cache.evict_many(layer, [(req._seq, positions) for req, positions in jobs])
+        if clk is not None:
+            clk.switch(prev)
+        return counts
 
     def evict_all_layers(self, positions) -> int:
         return sum(self.evict(layer, positions) for layer in range(self._num_layers))

@@ -27,8 +27,8 @@ from trtkv.runtime.sampling import sample_next
 from trtkv.runtime.staging import HostStaging
 
 
-# CPU: decode attention over at least this many live (token, KV head) pairs runs on all intra-op threads;
-# below it, on one (waking the OpenMP pool costs more than it saves). The CPU kernel's own serial threshold
+# CPU: a decode layer whose attention reads at least this many live (token, KV head) pairs runs on all intra-op
+# threads; below it, on one (waking the OpenMP pool costs more than it saves). The CPU kernel's own serial threshold
 # (SERIAL_SLOT_HEADS): a budget-256 batch of 16 (~12k pairs) is 1.8x faster per call on 2 threads than on
 # one. Measured: docs/benchmarks.md.
 PARALLEL_ATTENTION_SLOTS = 4096
@@ -242,16 +242,20 @@ class EngineCore:
         if self.clock is not None:
             self.clock.switch("bookkeeping")
         threads = step.threads
-        if self.small_ops_threads:  # writes, eviction and decode attention are small ops: OpenMP fan-out
-            torch.set_num_threads(self.small_ops_threads)  # costs more than it gains on CPU
+        # writes, eviction and short decode attention are small ops: OpenMP fan-out costs more than it gains on
+        # CPU. A long batch's layer keeps every core: its attention splits sequences x heads x pages, and its
+        # flushes and anneals (k-means, key reads) are batch-sized too; ops below their grain stay serial.
+        narrow = self.small_ops_threads and step.attn_slots < PARALLEL_ATTENTION_SLOTS
+        if narrow:
+            torch.set_num_threads(self.small_ops_threads)
         try:
-            return self._decode_layer(step, layer, q, k, v)
+            return self._decode_layer(step, layer, q, k, v, narrow)
         finally:
-            if self.small_ops_threads:
+            if narrow:
                 torch.set_num_threads(threads)
 
     def _decode_layer(self, step: DecodeStep, layer: int, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor) -> torch.Tensor:
+                      v: torch.Tensor, narrow: bool) -> torch.Tensor:
         pol, cache, seqs, positions, classes, clk = (self.policy, self.cache, step.seqs, step.positions,
                                                      step.classes, self.clock)
         if self.g == 1:
@@ -264,13 +268,13 @@ class EngineCore:
             cache.buffer_append(layer, seqs, k, v, positions)
             full = [i for i, s in enumerate(seqs) if s.buffered(layer) >= self.g]
             if full:  # the batch's buffers fill on the same step: one batched flush, on every thread
-                if self.small_ops_threads:
+                if narrow:
                     torch.set_num_threads(step.threads)
                 try:
                     cache.flush_many(layer, [seqs[i] for i in full], [classes[i][:2] for i in full],
                                      [classes[i][2] for i in full])
                 finally:
-                    if self.small_ops_threads:
+                    if narrow:
                         torch.set_num_threads(self.small_ops_threads)
         if clk is not None:
             clk.switch("policy")
@@ -285,16 +289,9 @@ class EngineCore:
         want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
         force = step.forced is not None and (fs.layers is None or layer in fs.layers)
         staged = self.staging.sources(layer, self.arch.num_hidden_layers)
-        wide = self.small_ops_threads and step.attn_slots >= PARALLEL_ATTENTION_SLOTS
-        if wide:  # a long batch's attention is worth every core (the kernel splits sequences x heads x pages)
-            torch.set_num_threads(step.threads)
-        try:
-            out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
-                                           [True] * len(seqs) if force else want_w,
-                                           [True] * len(seqs) if force and fs.sparsity else want_s, staged, clk)
-        finally:
-            if wide:
-                torch.set_num_threads(self.small_ops_threads)
+        out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
+                                       [True] * len(seqs) if force else want_w,
+                                       [True] * len(seqs) if force and fs.sparsity else want_s, staged, clk)
         if staged is not None:
             self.staging.release(layer)
         for i, ls in enumerate(lstats):
