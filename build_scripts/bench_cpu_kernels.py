@@ -12,13 +12,15 @@ import time
 
 import torch
 
-from plugins.cpu_kernels import kv_write_cpu, paged_attention_cpu
+from plugins.cpu_kernels import kv_write_cpu, kv_write_groups_cpu, paged_attention_cpu
 from plugins.formats import FORMATS
 from plugins.kv_write.reference import kv_write_ref
 from plugins.paged_attention.reference import dense_attention_cpu, paged_attention_ref
 
 H, G, D, B = 3, 3, 64, 8
 
+
+FLUSH_GROUPS = 16  # a batch of 16 requests flushing together (one group each)
 
 def timeit(fn, reps: int) -> float:
     fn()
@@ -85,6 +87,18 @@ def main() -> None:
         ref = float("nan") if a.no_ref else timeit(lambda: kv_write_ref(*wargs), a.reps)
         cpu = timeit(lambda: kv_write_cpu(*wargs), a.reps)
         print(f"{name:8} ref {ref:8.1f} us  cpu {cpu:8.1f} us  ref/cpu {ref / cpu:6.2f}")
+    print(f"kv_write_groups, a decode step's flushes: {FLUSH_GROUPS} groups in one call, per group "
+          f"(threads: {torch.get_num_threads()})")
+    for name in a.formats.split(","):
+        fmt = FORMATS[name]
+        n = fmt.group_size
+        slot, group, kg, _ = pool_for(fmt, FLUSH_GROUPS * -(-n // B))
+        k, v = torch.randn(FLUSH_GROUPS, n, H, D), torch.randn(FLUSH_GROUPS, n, H, D)
+        idx = torch.arange(FLUSH_GROUPS * n).view(FLUSH_GROUPS, n)
+        gids = torch.arange(FLUSH_GROUPS) if fmt.quantized else torch.full((FLUSH_GROUPS,), -1)
+        gargs = (k, v, slot, group, kg, idx // B, idx % B, gids, fmt.code, 1.0, 1.0)
+        cpu = timeit(lambda: kv_write_groups_cpu(*gargs), a.reps) / FLUSH_GROUPS
+        print(f"{name:8} cpu {cpu:8.1f} us per group")
 
 
 if __name__ == "__main__":

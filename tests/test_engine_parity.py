@@ -65,3 +65,16 @@ def test_repetition_penalty_matches_transformers(engine_factory, load_engine, hf
     assert res.token_ids == (out[: out.index(eos)] if eos in out else out)
     plain = eng.generate(PROMPTS[0], SamplingParams(max_tokens=64))[0]
     assert res.token_ids != plain.token_ids  # the penalty did something
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: logits on the GPU, the generator on the CPU")
+def test_seeded_sampling_of_gpu_logits_with_a_cpu_generator():
+    """``api.make_request`` seeds a CPU generator; a GPU engine's logits are drawn from it (this raised on an
+    H200), and the draw equals the same draw from the same probabilities on the CPU."""
+    from trtkv.runtime.sampling import make_generator, sample_next
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(3)]
+    on_gpu = sample_next(logits.cuda(), params, [make_generator(s) for s in range(3)])
+    on_cpu = sample_next(logits, params, [make_generator(s) for s in range(3)])
+    assert on_gpu == on_cpu

@@ -96,5 +96,7 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], gens: list[t
             drop[-1] = False  # always keep the most likely token
             scores = scores.scatter(0, idx, sorted_scores.masked_fill(drop, float("-inf")))
         probs = scores.softmax(-1)
+        if probs.device != g.device:  # a request's generator is made on the CPU (api.make_request): on a GPU
+            probs = probs.to(g.device)  # engine its draw runs there too (measured on an H200: it raised before)
         out.append(int(torch.multinomial(probs, 1, generator=g)))
     return out
