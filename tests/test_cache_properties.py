@@ -218,6 +218,17 @@ def add_everywhere(caches: list[KVCacheManager], next_pos: dict[int, int]) -> No
     next_pos[sid] = 0
 
 
+def write_everywhere(caches: list[KVCacheManager], next_pos: dict[int, int], sid: int, n: int, cls) -> None:
+    """The request's next ``n`` tokens (the same random K/V) written in every layer of every cache."""
+    pos = list(range(next_pos[sid], next_pos[sid] + n))
+    next_pos[sid] += n
+    gen = torch.Generator().manual_seed(len(pos) + pos[0])
+    k, v = torch.randn(n, H, D, generator=gen), torch.randn(n, H, D, generator=gen)
+    for c in caches:
+        for layer in range(L):
+            c.write(c.seqs[sid], layer, k, v, pos, cls)
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=30))
 def test_batched_eviction_matches_one_by_one(ops):
@@ -230,14 +241,7 @@ def test_batched_eviction_matches_one_by_one(ops):
         if o[0] == "add" or not ids:
             add_everywhere(caches, next_pos)
         elif o[0] == "write":
-            sid = ids[o[1] % len(ids)]
-            pos = list(range(next_pos[sid], next_pos[sid] + o[3]))
-            next_pos[sid] += o[3]
-            gen = torch.Generator().manual_seed(len(pos) + pos[0])
-            k, v = torch.randn(o[3], H, D, generator=gen), torch.randn(o[3], H, D, generator=gen)
-            for c in caches:
-                for layer in range(L):
-                    c.write(c.seqs[sid], layer, k, v, pos, CLASSES[o[2]])
+            write_everywhere(caches, next_pos, ids[o[1] % len(ids)], o[3], CLASSES[o[2]])
         elif o[0] == "evict":
             sid = ids[o[1] % len(ids)]
             victims = [p % max(1, next_pos[sid]) for p in o[3]]
@@ -445,14 +449,7 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs):
         if o[0] == "add" or not ids:
             add_everywhere(caches, next_pos)
         elif o[0] == "write":
-            sid = ids[o[1] % len(ids)]
-            pos = list(range(next_pos[sid], next_pos[sid] + o[3]))
-            next_pos[sid] += o[3]
-            gen = torch.Generator().manual_seed(len(pos) + pos[0])
-            k, v = torch.randn(o[3], H, D, generator=gen), torch.randn(o[3], H, D, generator=gen)
-            for c in caches:
-                for layer in range(L):
-                    c.write(c.seqs[sid], layer, k, v, pos, CLASSES[o[2]])
+            write_everywhere(caches, next_pos, ids[o[1] % len(ids)], o[3], CLASSES[o[2]])
         elif o[0] == "free" and len(ids) > 1:
             for c in caches:
                 c.free_sequence(ids[o[1] % len(ids)])

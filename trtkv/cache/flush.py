@@ -81,36 +81,55 @@ def _alloc(cache: KVCacheManager, layer: int, pool, n: int, seqs: list[SeqKV], c
            ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Slots for ``n`` tokens of each request, as ``KVCacheManager.alloc_slots`` of each in turn would choose
     them. The common case — a group exactly filling fresh pages (no reusable slot, no open page of the class)
-    — takes all those pages from the pool in one call; the rest go through ``alloc_slots``."""
-    B = pool.B
-    fresh = [j for j, (s, cls) in enumerate(zip(seqs, classes))
-             if n % B == 0 and not s.layers[layer].reusable.get(cls) and cls not in s.layers[layer].open_page]
-    per = n // B
-    got = pool.alloc_pages(len(fresh) * per, classes[fresh[0]][1]) if fresh and len(
-        {classes[j][1] for j in fresh}) == 1 else None
-    fresh_at = {j: i for i, j in enumerate(fresh)}
-    new_pages = {} if got is None else {j: got[i * per:(i + 1) * per].tolist() for i, j in enumerate(fresh)}
-    if got is not None:
-        pool.hwm[got] = B
-    pages, slots = [], []
-    full_slots = np.tile(np.arange(B, dtype=np.int64), per)
-    every_slot = np.repeat(got, B) if got is not None else None
-    for j, (s, cls) in enumerate(zip(seqs, classes)):
-        ps = new_pages.get(j)
-        if ps is None:
-            p, sl = cache.alloc_slots(s, layer, cls, n)
-            pages.append(p)
-            slots.append(sl)
+    — takes a run of consecutive such requests' pages from the pool in one call; the others go through
+    ``alloc_slots`` in their place in the batch, so every request gets the pages it would get in order."""
+    B, per = pool.B, n // pool.B
+    pages: list = [None] * len(seqs)
+    slots: list = [None] * len(seqs)
+    run: list[int] = []  # consecutive requests of one page class on the fast path, not yet allocated
+
+    def fresh(j: int) -> bool:
+        table = seqs[j].layers[layer]
+        return n % B == 0 and not table.reusable.get(classes[j]) and classes[j] not in table.open_page
+
+    def take_run() -> None:
+        got = pool.alloc_pages(len(run) * per, classes[run[0]][1]) if run else None
+        if got is None:  # too few pages left: one by one, so the error names the request that ran out
+            for j in run:
+                pages[j], slots[j] = cache.alloc_slots(seqs[j], layer, classes[j], n)
+        else:
+            _give_pages(cache, layer, pool, seqs, classes, run, got, per, pages, slots)
+        run.clear()
+
+    for j in range(len(seqs)):
+        if fresh(j) and (not run or classes[run[0]][1] == classes[j][1]):
+            run.append(j)
             continue
+        take_run()
+        if fresh(j):
+            run.append(j)
+        else:
+            pages[j], slots[j] = cache.alloc_slots(seqs[j], layer, classes[j], n)
+    take_run()
+    return pages, slots
+
+
+def _give_pages(cache: KVCacheManager, layer: int, pool, seqs, classes, run: list[int], got: np.ndarray, per: int,
+                pages: list, slots: list) -> None:
+    """Record ``per`` fresh pages of ``got`` (whole, in order) in each of the ``run`` requests' tables."""
+    B = pool.B
+    pool.hwm[got] = B
+    every_slot = np.repeat(got, B)
+    full_slots = np.tile(np.arange(B, dtype=np.int64), per)
+    for i, j in enumerate(run):
+        s, cls = seqs[j], classes[j]
         table = s.layers[layer]
         owned = table.pages.setdefault(cls, [])
-        for p in ps:
+        for p in got[i * per:(i + 1) * per].tolist():
             cache._page_counter += 1
             table.page_seq[(cls[0], p)] = cache._page_counter
             owned.append(p)
         table._flat = table._bt = None
         s.add_bytes(per * (pool.page_bytes + 4))
-        i = fresh_at[j]
-        pages.append(every_slot[i * n:(i + 1) * n])
-        slots.append(full_slots)
-    return pages, slots
+        pages[j] = every_slot[i * per * B:(i + 1) * per * B]
+        slots[j] = full_slots
