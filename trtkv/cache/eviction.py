@@ -38,7 +38,7 @@ def evict_private_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV,
         found = [w for w in map(table.loc.pop, map(int, positions), itertools.repeat(None)) if w is not None]
         counts.append(len(found))
         merged.setdefault(id(seq), (seq, []))[1].extend(found)
-    items, found_of = [(seq, None) for seq, _ in merged.values()], [found for _, found in merged.values()]
+    seqs, found_of = [seq for seq, _ in merged.values()], [found for _, found in merged.values()]
     fmts = {w[0] for found in found_of for w in found}
     for fmt in sorted(fmts):
         pool = mgr.pools[layer][fmt]
@@ -52,7 +52,7 @@ def evict_private_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV,
             gids = kg.numpy()[pages, slots] if kg.device.type == "cpu" else \
                 kg[torch.from_numpy(pages).to(kg.device), torch.from_numpy(slots).to(kg.device)].cpu().numpy()
         pool.mark_evicted_many(pages, slots)
-        for i, (seq, _) in enumerate(items):
+        for i, seq in enumerate(seqs):
             lo, hi = bounds[i], bounds[i + 1]
             if lo == hi:
                 continue

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from plugins import ops as plugin_ops
-from trtkv.errors import OutOfKVMemory
 
 if TYPE_CHECKING:
     from trtkv.cache.manager import Cls, KVCacheManager, SeqKV
@@ -37,15 +36,7 @@ def _flush_call(cache: KVCacheManager, layer: int, fmt: str, n: int, seqs: list[
                 segs: list[int]) -> None:
     pool = cache.pool(layer, fmt)
     pages, slots = _alloc(cache, layer, pool, n, seqs, classes)
-    gids = []
-    for s in seqs:
-        try:
-            gid = pool.alloc_group(n)
-        except OutOfKVMemory as e:
-            raise e.at(s.seq_id, layer, fmt) from None
-        if gid >= 0:
-            s.add_bytes(pool.group_bytes)
-        gids.append(gid)
+    gids = [cache.alloc_group(s, layer, pool, n) for s in seqs]
     G = len(seqs)
     k, v = _buffers(cache.residual, seqs, layer, n)
     pg, sl = np.concatenate(pages), np.concatenate(slots)

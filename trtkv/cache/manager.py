@@ -274,12 +274,7 @@ class KVCacheManager:
         """Store ``k, v [n, H, D]`` (one flush group for quantized formats) of one request."""
         pool = self.pool(layer, cls[0])
         pages, slots = self.alloc_slots(seq, layer, cls, len(positions))
-        try:
-            gid = pool.alloc_group(len(positions))
-        except OutOfKVMemory as e:
-            raise e.at(seq.seq_id, layer, cls[0]) from None
-        if gid >= 0:
-            seq.add_bytes(pool.group_bytes)
+        gid = self.alloc_group(seq, layer, pool, len(positions))
         sc = self.layer_scales(layer, cls[0])
         clk = self.clock
         prev = clk.switch("kv_write") if clk is not None else None
@@ -289,6 +284,17 @@ class KVCacheManager:
         if clk is not None:
             clk.switch(prev)
         self._record(seq, layer, pool, cls[0], pages, slots, positions, seg)
+
+    def alloc_group(self, seq: SeqKV, layer: int, pool: PagePool, n: int) -> int:
+        """A key-scale arena entry for a group of ``n`` tokens of ``seq`` (-1: the format has none), charged
+        to the request; a full arena names the request and layer."""
+        try:
+            gid = pool.alloc_group(n)
+        except OutOfKVMemory as e:
+            raise e.at(seq.seq_id, layer, pool.fmt.name) from None
+        if gid >= 0:
+            seq.add_bytes(pool.group_bytes)
+        return gid
 
     def write_through(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor,
                       positions: list[int], cls: Cls) -> None:
@@ -345,10 +351,7 @@ class KVCacheManager:
         # a few victims (a sliding window's one token a step) cost less one by one than numpy's per-call overhead
         one_by_one = seq.fork_mode is not None or len(positions) < EVICT_BATCH_MIN
         n = self._evict_each(seq, layer, positions) if one_by_one else evict_private(self, seq, layer, positions)
-        seq.evicted_tokens += n
-        self.evictions_total += n
-        if n and self.cfg.eviction == "compact":
-            self.compact(seq, layer)
+        self._evicted(seq, layer, n)
         return n
 
     def evict_many(self, layer: int, items: list[tuple[SeqKV, object]]) -> list[int]:
@@ -359,11 +362,15 @@ class KVCacheManager:
             return [self.evict(s, layer, p) for s, p in items]
         counts = evict_private_many(self, layer, items)
         for (seq, _), n in zip(items, counts):
-            seq.evicted_tokens += n
-            self.evictions_total += n
-            if n and self.cfg.eviction == "compact":
-                self.compact(seq, layer)
+            self._evicted(seq, layer, n)
         return counts
+
+    def _evicted(self, seq: SeqKV, layer: int, n: int) -> None:
+        """Account ``n`` tokens just evicted from one layer (and gather the survivors in compact mode)."""
+        seq.evicted_tokens += n
+        self.evictions_total += n
+        if n and self.cfg.eviction == "compact":
+            self.compact(seq, layer)
 
     def _evict_each(self, seq: SeqKV, layer: int, positions: list[int]) -> int:
         """Eviction one token at a time: a forked sequence's pages may be shared (copy on write, or tree
