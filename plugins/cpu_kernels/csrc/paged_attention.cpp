@@ -27,6 +27,17 @@ inline void load_kv(const Pools& p, int64_t page, int64_t slot, int64_t h, float
   } else if constexpr (FMT == FP16 || FMT == BF16) {
     const uint16_t* kp = reinterpret_cast<const uint16_t*>(p.f[0]) + row * D;
     const uint16_t* vp = reinterpret_cast<const uint16_t*>(p.f[1]) + row * D;
+#ifdef __F16C__
+    if constexpr (FMT == FP16) {  // the hardware conversion (exact, as half_to_float), 8 elements at a time
+      if (D % 8 == 0) {
+        for (int64_t d = 0; d < D; d += 8) {
+          _mm256_storeu_ps(k + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kp + d))));
+          _mm256_storeu_ps(v + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vp + d))));
+        }
+        return;
+      }
+    }
+#endif
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) {
       k[d] = FMT == FP16 ? half_to_float(kp[d]) : bf16_to_float(kp[d]);
@@ -112,6 +123,28 @@ inline void transpose16(const float* src, int64_t rs, float* dst) {  // dst: col
 }
 #endif
 
+#if defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+// AVX2: 8 rows of 8 floats (row stride rs) -> 8 columns (column c at dst + c * TILE), in 24 shuffles.
+inline void transpose8(const float* src, int64_t rs, float* dst) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * rs);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * TILE, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * TILE, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+#endif
+
 // K rows [H][TILE][D] of a tile's n tokens -> [H][D][TILE] for the scores. Rows n.. hold earlier tiles'
 // values (or zeros); transposing them too only fills lanes the update ignores.
 inline void transpose_tile(const float* rows, float* cols, int64_t H, int64_t D, int64_t n) {
@@ -119,6 +152,13 @@ inline void transpose_tile(const float* rows, float* cols, int64_t H, int64_t D,
   if (TILE == 16 && D % 16 == 0) {
     for (int64_t h = 0; h < H; ++h)
       for (int64_t c = 0; c < D; c += 16) transpose16(rows + h * TILE * D + c, D, cols + (h * D + c) * TILE);
+    return;
+  }
+#elif defined(__AVX2__)
+  if (TILE % 8 == 0 && D % 8 == 0) {
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < TILE; r += 8)
+        for (int64_t c = 0; c < D; c += 8) transpose8(rows + (h * TILE + r) * D + c, D, cols + (h * D + c) * TILE + r);
     return;
   }
 #endif

@@ -8,7 +8,7 @@
 
 #include "codecs.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX2__) || defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__))
 #include <immintrin.h>
 #endif
 
@@ -78,12 +78,7 @@ inline void unpack_bytes(const uint8_t* bytes, int64_t nbytes, float* out) {
   for (int64_t i = 0; i < nbytes; ++i) std::memcpy(out + i * PER, lut.v[bytes[i]], PER * sizeof(float));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// AVX-512: the codes of 16 bytes become byte indices in element order, widen to 32 bits and index a
-// register-held table of the (at most 16) code values with one permute per 16 elements: ~4x fewer
-// instructions than a copy per byte. Same values (the table is the scalar decoder's). Indexed by a lane's
-// low 4 bits: 2-bit codes repeat every 4 entries, so whatever sits in bits 2-3 of an index (a neighbouring
-// code, in code_attention.h's shifted bytes) does not matter.
+// The (at most 16) element values of a format's codes, indexed by a code's low 4 bits (the vector unpacks).
 template <int FMT>
 struct CodeTable {
   alignas(64) float v[16];
@@ -97,6 +92,12 @@ struct CodeTable {
   }
 };
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// AVX-512: the codes of 16 bytes become byte indices in element order, widen to 32 bits and index a
+// register-held table of the (at most 16) code values with one permute per 16 elements: ~4x fewer
+// instructions than a copy per byte. Same values (the table is the scalar decoder's). Indexed by a lane's
+// low 4 bits: 2-bit codes repeat every 4 entries, so whatever sits in bits 2-3 of an index (a neighbouring
+// code, in code_attention.h's shifted bytes) does not matter.
 inline void permute_store(__m128i idx, __m512 tab, float* out) {
   _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(idx), tab));
 }
@@ -125,6 +126,46 @@ inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) {
       permute_store(_mm_unpackhi_epi16(a01, a23), tab, o + 16);
       permute_store(_mm_unpacklo_epi16(b01, b23), tab, o + 32);
       permute_store(_mm_unpackhi_epi16(b01, b23), tab, o + 48);
+    }
+  }
+  if (i < nbytes) unpack_bytes<FMT>(bytes + i, nbytes - i, out + i * PER);
+}
+#elif defined(__AVX2__)
+// AVX2: the same element-order byte indices, 8 at a time, index the 16-entry table held in two registers
+// (entries 0-7 and 8-15, picked by the index's bit 3): two permutes and a blend per 8 elements.
+inline void permute_store8(__m128i idx16, __m256 lo, __m256 hi, float* out) {  // elements of idx16's 16 bytes
+  for (int half = 0; half < 2; ++half) {
+    const __m256i idx = _mm256_cvtepu8_epi32(half ? _mm_srli_si128(idx16, 8) : idx16);
+    const __m256 pick = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));  // bit 3 -> sign: 8..15 from hi
+    _mm256_storeu_ps(out + 8 * half, _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx),
+                                                      _mm256_permutevar8x32_ps(hi, idx), pick));
+  }
+}
+
+template <int FMT>
+inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) {
+  static const CodeTable<FMT> table;
+  constexpr int PER = ByteLut<FMT>::PER;
+  const __m256 lo = _mm256_load_ps(table.v), hi = _mm256_load_ps(table.v + 8);
+  int64_t i = 0;
+  for (; i + 16 <= nbytes; i += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i));
+    float* o = out + i * PER;
+    if constexpr (PER == 2) {  // byte k = elements 2k (low nibble), 2k+1
+      const __m128i m = _mm_set1_epi8(0x0F);
+      const __m128i l = _mm_and_si128(b, m), h = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+      permute_store8(_mm_unpacklo_epi8(l, h), lo, hi, o);
+      permute_store8(_mm_unpackhi_epi8(l, h), lo, hi, o + 16);
+    } else {  // byte k = elements 4k .. 4k+3, from the low bits up
+      const __m128i m = _mm_set1_epi8(0x03);
+      const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+      const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+      const __m128i a01 = _mm_unpacklo_epi8(c0, c1), a23 = _mm_unpacklo_epi8(c2, c3);
+      const __m128i b01 = _mm_unpackhi_epi8(c0, c1), b23 = _mm_unpackhi_epi8(c2, c3);
+      permute_store8(_mm_unpacklo_epi16(a01, a23), lo, hi, o);
+      permute_store8(_mm_unpackhi_epi16(a01, a23), lo, hi, o + 16);
+      permute_store8(_mm_unpacklo_epi16(b01, b23), lo, hi, o + 32);
+      permute_store8(_mm_unpackhi_epi16(b01, b23), lo, hi, o + 48);
     }
   }
   if (i < nbytes) unpack_bytes<FMT>(bytes + i, nbytes - i, out + i * PER);
