@@ -13,7 +13,9 @@ SmolLM2 with 2-/4-bit storage (kivi, thinkv, thinkv-tbq) is exact only per CPU: 
 The AVX-512 recording of kivi / thinkv / thinkv-tbq was re-taken on 2026-11-26 with the code-domain CPU
 attention (scales folded into the queries: another fp32 rounding order; the first differing token moved
 from none to 10 / 36 / 36 of 48), after teacher-forced fidelity of five 2-/4-bit engines measured the same
-with either kernel (docs/benchmarks.md).
+with either kernel (docs/benchmarks.md). The AVX2 recording was re-taken the same day when AVX2 got its own
+code-domain task (csrc/code_attention_avx2.h): its tokens then equal the AVX-512 recording's (thinkv and
+thinkv-tbq all 48, kivi 45 of 48; the float-tile task's AVX2 tokens differed from token 10 / 33).
 """
 from __future__ import annotations
 

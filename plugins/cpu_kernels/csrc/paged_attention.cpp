@@ -58,34 +58,19 @@ inline void load_kv(const Pools& p, int64_t page, int64_t slot, int64_t h, float
     load_group<FMT>(p, std::max<int32_t>(p.k_group[page * p.B + slot], 0), h, gr);
     const float* ga = gr.a.data();
     const float* gb = gr.b.data();
-    const int64_t vrow = row * (D / 16);  // per-token value params [page, slot, h, d/16]
     unpack<FMT>(p.f[0] + row * rb, rb, k);  // element values (codes as floats for INT), then scaled in place
-    unpack<FMT>(p.f[1] + row * rb, rb, v);
     if constexpr (FMT == INT4 || FMT == INT2) {
-      const uint16_t* vs = reinterpret_cast<const uint16_t*>(p.f[2]) + vrow;
-      const uint16_t* vz = reinterpret_cast<const uint16_t*>(p.f[3]) + vrow;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) k[d] = k[d] * ga[d] + gb[d];
-      for (int64_t c = 0; c < D / 16; ++c) {
-        const float s = half_to_float(vs[c]), z = half_to_float(vz[c]);
-#pragma omp simd
-        for (int64_t d = c * 16; d < c * 16 + 16; ++d) v[d] = v[d] * s + z;
-      }
     } else {
-      const float* t = e4m3_table().v;
-      const uint8_t* vs = p.f[2] + vrow;
-      const float sk = p.sk, sv = p.sv;
+      const float sk = p.sk;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) {
         k[d] = (k[d] * ga[d]) * sk;
         if constexpr (FMT == NVFP4O || FMT == TERNARYO) k[d] += gb[d];
       }
-      for (int64_t c = 0; c < D / 16; ++c) {
-        const float s = t[vs[c]];
-#pragma omp simd
-        for (int64_t d = c * 16; d < c * 16 + 16; ++d) v[d] = (v[d] * s) * sv;
-      }
     }
+    load_v_row<FMT>(p, row, v);
   }
 }
 

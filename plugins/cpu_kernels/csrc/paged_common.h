@@ -131,22 +131,36 @@ inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) {
   if (i < nbytes) unpack_bytes<FMT>(bytes + i, nbytes - i, out + i * PER);
 }
 #elif defined(__AVX2__)
-// AVX2: the same element-order byte indices, 8 at a time, index the 16-entry table held in two registers
-// (entries 0-7 and 8-15, picked by the index's bit 3): two permutes and a blend per 8 elements.
-inline void permute_store8(__m128i idx16, __m256 lo, __m256 hi, float* out) {  // elements of idx16's 16 bytes
+// AVX2: every format's code values are small integers after a power-of-two scaling (E2M1 x 2: 0..12 with
+// signs; INT4 0..15; ternary -1..1), so one byte shuffle maps 16 codes to int8 values, which widen to
+// floats and are scaled back by 1 / CODE_MULT (exact: a power of two). The same values as the table.
+template <int FMT>
+constexpr float CODE_MULT = (FMT == NVFP4 || FMT == NVFP4O) ? 2.0f : 1.0f;
+
+template <int FMT>
+struct ByteCodes {
+  alignas(16) int8_t v[16];
+  ByteCodes() {
+    const CodeTable<FMT> t;
+    for (int i = 0; i < 16; ++i) v[i] = (int8_t)(t.v[i] * CODE_MULT<FMT>);
+  }
+};
+
+template <int FMT>
+inline void shuffle_store16(__m128i idx16, __m128i tab, float* out) {  // elements of idx16's 16 bytes
+  const __m128i vals = _mm_shuffle_epi8(tab, idx16);
   for (int half = 0; half < 2; ++half) {
-    const __m256i idx = _mm256_cvtepu8_epi32(half ? _mm_srli_si128(idx16, 8) : idx16);
-    const __m256 pick = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));  // bit 3 -> sign: 8..15 from hi
-    _mm256_storeu_ps(out + 8 * half, _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx),
-                                                      _mm256_permutevar8x32_ps(hi, idx), pick));
+    __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half ? _mm_srli_si128(vals, 8) : vals));
+    if constexpr (CODE_MULT<FMT> != 1.0f) x = _mm256_mul_ps(x, _mm256_set1_ps(1.0f / CODE_MULT<FMT>));
+    _mm256_storeu_ps(out + 8 * half, x);
   }
 }
 
 template <int FMT>
 inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) {
-  static const CodeTable<FMT> table;
+  static const ByteCodes<FMT> codes;
   constexpr int PER = ByteLut<FMT>::PER;
-  const __m256 lo = _mm256_load_ps(table.v), hi = _mm256_load_ps(table.v + 8);
+  const __m128i tab = _mm_load_si128(reinterpret_cast<const __m128i*>(codes.v));
   int64_t i = 0;
   for (; i + 16 <= nbytes; i += 16) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i));
@@ -154,18 +168,18 @@ inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) {
     if constexpr (PER == 2) {  // byte k = elements 2k (low nibble), 2k+1
       const __m128i m = _mm_set1_epi8(0x0F);
       const __m128i l = _mm_and_si128(b, m), h = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-      permute_store8(_mm_unpacklo_epi8(l, h), lo, hi, o);
-      permute_store8(_mm_unpackhi_epi8(l, h), lo, hi, o + 16);
+      shuffle_store16<FMT>(_mm_unpacklo_epi8(l, h), tab, o);
+      shuffle_store16<FMT>(_mm_unpackhi_epi8(l, h), tab, o + 16);
     } else {  // byte k = elements 4k .. 4k+3, from the low bits up
       const __m128i m = _mm_set1_epi8(0x03);
       const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
       const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
       const __m128i a01 = _mm_unpacklo_epi8(c0, c1), a23 = _mm_unpacklo_epi8(c2, c3);
       const __m128i b01 = _mm_unpackhi_epi8(c0, c1), b23 = _mm_unpackhi_epi8(c2, c3);
-      permute_store8(_mm_unpacklo_epi16(a01, a23), lo, hi, o);
-      permute_store8(_mm_unpackhi_epi16(a01, a23), lo, hi, o + 16);
-      permute_store8(_mm_unpacklo_epi16(b01, b23), lo, hi, o + 32);
-      permute_store8(_mm_unpackhi_epi16(b01, b23), lo, hi, o + 48);
+      shuffle_store16<FMT>(_mm_unpacklo_epi16(a01, a23), tab, o);
+      shuffle_store16<FMT>(_mm_unpackhi_epi16(a01, a23), tab, o + 16);
+      shuffle_store16<FMT>(_mm_unpacklo_epi16(b01, b23), tab, o + 32);
+      shuffle_store16<FMT>(_mm_unpackhi_epi16(b01, b23), tab, o + 48);
     }
   }
   if (i < nbytes) unpack_bytes<FMT>(bytes + i, nbytes - i, out + i * PER);
@@ -174,6 +188,33 @@ inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) {
 template <int FMT>
 inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) { unpack_bytes<FMT>(bytes, nbytes, out); }
 #endif
+
+// Dequantized V row (fp32 [D]) of a 4-/2-bit format at slot row `row` = (page * B + slot) * H + head: the
+// element values, then each block of 16 channels scaled as the formats' torch decoders do.
+template <int FMT>
+inline void load_v_row(const Pools& p, int64_t row, float* v) {
+  constexpr int BITS = (FMT == NVFP4 || FMT == NVFP4O || FMT == INT4) ? 4 : 2;
+  const int64_t D = p.D, rb = D * BITS / 8, vrow = row * (D / 16);  // value params [page, slot, h, d/16]
+  unpack<FMT>(p.f[1] + row * rb, rb, v);
+  if constexpr (FMT == INT4 || FMT == INT2) {
+    const uint16_t* vs = reinterpret_cast<const uint16_t*>(p.f[2]) + vrow;
+    const uint16_t* vz = reinterpret_cast<const uint16_t*>(p.f[3]) + vrow;
+    for (int64_t c = 0; c < D / 16; ++c) {
+      const float s = half_to_float(vs[c]), z = half_to_float(vz[c]);
+#pragma omp simd
+      for (int64_t d = c * 16; d < c * 16 + 16; ++d) v[d] = v[d] * s + z;
+    }
+  } else {
+    const float* t = e4m3_table().v;
+    const uint8_t* vs = p.f[2] + vrow;
+    const float sv = p.sv;
+    for (int64_t c = 0; c < D / 16; ++c) {
+      const float s = t[vs[c]];
+#pragma omp simd
+      for (int64_t d = c * 16; d < c * 16 + 16; ++d) v[d] = (v[d] * s) * sv;
+    }
+  }
+}
 
 // One task = (sequence, split of its block table), every KV head: a page's slots hold their H heads side by
 // side ([B, H, ...]), so the task streams each page once, front to back, instead of H tasks each reading a

@@ -1,0 +1,70 @@
+// What the code-domain attention tasks share whatever the instruction set (code_attention.h: AVX-512 VBMI,
+// code_attention_avx2.h: AVX2): which formats they take, when a (sequence, split) suits them, and the
+// page look-ahead.
+#pragma once
+#include "paged_common.h"
+
+namespace trtkv {
+
+template <int FMT>
+constexpr bool code_format = FMT == NVFP4 || FMT == NVFP4O || FMT == TERNARY || FMT == TERNARYO || FMT == INT4 ||
+                             FMT == INT2;
+template <int FMT>
+constexpr int code_bits = (FMT == NVFP4 || FMT == NVFP4O || FMT == INT4) ? 4 : 2;
+
+// Does the code-domain task suit this (sequence, split)? It pays per tile (the queries scaled for the
+// tile's key group, the byte transposes, one softmax update per head) and a tile ends where the key group
+// changes, so a cache whose evictions refilled freed slots with newer groups (ThinKV, H2O at a budget)
+// gives it tiles of a few tokens, and the float-tile task, which gathers 16 tokens across groups, is
+// faster there (ThinKV at budget 256: 3.5% per step). Long runs of one group (a full cache, a sliding
+// window) go to the code-domain task.
+constexpr int64_t MIN_GROUP_RUN = 8;  // live tokens per run of one key group, on average
+
+inline bool long_group_runs(const Pools& p, const int32_t* table, const int32_t* valid, int64_t lo, int64_t hi) {
+  int64_t live = 0, runs = 0, last = -2;
+  for_each_live_slot(table, valid, lo, hi, p.B, [&](int64_t, int64_t page, int64_t j) {
+    const int64_t g = std::max<int32_t>(p.k_group[page * p.B + j], 0);
+    ++live;
+    if (g != last) {
+      ++runs;
+      last = g;
+    }
+  });
+  return live >= MIN_GROUP_RUN * runs;
+}
+
+inline void prefetch_lines(const void* at, int64_t bytes) {
+  const char* c = static_cast<const char*>(at);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
+// Pages of a sequence sit wherever the pool had room: with a batch decoding in lockstep, each request's
+// flush groups interleave with the others', so its pages are 2-page runs scattered over the pool, too
+// short for the hardware prefetcher (measured: 11% slower per call than contiguous pages, fp16 unchanged
+// — its runs are 4x longer). So the task asks for the data of the page PREFETCH_PAGES entries ahead in its
+// block table (K and V codes, V scales, key-group ids) and for the key parameters of the group of the
+// page one entry ahead, whose ids were fetched on the previous page.
+constexpr int64_t PREFETCH_PAGES = 2;
+
+template <int FMT, int64_t D>
+inline void prefetch_page(const Pools& p, const int32_t* table, int64_t pi, int64_t p_hi) {
+  constexpr int64_t RB = D * code_bits<FMT> / 8, NB = D / 16;
+  constexpr int64_t PB = (FMT == INT4 || FMT == INT2) ? 2 : 1;  // bytes per V parameter
+  const int64_t B = p.B, H = p.H;
+  if (pi + PREFETCH_PAGES < p_hi && table[pi + PREFETCH_PAGES] >= 0) {
+    const int64_t page = table[pi + PREFETCH_PAGES];
+    prefetch_lines(p.f[0] + page * B * H * RB, B * H * RB);
+    prefetch_lines(p.f[1] + page * B * H * RB, B * H * RB);
+    prefetch_lines(p.f[2] + page * B * H * NB * PB, B * H * NB * PB);
+    if (PB == 2) prefetch_lines(p.f[3] + page * B * H * NB * PB, B * H * NB * PB);
+    __builtin_prefetch(p.k_group + page * B, 0, 3);
+  }
+  if (pi + 1 < p_hi && table[pi + 1] >= 0) {
+    const int64_t gid = std::max<int32_t>(p.k_group[table[pi + 1] * B], 0);
+    constexpr int64_t GB = (FMT == INT4 || FMT == INT2) ? 2 : 1;  // bytes per key parameter
+    prefetch_lines(p.g[0] + gid * H * D * GB, H * D * GB);
+    if (p.g[1]) prefetch_lines(p.g[1] + gid * H * D * 2, H * D * 2);
+  }
+}
+
+}  // namespace trtkv
