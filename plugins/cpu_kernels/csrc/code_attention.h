@@ -193,7 +193,7 @@ void attend_task_codes(const Pools& p, const float* q /*[H*G, D]*/, const int32_
   static const CodeTable<FMT> lanes;
   static const uint8_t zeros[RB] = {};  // rows of the lanes past n
   const __m512 tab = _mm512_load_ps(lanes.v);
-  const int64_t B = p.B, H = p.H;
+  const int64_t H = p.H;
   std::vector<float> qs(H * G * D), c0(H * G), sc(G * TILE + 16), alpha(G);
   std::vector<int64_t> qs_gid(H, -1);  // key group the scaled queries of head h were made for
   alignas(64) uint8_t cols[RB * TILE];
@@ -243,20 +243,7 @@ void attend_task_codes(const Pools& p, const float* q /*[H*G, D]*/, const int32_
     }
     n = 0;
   };
-  int64_t fetched = -1;  // the last block-table entry whose look-ahead was prefetched
-  for_each_live_slot(table, valid, p_lo, p_hi, B, [&](int64_t pi, int64_t page, int64_t j) {
-    if (pi != fetched) {
-      prefetch_page<FMT, D>(p, table, pi, p_hi);
-      fetched = pi;
-    }
-    const int64_t s = page * B + j, g = std::max<int32_t>(p.k_group[s], 0);
-    if (n && g != gid) update();  // a tile shares one key group's scales
-    gid = g;
-    slot_row[n] = s;
-    where[n++] = pi * B + j;
-    if (n == TILE) update();
-  });
-  if (n) update();
+  for_each_group_tile<FMT, D>(p, table, valid, p_lo, p_hi, slot_row, where, n, gid, update);
 }
 
 }  // namespace trtkv

@@ -67,4 +67,28 @@ inline void prefetch_page(const Pools& p, const int32_t* table, int64_t pi, int6
   }
 }
 
+// The live slots of block-table entries [p_lo, p_hi) in tiles of up to TILE tokens of one key group (a tile
+// shares one group's scales): slot_row[i] = page * B + slot and where[i] = its logit column for i < n, gid
+// the tile's group; update() folds the tile and sets n = 0. Pages are prefetched PREFETCH_PAGES ahead.
+template <int FMT, int64_t D, typename Fn>
+inline void for_each_group_tile(const Pools& p, const int32_t* table, const int32_t* valid, int64_t p_lo,
+                                int64_t p_hi, int64_t* slot_row, int64_t* where, int64_t& n, int64_t& gid,
+                                Fn&& update) {
+  const int64_t B = p.B;
+  int64_t fetched = -1;  // the last block-table entry whose look-ahead was prefetched
+  for_each_live_slot(table, valid, p_lo, p_hi, B, [&](int64_t pi, int64_t page, int64_t j) {
+    if (pi != fetched) {
+      prefetch_page<FMT, D>(p, table, pi, p_hi);
+      fetched = pi;
+    }
+    const int64_t s = page * B + j, g = std::max<int32_t>(p.k_group[s], 0);
+    if (n && g != gid) update();
+    gid = g;
+    slot_row[n] = s;
+    where[n++] = pi * B + j;
+    if (n == TILE) update();
+  });
+  if (n) update();
+}
+
 }  // namespace trtkv

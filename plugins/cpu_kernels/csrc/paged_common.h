@@ -92,6 +92,43 @@ struct CodeTable {
   }
 };
 
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__AVX2__)
+// The codes of 16 packed bytes as byte indices in element order, 16 elements at a time: store(indices,
+// first element) for each of the 2 (4-bit) or 4 (2-bit) groups of 16 elements.
+template <int PER, typename Store>
+inline void code_indices16(__m128i b, Store&& store) {
+  if constexpr (PER == 2) {  // byte k = elements 2k (low nibble), 2k+1
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    store(_mm_unpacklo_epi8(lo, hi), 0);
+    store(_mm_unpackhi_epi8(lo, hi), 16);
+  } else {  // byte k = elements 4k .. 4k+3, from the low bits up
+    const __m128i m = _mm_set1_epi8(0x03);
+    const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+    const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+    const __m128i a01 = _mm_unpacklo_epi8(c0, c1), a23 = _mm_unpacklo_epi8(c2, c3);
+    const __m128i b01 = _mm_unpackhi_epi8(c0, c1), b23 = _mm_unpackhi_epi8(c2, c3);
+    store(_mm_unpacklo_epi16(a01, a23), 0);
+    store(_mm_unpackhi_epi16(a01, a23), 16);
+    store(_mm_unpacklo_epi16(b01, b23), 32);
+    store(_mm_unpackhi_epi16(b01, b23), 48);
+  }
+}
+
+// Whole blocks of 16 packed bytes through store(indices, out + first element); the tail byte by byte.
+template <int FMT, typename Store>
+inline void unpack_with(const uint8_t* bytes, int64_t nbytes, float* out, Store&& store) {
+  constexpr int PER = ByteLut<FMT>::PER;
+  int64_t i = 0;
+  for (; i + 16 <= nbytes; i += 16) {
+    float* o = out + i * PER;
+    code_indices16<PER>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i)),
+                        [&](__m128i idx, int64_t e) { store(idx, o + e); });
+  }
+  if (i < nbytes) unpack_bytes<FMT>(bytes + i, nbytes - i, out + i * PER);
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // AVX-512: the codes of 16 bytes become byte indices in element order, widen to 32 bits and index a
 // register-held table of the (at most 16) code values with one permute per 16 elements: ~4x fewer
@@ -105,30 +142,8 @@ inline void permute_store(__m128i idx, __m512 tab, float* out) {
 template <int FMT>
 inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) {
   static const CodeTable<FMT> table;
-  constexpr int PER = ByteLut<FMT>::PER;
   const __m512 tab = _mm512_load_ps(table.v);
-  int64_t i = 0;
-  for (; i + 16 <= nbytes; i += 16) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i));
-    float* o = out + i * PER;
-    if constexpr (PER == 2) {  // byte k = elements 2k (low nibble), 2k+1
-      const __m128i m = _mm_set1_epi8(0x0F);
-      const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-      permute_store(_mm_unpacklo_epi8(lo, hi), tab, o);
-      permute_store(_mm_unpackhi_epi8(lo, hi), tab, o + 16);
-    } else {  // byte k = elements 4k .. 4k+3, from the low bits up
-      const __m128i m = _mm_set1_epi8(0x03);
-      const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
-      const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
-      const __m128i a01 = _mm_unpacklo_epi8(c0, c1), a23 = _mm_unpacklo_epi8(c2, c3);
-      const __m128i b01 = _mm_unpackhi_epi8(c0, c1), b23 = _mm_unpackhi_epi8(c2, c3);
-      permute_store(_mm_unpacklo_epi16(a01, a23), tab, o);
-      permute_store(_mm_unpackhi_epi16(a01, a23), tab, o + 16);
-      permute_store(_mm_unpacklo_epi16(b01, b23), tab, o + 32);
-      permute_store(_mm_unpackhi_epi16(b01, b23), tab, o + 48);
-    }
-  }
-  if (i < nbytes) unpack_bytes<FMT>(bytes + i, nbytes - i, out + i * PER);
+  unpack_with<FMT>(bytes, nbytes, out, [&](__m128i idx, float* o) { permute_store(idx, tab, o); });
 }
 #elif defined(__AVX2__)
 // AVX2: every format's code values are small integers after a power-of-two scaling (E2M1 x 2: 0..12 with
@@ -159,30 +174,8 @@ inline void shuffle_store16(__m128i idx16, __m128i tab, float* out) {  // elemen
 template <int FMT>
 inline void unpack(const uint8_t* bytes, int64_t nbytes, float* out) {
   static const ByteCodes<FMT> codes;
-  constexpr int PER = ByteLut<FMT>::PER;
   const __m128i tab = _mm_load_si128(reinterpret_cast<const __m128i*>(codes.v));
-  int64_t i = 0;
-  for (; i + 16 <= nbytes; i += 16) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i));
-    float* o = out + i * PER;
-    if constexpr (PER == 2) {  // byte k = elements 2k (low nibble), 2k+1
-      const __m128i m = _mm_set1_epi8(0x0F);
-      const __m128i l = _mm_and_si128(b, m), h = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-      shuffle_store16<FMT>(_mm_unpacklo_epi8(l, h), tab, o);
-      shuffle_store16<FMT>(_mm_unpackhi_epi8(l, h), tab, o + 16);
-    } else {  // byte k = elements 4k .. 4k+3, from the low bits up
-      const __m128i m = _mm_set1_epi8(0x03);
-      const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
-      const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
-      const __m128i a01 = _mm_unpacklo_epi8(c0, c1), a23 = _mm_unpacklo_epi8(c2, c3);
-      const __m128i b01 = _mm_unpackhi_epi8(c0, c1), b23 = _mm_unpackhi_epi8(c2, c3);
-      shuffle_store16<FMT>(_mm_unpacklo_epi16(a01, a23), tab, o);
-      shuffle_store16<FMT>(_mm_unpackhi_epi16(a01, a23), tab, o + 16);
-      shuffle_store16<FMT>(_mm_unpacklo_epi16(b01, b23), tab, o + 32);
-      shuffle_store16<FMT>(_mm_unpackhi_epi16(b01, b23), tab, o + 48);
-    }
-  }
-  if (i < nbytes) unpack_bytes<FMT>(bytes + i, nbytes - i, out + i * PER);
+  unpack_with<FMT>(bytes, nbytes, out, [&](__m128i idx, float* o) { shuffle_store16<FMT>(idx, tab, o); });
 }
 #else
 template <int FMT>
