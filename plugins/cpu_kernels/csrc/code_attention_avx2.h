@@ -5,9 +5,9 @@
 // AVX2: the table decode, the per-element key scaling and the fp32 K transpose against one conversion per
 // 8 elements. Here, as in the AVX-512 task, a tile is up to 16 live tokens of one key group and K never
 // becomes fp32: the tile's packed rows are transposed as bytes (four rounds of SSE2 byte interleaves per
-// 16 x 16 block), each byte column widens to two 8-lane registers whose 2 (4) codes map to values through
-// the code table held in two registers, and the scores accumulate against queries pre-multiplied by the
-// group's key scales (once per group and head). V rows decode as in the float-tile task (load_v_row) and
+// 16 x 16 block), each byte column's 2 (4) codes of 16 tokens map to int8 values in one byte shuffle
+// (paged_common.h's ByteCodes: the values times CODE_MULT) and widen to two 8-lane registers, and the scores
+// accumulate against queries pre-multiplied by the group's key scales over CODE_MULT (once per group and head). V rows decode as in the float-tile task (load_v_row) and
 // the softmax and P.V are paged_common.h's. Results equal the reference to fp32 rounding.
 #pragma once
 #include "code_tiles.h"
@@ -46,19 +46,19 @@ inline void scale_queries(const Pools& p, const float* q, int64_t h, int64_t G, 
   constexpr bool integer = FMT == INT4 || FMT == INT2;
   constexpr bool offset = integer || FMT == NVFP4O || FMT == TERNARYO;
   const int64_t grow = (gid * p.H + h) * D;  // group field [gid, h, d]
-  const float* e4m3 = e4m3_table().v;
-  const uint16_t* g16 = reinterpret_cast<const uint16_t*>(p.g[0]) + grow;
-  const uint16_t* o16 = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
-  alignas(32) float a[D], b[D];
+  alignas(32) float a[D], b[offset ? D : 1];  // the group's key scales (fp32) and offsets / zeros
   for (int64_t c = 0; c < D; c += 8) {
     if constexpr (integer) {
-      _mm256_store_ps(a + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g16 + c))));
+      const uint16_t* g16 = reinterpret_cast<const uint16_t*>(p.g[0]) + grow + c;
+      _mm256_store_ps(a + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g16))));
     } else {
       const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.g[0] + grow + c));
-      _mm256_store_ps(a + c, _mm256_i32gather_ps(e4m3, _mm256_cvtepu8_epi32(bytes), 4));
+      _mm256_store_ps(a + c, _mm256_i32gather_ps(e4m3_table().v, _mm256_cvtepu8_epi32(bytes), 4));
     }
-    if constexpr (offset)
-      _mm256_store_ps(b + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o16 + c))));
+    if constexpr (offset) {
+      const uint16_t* o16 = reinterpret_cast<const uint16_t*>(p.g[1]) + grow + c;
+      _mm256_store_ps(b + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o16))));
+    }
   }
   const __m256 ks = _mm256_set1_ps((integer ? sm_scale : p.sk * sm_scale) / CODE_MULT<FMT>);
   for (int64_t g = 0; g < G; ++g) {

@@ -1,6 +1,6 @@
 // What the code-domain attention tasks share whatever the instruction set (code_attention.h: AVX-512 VBMI,
-// code_attention_avx2.h: AVX2): which formats they take, when a (sequence, split) suits them, and the
-// page look-ahead.
+// code_attention_avx2.h: AVX2): which formats they take, when a (sequence, split) suits them, the page
+// look-ahead, and the loop that gathers one key group's tiles.
 #pragma once
 #include "paged_common.h"
 
