@@ -100,6 +100,7 @@ class KVCacheManager:
         self._scales: dict[tuple[int, str], LayerScales] = {}
         self.pools: list[dict[str, PagePool]] = [{} for _ in range(cfg.num_layers)]
         self.seqs: dict[int, SeqKV] = {}
+        self._batch_bt: list = [None] * cfg.num_layers  # per layer, the last batch's block tables (reads.py)
         self._page_counter = 0
         self.evictions_total = 0
         self.compaction_moves = 0  # tokens copied by gather compaction

@@ -2,6 +2,7 @@
 per format, and whether a lone request's tokens form one dense run of pages (a view instead of a gather)."""
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -79,6 +80,9 @@ def block_tables(mgr: KVCacheManager, layer: int, seqs: list[SeqKV]) -> list[tup
             # pages were all released, e.g. a tree block re-stored and rebuilt, has no table)
         return table._bt
     per_seq = [s.layers[layer].pages_of_format() for s in seqs]
+    cached = mgr._batch_bt[layer] if layer < len(mgr._batch_bt) else None
+    if cached is not None and len(cached[0]) == len(per_seq) and all(map(operator.is_, cached[0], per_seq)):
+        return cached[1]  # same requests, same page lists (each ``_flat`` is rebuilt when its pages change)
     for fmt, pool in mgr.pools[layer].items():
         rows = [d.get(fmt, NO_PAGES) for d in per_seq]
         width = max((len(r) for r in rows), default=0)
@@ -88,6 +92,8 @@ def block_tables(mgr: KVCacheManager, layer: int, seqs: list[SeqKV]) -> list[tup
         for i, r in enumerate(rows):
             bt[i, : len(r)] = r
         out.append((pool, torch.from_numpy(bt).to(pool.device)))
+    if layer < len(mgr._batch_bt):  # the cache holds the page arrays it was built from, so identity is safe
+        mgr._batch_bt[layer] = (per_seq, out)
     return out
 
 

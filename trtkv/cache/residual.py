@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -58,17 +59,20 @@ class ResidualArena:
 
     def append(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> None:
         """Token ``i`` of ``k, v [b, H, D]`` goes to the next free buffer slot of ``seqs[i]`` in ``layer`` (a
-        request may appear several times: a prompt's tail fills consecutive slots)."""
-        rows = self.rows(seqs)
+        request may appear several times: a prompt's tail fills consecutive slots). One ``index_copy_`` per
+        arena over flat row indices built in numpy: a 3-index ``index_put`` and ``torch.tensor`` of Python
+        lists cost ~80 us a layer for a batch of 16 on CPU, ~2.5 ms a decode step."""
+        _, L, g = self.k.shape[:3]
         nxt: dict[int, int] = {}
-        slots = []
+        flat = []
         for s in seqs:
             n = nxt.get(s.buf_row, len(s.buf_pos[layer]))
-            slots.append(n)
+            flat.append((s.buf_row * L + layer) * g + n)
             nxt[s.buf_row] = n + 1
-        fill = torch.tensor(slots, device=self.k.device)
-        self.k[rows, layer, fill] = k.to(self.k.dtype)
-        self.v[rows, layer, fill] = v.to(self.v.dtype)
+        at = torch.from_numpy(np.asarray(flat, np.int64)).to(self.k.device)
+        b = len(seqs)
+        self.k.view(-1, *self.k.shape[3:]).index_copy_(0, at, k.reshape(b, *self.k.shape[3:]).to(self.k.dtype))
+        self.v.view(-1, *self.v.shape[3:]).index_copy_(0, at, v.reshape(b, *self.v.shape[3:]).to(self.v.dtype))
         for s, p in zip(seqs, positions):
             s.buf_pos[layer].append(p)
 
@@ -79,8 +83,13 @@ class ResidualArena:
 
     def rows(self, seqs: list[SeqKV]) -> torch.Tensor:
         """Arena row of each of ``seqs``, ``[b]`` int64."""
-        return torch.tensor([s.buf_row for s in seqs], device=self.k.device)
+        return _index([s.buf_row for s in seqs], self.k.device)
 
     def counts(self, layer: int, seqs: list[SeqKV]) -> torch.Tensor:
         """Buffered tokens of each of ``seqs`` in ``layer``, ``[b]`` int64."""
-        return torch.tensor([len(s.buf_pos[layer]) for s in seqs], device=self.k.device)
+        return _index([len(s.buf_pos[layer]) for s in seqs], self.k.device)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``values`` through numpy (``torch.tensor`` of a list is ~2x slower on CPU)."""
+    return torch.from_numpy(np.asarray(values, np.int64)).to(device)
