@@ -25,7 +25,7 @@ from trtkv.runtime.sampling import SamplingParams, make_generator
 from trtkv.runtime.scheduler import Scheduler
 from trtkv.tokenizer import load_tokenizer
 
-RUNTIMES = ("torch", "onnxruntime")  # what executes the model steps (docs/deploy.md for onnxruntime)
+RUNTIMES = ("torch", "torch-compile", "onnxruntime")  # what executes the model steps (docs/deploy.md for onnxruntime)
 # the rest are fixed when the engine is built
 LOAD_TIME_CACHE_SETTINGS = ("max_batch", "max_pages", "kv_memory", "kv_memory_fraction", "demote", "host_kv_memory")
 
@@ -75,7 +75,13 @@ class Engine:
         self.cache_cfg = cache_cfg
         self.kv_amax = kv_amax
         self.runtime = runtime
-        self.core = EngineCore(model, policy, cache_cfg, self.eos_ids, tokenizer.decode, kv_amax)
+        # the model the cores run: torch-compile compiles its dense layer pieces (trtkv/models/compiled.py)
+        self._dense = model
+        if runtime == "torch-compile":
+            from trtkv.models.compiled import CompiledDecoder
+
+            self._dense = CompiledDecoder(model)
+        self.core = EngineCore(self._dense, policy, cache_cfg, self.eos_ids, tokenizer.decode, kv_amax)
         self._sessions = None
         if runtime == "onnxruntime":  # the ONNX export of this engine, run by ONNX Runtime (trtkv/export)
             from trtkv.export import require_onnx
@@ -167,7 +173,7 @@ class Engine:
 
             return OrtEngineCore(self.model, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax,
                                  observers, sessions=self._sessions)
-        return EngineCore(self.model, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax, observers)
+        return EngineCore(self._dense, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax, observers)
 
     @property
     def info(self) -> dict[str, Any]:

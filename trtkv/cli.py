@@ -177,8 +177,9 @@ def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed, cali
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Load-time cache setting (max_pages, kv_memory, kv_memory_fraction, max_batch...) or policy "
                    "parameter (repeatable).")
-@click.option("--runtime", type=click.Choice(["torch", "onnxruntime"]), default="torch", show_default=True,
-              help="What runs the model steps: PyTorch, or ONNX Runtime on the engine's ONNX export.")
+@click.option("--runtime", type=click.Choice(["torch", "torch-compile", "onnxruntime"]), default="torch",
+              show_default=True, help="What runs the model steps: PyTorch; PyTorch with the dense layers through "
+              "torch.compile; or ONNX Runtime on the engine's ONNX export.")
 @click.option("--onnx-dir", type=click.Path(path_type=Path), default=None,
               help="--runtime onnxruntime: the export directory [ENGINE/onnx, exported there when missing].")
 def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, raw, ignore_eos,
@@ -337,7 +338,8 @@ def _command_line(name: str) -> str | None:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True,
               help="Directory for results.json, results.csv and the plots.")
 @click.option("--runtime", default="torch", show_default=True, metavar="NAMES",
-              help="torch, onnxruntime, or both comma-separated (each engine runs under each, interleaved).")
+              help="torch, torch-compile, onnxruntime, or several comma-separated (each engine runs under each, "
+                   "interleaved).")
 def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, host_kv_memory, repeat, prompt_source, sets, device,
           seed, no_warmup, profile, out, runtime) -> None:
     """Latency, throughput and KV memory of ENGINES over batch sizes, measured in one run."""
@@ -353,7 +355,7 @@ def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, host_kv_memory, 
 
     runtimes = tuple(dict.fromkeys(r.strip() for r in runtime.split(",") if r.strip()))
     if not runtimes or any(r not in RUNTIMES for r in runtimes):
-        raise TrtkvError(f"--runtime {runtime!r}: choose {', '.join(RUNTIMES)} or both comma-separated")
+        raise TrtkvError(f"--runtime {runtime!r}: choose {', '.join(RUNTIMES)}, or several comma-separated")
     if profile and "onnxruntime" in runtimes:
         raise TrtkvError("--profile splits the PyTorch runtime's decode step; ONNX Runtime runs it as one graph: "
                          "profile with --runtime torch")

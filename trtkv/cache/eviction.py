@@ -52,24 +52,30 @@ def evict_private_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV,
             gids = kg.numpy()[pages, slots] if kg.device.type == "cpu" else \
                 kg[torch.from_numpy(pages).to(kg.device), torch.from_numpy(slots).to(kg.device)].cpu().numpy()
         pool.mark_evicted_many(pages, slots)
+        if gids is not None:
+            decref_groups_many(seqs, pool, gids, bounds)
+        pl, sl = pages.tolist(), slots.tolist()
         for i, seq in enumerate(seqs):
             lo, hi = bounds[i], bounds[i + 1]
-            if lo == hi:
-                continue
-            if gids is not None:
-                decref_groups(seq, pool, gids[lo:hi])
-            _free_slots(mgr, seq, seq.layers[layer], pool, fmt, pages[lo:hi].tolist(), slots[lo:hi].tolist())
+            if lo < hi:
+                _free_slots(mgr, seq, seq.layers[layer], pool, fmt, pl[lo:hi], sl[lo:hi])
     return counts
 
 
 def _free_slots(mgr: KVCacheManager, seq: SeqKV, table, pool: PagePool, fmt: str, pl: list[int], sl: list[int]
                 ) -> None:
     """Evicted slots join their class's reuse heap; pages left empty (and not open) go back to the pool."""
-    touched = {p: (table.page_seq[(fmt, p)], int(pool.page_class[p])) for p in dict.fromkeys(pl)}
+    uniq = list(dict.fromkeys(pl))
+    classes = pool.page_class[uniq].tolist()
+    touched = {p: (table.page_seq[(fmt, p)], c) for p, c in zip(uniq, classes)}
     by_cls: dict[int, list] = {}
-    for p, s in zip(pl, sl):
-        no, c = touched[p]
-        by_cls.setdefault(c, []).append((no, p, s))
+    if len(set(classes)) == 1:  # one class (the common case): the heap entries in one pass
+        no = {p: n for p, (n, _) in touched.items()}
+        by_cls[classes[0]] = list(zip(map(no.__getitem__, pl), pl, sl))
+    else:
+        for p, s in zip(pl, sl):
+            n, c = touched[p]
+            by_cls.setdefault(c, []).append((n, p, s))
     for c, freed in by_cls.items():  # pops come out the same whichever way the heap is built (entries differ)
         heap = table.reusable.setdefault((fmt, c), [])
         if len(freed) > len(heap):
@@ -78,10 +84,9 @@ def _free_slots(mgr: KVCacheManager, seq: SeqKV, table, pool: PagePool, fmt: str
         else:
             for item in freed:
                 heapq.heappush(heap, item)
-    for p, (_, c) in touched.items():
-        cls = (fmt, c)
-        if pool.live[p] == 0 and table.open_page.get(cls) != p:
-            mgr._release(seq, table, pool, cls, p)
+    for p, c, live in zip(uniq, classes, pool.live[uniq].tolist()):
+        if live == 0 and table.open_page.get((fmt, c)) != p:
+            mgr._release(seq, table, pool, (fmt, c), p)
 
 
 def decref_groups(seq: SeqKV, pool: PagePool, gids) -> None:
@@ -109,3 +114,31 @@ def decref_groups(seq: SeqKV, pool: PagePool, gids) -> None:
     pool.group_free.extend(freed)
     if freed:
         seq.add_bytes(-pool.group_bytes * len(freed))
+
+
+def decref_groups_many(seqs: list[SeqKV], pool: PagePool, gids: np.ndarray, bounds: np.ndarray) -> None:
+    """``decref_groups`` of several requests' victims at once (``gids[bounds[i]:bounds[i + 1]]`` are request
+    ``i``'s). Key-scale groups are private to a request on this path, so freeing every group in the order of its
+    last reference across the concatenation is what doing the requests in turn does."""
+    if len(seqs) == 1 or len(gids) < DECREF_ARRAY_MIN:
+        for i, seq in enumerate(seqs):
+            if bounds[i] < bounds[i + 1]:
+                decref_groups(seq, pool, gids[bounds[i]:bounds[i + 1]])
+        return
+    owner = np.repeat(np.arange(len(seqs)), np.diff(bounds))
+    keep = gids >= 0  # slots without a group
+    g, owner = np.asarray(gids, np.int64)[keep], owner[keep]
+    if not len(g):
+        return
+    u, first_rev, counts = np.unique(g[::-1], return_index=True, return_counts=True)
+    last = len(g) - 1 - first_rev
+    order = np.argsort(last, kind="stable")  # by each group's last victim
+    u, counts, last = u[order], counts[order], last[order]
+    ref = pool.group_ref
+    ref[u] -= counts
+    assert (ref[u] >= 0).all(), "key-scale arena refcount below zero"
+    freed = ref[u] == 0
+    pool.group_free.extend(u[freed].tolist())
+    for i, n in enumerate(np.bincount(owner[last[freed]], minlength=len(seqs)).tolist()):
+        if n:
+            seqs[i].add_bytes(-pool.group_bytes * n)

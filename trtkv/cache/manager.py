@@ -222,12 +222,14 @@ class KVCacheManager:
         table, pool = seq.layers[layer], self.pool(layer, cls[0])
         heap = table.reusable.get(cls)
         pages, slots = [], []
-        while heap and len(pages) < n:
-            seq_no, p, s = heapq.heappop(heap)
-            if table.page_seq.get((cls[0], p)) != seq_no or pool.valid[p] >> s & 1:
-                continue  # stale entry: page released (maybe reallocated, to any class) or slot refilled
-            pages.append(p)
-            slots.append(s)
+        if heap:
+            page_seq, valid, fmt = table.page_seq, pool.valid, cls[0]
+            while heap and len(pages) < n:
+                seq_no, p, s = heapq.heappop(heap)
+                if page_seq.get((fmt, p)) != seq_no or valid.item(p) >> s & 1:
+                    continue  # stale entry: page released (maybe reallocated, to any class) or slot refilled
+                pages.append(p)
+                slots.append(s)
         while len(pages) < n:
             p = table.open_page.get(cls)
             if p is None:

@@ -21,11 +21,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op; same math as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op; same math as below
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -101,7 +105,9 @@ class DecoderModel(nn.Module):
         if input_major is None:
             input_major = self.model.embed_tokens.weight.device.type == "cpu"
         self._input_major = input_major
-        self._fused = []
+        self._fused = []  # per layer: the arguments of layer_qkv and of layer_finish after the activations
+        arch = self.arch
+        att_heads = (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim)
         for blk in self.model.layers:
             att, mlp = blk.self_attn, blk.mlp
             qkv_w = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
@@ -124,8 +130,9 @@ class DecoderModel(nn.Module):
             ni = mlp.gate_proj.weight.shape[0]
             mlp.gate_proj.weight = nn.Parameter(gu_w[:ni], requires_grad=False)
             mlp.up_proj.weight = nn.Parameter(gu_w[ni:], requires_grad=False)
-            self._fused.append((blk.input_layernorm, qkv_w, qkv_b, nq, nk, att.o_proj.weight,
-                                blk.post_attention_layernorm, gu_w, ni, mlp.down_proj.weight))
+            n_in, n_post = blk.input_layernorm, blk.post_attention_layernorm
+            self._fused.append(((n_in.weight, n_in.eps, qkv_w, qkv_b, nq, nk, att_heads),
+                                (att.o_proj.weight, n_post.weight, n_post.eps, gu_w, ni, mlp.down_proj.weight)))
         if input_major:
             head = self.lm_head.weight.t().contiguous().t()
             self.lm_head.weight = nn.Parameter(head, requires_grad=False)
@@ -138,24 +145,38 @@ class DecoderModel(nn.Module):
 
     def qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``x [T, hidden]`` -> post-RoPE ``q [T, Hq, D]``, ``k, v [T, H, D]``."""
-        arch = self.arch
-        norm, qkv_w, qkv_b, nq, nk = self._fused[layer][:5]
-        T = x.shape[0]
-        qkv = _linear(norm(x), qkv_w, qkv_b)
-        Hq = arch.num_attention_heads
-        qk = apply_rotary(qkv[:, :nq + nk].view(T, Hq + arch.num_key_value_heads, arch.head_dim), cos, sin)
-        v = qkv[:, nq + nk:].reshape(T, arch.num_key_value_heads, arch.head_dim)
-        return qk[:, :Hq], qk[:, Hq:], v
+        return layer_qkv(x, cos, sin, *self._fused[layer][0])
 
     def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj + MLP. ``attn [T, Hq, D]``."""
-        _, _, _, _, _, o_w, post_norm, gu_w, ni, down_w = self._fused[layer]
-        x = x + _linear(attn.reshape(attn.shape[0], -1).to(x.dtype), o_w)
-        gu = _linear(post_norm(x), gu_w)
-        return x + _linear(F.silu(gu[:, :ni]) * gu[:, ni:], down_w)
+        return layer_finish(x, attn, *self._fused[layer][1])
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(self.model.norm(x), self.lm_head.weight).float()
+        return head_logits(x, self.model.norm.weight, self.model.norm.eps, self.lm_head.weight)
+
+
+# The dense pieces of a layer as functions of their weights: DecoderModel calls them per layer, and the
+# torch-compile runtime (trtkv/models/compiled.py) compiles each once for every layer, as the weights are
+# arguments rather than attributes a guard would specialize on.
+def layer_qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_w: torch.Tensor, eps: float,
+              qkv_w: torch.Tensor, qkv_b: torch.Tensor | None, nq: int, nk: int, heads: tuple[int, int, int]):
+    Hq, H, D = heads
+    T = x.shape[0]
+    qkv = _linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
+    qk = apply_rotary(qkv[:, :nq + nk].view(T, Hq + H, D), cos, sin)
+    v = qkv[:, nq + nk:].reshape(T, H, D)
+    return qk[:, :Hq], qk[:, Hq:], v
+
+
+def layer_finish(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, post_w: torch.Tensor, eps: float,
+                 gu_w: torch.Tensor, ni: int, down_w: torch.Tensor) -> torch.Tensor:
+    x = x + _linear(attn.reshape(attn.shape[0], -1).to(x.dtype), o_w)
+    gu = _linear(rms_norm(x, post_w, eps), gu_w)
+    return x + _linear(F.silu(gu[:, :ni]) * gu[:, ni:], down_w)
+
+
+def head_logits(x: torch.Tensor, norm_w: torch.Tensor, eps: float, head_w: torch.Tensor) -> torch.Tensor:
+    return _linear(rms_norm(x, norm_w, eps), head_w).float()
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
