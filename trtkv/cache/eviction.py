@@ -67,15 +67,13 @@ def _free_slots(mgr: KVCacheManager, seq: SeqKV, table, pool: PagePool, fmt: str
     """Evicted slots join their class's reuse heap; pages left empty (and not open) go back to the pool."""
     uniq = list(dict.fromkeys(pl))
     classes = pool.page_class[uniq].tolist()
-    touched = {p: (table.page_seq[(fmt, p)], c) for p, c in zip(uniq, classes)}
-    by_cls: dict[int, list] = {}
+    seq_no = {p: table.page_seq[(fmt, p)] for p in uniq}
     if len(set(classes)) == 1:  # one class (the common case): the heap entries in one pass
-        no = {p: n for p, (n, _) in touched.items()}
-        by_cls[classes[0]] = list(zip(map(no.__getitem__, pl), pl, sl))
+        by_cls = {classes[0]: list(zip(map(seq_no.__getitem__, pl), pl, sl))}
     else:
+        cls_of, by_cls = dict(zip(uniq, classes)), {}
         for p, s in zip(pl, sl):
-            n, c = touched[p]
-            by_cls.setdefault(c, []).append((n, p, s))
+            by_cls.setdefault(cls_of[p], []).append((seq_no[p], p, s))
     for c, freed in by_cls.items():  # pops come out the same whichever way the heap is built (entries differ)
         heap = table.reusable.setdefault((fmt, c), [])
         if len(freed) > len(heap):
@@ -100,34 +98,22 @@ def decref_groups(seq: SeqKV, pool: PagePool, gids) -> None:
             if pool.decref_group(g, counts[g]):
                 seq.add_bytes(-pool.group_bytes)
         return
-    g = np.asarray(gids, np.int64)
-    g = g[g >= 0]  # slots without a group
-    if not len(g):
-        return
-    u, first_rev, counts = np.unique(g[::-1], return_index=True, return_counts=True)
-    order = np.argsort(len(g) - 1 - first_rev, kind="stable")  # by each group's last victim
-    u, counts = u[order], counts[order]
-    ref = pool.group_ref
-    ref[u] -= counts
-    assert (ref[u] >= 0).all(), "key-scale arena refcount below zero"
-    freed = u[ref[u] == 0].tolist()
-    pool.group_free.extend(freed)
-    if freed:
-        seq.add_bytes(-pool.group_bytes * len(freed))
+    decref_groups_many([seq], pool, gids, np.array([0, len(gids)]))
 
 
 def decref_groups_many(seqs: list[SeqKV], pool: PagePool, gids: np.ndarray, bounds: np.ndarray) -> None:
     """``decref_groups`` of several requests' victims at once (``gids[bounds[i]:bounds[i + 1]]`` are request
     ``i``'s). Key-scale groups are private to a request on this path, so freeing every group in the order of its
     last reference across the concatenation is what doing the requests in turn does."""
-    if len(seqs) == 1 or len(gids) < DECREF_ARRAY_MIN:
+    gids = np.asarray(gids, np.int64)
+    if len(gids) < DECREF_ARRAY_MIN:  # every request's share is small too: plain Python, request by request
         for i, seq in enumerate(seqs):
             if bounds[i] < bounds[i + 1]:
                 decref_groups(seq, pool, gids[bounds[i]:bounds[i + 1]])
         return
     owner = np.repeat(np.arange(len(seqs)), np.diff(bounds))
     keep = gids >= 0  # slots without a group
-    g, owner = np.asarray(gids, np.int64)[keep], owner[keep]
+    g, owner = gids[keep], owner[keep]
     if not len(g):
         return
     u, first_rev, counts = np.unique(g[::-1], return_index=True, return_counts=True)

@@ -80,7 +80,7 @@ def block_tables(mgr: KVCacheManager, layer: int, seqs: list[SeqKV]) -> list[tup
             # pages were all released, e.g. a tree block re-stored and rebuilt, has no table)
         return table._bt
     per_seq = [s.layers[layer].pages_of_format() for s in seqs]
-    cached = mgr._batch_bt[layer] if layer < len(mgr._batch_bt) else None
+    cached = mgr._batch_bt[layer]
     if cached is not None and len(cached[0]) == len(per_seq) and all(map(operator.is_, cached[0], per_seq)):
         return cached[1]  # same requests, same page lists (each ``_flat`` is rebuilt when its pages change)
     for fmt, pool in mgr.pools[layer].items():
@@ -92,8 +92,7 @@ def block_tables(mgr: KVCacheManager, layer: int, seqs: list[SeqKV]) -> list[tup
         for i, r in enumerate(rows):
             bt[i, : len(r)] = r
         out.append((pool, torch.from_numpy(bt).to(pool.device)))
-    if layer < len(mgr._batch_bt):  # the cache holds the page arrays it was built from, so identity is safe
-        mgr._batch_bt[layer] = (per_seq, out)
+    mgr._batch_bt[layer] = (per_seq, out)  # holds the page arrays it was built from, so identity is safe
     return out
 
 

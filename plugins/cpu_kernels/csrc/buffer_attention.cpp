@@ -11,10 +11,6 @@
 #include <limits>
 #include <vector>
 
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-
 #include "codecs.h"
 
 namespace trtkv {
@@ -29,23 +25,16 @@ inline float to_float(T x) {
   else return bf16_to_float(x.x);
 }
 
-// One buffered K or V row (n_rows consecutive rows of D) to fp32. fp16 goes through F16C where the CPU has
-// it: the portable conversion is exact too but stays scalar on AVX2, and it ran once per query head (a
-// batch of 16 at 8 buffered tokens took ~400 us a layer on one thread, ~6 ms a decode step).
+// One buffered K or V row (n values) to fp32; fp16 rows through the shared F16C conversion, once per KV head
+// (per query head, the portable conversion took ~400 us a layer at batch 16 x 8 buffered tokens, one thread).
 template <typename T>
-inline void rows_to_float(const T* src, int64_t n, float* dst) {
-#ifdef __F16C__
+inline void row_to_float(const T* src, int64_t n, float* dst) {
   if constexpr (std::is_same_v<T, c10::Half>) {
-    if (n % 8 == 0) {
-      const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
-      for (int64_t d = 0; d < n; d += 8)
-        _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + d))));
-      return;
-    }
-  }
-#endif
+    half_row_to_float(reinterpret_cast<const uint16_t*>(src), n, dst);
+  } else {
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
+    for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
+  }
 }
 
 // One task = (sequence, KV head): its buffered K and V rows are converted once for the G query heads that
@@ -66,8 +55,8 @@ void run(const float* q, const T* ak, const T* av, const int64_t* rows, const in
       float* kf = kv.data();
       float* vf = kf + g * D;
       for (int64_t i = 0; i < n; ++i) {
-        rows_to_float(ak + base + (i * H + h) * D, D, kf + i * D);
-        rows_to_float(av + base + (i * H + h) * D, D, vf + i * D);
+        row_to_float(ak + base + (i * H + h) * D, D, kf + i * D);
+        row_to_float(av + base + (i * H + h) * D, D, vf + i * D);
       }
       for (int64_t r = bi * Hq + h * G; r < bi * Hq + (h + 1) * G; ++r) {  // the G query heads of KV head h
         const float* qr = q + r * D;

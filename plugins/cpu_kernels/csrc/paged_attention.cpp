@@ -27,21 +27,15 @@ inline void load_kv(const Pools& p, int64_t page, int64_t slot, int64_t h, float
   } else if constexpr (FMT == FP16 || FMT == BF16) {
     const uint16_t* kp = reinterpret_cast<const uint16_t*>(p.f[0]) + row * D;
     const uint16_t* vp = reinterpret_cast<const uint16_t*>(p.f[1]) + row * D;
-#ifdef __F16C__
-    if constexpr (FMT == FP16) {  // the hardware conversion (exact, as half_to_float), 8 elements at a time
-      if (D % 8 == 0) {
-        for (int64_t d = 0; d < D; d += 8) {
-          _mm256_storeu_ps(k + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kp + d))));
-          _mm256_storeu_ps(v + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vp + d))));
-        }
-        return;
-      }
-    }
-#endif
+    if constexpr (FMT == FP16) {  // F16C where the CPU has it (codecs.h)
+      half_row_to_float(kp, D, k);
+      half_row_to_float(vp, D, v);
+    } else {
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) {
-      k[d] = FMT == FP16 ? half_to_float(kp[d]) : bf16_to_float(kp[d]);
-      v[d] = FMT == FP16 ? half_to_float(vp[d]) : bf16_to_float(vp[d]);
+      for (int64_t d = 0; d < D; ++d) {
+        k[d] = bf16_to_float(kp[d]);
+        v[d] = bf16_to_float(vp[d]);
+      }
     }
   } else if constexpr (FMT == FP8) {
     const float* t = e4m3_table().v;
