@@ -99,7 +99,9 @@ def test_load_engines_overrides_and_shared_weights(tiny_ckpt, engine_factory):
     sl = engine_factory(tiny_ckpt, "streamingllm", budget=16)
     a, b = load_engines([full, sl], policy_overrides={"n_sink": "2"})
     assert b.engine.policy.n_sink == 2 and "n_sink" not in a.engine.policy.params()
-    assert a.engine.model is b.engine.model is b.engine.core.model  # one copy of identical weights
+    # one copy of identical weights (and of their oneDNN-packed copy, when the runtime packs them)
+    assert a.engine.model is b.engine.model and a.engine.core.model is b.engine.core.model
+    assert getattr(b.engine.core.model, "_model", b.engine.core.model) is b.engine.model
     assert a.label != b.label
     with pytest.raises(TrtkvError, match="--set bogus"):
         load_engines([full, sl], policy_overrides={"bogus": "1"})

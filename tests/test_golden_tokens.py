@@ -77,23 +77,28 @@ def _lowbit(name: str, params: dict) -> bool:
     return any(get_format(f).element_bits < 8 for f in pol.formats())
 
 
-def _cpu_key() -> str:
+def _cpu_key(eng) -> str:
+    """The CPU, torch's vector ISA and the GEMM path: oneDNN-packed weights (the default on CPU,
+    trtkv/models/packed.py) round differently from the BLAS on plain weights."""
     import torch
 
     from plugins.cpu_kernels.build import _cpu_key as kernel_cpu_key
+    from trtkv.models.packed import PackedDecoder
 
-    return f"{kernel_cpu_key()}_{torch.backends.cpu.get_cpu_capability()}"
+    gemm = "_onednn" if isinstance(eng.core.model, PackedDecoder) else ""
+    return f"{kernel_cpu_key()}_{torch.backends.cpu.get_cpu_capability()}{gemm}"
 
 
 @pytest.mark.model
 @pytest.mark.parametrize("name,params", SMOL_CASES, ids=[n for n, _ in SMOL_CASES])
 def test_smol_tokens_unchanged(golden, engine_factory, load_engine, name, params):
     lowbit = _lowbit(name, params)
-    table = golden.setdefault("smol_lowbit", {}).setdefault(_cpu_key(), {}) if lowbit else golden["smol"]
-    if lowbit and not REGEN and _key(name, params) not in table:
-        pytest.skip(f"no {name} recording for this CPU ({_cpu_key()}); 2-/4-bit numerics are per CPU: record "
-                    "with TRTKV_REGEN_GOLDEN=1 on a tree whose outputs you trust")
     eng = load_engine(engine_factory("smollm2-135m", name, **params))
+    key = _cpu_key(eng)
+    table = golden.setdefault("smol_lowbit", {}).setdefault(key, {}) if lowbit else golden["smol"]
+    if lowbit and not REGEN and _key(name, params) not in table:
+        pytest.skip(f"no {name} recording for this CPU ({key}); 2-/4-bit numerics are per CPU: record "
+                    "with TRTKV_REGEN_GOLDEN=1 on a tree whose outputs you trust")
     got = eng.generate(SMOL_PROMPT, SMOL)[0].token_ids
     if REGEN:
         table[_key(name, params)] = got

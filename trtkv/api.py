@@ -3,6 +3,7 @@ and a thread-safe ``submit`` with a background scheduler loop for servers (conti
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -63,7 +64,8 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, path: Path, manifest: EngineManifest, model, tokenizer, policy, cache_cfg: CacheConfig,
-                 max_batch: int, kv_amax=None, runtime: str = "torch", onnx_dir: str | Path | None = None):
+                 max_batch: int, kv_amax=None, runtime: str = "torch", onnx_dir: str | Path | None = None,
+                 pack_weights: bool | None = None):
         self.path = path
         self.manifest = manifest
         self.model = model
@@ -75,12 +77,20 @@ class Engine:
         self.cache_cfg = cache_cfg
         self.kv_amax = kv_amax
         self.runtime = runtime
-        # the model the cores run: torch-compile compiles its dense layer pieces (trtkv/models/compiled.py)
+        # the model the cores run: torch-compile compiles its dense layer pieces (trtkv/models/compiled.py);
+        # torch on CPU multiplies oneDNN-packed copies of the weights (trtkv/models/packed.py)
         self._dense = model
         if runtime == "torch-compile":
             from trtkv.models.compiled import CompiledDecoder
 
             self._dense = CompiledDecoder(model)
+        elif runtime == "torch":
+            from trtkv.models.packed import packed_decoder, packing_available
+
+            if pack_weights is None:
+                pack_weights = os.environ.get("TRTKV_PLAIN_WEIGHTS", "") in ("", "0")
+            if pack_weights and packing_available(model):
+                self._dense = packed_decoder(model)
         self.core = EngineCore(self._dense, policy, cache_cfg, self.eos_ids, tokenizer.decode, kv_amax)
         self._sessions = None
         if runtime == "onnxruntime":  # the ONNX export of this engine, run by ONNX Runtime (trtkv/export)
@@ -105,14 +115,16 @@ class Engine:
     def load(cls, path: str | Path, device: str | None = None, verify: bool = True,
              policy_overrides: dict[str, Any] | None = None, cache_overrides: dict[str, Any] | None = None,
              model_cache: dict | None = None, runtime: str = "torch",
-             onnx_dir: str | Path | None = None) -> "Engine":
+             onnx_dir: str | Path | None = None, pack_weights: bool | None = None) -> "Engine":
         """Load an engine directory. ``policy_overrides`` replace policy parameters; ``cache_overrides`` the
         load-time cache settings (``max_batch``, ``max_pages``, ``kv_memory``, ``kv_memory_fraction``...; sizes
         like ``"2GiB"`` work).
         ``model_cache`` (a dict the caller keeps) lets engines of identical weights, dtype and device share
         one model object (the bench and eval load many engines at once). ``runtime="onnxruntime"`` runs the
         steps from the engine's ONNX export in ``onnx_dir`` (default ``ENGINE/onnx``, exported there when
-        missing or stale) with ONNX Runtime; the KV cache then lives in host memory (device ``cpu``)."""
+        missing or stale) with ONNX Runtime; the KV cache then lives in host memory (device ``cpu``).
+        ``pack_weights`` (default: yes unless ``TRTKV_PLAIN_WEIGHTS=1``) runs the ``torch`` runtime's fp32 CPU
+        projections on oneDNN-packed copies of the weights (trtkv/models/packed.py)."""
         if runtime not in RUNTIMES:
             raise TrtkvError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
         if runtime == "onnxruntime":
@@ -158,7 +170,8 @@ class Engine:
             max_batch=c.max_batch, device=device, demote=c.demote, host_kv_memory=c.host_kv_memory,
         )
         kv_amax = m.kv_amax.to_dict() if m.kv_amax is not None else None
-        return cls(path, m, model, tokenizer, policy, cache_cfg, c.max_batch, kv_amax, runtime, onnx_dir)
+        return cls(path, m, model, tokenizer, policy, cache_cfg, c.max_batch, kv_amax, runtime, onnx_dir,
+                   pack_weights)
 
     def make_core(self, policy=None, observers=(), **cache_overrides) -> EngineCore:
         """A new core on this engine's model object (shared weights, its own KV cache): what a tool that

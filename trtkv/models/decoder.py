@@ -181,7 +181,10 @@ def head_logits(x: torch.Tensor, norm_w: torch.Tensor, eps: float, head_w: torch
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + b`` for ``w [out, in]``; an input-major ``w`` (a transposed view of ``[in, out]`` storage,
-    see ``fuse_projections``) is multiplied as stored, without letting ``F.linear`` pick the slow layout."""
+    see ``fuse_projections``) is multiplied as stored, without letting ``F.linear`` pick the slow layout; a
+    oneDNN-packed ``w`` (trtkv/models/packed.py) runs oneDNN's inner product."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
     if w.stride(0) == 1 and w.dim() == 2 and w.shape[1] > 1:
         wt = w.t()
         return torch.addmm(b, x, wt) if b is not None else x @ wt
