@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from dense_pieces import assert_pieces_match
 
 from trtkv.api import Engine, SamplingParams
 from trtkv.errors import TrtkvError
@@ -23,23 +24,11 @@ def engines(tiny_ckpt, engine_factory):
     return path, Engine.load(path, runtime="torch-compile")
 
 
-@torch.inference_mode()
 def test_compiled_pieces_match_eager(engines):
     compiled = engines[1]
     model, dense = compiled.model, compiled.core.model
     assert isinstance(dense, CompiledDecoder) and dense._model is model  # the eager model's weights, not a copy
-    g = torch.Generator().manual_seed(0)
-    for T in (1, 5):  # a decode step and a prompt chunk (a second shape: no stale specialization)
-        x = torch.randn(T, model.arch.hidden_size, generator=g)
-        cos, sin = model.rotary.cos_sin(torch.arange(7, 7 + T), torch.float32)
-        for layer in range(model.arch.num_hidden_layers):
-            want, got = model.qkv(layer, x, cos, sin), dense.qkv(layer, x, cos, sin)
-            for a, b in zip(want, got):
-                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-            attn = want[0]
-            torch.testing.assert_close(dense.finish_layer(layer, x, attn), model.finish_layer(layer, x, attn),
-                                       rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dense.logits(x), model.logits(x), rtol=1e-5, atol=1e-4)
+    assert_pieces_match(model, dense, rows=(1, 5))  # a decode step and a prompt chunk (no stale specialization)
 
 
 def test_generate_and_bench_under_both_runtimes(engines, tmp_path):

@@ -10,6 +10,8 @@ copies cost one more copy of the projection weights in host memory; engines shar
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from trtkv.models.decoder import DecoderModel, head_logits, layer_finish, layer_qkv
@@ -36,14 +38,20 @@ class PackedDecoder:
     through to it. Build it with :func:`packed_decoder`, which packs a model's weights once."""
 
     def __init__(self, model: DecoderModel) -> None:
-        self._model = model
+        self._model_ref = weakref.ref(model)  # the model owns this (packed_decoder): no cycle
         self._fused = []
         for (norm_w, eps, qkv_w, qkv_b, nq, nk, heads), (o_w, post_w, post_eps, gu_w, ni, down_w) in model._fused:
             self._fused.append(((norm_w, eps, pack_weight(qkv_w), qkv_b, nq, nk, heads),
                                 (pack_weight(o_w), post_w, post_eps, pack_weight(gu_w), ni, pack_weight(down_w))))
         self._head = pack_weight(model.lm_head.weight)
 
+    @property
+    def _model(self) -> DecoderModel:
+        return self._model_ref()
+
     def __getattr__(self, name: str):
+        if name == "_model_ref":
+            raise AttributeError(name)
         return getattr(self._model, name)
 
     def qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -58,10 +66,9 @@ class PackedDecoder:
 
 
 def packed_decoder(model: DecoderModel) -> PackedDecoder:
-    """The model's packed decoder, made on first use and kept on the model, so the engines of one bench
-    (which share a model object) share one packed copy."""
+    """The model's packed decoder, made on first use and owned by the model (engines sharing a model share
+    one packed copy; it refers back weakly, so no reference cycle keeps 2x the weights alive)."""
     packed = model.__dict__.get("_packed_decoder")
     if packed is None:
-        packed = PackedDecoder(model)
-        model.__dict__["_packed_decoder"] = packed
+        packed = model.__dict__["_packed_decoder"] = PackedDecoder(model)
     return packed

@@ -105,7 +105,7 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], gens: list[t
 def draw(probs: torch.Tensor, g: torch.Generator) -> int:
     """One token from the distribution ``probs [V]`` by inverse CDF: one uniform number against the cumulative
     sum (float64, so a token's interval keeps its probability to ~1e-16). ``torch.multinomial`` draws an
-    exponential per token instead: 2.5 ms a row over SmolLM2's 49,152 tokens on one CPU core against 0.16 ms
+    exponential per token instead: 1.5–2.5 ms a row over SmolLM2's 49,152 tokens on one CPU core against 0.1 ms
     (docs/benchmarks.md), which at batch 16 was a fifth of a sampled decode step. Zero-probability tokens
     (top-k / top-p cuts) have empty intervals and are never drawn."""
     cum = probs.to(torch.float64).cumsum(0)
