@@ -14,6 +14,8 @@ Hooks, in the order the runtime calls them:
                                          (called through before_attention_batch(reqs, layer), once per layer
                                          for the whole batch: override that to batch work across requests)
     on_decode_step_end(req, stats)       after each decode step (scores, cadence-driven eviction)
+                                         (called through on_decode_step_end_batch(reqs, stats), once per
+                                         step for the whole batch)
     end(req) -> on_request_finish(req)   last look; then ``req.state`` is dropped (the cache frees pages)
 
 Engine-facing hooks (so the builder, the API and the bench know no policy by name):
@@ -203,6 +205,13 @@ class KVPolicy:
 
     def on_decode_step_end(self, req: PolicyRequest, stats: StepStats) -> None:
         pass
+
+    def on_decode_step_end_batch(self, reqs: list[PolicyRequest], stats: list[StepStats]) -> None:
+        """``on_decode_step_end`` for every request of a decode step (the runtime's call, once a step;
+        ``stats[i]`` is ``reqs[i]``'s). A policy whose per-request work is small array operations (the scoring
+        policies' one victim per layer) overrides this to do it for the batch at once."""
+        for req, st in zip(reqs, stats):
+            self.on_decode_step_end(req, st)
 
     def on_request_finish(self, req: PolicyRequest) -> None:
         pass

@@ -68,3 +68,10 @@ class H2OPolicy(ScorerPolicy):
     def protected(self, req, layer: int, held: np.ndarray) -> np.ndarray:
         """The recent window includes the next token (``req.position``), so it protects ``recent - 1`` held."""
         return held[held >= req.position - self.recent + 1]
+
+    def protected_rows(self, reqs, layer: int, held: np.ndarray) -> np.ndarray:
+        """``protected`` over a stack of requests' held positions: one comparison with each row's bound."""
+        if type(self).protected is not H2OPolicy.protected:
+            return super().protected_rows(reqs, layer, held)
+        first = np.fromiter((r.position - self.recent + 1 for r in reqs), np.int64, len(reqs))
+        return held >= first[:, None]

@@ -125,6 +125,22 @@ class ScorerPolicy(KVPolicy):
         if self.cadence.is_event(req.step):
             self.event(req, stats)
 
+    def on_decode_step_end_batch(self, reqs, stats) -> None:
+        """Every request observes its step, then the requests whose cadence fires have their events together
+        (``events``). A subclass that changes how one event runs keeps the request-by-request loop."""
+        cls = type(self)
+        if any(getattr(cls, f) is not getattr(ScorerPolicy, f) for f in _EVENT_HOOKS):
+            return super().on_decode_step_end_batch(reqs, stats)
+        due = []
+        for req, st in zip(reqs, stats):
+            self.scorer.observe(req, req.state.memo, st, "decode")
+            if self.cadence.is_event(req.step):
+                due.append((req, st))
+        if len(due) > 1:
+            self.events(due)
+        elif due:
+            self.event(*due[0])
+
     # --- one event ------------------------------------------------------------------------------
     def event(self, req, stats=None) -> None:
         """Cut every layer to its target. ``stats``: this step's attention statistics, whose positions are
@@ -136,6 +152,71 @@ class ScorerPolicy(KVPolicy):
             acted |= self.evict_layer(req, layer, self.target(req, layer), None if ls is None else ls.positions)
         req.state.events += int(acted)
         self.scorer.reset(req.state.memo)
+
+    def events(self, due: list) -> None:
+        """``event`` of several ``(request, stats)`` at one step, layer by layer. In each layer the requests
+        cut by one token with nothing buffered (a full cache's step) get their victims from array operations
+        over the batch (``lone_victims``) and are evicted in one ``evict_many``;
+        any other request goes through ``evict_layer`` at its turn. So each layer's evictions run in request
+        order, as one event after another would run them (the cache's pools are per layer), on the same victims."""
+        acted = [False] * len(due)
+        for layer in range(due[0][0].num_layers):
+            over = []  # (request, positions attention saw) of the requests over their target in this layer
+            for i, (req, st) in enumerate(due):
+                if req.num_live(layer) > self.target(req, layer):
+                    acted[i] = True
+                    ls = st.layers.get(layer)
+                    over.append((req, None if ls is None else ls.positions))
+            run = []  # one-victim evictions not yet executed
+            for (req, attended), victim in zip(over, self.lone_victims(layer, over)):
+                if victim is not None:
+                    run.append((req, victim))
+                    continue
+                if run:
+                    req.evict_many(layer, run)
+                    run = []
+                self.evict_layer(req, layer, self.target(req, layer), attended)
+            if run:
+                run[0][0].evict_many(layer, run)
+        for (req, _), a in zip(due, acted):
+            req.state.events += int(a)
+            self.scorer.reset(req.state.memo)
+
+    def lone_victims(self, layer: int, over: list) -> list[np.ndarray | None]:
+        """Per ``(request, attended)`` over its target: the position ``[1]`` ``evict_layer`` would evict when
+        its cut is one token (target = held - 1) and nothing is buffered; else None. Requests holding as many
+        tokens are sorted, protected and argmin'd as one stack."""
+        out: list[np.ndarray | None] = [None] * len(over)
+        groups: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for j, (req, att) in enumerate(over):
+            n = req.num_live(layer)
+            if req.num_buffered(layer) or self.target(req, layer) != n - 1:
+                continue
+            # the paged positions, as evict_layer reads them: what attention saw unless a host tier adds some
+            paged = att if att is not None and len(att) == n else req.live_positions(layer)
+            groups.setdefault(n, []).append((j, paged))
+        for group in groups.values():
+            rows = [j for j, _ in group]
+            reqs = [over[j][0] for j in rows]
+            held = np.sort(np.stack([p for _, p in group]), axis=1)
+            free = ~self.protected_rows(reqs, layer, held)
+            cands = [h[f] for h, f in zip(held, free)]
+            ok = [k for k, c in enumerate(cands) if len(c)]  # no candidate: evict_layer's own path
+            scores = [head_mean(self.scorer.score(reqs[k], layer, cands[k], reqs[k].state.memo)) for k in ok]
+            for k, at in zip(ok, first_minima(scores)):
+                out[rows[k]] = cands[k][at:at + 1]
+        return out
+
+    def protected_rows(self, reqs: list, layer: int, held: np.ndarray) -> np.ndarray:
+        """``protected`` of several requests as a mask over ``held [B, n]`` (rows ascending, nothing buffered):
+        sinks and the recent window as columns, or each row through an overriding ``protected``."""
+        if type(self).protected is not ScorerPolicy.protected:
+            return np.stack([sorted_member(h, np.sort(self.protected(r, layer, h))) for r, h in zip(reqs, held)])
+        mask = np.zeros(held.shape, bool)
+        mask[:, :self.n_sink] = True
+        if self.recent:
+            mask[:, max(0, held.shape[1] - self.recent):] = True
+        return mask
 
     def protected(self, req, layer: int, held: np.ndarray) -> np.ndarray:
         """Positions never evicted at this event: sinks, the recent window and the residual buffer (any
@@ -164,8 +245,8 @@ class ScorerPolicy(KVPolicy):
             if n_keep == len(cand) - 1 and type(self).keep is ScorerPolicy.keep:
                 # one victim (a full cache, one token a step): the first minimum of the ascending candidates,
                 # i.e. the lowest score, ties to the older token — what top_keep leaves out (NaN included)
-                at = torch.argmin(scores) if isinstance(scores, torch.Tensor) else np.argmin(scores)
-                req.evict(layer, cand[int(at)][None])
+                at = first_minima([scores])[0]
+                req.evict(layer, cand[at:at + 1])
             else:
                 keep = self.keep(req, layer, cand, scores, n_keep)
                 req.evict(layer, cand[~sorted_member(cand, np.sort(keep))])
@@ -180,3 +261,16 @@ class ScorerPolicy(KVPolicy):
 
     def extra_stats(self, req) -> dict[str, Any]:
         return {"eviction_events": req.state.events}
+
+
+_EVENT_HOOKS = ("on_decode_step_end", "event", "evict_layer", "keep")  # overridden: no batched events
+
+
+def first_minima(scores: list) -> list[int]:
+    """The index of the first minimum of each 1-D score vector (NaN counts as the minimum, as ``argmin``
+    does); vectors of one length and kind in one ``argmin`` over their stack."""
+    if len(scores) > 1 and len({(type(s), s.dtype, s.shape) for s in scores}) == 1:
+        if isinstance(scores[0], torch.Tensor):
+            return torch.argmin(torch.stack(scores), dim=1).tolist()
+        return np.argmin(np.stack(scores), axis=1).tolist()
+    return [int(torch.argmin(s)) if isinstance(s, torch.Tensor) else int(np.argmin(s)) for s in scores]

@@ -322,17 +322,18 @@ class EngineCore:
         contexts = [r.prompt_ids + r.generated if r.params.repetition_penalty != 1.0 else [] for r in reqs]
         toks = sample_next(logits, [r.params for r in reqs], [r.generator for r in reqs], contexts)
         self.steps_total += 1
-        for i, (r, c, st, tok) in enumerate(zip(reqs, ctxs, stats, toks)):
+        for i, (r, c, tok) in enumerate(zip(reqs, ctxs, toks)):
             r.last_logits = logits[i]
             r.decode_steps += 1
             c.step += 1
             self._append_token(r, tok)
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))  # what this step attended
-            if clk is not None:
-                clk.switch("policy")
-            pol.on_decode_step_end(c, st)
-            if clk is not None:
-                clk.switch("bookkeeping")
+        if clk is not None:
+            clk.switch("policy")
+        pol.on_decode_step_end_batch(ctxs, stats)  # one call: a policy may batch its evictions over requests
+        if clk is not None:
+            clk.switch("bookkeeping")
+        for r, c in zip(reqs, ctxs):
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))
         if self.cache._tiers is not None:
             for c in ctxs:

@@ -1,0 +1,79 @@
+"""The scoring policies' batched end of step (``ScorerPolicy.on_decode_step_end_batch``) evicts what their
+request-by-request hooks evict: the same positions attended at every step and layer, the same tokens and the
+same accounting, for a batch of requests of different lengths (so they fill up, fire and finish at different
+steps), through the one-victim batch path and its fallbacks (buffered tokens, cadences, prompt cuts)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from policy_matrix import MATRIX, Probe, one_thread
+
+from trtkv.api import SamplingParams
+from trtkv.policies import POLICIES
+from trtkv.policies.base import KVPolicy
+from trtkv.policies.scored import ScorerPolicy, first_minima
+
+assert one_thread  # autouse: one intra-op thread for this module
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog.",
+           "Once upon a time, in a land far away, there lived a wise old king who loved puzzles and riddles.",
+           "Numbers: 1, 2, 3",
+           "A",
+           "Tell me a story about a robot who learns to paint, with three characters and a twist at the end."]
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True, chat=False) for n in (90, 60, 75, 40, 85)]
+SCORED = [(e["name"], p) for e in MATRIX if issubclass(POLICIES[e["name"]], ScorerPolicy) for p in e["params"]]
+EXTRA = [("h2o", {"budget": 32, "kv_format": "int4"}),  # a residual buffer: the fallback path every 16 tokens
+         ("tova", {"budget": 24}), ("random", {"budget": 24, "n_sink": 2}),
+         ("h2o", {"budget": 24, "recent_ratio": 0.25, "eviction": "compact"}),
+         ("tova", {"budget": 24, "demote": "host"})]  # victims stay attended from host: the fallback path
+CASES = SCORED + EXTRA
+
+
+def _run(eng, batched: bool, monkeypatch):
+    if not batched:
+        monkeypatch.setattr(ScorerPolicy, "on_decode_step_end_batch", KVPolicy.on_decode_step_end_batch)
+    with Probe(eng, record_sets=True) as probe:
+        res = eng.generate(PROMPTS, PARAMS)
+    monkeypatch.undo()
+    stats = [{k: r.stats[k] for k in ("evicted_tokens", "eviction_events") if k in r.stats} for r in res]
+    return [r.token_ids for r in res], [probe.sets[i] for i in sorted(probe.sets)], stats
+
+
+@pytest.mark.parametrize("name,params", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_batched_events_evict_what_one_by_one_does(engine_factory, load_engine, tiny_ckpt, monkeypatch, name,
+                                                    params):
+    eng = load_engine(engine_factory(tiny_ckpt, name, **params))
+    lone_batches = []  # per layer and step: how many requests took the one-victim batch path
+    orig = ScorerPolicy.lone_victims
+
+    def spy(self, layer, over):
+        out = orig(self, layer, over)
+        lone_batches.append(sum(v is not None for v in out))
+        return out
+
+    monkeypatch.setattr(ScorerPolicy, "lone_victims", spy)  # undone by the first _run
+    tokens, sets, stats = _run(eng, True, monkeypatch)
+    ref_tokens, ref_sets, ref_stats = _run(eng, False, monkeypatch)
+    assert tokens == ref_tokens
+    assert stats == ref_stats
+    assert sets == ref_sets  # per request, decode step and layer: the positions attended
+    if name in ("h2o", "tova", "random") and params.get("evict_every", 1) == 1:
+        assert max(lone_batches) > 1  # the batch path ran with several requests at once
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_first_minima_equals_argmin_per_vector(seed):
+    """One ``argmin`` over the stacked scores picks each vector's own first minimum (ties and NaN included),
+    for tensors and numpy arrays, stacked or not."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 30))
+    rows = [torch.tensor(rng.integers(0, 3, n), dtype=torch.float32) for _ in range(int(rng.integers(1, 6)))]
+    for r in rows[::2]:
+        if seed % 3 == 0:
+            r[rng.integers(0, n, 2)] = float("nan")
+    want = [int(torch.argmin(r)) for r in rows]
+    assert first_minima(rows) == want
+    assert first_minima([r.numpy() for r in rows]) == [int(np.argmin(r.numpy())) for r in rows] == want
+    ragged = rows + [torch.tensor([1.0, 0.0])]
+    assert first_minima(ragged) == want + [1]
