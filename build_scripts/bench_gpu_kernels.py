@@ -4,6 +4,11 @@ median), the bytes of pages the call must read, the bandwidth that implies, and 
 Each shape is also checked against the torch reference on the same GPU (max abs error of the output).
 
     PYTHONPATH=. python build_scripts/bench_gpu_kernels.py [--batch 1,32] [--ctx 4096,16384] [--json F]
+        [--configs 32x8x1,16x4x2] [--baseline path/to/older/triton_kernel.py]
+
+``--configs`` times each attention call at every listed tiling (slots per step x warps x stages, an optional
+fourth ``x splits`` of the KV axis, plus ``:tf32`` for plain TF32 products) beside the default; ``--baseline`` times an older kernel module's
+``paged_attention_triton`` (same contract) side by side, e.g. the previous commit's file.
 
 Pools hold random codes (every slot live, each slot's flush group its own 16-slot run): speed does not
 depend on the values, and the reference check uses the same pool.
@@ -11,6 +16,7 @@ depend on the values, and the reference check uses the same pool.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import time
@@ -22,7 +28,8 @@ from plugins.formats import FORMATS
 from plugins.kv_write.reference import kv_write_ref
 from plugins.kv_write.triton_kernel import kv_write_triton
 from plugins.paged_attention.reference import paged_attention_ref
-from plugins.paged_attention.triton_kernel import paged_attention_triton
+from plugins.paged_attention import triton_kernel
+from plugins.paged_attention.triton_kernel import LaunchConfig, paged_attention_triton
 
 H, G, D, B = 8, 4, 128, 8
 GROUP = 16
@@ -77,7 +84,27 @@ def read_bytes(fmt, tokens: int) -> int:
     return tokens * per_slot + (-(-tokens // GROUP)) * per_group if fmt.quantized else tokens * per_slot
 
 
-def bench_attention(names, batches, ctxs, dev, check_tokens):
+def variants(configs: list[str], baseline: str | None) -> list[tuple[str, object]]:
+    """``(label, call)`` per kernel variant: the default, each ``--configs`` tiling, the baseline module."""
+    out = [("default", paged_attention_triton)]
+    for c in configs:
+        tiling, _, prec = c.partition(":")
+        slots, warps, stages, *splits = (int(x) for x in tiling.split("x"))
+        cfg = LaunchConfig(pages=max(1, slots // B), warps=warps, stages=stages, splits=splits[0] if splits else None,
+                           precision=prec or triton_kernel.default_precision())
+
+        def call(*args, cfg=cfg):
+            return paged_attention_triton(*args, config=cfg)
+        out.append((c, call))
+    if baseline:
+        spec = importlib.util.spec_from_file_location("baseline_paged_attention", baseline)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        out.append(("baseline", mod.paged_attention_triton))
+    return out
+
+
+def bench_attention(names, batches, ctxs, dev, check_tokens, kernels):
     rows = []
     for b in batches:
         for ctx in ctxs:
@@ -89,19 +116,23 @@ def bench_attention(names, batches, ctxs, dev, check_tokens):
                 fmt = FORMATS[name]
                 slot, group, kg, bits = random_pool(fmt, b * P, dev)
                 args = (q, slot, group, kg, bits, bt, fmt.code, D ** -0.5, 1.0, 1.0, False)
-                ms = time_ms(lambda: paged_attention_triton(*args))
-                err = float("nan")
-                if b * ctx <= check_tokens:
-                    got, want = paged_attention_triton(*args), paged_attention_ref(*args)
-                    err = float((got[0] - want[0]).abs().max())
-                nbytes = read_bytes(fmt, b * ctx)
-                base = ms if name == "fp16" else base
-                row = {"format": name, "batch": b, "ctx": ctx, "ms": ms, "read_MB": nbytes / 1e6,
-                       "GBps": nbytes / ms / 1e6, "vs_fp16": (base / ms) if base else None, "max_abs_err": err}
-                rows.append(row)
-                print(f"{name:9} b={b:3} ctx={ctx:6} {ms * 1e3:9.1f} us  {nbytes / 1e6:9.1f} MB  "
-                      f"{row['GBps']:7.0f} GB/s  x fp16 {row['vs_fp16'] or float('nan'):5.2f}  err {err:.2e}",
-                      flush=True)
+                want = paged_attention_ref(*args)[0] if b * ctx <= check_tokens else None
+                for label, fn in kernels:
+                    try:
+                        ms = time_ms(lambda: fn(*args))
+                        err = float((fn(*args)[0] - want).abs().max()) if want is not None else float("nan")
+                    except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a row, not a stop
+                        print(f"{name:9} b={b:3} ctx={ctx:6} {label:12} FAILED {type(e).__name__}: {e}"[:300])
+                        continue
+                    nbytes = read_bytes(fmt, b * ctx)
+                    base = ms if (name == "fp16" and label == "default") else base
+                    row = {"format": name, "kernel": label, "batch": b, "ctx": ctx, "ms": ms,
+                           "read_MB": nbytes / 1e6, "GBps": nbytes / ms / 1e6,
+                           "vs_fp16": (base / ms) if base else None, "max_abs_err": err}
+                    rows.append(row)
+                    print(f"{name:9} b={b:3} ctx={ctx:6} {label:12} {ms * 1e3:9.1f} us  {nbytes / 1e6:9.1f} MB  "
+                          f"{row['GBps']:7.0f} GB/s  x fp16 {row['vs_fp16'] or float('nan'):5.2f}  err {err:.2e}",
+                          flush=True)
                 del slot, group, kg, bits
     return rows
 
@@ -133,6 +164,9 @@ def main() -> None:
     ap.add_argument("--formats", default="fp16,bf16,fp32,fp8,nvfp4,nvfp4o,ternary,ternaryo,int4,int2")
     ap.add_argument("--check-tokens", type=int, default=32 * 4096, help="reference check up to b*ctx tokens")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--configs", default="", help="extra tilings: slots x warps x stages[x splits][:precision], comma-separated")
+    ap.add_argument("--baseline", default=None, help="an older triton_kernel.py to time side by side")
+    ap.add_argument("--no-write", action="store_true", help="attention only")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run under TRITON_INTERPRET=1
     name = torch.cuda.get_device_properties(0).name if dev == "cuda" else "cpu (TRITON_INTERPRET)"
@@ -140,9 +174,10 @@ def main() -> None:
     print(f"{name}, {sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
           f"H={H} G={G} D={D} block={B}", flush=True)
     names = a.formats.split(",")
+    kernels = variants([c for c in a.configs.split(",") if c], a.baseline)
     att = bench_attention(names, [int(x) for x in a.batch.split(",")], [int(x) for x in a.ctx.split(",")], dev,
-                          a.check_tokens)
-    wr = bench_write(names, [1, 16], dev)
+                          a.check_tokens, kernels)
+    wr = [] if a.no_write else bench_write(names, [1, 16], dev)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"device": name, "torch": torch.__version__, "triton": triton.__version__,

@@ -39,7 +39,11 @@ tests)
   echo "rc=$?" >>"$OUT/kernel_tests.txt"; tail -25 "$OUT/kernel_tests.txt" ;;
 kernels)
   step "kernel micro-benchmark"
-  timeout ${KERNEL_BENCH_S:-90} $PY build_scripts/bench_gpu_kernels.py --batch 1,32 --ctx 4096,16384 --json "$OUT/kernels.json" \
+  # KERNEL_CONFIGS (tilings beside the default) and KERNEL_BASELINE (an older triton_kernel.py) time variants
+  # side by side: see build_scripts/bench_gpu_kernels.py
+  timeout ${KERNEL_BENCH_S:-90} $PY build_scripts/bench_gpu_kernels.py --batch ${KERNEL_BATCH:-1,32} --ctx 4096,16384 \
+      ${KERNEL_FORMATS:+--formats $KERNEL_FORMATS} \
+      --json "$OUT/kernels.json" ${KERNEL_CONFIGS:+--configs $KERNEL_CONFIGS} ${KERNEL_BASELINE:+--baseline $KERNEL_BASELINE} \
       2>&1 | tee "$OUT/kernels.txt" | tail -60 ;;
 engines)
   step "r1-llama-8b shape-only engine bench"

@@ -31,6 +31,7 @@ class Spec:
     signature: dict[str, str] = field(hash=False)
     constexprs: dict[str, object] = field(hash=False)
     num_warps: int = 4
+    num_stages: int = 3  # Triton's launch default
 
 
 @dataclass(frozen=True)
@@ -70,12 +71,12 @@ def _sig(fn, types: dict[str, str]) -> dict[str, str]:
 
 def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64) -> list[Spec]:
     from plugins.formats import FORMATS
-    from plugins.paged_attention.triton_kernel import _paged_attn_kernel, launch_config
+    from plugins.paged_attention.triton_kernel import PRECISIONS, _paged_attn_kernel, launch_config, packed_rows
 
     specs = []
     for G, D in geometries:
-        pages, warps = launch_config(B, G, D, P)
         for name, fmt in FORMATS.items():
+            cfg = launch_config(B, G, D, P, fmt.code)
             slot = [_ptr(f.dtype) for f in fmt.slot_fields(1, D)]
             group = [_ptr(f.dtype) for f in fmt.group_fields(1, D)]
             f = slot + [slot[0]] * (4 - len(slot))
@@ -83,12 +84,15 @@ def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64) 
             types = dict(q_ptr=Q_DTYPE, f0=f[0], f1=f[1], f2=f[2], f3=f[3], g0=g[0], g1=g[1], kgrp_ptr="*i32",
                          bits_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32", lse_ptr="*fp32", logits_ptr="*fp32",
                          sm_scale="fp32", scale_k="fp32", scale_v="fp32", P="i32", pages_per_split="i32")
-            for logits in (False, True):
+            for logits, precision in ((False, PRECISIONS[0]), (True, PRECISIONS[0]), (False, PRECISIONS[1]),
+                                      (True, PRECISIONS[1])):
                 const = dict(FMT=fmt.code, H=8, G=G, D=D, B=B, GP=triton.next_power_of_2(G),
-                             DP=triton.next_power_of_2(D), PAGES=pages, NUM_SPLITS=1, RETURN_LOGITS=logits)
+                             DP=triton.next_power_of_2(D), PAGES=cfg.pages, NUM_SPLITS=1, RETURN_LOGITS=logits,
+                             PRECISION=precision, PACKED=packed_rows(D))
+                label = f"paged_attention {name} G={G} D={D}{' logits' if logits else ''}"
                 specs.append(Spec("plugins.paged_attention.triton_kernel:_paged_attn_kernel",
-                                  f"paged_attention {name} G={G} D={D}{' logits' if logits else ''}",
-                                  _sig(_paged_attn_kernel, types), const, warps))
+                                  label + ("" if precision == PRECISIONS[0] else f" {precision}"),
+                                  _sig(_paged_attn_kernel, types), const, cfg.warps, cfg.stages))
     return specs
 
 
@@ -164,7 +168,7 @@ def compile_one(spec: Spec, cc: int) -> Usage:
     fn = getattr(importlib.import_module(mod), name)
     try:
         ck = triton.compile(ASTSource(fn, spec.signature, spec.constexprs), target=GPUTarget("cuda", cc, 32),
-                            options={"num_warps": spec.num_warps})
+                            options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(ck.asm["cubin"])
             f.flush()

@@ -9,6 +9,9 @@ int32 word is read once per page from memory, the duplicate lanes hit cache). De
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -49,8 +52,44 @@ def _tern(c):
 
 
 @triton.jit
+def _codes(ptr, row, live, offs_d, m2, BITS: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
+           PACKED: tl.constexpr):
+    """``BITS``-bit codes ``[N, DP]`` int32 of the rows ``row``, element ``d`` in bits ``(d % per) * BITS`` of
+    byte ``d // per``. Packed: each row's bytes are one contiguous (vectorizable) load, split into fields in
+    registers and interleaved back (join + reshape); else one byte load per element."""
+    PER: tl.constexpr = 8 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if PACKED:
+        offs_b = tl.arange(0, D // PER)
+        x = tl.load(ptr + row[:, None] * (D // PER) + offs_b[None, :], mask=live[:, None], other=0).to(tl.int32)
+        if BITS == 4:
+            c = tl.join(x & 15, (x >> 4) & 15)
+        else:
+            # join stacks on a new last axis: [(c0, c2), (c1, c3)] pairs flatten to c0 c1 c2 c3
+            c = tl.join(tl.join(x & 3, (x >> 4) & 3), tl.join((x >> 2) & 3, (x >> 6) & 3))
+        return tl.reshape(c, (N, D))
+    else:
+        d = offs_d[None, :]
+        x = tl.load(ptr + row[:, None] * (D // PER) + d // PER, mask=m2, other=0).to(tl.int32)
+        return (x >> ((d % PER) * BITS)) & MASK
+
+
+@triton.jit
+def _per16(ptr, row, live, offs_d, m2, D: tl.constexpr, N: tl.constexpr, PACKED: tl.constexpr):
+    """A per-16-channel field ``[rows, D // 16]`` (value scales, zero points) expanded to ``[N, DP]``: packed,
+    one load of ``D // 16`` values a row broadcast over their 16 channels; else one load per element."""
+    if PACKED:
+        offs_s = tl.arange(0, D // 16)
+        x = tl.load(ptr + row[:, None] * (D // 16) + offs_s[None, :], mask=live[:, None], other=0)
+        return tl.reshape(tl.broadcast_to(x[:, :, None], (N, D // 16, 16)), (N, D))
+    else:
+        return tl.load(ptr + row[:, None] * (D // 16) + offs_d[None, :] // 16, mask=m2, other=0)
+
+
+@triton.jit
 def _load_kv(f0, f1, f2, f3, g0, g1, kgrp_ptr, page, slot, live, h, offs_d, dmask, scale_k, scale_v,
-             FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, B: tl.constexpr):
+             FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, B: tl.constexpr, N: tl.constexpr,
+             PACKED: tl.constexpr):
     """Dequantized K, V tiles ``[N, DP]`` fp32 of head ``h`` for the slot lanes ``(page, slot)``."""
     row = (page.to(tl.int64) * B + slot) * H + h  # [N] slot-row index into [pages, B, H, ...]
     m2 = live[:, None] & dmask[None, :]
@@ -62,22 +101,16 @@ def _load_kv(f0, f1, f2, f3, g0, g1, kgrp_ptr, page, slot, live, h, offs_d, dmas
         k = _e4m3(tl.load(f0 + row[:, None] * D + d, mask=m2, other=0).to(tl.int32)) * scale_k
         v = _e4m3(tl.load(f1 + row[:, None] * D + d, mask=m2, other=0).to(tl.int32)) * scale_v
     else:
-        if FMT == NVFP4 or FMT == INT4 or FMT == NVFP4O:
-            shift = (d % 2) * 4
-            kc = (tl.load(f0 + row[:, None] * (D // 2) + d // 2, mask=m2, other=0).to(tl.int32) >> shift) & 15
-            vc = (tl.load(f1 + row[:, None] * (D // 2) + d // 2, mask=m2, other=0).to(tl.int32) >> shift) & 15
-        else:
-            shift = (d % 4) * 2
-            kc = (tl.load(f0 + row[:, None] * (D // 4) + d // 4, mask=m2, other=0).to(tl.int32) >> shift) & 3
-            vc = (tl.load(f1 + row[:, None] * (D // 4) + d // 4, mask=m2, other=0).to(tl.int32) >> shift) & 3
+        BITS: tl.constexpr = 4 if (FMT == NVFP4 or FMT == INT4 or FMT == NVFP4O) else 2
+        kc = _codes(f0, row, live, offs_d, m2, BITS, D, N, PACKED)
+        vc = _codes(f1, row, live, offs_d, m2, BITS, D, N, PACKED)
         gid = tl.load(kgrp_ptr + page.to(tl.int64) * B + slot, mask=live, other=0)
         grow = (tl.maximum(gid, 0).to(tl.int64) * H + h)[:, None] * D + d  # group field [gid, h, d]
-        vrow = row[:, None] * (D // 16) + d // 16  # per-token value scale [page, slot, h, d // 16]
         if FMT == INT4 or FMT == INT2:
             k = kc.to(tl.float32) * tl.load(g0 + grow, mask=m2, other=0.0).to(tl.float32) \
                 + tl.load(g1 + grow, mask=m2, other=0.0).to(tl.float32)
-            v = vc.to(tl.float32) * tl.load(f2 + vrow, mask=m2, other=0.0).to(tl.float32) \
-                + tl.load(f3 + vrow, mask=m2, other=0.0).to(tl.float32)
+            v = vc.to(tl.float32) * _per16(f2, row, live, offs_d, m2, D, N, PACKED).to(tl.float32) \
+                + _per16(f3, row, live, offs_d, m2, D, N, PACKED).to(tl.float32)
         else:
             if FMT == NVFP4 or FMT == NVFP4O:
                 ke = _e2m1(kc)
@@ -86,7 +119,7 @@ def _load_kv(f0, f1, f2, f3, g0, g1, kgrp_ptr, page, slot, live, h, offs_d, dmas
                 ke = _tern(kc)
                 ve = _tern(vc)
             k = ke * _e4m3(tl.load(g0 + grow, mask=m2, other=0).to(tl.int32)) * scale_k
-            v = ve * _e4m3(tl.load(f2 + vrow, mask=m2, other=0).to(tl.int32)) * scale_v
+            v = ve * _e4m3(_per16(f2, row, live, offs_d, m2, D, N, PACKED).to(tl.int32)) * scale_v
             if FMT == NVFP4O or FMT == TERNARYO:
                 k = k + tl.load(g1 + grow, mask=m2, other=0.0).to(tl.float32)
     # a live slot may hold any finite code; dead lanes are already 0, keep NaN-free for the p @ V product
@@ -99,7 +132,7 @@ def _paged_attn_kernel(
     sm_scale, scale_k, scale_v, P, pages_per_split,
     FMT: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
     GP: tl.constexpr, DP: tl.constexpr, PAGES: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    RETURN_LOGITS: tl.constexpr,
+    RETURN_LOGITS: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr,
 ):
     bi = tl.program_id(0)
     h = tl.program_id(1)
@@ -126,8 +159,10 @@ def _paged_attn_kernel(
         word = tl.load(bits_ptr + tl.maximum(page, 0), mask=page >= 0, other=0)
         live = (page >= 0) & (((word >> slot) & 1) != 0)
         k, v = _load_kv(f0, f1, f2, f3, g0, g1, kgrp_ptr, tl.maximum(page, 0), slot, live, h, offs_d, dmask,
-                        scale_k, scale_v, FMT, H, D, B)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # [GP, N]
+                        scale_k, scale_v, FMT, H, D, B, PAGES * B, PACKED)
+        # the G query heads of this KV head against the tile: a [GP, DP] x [DP, N] product on the tensor
+        # cores; tf32x3 (three TF32 products: hi*hi + hi*lo + lo*hi) keeps fp32 accuracy
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [GP, N]
         s = tl.where(live[None, :], s, float("-inf"))
         if RETURN_LOGITS:
             lmask = gmask[:, None] & in_tab[None, :]
@@ -137,7 +172,7 @@ def _paged_attn_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -148,33 +183,76 @@ def _paged_attn_kernel(
     tl.store(lse_ptr + orow, lse, mask=gmask)
 
 
-VALUES_PER_THREAD = 32  # fp32 values of one [GP, PAGES*B, DP] product per thread (see launch_config)
+def packed_rows(D: int) -> bool:
+    """Whether a head's code bytes and per-16 fields load as whole rows (power-of-two ``D >= 32``: every
+    sub-row ``arange`` is a power of two) rather than one load per element. ``D = 16`` loads per element: its
+    packed rows gave wrong values for every 4-/2-bit format on an H200 (Triton 3.6, 2026-11-27; right in the
+    interpreter and at D = 32/64/128 on the same GPU; not root-caused)."""
+    return D >= 32 and D & (D - 1) == 0
 
 
-def launch_config(B: int, G: int, D: int, P: int) -> tuple[int, int]:
-    """``(PAGES, num_warps)``: pages per loop step and warps per program.
+PRECISIONS = ("tf32x3", "tf32")
 
-    The score and P@V steps build ``[GP, PAGES*B, DP]`` fp32 products in registers. The old fixed 32-slot
-    tile with 4 warps held 128 of them per thread at D=128, G=4 and took 255 registers plus stack spills
-    on sm_90. Now a program takes 4 warps, or 8 when one page alone would exceed ``VALUES_PER_THREAD``
-    per thread, and as many pages per step as stay within it. Measured spill-free for every format and
-    registry geometry on sm_80/90/100 (tests/kernels/test_triton_aot.py, docs/kernels.md); ptxas'
-    allocation is heuristic, so other tilings that look smaller (16 values, 8 warps) did spill 4-8 bytes."""
-    GP, DP = triton.next_power_of_2(G), triton.next_power_of_2(D)
-    warps = 4 if GP * B * DP <= VALUES_PER_THREAD * 32 * 4 else 8
-    slots = max(1, VALUES_PER_THREAD * 32 * warps // (GP * DP))
-    pages = max(1, min(triton.next_power_of_2(max(P, 1)), triton.next_power_of_2(slots // B + 1) // 2 or 1))
-    return pages, warps
+
+def default_precision() -> str:
+    """``tf32x3`` (default): three TF32 products per ``tl.dot`` (hi*hi + hi*lo + lo*hi), fp32-accurate: the
+    reference's 3e-5 holds. ``TRTKV_TRITON_PRECISION=tf32``: one product, P and non-exact dequantized
+    values rounded to TF32's 10-bit mantissa (as FlashAttention rounds P to fp16), measured faster on an
+    H200 (docs/benchmarks.md, GPU)."""
+    p = os.environ.get("TRTKV_TRITON_PRECISION", "tf32x3")
+    if p not in PRECISIONS:
+        raise ValueError(f"TRTKV_TRITON_PRECISION={p!r}: use one of {', '.join(PRECISIONS)}")
+    return p
+
+
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one call is tiled: slots per loop step (``pages * B``), warps and pipeline stages per program,
+    and KV splits (``None``: the heuristic in ``_num_splits``)."""
+
+    pages: int
+    warps: int
+    stages: int
+    splits: int | None = None
+    precision: str = PRECISIONS[0]
+
+
+TILE_SLOTS = 32  # slots per loop step (>= 16: the K extent of the P @ V product on the tensor cores)
+
+
+def launch_config(B: int, G: int, D: int, P: int, fmt_code: int) -> LaunchConfig:
+    """The default tiling. The scores and P@V are ``tl.dot`` products, so a step's registers are the K and V
+    tiles ``[PAGES*B, DP]`` (fp32 after dequantization) rather than the ``[GP, PAGES*B, DP]`` broadcast
+    product the first kernel reduced (255 registers and spills at one 8-slot page, D=128). ``TILE_SLOTS``
+    slots a step; 4 warps, one stage at D=128 (fastest of the tilings timed on an H200, docs/benchmarks.md);
+    warps and stages elsewhere are what ptxas allocates without spills (sm_80/90/100,
+    tests/kernels/test_triton_aot.py): fp32 pages at D=128 spill 8 bytes on 4 warps, D=64 on one stage,
+    D=16 on 8 warps.
+    ``P`` does not cap the tile: lanes past the block table are masked, and the tile must stay >= 16 slots."""
+    DP = triton.next_power_of_2(D)
+    if DP >= 128:
+        warps, stages = (8, 1) if fmt_code == FP32 else (4, 1)
+    elif DP > 16:
+        warps, stages = 8, 2
+    else:  # the tiny test model's head size
+        warps, stages = 4, 1
+    return LaunchConfig(pages=max(1, TILE_SLOTS // B), warps=warps, stages=stages, precision=default_precision())
 
 
 def _num_splits(b: int, H: int, P: int, pages: int, device: torch.device) -> int:
-    """Flash-decoding split: only when (sequences x heads) cannot fill the GPU and pages are plenty."""
+    """Flash-decoding split of the KV axis: enough programs to keep every SM busy with a few programs each
+    (a program is one (sequence, KV head) otherwise: 256 for a batch of 32 on 8 KV heads, two per SM of an
+    H200, too few to hide the page loads' latency), while each split keeps >= 4 loop steps of pages."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if b * H >= sms:
-        return 1
-    return max(1, min(triton.cdiv(P, 4 * pages), triton.cdiv(2 * sms, b * H), 32))
+    want = triton.cdiv(PROGRAMS_PER_SM * sms, b * H)
+    return max(1, min(want, triton.cdiv(P, 4 * pages), 32))
+
+
+PROGRAMS_PER_SM = 4
 
 
 def paged_attention_triton(
@@ -190,8 +268,9 @@ def paged_attention_triton(
     scale_v: float,
     return_logits: bool,
     num_splits: int | None = None,
+    config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as ``paged_attention_ref``; ``num_splits`` overrides the split-KV heuristic."""
+    """Same contract as ``paged_attention_ref``; ``num_splits`` / ``config`` override the heuristics."""
     b, Hq, D = q.shape
     B, H = slot_fields[0].shape[1], slot_fields[0].shape[2]
     G = Hq // H
@@ -199,8 +278,8 @@ def paged_attention_triton(
     assert Hq == H * G and block_table.dtype == torch.int32 and valid_bits.dtype == torch.int32
     assert all(t.is_contiguous() for t in [*slot_fields, *group_fields, valid_bits, k_group])
     q, block_table = q.contiguous(), block_table.contiguous()
-    pages, warps = launch_config(B, G, D, P)
-    S = num_splits or _num_splits(b, H, P, pages, q.device)
+    cfg = config or launch_config(B, G, D, P, fmt_code)
+    S = num_splits or cfg.splits or _num_splits(b, H, P, cfg.pages, q.device)
     S = max(1, min(S, P)) if P else 1
     per_split = triton.cdiv(P, S) if P else 0
     dev = q.device
@@ -215,7 +294,8 @@ def paged_attention_triton(
         q, *f, *g, k_group, valid_bits, block_table, out, lse, logits,
         float(sm_scale), float(scale_k), float(scale_v), P, per_split,
         FMT=fmt_code, H=H, G=G, D=D, B=B, GP=triton.next_power_of_2(G), DP=triton.next_power_of_2(D),
-        PAGES=pages, NUM_SPLITS=S, RETURN_LOGITS=return_logits, num_warps=warps,
+        PAGES=cfg.pages, NUM_SPLITS=S, RETURN_LOGITS=return_logits, PRECISION=cfg.precision, PACKED=packed_rows(D),
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
     if S == 1:
         return out[:, :, 0], lse[:, :, 0], logits

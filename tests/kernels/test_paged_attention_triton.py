@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(
 B = 8
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 # (b, H, G, D, P): sequences, KV heads, query heads per KV head, head dim, block-table width
-SHAPES = [(3, 2, 3, 32, 3), (2, 1, 1, 64, 4), (1, 2, 2, 16, 2)]
+# D = 48 is not a power of two: codes load per element (the packed-row path covers the others)
+SHAPES = [(3, 2, 3, 32, 3), (2, 1, 1, 64, 4), (1, 2, 2, 16, 2), (2, 2, 2, 48, 3)]
 
 
 def make_pool(fmt, H, D, num_pages, seed, scales=(0.7, 1.3)):
@@ -64,9 +65,16 @@ def run_both(fmt, q, pool, bt, scales=(0.7, 1.3), **kw):
     return paged_attention_triton(*args, **kw), paged_attention_ref(*args)
 
 
+TF32 = os.environ.get("TRTKV_TRITON_PRECISION") == "tf32" and DEV == "cuda"  # products rounded to TF32
+
+
 def assert_same(got, want):
+    """3e-5 at the default fp32-accurate products; TRTKV_TRITON_PRECISION=tf32 rounds P and the dequantized
+    tiles to a 10-bit mantissa (2^-11 relative each), which these logits (|s| <~ 10) and outputs carry as
+    ~1e-3: a wrong slot, scale or mask still shows as an error of order 0.1-1."""
+    tol = 5e-3 if TF32 else 3e-5
     for a, e in zip(got, want):
-        torch.testing.assert_close(a, e, atol=3e-5, rtol=3e-5)
+        torch.testing.assert_close(a, e, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}H{}G{}D{}P{}".format(*s))
@@ -138,8 +146,9 @@ def test_page_order_permutation_invariant(name):
     run = lambda t: paged_attention_triton(q, slot, group, k_group, bits, t, fmt.code, 0.2, 0.7, 1.3, False)  # noqa: E731
     out, lse, _ = run(bt)
     out2, lse2, _ = run(bt[:, torch.tensor([4, 0, 5, 2, 1, 3], device=DEV)].contiguous())
-    torch.testing.assert_close(out2, out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse2, lse, atol=1e-5, rtol=1e-5)
+    tol = 5e-3 if TF32 else 1e-5  # TF32: two page orders sum different roundings
+    torch.testing.assert_close(out2, out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse2, lse, atol=tol, rtol=tol)
 
 
 def test_op_dispatches_to_triton(monkeypatch):
