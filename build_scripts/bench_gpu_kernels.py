@@ -7,8 +7,9 @@ Each shape is also checked against the torch reference on the same GPU (max abs 
         [--configs 32x8x1,16x4x2] [--baseline path/to/older/triton_kernel.py]
 
 ``--configs`` times each attention call at every listed tiling (slots per step x warps x stages, an optional
-fourth ``x splits`` of the KV axis, plus ``:tf32`` for plain TF32 products) beside the default; ``--baseline`` times an older kernel module's
-``paged_attention_triton`` (same contract) side by side, e.g. the previous commit's file.
+fourth ``x splits`` of the KV axis, plus ``:tf32`` for plain TF32 products) beside the default;
+``--baseline`` times an older kernel module's ``paged_attention_triton`` (same contract) side by side, e.g.
+the previous commit's file.
 
 Pools hold random codes (every slot live, each slot's flush group its own 16-slot run): speed does not
 depend on the values, and the reference check uses the same pool.
@@ -164,7 +165,8 @@ def main() -> None:
     ap.add_argument("--formats", default="fp16,bf16,fp32,fp8,nvfp4,nvfp4o,ternary,ternaryo,int4,int2")
     ap.add_argument("--check-tokens", type=int, default=32 * 4096, help="reference check up to b*ctx tokens")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--configs", default="", help="extra tilings: slots x warps x stages[x splits][:precision], comma-separated")
+    ap.add_argument("--configs", default="",
+                    help="extra tilings: slots x warps x stages[x splits][:precision], comma-separated")
     ap.add_argument("--baseline", default=None, help="an older triton_kernel.py to time side by side")
     ap.add_argument("--no-write", action="store_true", help="attention only")
     a = ap.parse_args()
