@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from itertools import product
 
 import triton
 
@@ -69,7 +70,9 @@ def _sig(fn, types: dict[str, str]) -> dict[str, str]:
     return {n: types.get(n, "constexpr") for n in fn.arg_names}
 
 
-def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64) -> list[Spec]:
+def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64, opt_in: bool = False) -> list[Spec]:
+    """Each format x geometry x with/without logits at the default precision; ``opt_in`` adds the
+    ``TRTKV_TRITON_PRECISION=tf32`` variants (in the report, not in the spill test: some spill, docs/kernels.md)."""
     from plugins.formats import FORMATS
     from plugins.paged_attention.triton_kernel import PRECISIONS, _paged_attn_kernel, launch_config, packed_rows
 
@@ -84,8 +87,7 @@ def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64) 
             types = dict(q_ptr=Q_DTYPE, f0=f[0], f1=f[1], f2=f[2], f3=f[3], g0=g[0], g1=g[1], kgrp_ptr="*i32",
                          bits_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32", lse_ptr="*fp32", logits_ptr="*fp32",
                          sm_scale="fp32", scale_k="fp32", scale_v="fp32", P="i32", pages_per_split="i32")
-            for logits, precision in ((False, PRECISIONS[0]), (True, PRECISIONS[0]), (False, PRECISIONS[1]),
-                                      (True, PRECISIONS[1])):
+            for precision, logits in product(PRECISIONS if opt_in else PRECISIONS[:1], (False, True)):
                 const = dict(FMT=fmt.code, H=8, G=G, D=D, B=B, GP=triton.next_power_of_2(G),
                              DP=triton.next_power_of_2(D), PAGES=cfg.pages, NUM_SPLITS=1, RETURN_LOGITS=logits,
                              PRECISION=precision, PACKED=packed_rows(D))
@@ -138,9 +140,9 @@ def kmeans_specs() -> list[Spec]:
                  _sig(_assign_kernel, types), dict(BLOCK_M=16, BLOCK_K=16, BLOCK_F=64))]
 
 
-def all_specs() -> list[Spec]:
+def all_specs(opt_in: bool = False) -> list[Spec]:
     geos = registry_geometries()
-    return attention_specs(geos) + kv_write_specs(sorted({d for _, d in geos})) + kmeans_specs()
+    return attention_specs(geos, opt_in=opt_in) + kv_write_specs(sorted({d for _, d in geos})) + kmeans_specs()
 
 
 def _ptr(dtype) -> str:

@@ -227,9 +227,9 @@ def launch_config(B: int, G: int, D: int, P: int, fmt_code: int) -> LaunchConfig
     tiles ``[PAGES*B, DP]`` (fp32 after dequantization) rather than the ``[GP, PAGES*B, DP]`` broadcast
     product the first kernel reduced (255 registers and spills at one 8-slot page, D=128). ``TILE_SLOTS``
     slots a step; 4 warps, one stage at D=128 (fastest of the tilings timed on an H200, docs/benchmarks.md);
-    warps and stages elsewhere are what ptxas allocates without spills (sm_80/90/100,
-    tests/kernels/test_triton_aot.py): fp32 pages at D=128 spill 8 bytes on 4 warps, D=64 on one stage,
-    D=16 on 8 warps.
+    warps and stages elsewhere are what ptxas allocates without spills on sm_90 (tests/kernels/test_triton_aot.py):
+    fp32 pages at D=128 spill 8 bytes on 4 warps, D=64 on one stage, D=16 on 8 warps. (sm_80 and sm_100 still
+    spill 8-16 bytes in a few specializations: docs/kernels.md.)
     ``P`` does not cap the tile: lanes past the block table are masked, and the tile must stay >= 16 slots."""
     DP = triton.next_power_of_2(D)
     if DP >= 128:
