@@ -9,6 +9,7 @@ int32 word is read once per page from memory, the duplicate lanes hit cache). De
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -205,8 +206,6 @@ def default_precision() -> str:
     return p
 
 
-
-
 @dataclass(frozen=True)
 class LaunchConfig:
     """How one call is tiled: slots per loop step (``pages * B``), warps and pipeline stages per program,
@@ -222,6 +221,7 @@ class LaunchConfig:
 TILE_SLOTS = 32  # slots per loop step (>= 16: the K extent of the P @ V product on the tensor cores)
 
 
+@functools.lru_cache(maxsize=None)  # per call on the decode path: read the environment once
 def launch_config(B: int, G: int, D: int, P: int, fmt_code: int) -> LaunchConfig:
     """The default tiling. The scores and P@V are ``tl.dot`` products, so a step's registers are the K and V
     tiles ``[PAGES*B, DP]`` (fp32 after dequantization) rather than the ``[GP, PAGES*B, DP]`` broadcast
@@ -241,6 +241,9 @@ def launch_config(B: int, G: int, D: int, P: int, fmt_code: int) -> LaunchConfig
     return LaunchConfig(pages=max(1, TILE_SLOTS // B), warps=warps, stages=stages, precision=default_precision())
 
 
+PROGRAMS_PER_SM = 4
+
+
 def _num_splits(b: int, H: int, P: int, pages: int, device: torch.device) -> int:
     """Flash-decoding split of the KV axis: enough programs to keep every SM busy with a few programs each
     (a program is one (sequence, KV head) otherwise: 256 for a batch of 32 on 8 KV heads, two per SM of an
@@ -251,8 +254,6 @@ def _num_splits(b: int, H: int, P: int, pages: int, device: torch.device) -> int
     want = triton.cdiv(PROGRAMS_PER_SM * sms, b * H)
     return max(1, min(want, triton.cdiv(P, 4 * pages), 32))
 
-
-PROGRAMS_PER_SM = 4
 
 
 def paged_attention_triton(
