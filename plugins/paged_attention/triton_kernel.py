@@ -202,7 +202,9 @@ def default_precision() -> str:
     H200 (docs/benchmarks.md, GPU)."""
     p = os.environ.get("TRTKV_TRITON_PRECISION", "tf32x3")
     if p not in PRECISIONS:
-        raise ValueError(f"TRTKV_TRITON_PRECISION={p!r}: use one of {', '.join(PRECISIONS)}")
+        from trtkv.errors import TrtkvError
+
+        raise TrtkvError(f"TRTKV_TRITON_PRECISION={p!r} is not one of {', '.join(PRECISIONS)}; unset it or pick one")
     return p
 
 
