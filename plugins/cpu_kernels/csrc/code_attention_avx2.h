@@ -52,8 +52,7 @@ inline void scale_queries(const Pools& p, const float* q, int64_t h, int64_t G, 
       const uint16_t* g16 = reinterpret_cast<const uint16_t*>(p.g[0]) + grow + c;
       _mm256_store_ps(a + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g16))));
     } else {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.g[0] + grow + c));
-      _mm256_store_ps(a + c, _mm256_i32gather_ps(e4m3_table().v, _mm256_cvtepu8_epi32(bytes), 4));
+      e4m3_row_to_float(p.g[0] + grow + c, 8, a + c);
     }
     if constexpr (offset) {
       const uint16_t* o16 = reinterpret_cast<const uint16_t*>(p.g[1]) + grow + c;

@@ -33,40 +33,6 @@ inline bool long_group_runs(const Pools& p, const int32_t* table, const int32_t*
   return live >= MIN_GROUP_RUN * runs;
 }
 
-inline void prefetch_lines(const void* at, int64_t bytes) {
-  const char* c = static_cast<const char*>(at);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
-}
-
-// Pages of a sequence sit wherever the pool had room: with a batch decoding in lockstep, each request's
-// flush groups interleave with the others', so its pages are 2-page runs scattered over the pool, too
-// short for the hardware prefetcher (measured: 11% slower per call than contiguous pages, fp16 unchanged
-// — its runs are 4x longer). So the task asks for the data of the page PREFETCH_PAGES entries ahead in its
-// block table (K and V codes, V scales, key-group ids) and for the key parameters of the group of the
-// page one entry ahead, whose ids were fetched on the previous page.
-constexpr int64_t PREFETCH_PAGES = 2;
-
-template <int FMT, int64_t D>
-inline void prefetch_page(const Pools& p, const int32_t* table, int64_t pi, int64_t p_hi) {
-  constexpr int64_t RB = D * code_bits<FMT> / 8, NB = D / 16;
-  constexpr int64_t PB = (FMT == INT4 || FMT == INT2) ? 2 : 1;  // bytes per V parameter
-  const int64_t B = p.B, H = p.H;
-  if (pi + PREFETCH_PAGES < p_hi && table[pi + PREFETCH_PAGES] >= 0) {
-    const int64_t page = table[pi + PREFETCH_PAGES];
-    prefetch_lines(p.f[0] + page * B * H * RB, B * H * RB);
-    prefetch_lines(p.f[1] + page * B * H * RB, B * H * RB);
-    prefetch_lines(p.f[2] + page * B * H * NB * PB, B * H * NB * PB);
-    if (PB == 2) prefetch_lines(p.f[3] + page * B * H * NB * PB, B * H * NB * PB);
-    __builtin_prefetch(p.k_group + page * B, 0, 3);
-  }
-  if (pi + 1 < p_hi && table[pi + 1] >= 0) {
-    const int64_t gid = std::max<int32_t>(p.k_group[table[pi + 1] * B], 0);
-    constexpr int64_t GB = (FMT == INT4 || FMT == INT2) ? 2 : 1;  // bytes per key parameter
-    prefetch_lines(p.g[0] + gid * H * D * GB, H * D * GB);
-    if (p.g[1]) prefetch_lines(p.g[1] + gid * H * D * 2, H * D * 2);
-  }
-}
-
 // The live slots of block-table entries [p_lo, p_hi) in tiles of up to TILE tokens of one key group (a tile
 // shares one group's scales): slot_row[i] = page * B + slot and where[i] = its logit column for i < n, gid
 // the tile's group; update() folds the tile and sets n = 0. Pages are prefetched PREFETCH_PAGES ahead.
@@ -78,7 +44,7 @@ inline void for_each_group_tile(const Pools& p, const int32_t* table, const int3
   int64_t fetched = -1;  // the last block-table entry whose look-ahead was prefetched
   for_each_live_slot(table, valid, p_lo, p_hi, B, [&](int64_t pi, int64_t page, int64_t j) {
     if (pi != fetched) {
-      prefetch_page<FMT, D>(p, table, pi, p_hi);
+      prefetch_page<FMT>(p, table, pi, p_hi, false);
       fetched = pi;
     }
     const int64_t s = page * B + j, g = std::max<int32_t>(p.k_group[s], 0);

@@ -65,6 +65,30 @@ struct E4M3Table {
 };
 inline const E4M3Table& e4m3_table() { static const E4M3Table t; return t; }
 
+// n E4M3 bytes -> fp32, as e4m3_table. With F16C (n % 8 == 0): a byte's exponent and mantissa bits become
+// an fp16's (E4M3's bias 7 against fp16's 15: the fp16 is the value times 2^-8, subnormals included),
+// converted 8 at a time and scaled back by 2^8 (exact); 0x7F/0xFF patched to NaN. ThinKV's annealed pages switch key group almost
+// every token, and the table loop, once per switch and KV head, was ~40% of such an attention call.
+inline void e4m3_row_to_float(const uint8_t* src, int64_t n, float* dst) {
+#ifdef __F16C__
+  if (n % 8 == 0) {
+    const __m128i mag = _mm_set1_epi16(0x7f), sign = _mm_set1_epi16(0x80);
+    const __m256 up = _mm256_set1_ps(256.0f);
+    for (int64_t d = 0; d < n; d += 8) {
+      const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+      const __m128i m = _mm_and_si128(x, mag);
+      const __m128i h = _mm_or_si128(_mm_slli_epi16(m, 7), _mm_slli_epi16(_mm_and_si128(x, sign), 8));
+      const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), up);  // 0x7F would read 480: NaN in E4M3fn
+      const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(m, mag)));
+      _mm256_storeu_ps(dst + d, _mm256_blendv_ps(v, _mm256_set1_ps(NAN), nan));
+    }
+    return;
+  }
+#endif
+  const float* t = e4m3_table().v;
+  for (int64_t d = 0; d < n; ++d) dst[d] = t[src[d]];
+}
+
 // fp32 -> E4M3fn bits (plugins/formats/e4m3.py::e4m3_encode): RNE or ceiling of the magnitude,
 // saturating at 448, NaN -> 0 (sign kept), sign bit from the input's IEEE sign. Branch-free, so the loops
 // that call it vectorize: the exponent comes from the float's bits (fp32 subnormals clamp to -6 like

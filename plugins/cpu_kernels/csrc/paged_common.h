@@ -41,14 +41,13 @@ inline void load_group(const Pools& p, int64_t gid, int64_t h, GroupRows& gr) {
   if constexpr (FMT == INT4 || FMT == INT2) {
     const uint16_t* ks = reinterpret_cast<const uint16_t*>(p.g[0]) + grow;
     const uint16_t* kz = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
-    for (int64_t d = 0; d < D; ++d) { gr.a[d] = half_to_float(ks[d]); gr.b[d] = half_to_float(kz[d]); }
+    half_row_to_float(ks, D, gr.a.data());
+    half_row_to_float(kz, D, gr.b.data());
   } else {
-    const float* t = e4m3_table().v;
-    const uint8_t* ks = p.g[0] + grow;
-    for (int64_t d = 0; d < D; ++d) gr.a[d] = t[ks[d]];
+    e4m3_row_to_float(p.g[0] + grow, D, gr.a.data());
     if constexpr (FMT == NVFP4O || FMT == TERNARYO) {
       const uint16_t* ko = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
-      for (int64_t d = 0; d < D; ++d) gr.b[d] = half_to_float(ko[d]);
+      half_row_to_float(ko, D, gr.b.data());
     }
   }
 }
@@ -255,6 +254,53 @@ inline void tile_pv(float* ag, float alpha, const float* sp, const float* vh, in
       const float* vr = vh + i * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) ag[d] += pr * vr[d];
+    }
+  }
+}
+
+inline void prefetch_lines(const void* at, int64_t bytes) {
+  const char* c = static_cast<const char*>(at);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
+// Pages of a sequence sit wherever the pool had room: with a batch decoding in lockstep, each request's
+// flush groups interleave with the others', so its pages are 2-page runs scattered over the pool, too
+// short for the hardware prefetcher (measured: 11% slower per call than contiguous pages, fp16 unchanged
+// — its runs are 4x longer). So a task asks for the data of the page PREFETCH_PAGES entries ahead in its
+// block table (K and V rows, V scales, key-group ids) and for the key parameters of the groups of the
+// page one entry ahead, whose ids were fetched on the previous page: of its first slot where a page holds
+// one group (the code-domain task), of every slot where groups change slot by slot (`every_group`: ThinKV's
+// annealed pages, whose group rows sit anywhere in the group pool and stalled the float-tile task).
+constexpr int64_t PREFETCH_PAGES = 2;
+
+template <int FMT>
+inline void prefetch_page(const Pools& p, const int32_t* table, int64_t pi, int64_t p_hi, bool every_group) {
+  constexpr bool quantized = FMT != FP32 && FMT != FP16 && FMT != BF16 && FMT != FP8;
+  constexpr bool integer = FMT == INT4 || FMT == INT2;
+  constexpr int64_t BITS = FMT == FP32 ? 32 : (FMT == FP16 || FMT == BF16) ? 16 : FMT == FP8 ? 8
+                         : (FMT == NVFP4 || FMT == NVFP4O || FMT == INT4) ? 4 : 2;
+  const int64_t B = p.B, H = p.H, D = p.D, RB = D * BITS / 8, NB = D / 16, PB = integer ? 2 : 1;
+  if (pi + PREFETCH_PAGES < p_hi && table[pi + PREFETCH_PAGES] >= 0) {
+    const int64_t page = table[pi + PREFETCH_PAGES];
+    prefetch_lines(p.f[0] + page * B * H * RB, B * H * RB);
+    prefetch_lines(p.f[1] + page * B * H * RB, B * H * RB);
+    if constexpr (quantized) {
+      prefetch_lines(p.f[2] + page * B * H * NB * PB, B * H * NB * PB);
+      if (integer) prefetch_lines(p.f[3] + page * B * H * NB * PB, B * H * NB * PB);
+      __builtin_prefetch(p.k_group + page * B, 0, 3);
+    }
+  }
+  if constexpr (quantized) {
+    if (pi + 1 < p_hi && table[pi + 1] >= 0) {
+      const int64_t GB = integer ? 2 : 1;  // bytes per key parameter
+      int64_t last = -1;
+      for (int64_t j = 0; j < (every_group ? B : 1); ++j) {
+        const int64_t gid = std::max<int32_t>(p.k_group[table[pi + 1] * B + j], 0);
+        if (gid == last) continue;
+        last = gid;
+        prefetch_lines(p.g[0] + gid * H * D * GB, H * D * GB);
+        if (p.g[1]) prefetch_lines(p.g[1] + gid * H * D * 2, H * D * 2);
+      }
     }
   }
 }
