@@ -187,6 +187,31 @@ def test_attention_flushed_groups_match_reference(name, shape):
         assert_same(got, want)
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4o", "ternary"])
+def test_every_e4m3_key_scale_byte_decodes_as_the_reference(name):
+    """All 256 E4M3 key-scale bytes (subnormals, -0, 448, and the NaN codes 0x7F / 0xFF) through the kernels'
+    row decode (codecs.h, e4m3_row_to_float: F16C where the CPU has it), on pools whose key group changes
+    slot by slot (make_pool) and on the code-domain task's flushed pools."""
+    H, G, D = 2, 3, 64
+    fmt = FORMATS[name]
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]
+    q = torch.randn(3, H * G, D, generator=torch.Generator().manual_seed(4)) * 1e-3  # scores of order 1
+    for pool, bt in ((on_cpu(make_pool(fmt, H, D, num_pages=6, seed=5)), make_table(3, 5, 6, seed=2).cpu()),
+                     (flushed_pool(fmt, H, D, num_pages=24, seed=6, offset_every=4),
+                      torch.stack([torch.arange(24)] * 3).int())):
+        slot, group, k_group, bits = pool
+        ks = group[0].view(-1)
+        ks[:] = finite.repeat(ks.numel() // len(finite) + 1)[: ks.numel()]
+        got, want = run_both(fmt, q, (slot, group, k_group, bits), bt)
+        assert_same(got, want)
+        ks[5], ks[ks.numel() // 2] = 0x7F, 0xFF
+        got, want = run_both(fmt, q, (slot, group, k_group, bits), bt)
+        assert any(torch.isnan(t).any() for t in want)
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e, atol=3e-5, rtol=3e-5, equal_nan=True)
+
+
 # --- kv_write: byte-identical with the reference -------------------------------------------------
 def check_write(name, k, v, pages, slots, gid, scales, seed=0):
     fmt = FORMATS[name]
