@@ -41,12 +41,7 @@ inline void for_each_group_tile(const Pools& p, const int32_t* table, const int3
                                 int64_t p_hi, int64_t* slot_row, int64_t* where, int64_t& n, int64_t& gid,
                                 Fn&& update) {
   const int64_t B = p.B;
-  int64_t fetched = -1;  // the last block-table entry whose look-ahead was prefetched
-  for_each_live_slot(table, valid, p_lo, p_hi, B, [&](int64_t pi, int64_t page, int64_t j) {
-    if (pi != fetched) {
-      prefetch_page<FMT>(p, table, pi, p_hi, false);
-      fetched = pi;
-    }
+  for_each_live_slot_prefetched<FMT>(p, table, valid, p_lo, p_hi, false, [&](int64_t pi, int64_t page, int64_t j) {
     const int64_t s = page * B + j, g = std::max<int32_t>(p.k_group[s], 0);
     if (n && g != gid) update();
     gid = g;

@@ -196,12 +196,7 @@ void attend_task(const Pools& p, const float* q /*[H*G, D]*/, const int32_t* tab
     }
     n = 0;
   };
-  int64_t fetched = -1;  // the last block-table entry whose look-ahead was prefetched
-  for_each_live_slot(table, valid, p_lo, p_hi, B, [&](int64_t pi, int64_t page, int64_t j) {
-    if (pi != fetched) {
-      prefetch_page<FMT>(p, table, pi, p_hi, true);
-      fetched = pi;
-    }
+  for_each_live_slot_prefetched<FMT>(p, table, valid, p_lo, p_hi, true, [&](int64_t pi, int64_t page, int64_t j) {
     for (int64_t h = 0; h < H; ++h) load_kv<FMT>(p, page, j, h, &kt[(h * TILE + n) * D], &vt[(h * TILE + n) * D], gr[h]);
     where[n++] = pi * B + j;
     if (n == TILE) update();

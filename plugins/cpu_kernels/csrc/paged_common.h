@@ -320,6 +320,20 @@ inline void for_each_live_slot(const int32_t* table, const int32_t* valid, int64
   }
 }
 
+// for_each_live_slot, prefetching each block-table entry's look-ahead (prefetch_page) when the walk reaches it.
+template <int FMT, typename Fn>
+inline void for_each_live_slot_prefetched(const Pools& p, const int32_t* table, const int32_t* valid, int64_t p_lo,
+                                          int64_t p_hi, bool every_group, Fn&& fn) {
+  int64_t fetched = -1;  // the last block-table entry whose look-ahead was prefetched
+  for_each_live_slot(table, valid, p_lo, p_hi, p.B, [&](int64_t pi, int64_t page, int64_t j) {
+    if (pi != fetched) {
+      prefetch_page<FMT>(p, table, pi, p_hi, every_group);
+      fetched = pi;
+    }
+    fn(pi, page, j);
+  });
+}
+
 // A tile's n scaled scores sp[TILE] -> their softmax weights exp(s - m') in place (0 past n), folded into
 // one query head's running maximum m and sum l; returns alpha = exp(m - m'), the factor the head's
 // accumulator must be scaled by. The scores are written to lg (a logits row) at where[i] when asked for.
