@@ -17,6 +17,7 @@ import torch
 
 from plugins.backend import use_cpu_kernels, use_triton
 from plugins.buffer_attention.reference import buffer_attention_ref
+from plugins.rotary.reference import rotary_ref
 from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, dense_attention_cpu, paged_attention_ref
@@ -40,6 +41,20 @@ _lib.define(
     "buffer_attention(Tensor q, Tensor arena_k, Tensor arena_v, Tensor rows, int layer, Tensor counts, "
     "float sm_scale, Tensor(a!) out, Tensor(b!) lse) -> ()"
 )
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x [T, heads, D]`` (see rotary/reference.py). The compiled CPU kernel takes plain
+    fp32 CPU tensors in eager mode; torch.compile and export trace the reference (they hold fake or functional
+    tensors, subclasses of Tensor)."""
+    if (type(x) is torch.Tensor and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.dim() == 3
+            and x.shape[2] % 2 == 0 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and cos.shape == sin.shape == (x.shape[0], x.shape[2]) and cos.is_contiguous() and sin.is_contiguous()
+            and not torch.compiler.is_compiling() and use_cpu_kernels(x)):
+        from plugins.cpu_kernels.ops import rotary_cpu
+
+        return rotary_cpu(x, cos, sin)
+    return rotary_ref(x, cos, sin)
 
 
 def kv_write(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_code, scale_k, scale_v) -> None:

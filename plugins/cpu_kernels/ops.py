@@ -53,3 +53,8 @@ def buffer_attention_cpu(q, arena_k, arena_v, rows, layer, counts, sm_scale, out
     """Same contract as ``buffer_attention_ref``; merges into ``out``/``lse`` in place and returns them."""
     cpu_kernels().buffer_attention_merge(q, arena_k, arena_v, rows, int(layer), counts, float(sm_scale), out, lse)
     return out, lse
+
+
+def rotary_cpu(x, cos, sin):
+    """Same contract as ``rotary_ref`` for fp32 ``x [T, heads, D]`` (heads contiguous), bit-identical."""
+    return cpu_kernels().rotary(x, cos, sin)

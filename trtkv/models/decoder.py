@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plugins import ops as plugin_ops
 from trtkv.models.config import ModelArch
-from trtkv.models.rope import Rotary, apply_rotary
+from trtkv.models.rope import Rotary
 
 
 class RMSNorm(nn.Module):
@@ -163,7 +164,7 @@ def layer_qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_w: tor
     Hq, H, D = heads
     T = x.shape[0]
     qkv = _linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
-    qk = apply_rotary(qkv[:, :nq + nk].view(T, Hq + H, D), cos, sin)
+    qk = plugin_ops.rotary(qkv[:, :nq + nk].view(T, Hq + H, D), cos, sin)
     v = qkv[:, nq + nk:].reshape(T, H, D)
     return qk[:, :Hq], qk[:, Hq:], v
 

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from plugins.rotary.reference import rotary_ref as apply_rotary, rotate_half  # noqa: F401 (the model's rotation)
 from trtkv.errors import TrtkvError
 
 
@@ -44,13 +45,3 @@ class Rotary:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [T, heads, D]``, cos/sin ``[T, D]``."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]

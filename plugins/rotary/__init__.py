@@ -1,0 +1,1 @@
+"""Rotary position embedding of the decoder's query and key heads."""
