@@ -17,6 +17,7 @@ import torch
 
 from plugins.backend import use_cpu_kernels, use_triton
 from plugins.buffer_attention.reference import buffer_attention_ref
+from plugins.residual_append.reference import residual_append_ref
 from plugins.rotary.reference import rotary_ref
 from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
@@ -41,6 +42,18 @@ _lib.define(
     "buffer_attention(Tensor q, Tensor arena_k, Tensor arena_v, Tensor rows, int layer, Tensor counts, "
     "float sm_scale, Tensor(a!) out, Tensor(b!) lse) -> ()"
 )
+
+
+def residual_append(arena_k: torch.Tensor, arena_v: torch.Tensor, at: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+    """Store ``k, v [b, H, D]`` at flat rows ``at`` of the residual arena (see residual_append/reference.py)."""
+    if (k.dtype == v.dtype == torch.float32 and k.dim() == v.dim() == 3 and k.stride(2) == v.stride(2) == 1
+            and k.stride(1) == v.stride(1) == k.shape[2] and use_cpu_kernels(arena_k)):
+        from plugins.cpu_kernels.ops import residual_append_cpu
+
+        residual_append_cpu(arena_k, arena_v, at, k, v)
+        return
+    residual_append_ref(arena_k, arena_v, at, k, v)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

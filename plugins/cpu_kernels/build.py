@@ -22,7 +22,7 @@ log = logging.getLogger("trtkv")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "kv_write.cpp", "kmeans_select.cpp", "buffer_attention.cpp",
-           "rotary.cpp")
+           "rotary.cpp", "residual_append.cpp")
 # -fno-trapping-math: without it gcc leaves the softmax's exp (codecs.h exp_neg, with its clamp and
 # select) scalar on AVX2 ("control flow in loop"); with it the same operations vectorize, giving the same
 # bits (no reassociation, no change of rounding) 8 lanes at a time. trtkv never reads the FP status flags.

@@ -58,3 +58,8 @@ def buffer_attention_cpu(q, arena_k, arena_v, rows, layer, counts, sm_scale, out
 def rotary_cpu(x, cos, sin):
     """Same contract as ``rotary_ref`` for fp32 ``x [T, heads, D]`` (heads contiguous), bit-identical."""
     return cpu_kernels().rotary(x, cos, sin)
+
+
+def residual_append_cpu(arena_k, arena_v, at, k, v) -> None:
+    """Same contract as ``residual_append_ref`` for fp32 ``k, v [b, H, D]`` (heads contiguous)."""
+    cpu_kernels().residual_append(arena_k, arena_v, at, k, v)

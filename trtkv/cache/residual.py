@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from plugins import ops as plugin_ops
+
 if TYPE_CHECKING:
     from trtkv.cache.manager import CacheConfig, SeqKV
 
@@ -59,20 +61,19 @@ class ResidualArena:
 
     def append(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> None:
         """Token ``i`` of ``k, v [b, H, D]`` goes to the next free buffer slot of ``seqs[i]`` in ``layer`` (a
-        request may appear several times: a prompt's tail fills consecutive slots). One ``index_copy_`` per
-        arena over flat row indices built in numpy (a 3-index ``index_put`` over ``torch.tensor`` indices
-        costs more per call on CPU)."""
+        request may appear several times: a prompt's tail fills consecutive slots). One ``residual_append``
+        over flat row indices built in numpy (the CPU kernel converts and stores the rows in place)."""
         _, L, g = self.k.shape[:3]
-        nxt: dict[int, int] = {}
-        flat = []
-        for s in seqs:
-            n = nxt.get(s.buf_row, len(s.buf_pos[layer]))
-            flat.append((s.buf_row * L + layer) * g + n)
-            nxt[s.buf_row] = n + 1
-        at = torch.from_numpy(np.asarray(flat, np.int64)).to(self.k.device)
         b = len(seqs)
-        self.k.view(-1, *self.k.shape[3:]).index_copy_(0, at, k.reshape(b, *self.k.shape[3:]).to(self.k.dtype))
-        self.v.view(-1, *self.v.shape[3:]).index_copy_(0, at, v.reshape(b, *self.v.shape[3:]).to(self.v.dtype))
+        rows = np.fromiter((s.buf_row for s in seqs), np.int64, b)
+        fill = np.fromiter((len(s.buf_pos[layer]) for s in seqs), np.int64, b)
+        if len(set(rows.tolist())) < b:  # repeated requests: each repeat takes the slot after the previous one
+            nxt: dict[int, int] = {}
+            for i, r in enumerate(rows.tolist()):
+                fill[i] = nxt.get(r, fill[i])
+                nxt[r] = fill[i] + 1
+        at = torch.from_numpy((rows * L + layer) * g + fill).to(self.k.device)
+        plugin_ops.residual_append(self.k, self.v, at, k, v)
         for s, p in zip(seqs, positions):
             s.buf_pos[layer].append(p)
 
