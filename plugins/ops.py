@@ -17,11 +17,11 @@ import torch
 
 from plugins.backend import use_cpu_kernels, use_triton
 from plugins.buffer_attention.reference import buffer_attention_ref
-from plugins.residual_append.reference import residual_append_ref
-from plugins.rotary.reference import rotary_ref
 from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, dense_attention_cpu, paged_attention_ref
+from plugins.residual_append.reference import residual_append_ref
+from plugins.rotary.reference import rotary_ref
 
 _lib = torch.library.Library("trtkv", "DEF")
 _lib.define(

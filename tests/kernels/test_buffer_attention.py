@@ -8,10 +8,9 @@ import torch
 
 import plugins.ops  # noqa: F401  (registers torch.ops.trtkv.buffer_attention)
 from plugins.buffer_attention.reference import buffer_attention_ref, dense_partial
-from plugins.cpu_kernels import buffer_attention_cpu, cpu_kernels_available
+from plugins.cpu_kernels import buffer_attention_cpu
 from plugins.paged_attention.reference import merge_partials
-
-needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels could not be built here")
+from cpu_marks import needs_kernels
 
 
 def case(dtype, b=5, rows=8, L=3, g=16, H=3, G=3, D=64, seed=0):

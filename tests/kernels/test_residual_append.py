@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugins.cpu_kernels import cpu_kernels_available
 from plugins.cpu_kernels.ops import residual_append_cpu
 from plugins.residual_append.reference import residual_append_ref
-
-needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels could not be built here")
+from cpu_marks import needs_kernels
 
 
 def case(dtype, b=5, rows=4, L=3, g=16, H=3, D=64, extra_heads=4, seed=0):

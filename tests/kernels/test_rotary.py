@@ -6,11 +6,9 @@ import pytest
 import torch
 
 import plugins.ops as plugin_ops
-from plugins.cpu_kernels import cpu_kernels_available
 from plugins.cpu_kernels.ops import rotary_cpu
 from plugins.rotary.reference import rotary_ref
-
-needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels could not be built here")
+from cpu_marks import needs_kernels
 
 
 def case(T: int, D: int, heads: int = 12, extra: int = 3, seed: int = 0):

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from plugins.rotary.reference import rotary_ref as apply_rotary, rotate_half  # noqa: F401 (the model's rotation)
+from plugins.rotary.reference import rotary_ref as apply_rotary  # noqa: F401 (the model's rotation)
 from trtkv.errors import TrtkvError
 
 

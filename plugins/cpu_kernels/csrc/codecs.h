@@ -57,7 +57,8 @@ inline void float_row_to_half(const float* src, int64_t n, uint16_t* dst) {
 #ifdef __F16C__
   int64_t d = 0;
   for (; d + 8 <= n; d += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
   for (; d < n; ++d) dst[d] = float_to_half_bits(src[d]);
 #else
   for (int64_t d = 0; d < n; ++d) dst[d] = float_to_half_bits(src[d]);
@@ -81,7 +82,8 @@ inline const E4M3Table& e4m3_table() { static const E4M3Table t; return t; }
 // n E4M3 bytes -> fp32, as e4m3_table. With F16C (n % 8 == 0): a byte's exponent and mantissa bits become
 // an fp16's (E4M3's bias 7 against fp16's 15: the fp16 is the value times 2^-8, subnormals included),
 // converted 8 at a time and scaled back by 2^8 (exact); 0x7F/0xFF patched to NaN. ThinKV's annealed pages
-// switch key group almost every token, and the table loop, once per switch and KV head, was ~40% of such an attention call.
+// switch key group almost every token, and the table loop, once per switch and KV head, was ~40% of such an
+// attention call.
 inline void e4m3_row_to_float(const uint8_t* src, int64_t n, float* dst) {
 #ifdef __F16C__
   if (n % 8 == 0) {
