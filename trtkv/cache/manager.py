@@ -358,10 +358,10 @@ class KVCacheManager:
         return n
 
     def evict_many(self, layer: int, items: list[tuple[SeqKV, object]]) -> list[int]:
-        """``evict`` of several requests in one layer: in one pass over the batch (``evict_private_many``)
-        when every request's victims take the array path, else request by request."""
+        """``evict`` of several requests in one layer: in one pass over the batch (``evict_private_many``, the
+        same end state as ``evict`` of each in turn, few victims or many) unless a request is forked."""
         items = [(s, p.tolist() if hasattr(p, "tolist") else list(p)) for s, p in items]
-        if any(s.fork_mode is not None or len(p) < EVICT_BATCH_MIN for s, p in items):
+        if any(s.fork_mode is not None for s, _ in items) or sum(map(len, (p for _, p in items))) < EVICT_BATCH_MIN:
             return [self.evict(s, layer, p) for s, p in items]
         counts = evict_private_many(self, layer, items)
         for (seq, _), n in zip(items, counts):
@@ -422,6 +422,19 @@ class KVCacheManager:
         if len(pos) > 1 and not (pos[1:] > pos[:-1]).all():
             pos.sort()
         return pos
+
+    def live_positions_in(self, seq: SeqKV, layer: int, lo: int, hi: int) -> np.ndarray:
+        """Paged positions in ``[lo, hi)``, ascending: one membership test per position of a short range (a
+        segment's members) instead of listing every held position."""
+        loc = seq.layers[layer].loc
+        lo, hi = max(int(lo), 0), int(hi)
+        if hi <= lo:
+            return np.empty(0, np.int64)
+        if hi - lo > len(loc):  # a range wider than what is held: filter the held positions
+            pos = self.live_positions(seq, layer)
+            return pos[(pos >= lo) & (pos < hi)]
+        held = np.fromiter(map(loc.__contains__, range(lo, hi)), bool, hi - lo)
+        return np.arange(lo, hi, dtype=np.int64)[held]
 
     def gather_kv(self, seq: SeqKV, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized fp32 ``k, v [m, H, D]`` of paged tokens (``trtkv/cache/reads.py``)."""

@@ -25,11 +25,10 @@ def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, obj
     gather and dequantize the key fields alone (values come back None)."""
     sizes = [len(positions) for _, positions in items]
     where = [w for seq, positions in items for w in map(seq.layers[layer].loc.__getitem__, _ints(positions))]
-    fmts = {w[0] for w in where}
+    fmt_of, pages, slots = zip(*where) if where else ((), (), ())  # one pass over the rows
+    fmts = set(fmt_of)
     if len(fmts) == 1:  # every row in one format (the common case): no per-row sorting
-        (fmt,) = fmts
-        _, pages, slots = zip(*where)
-        by_fmt = {fmt: (None, pages, slots)}
+        by_fmt = {fmt_of[0]: (None, pages, slots)}
     else:  # rows of several formats (or none) land in one output; one format's decode is it
         by_fmt: dict[str, tuple[list[int], list[int], list[int]]] = {}
         for row, (fmt, p, s) in enumerate(where):

@@ -43,6 +43,8 @@ class PolicyRequest(Protocol):
     # --- what is held ------------------------------------------------------------------------
     def live_positions(self, layer: int) -> np.ndarray:
         """Paged positions of one layer, ascending (the residual buffer is not included)."""
+    def live_positions_in(self, layer: int, lo: int, hi: int) -> np.ndarray:
+        """``live_positions`` within ``[lo, hi)`` (a segment's members), without listing the others."""
     def buffered_positions(self, layer: int) -> np.ndarray:
         """Positions in the full-precision residual buffer of one layer (never evictable)."""
     def all_positions(self, layer: int) -> np.ndarray:

@@ -356,12 +356,10 @@ class ThinKVPolicy(KVPolicy):
         """One round of anneals of several requests: their k-means jobs run in one call per job shape."""
         calls: dict[tuple[int, int], list] = {}  # (padded rows, clusters) -> [(req, jobs)]
         for req, ops in rounds:
-            live = req.live_positions(layer)
             P = req.prompt_len
             jobs = []
             for seg, target in ops:
-                lo, hi = np.searchsorted(live, [P + seg.start, P + seg.end(self.tau)])
-                members = live[lo:hi]
+                members = req.live_positions_in(layer, P + seg.start, P + seg.end(self.tau))
                 if len(members) > target:
                     jobs.append((members, target))
             if jobs:  # requests batch only with requests of the same padded shape, so every job's
@@ -371,9 +369,12 @@ class ThinKVPolicy(KVPolicy):
         for (m, _), group in calls.items():
             keys = [k.reshape(len(k), -1) for k in
                     group[0][0].keys_many(layer, [(req, mem) for req, jobs in group for mem, _ in jobs])]
-            feats = torch.zeros(len(keys), m, keys[0].shape[1], device=keys[0].device)
-            for j, kf in enumerate(keys):
-                feats[j, : len(kf)] = kf
+            if all(len(kf) == m for kf in keys):  # every segment equally full (the common case): no padding
+                feats = torch.stack(keys)
+            else:
+                feats = torch.zeros(len(keys), m, keys[0].shape[1], device=keys[0].device)
+                for j, kf in enumerate(keys):
+                    feats[j, : len(kf)] = kf
             flat = [job for _, jobs in group for job in jobs]
             counts = torch.tensor([len(mem) for mem, _ in flat], dtype=torch.int32, device=feats.device)
             k_keep = torch.tensor([t for _, t in flat], dtype=torch.int32, device=feats.device)
