@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import plugins  # noqa: F401
+from trtkv.cache import reads
 from trtkv.cache.eviction import evict_private
 from trtkv.cache.manager import CacheConfig, KVCacheManager
 from trtkv.runtime.attention import decode_attention
@@ -44,6 +45,8 @@ def check_invariants(cache: KVCacheManager) -> None:
                 assert (fmt, p, s) not in slots, "two live tokens share a slot"
                 slots[(fmt, p, s)] = pos
                 assert held.get((fmt, p)) == seq.seq_id, "live token on a page its request does not hold"
+                pool = cache.pools[layer][fmt]
+                assert pool.slot_pos[p, s] == pos and pool.valid[p] >> s & 1, "slot state disagrees with loc"
         for fmt, pool in cache.pools[layer].items():
             refs = np.zeros_like(pool.group_ref)
             for p in range(pool.capacity):
@@ -290,6 +293,7 @@ def test_gather_kv_many_equals_one_read_per_request_across_formats():
     rng = np.random.default_rng(0)
     items = [(s, rng.permutation(cache.live_positions(s, 1))[: 5 + 7 * i]) for i, s in enumerate(seqs)]
     items.append((seqs[0], np.empty(0, np.int64)))
+    assert reads._slots_by_search(cache, 1, items) is not None  # the array path, not the lookup fallback
     many = cache.gather_kv_many(1, items)
     for (seq, pos), (k, v) in zip(items, many):
         k1, v1 = cache.gather_kv(seq, 1, pos)
@@ -297,6 +301,44 @@ def test_gather_kv_many_equals_one_read_per_request_across_formats():
         assert torch.equal(k, k1) and torch.equal(v, v1)
     for (seq, pos), (k, v) in zip(items, cache.gather_kv_many(1, items, keys_only=True)):  # the keys alone
         assert v is None and torch.equal(k, cache.gather_kv(seq, 1, pos)[0])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=30), eviction=st.sampled_from(["inplace", "compact"]),
+       picks=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2 ** 32)), min_size=2, max_size=5))
+def test_slot_search_equals_position_map(ops, eviction, picks):
+    """gather's array search over slot positions finds, row for row, the slots each request's position map
+    names, whatever writes, evictions, reuse and compaction left (or returns None for the lookup path)."""
+    caches = [make_cache(eviction)]
+    next_pos: dict[int, int] = {}
+    for o in ops:
+        ids = sorted(caches[0].seqs)
+        if o[0] == "add" or not ids:
+            add_everywhere(caches, next_pos)
+        elif o[0] == "write":
+            write_everywhere(caches, next_pos, ids[o[1] % len(ids)], o[3], CLASSES[o[2]])
+        elif o[0] == "evict":
+            seq = caches[0].seqs[ids[o[1] % len(ids)]]
+            caches[0].evict(seq, o[2], [p % max(1, next_pos[seq.seq_id]) for p in o[3]])
+        elif len(ids) > 1:
+            caches[0].free_sequence(ids[o[1] % len(ids)])
+    cache = caches[0]
+    ids = sorted(cache.seqs)
+    rng = np.random.default_rng(picks[0][1])
+    for layer in range(L):
+        items = []
+        for i, seed in picks:
+            seq = cache.seqs[ids[i % len(ids)]]
+            live = cache.live_positions(seq, layer)
+            items.append((seq, rng.permutation(live)[: seed % (len(live) + 1)]))
+        got, want = reads._slots_by_search(cache, layer, items), reads._slots_by_lookup(cache, layer, items)
+        if got is None:
+            continue
+        assert got.keys() == want.keys()
+        for fmt in got:
+            (r1, f1), (r2, f2) = got[fmt], want[fmt]
+            assert (r1 is None) == (r2 is None) and (r1 is None or np.array_equal(r1, r2))
+            assert np.array_equal(f1, f2)
 
 
 def test_flush_group_marks_equal_slot_by_slot_marks():

@@ -167,6 +167,37 @@ def flushed_pool(fmt, H, D, num_pages, seed, offset_every=0):
     return slot, group, k_group, bits
 
 
+def interleaved_pool(fmt, H, D, num_pages, groups, seed):
+    """A pool whose slots alternate between ``groups`` key groups slot by slot (what in-place reuse leaves after
+    many anneals): slot i belongs to group (7 i) mod ``groups``, so a task meets more groups than its cache of
+    decoded group rows holds and ids that share an entry (g, g + 16, ...) follow each other."""
+    g = torch.Generator().manual_seed(seed)
+    slot = [torch.zeros((num_pages, B, *f.shape), dtype=f.dtype) for f in fmt.slot_fields(H, D)]
+    group = [torch.zeros((groups, *f.shape), dtype=f.dtype) for f in fmt.group_fields(H, D)]
+    k_group = torch.full((num_pages, B), -1, dtype=torch.int32)
+    owner = (torch.arange(num_pages * B) * 7) % groups
+    for gid in range(groups):
+        idx = torch.nonzero(owner == gid).flatten()
+        k = torch.randn(len(idx), H, D, generator=g) * (1 + gid % 5) + gid % 3
+        v = torch.randn(len(idx), H, D, generator=g)
+        kv_write_ref(k, v, slot, group, k_group, idx // B, idx % B, gid, fmt.code, 0.7, 1.3)
+    bits = torch.full((num_pages,), (1 << B) - 1, dtype=torch.int32)
+    bits[1::3] = 0b10110111  # holes
+    return slot, group, k_group, bits
+
+
+@pytest.mark.parametrize("name", [n for n in FORMATS if FORMATS[n].quantized])
+def test_attention_interleaved_groups_match_reference(name):
+    """Slots of 40 key groups interleaved (cache entries evicted and refilled mid-page), splits and logits."""
+    fmt = FORMATS[name]
+    pool = interleaved_pool(fmt, 3, 64, num_pages=20, groups=40, seed=5)
+    q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(4)) * 2
+    bt = torch.stack([torch.arange(20), torch.arange(20).flip(0)]).int()
+    for splits, logits in ((None, False), (3, True)):
+        got, want = run_both(fmt, q, pool, bt, logits=logits, splits=splits)
+        assert_same(got, want)
+
+
 # (H, G, D): SmolLM2 (3, 3, 64), r1-llama-8b (8 KV heads, G=4, D=128) cut to 2 heads, and GQA widths whose
 # query heads span several register chunks (G = 5..7: scores 4 at a time, P.V 4 (D=64) or 2 (D=128)).
 CODE_SHAPES = [(3, 3, 64), (2, 4, 128), (1, 1, 64), (1, 5, 64), (2, 6, 128), (1, 7, 128), (1, 2, 64)]

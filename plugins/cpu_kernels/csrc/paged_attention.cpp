@@ -49,9 +49,9 @@ inline void load_kv(const Pools& p, int64_t page, int64_t slot, int64_t h, float
     constexpr bool four = FMT == NVFP4 || FMT == NVFP4O || FMT == INT4;
     constexpr int BITS = four ? 4 : 2;
     const int64_t rb = D * BITS / 8;  // packed bytes per (slot, head)
-    load_group<FMT>(p, std::max<int32_t>(p.k_group[page * p.B + slot], 0), h, gr);
-    const float* ga = gr.a.data();
-    const float* gb = gr.b.data();
+    const int64_t off = load_group<FMT>(p, std::max<int32_t>(p.k_group[page * p.B + slot], 0), h, gr);
+    const float* ga = gr.a.data() + off;
+    const float* gb = gr.b.data() + off;
     unpack<FMT>(p.f[0] + row * rb, rb, k);  // element values (codes as floats for INT), then scaled in place
     if constexpr (FMT == INT4 || FMT == INT2) {
 #pragma omp simd

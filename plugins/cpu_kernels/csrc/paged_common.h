@@ -25,31 +25,37 @@ struct Pools {
   float sk = 1.0f, sv = 1.0f;
 };
 
-// Key-group parameters of one (flush group, KV head) decoded to fp32 rows [D], cached across the slots of
-// a task: a flush group's 16 tokens usually sit side by side, so each group row is decoded once.
+// Key-group parameters of recent (flush group, KV head) pairs decoded to fp32 rows [D], cached across the
+// slots of a task, direct-mapped by group id: a flush group's 16 tokens usually sit side by side (one entry
+// would do), but an annealed page's freed slots are refilled by newer groups, so its slots alternate between
+// a few groups (ThinKV at budget 256: runs of ~2 tokens) and a single entry was decoded again every other slot.
 struct GroupRows {
-  int64_t gid = -1;
-  std::vector<float> a, b;  // block-scaled: E4M3 key scale, key offset; int: key scale, key zero
-  explicit GroupRows(int64_t D) : a(D), b(D) {}
+  static constexpr int64_t WAYS = 16;  // a power of two
+  int64_t gid[WAYS];
+  std::vector<float> a, b;  // [WAYS][D] block-scaled: E4M3 key scale, key offset; int: key scale, key zero
+  explicit GroupRows(int64_t D) : a(WAYS * D), b(WAYS * D) { std::fill(gid, gid + WAYS, int64_t(-1)); }
 };
 
+// Offset of group `gid`'s rows (head h) in gr.a / gr.b, decoding them into their entry on a miss.
 template <int FMT>
-inline void load_group(const Pools& p, int64_t gid, int64_t h, GroupRows& gr) {
-  if (gr.gid == gid) return;
-  gr.gid = gid;
-  const int64_t D = p.D, grow = (gid * p.H + h) * D;  // group field [gid, h, d]
+inline int64_t load_group(const Pools& p, int64_t gid, int64_t h, GroupRows& gr) {
+  const int64_t D = p.D, e = gid & (GroupRows::WAYS - 1), off = e * D;
+  if (gr.gid[e] == gid) return off;
+  gr.gid[e] = gid;
+  const int64_t grow = (gid * p.H + h) * D;  // group field [gid, h, d]
   if constexpr (FMT == INT4 || FMT == INT2) {
     const uint16_t* ks = reinterpret_cast<const uint16_t*>(p.g[0]) + grow;
     const uint16_t* kz = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
-    half_row_to_float(ks, D, gr.a.data());
-    half_row_to_float(kz, D, gr.b.data());
+    half_row_to_float(ks, D, gr.a.data() + off);
+    half_row_to_float(kz, D, gr.b.data() + off);
   } else {
-    e4m3_row_to_float(p.g[0] + grow, D, gr.a.data());
+    e4m3_row_to_float(p.g[0] + grow, D, gr.a.data() + off);
     if constexpr (FMT == NVFP4O || FMT == TERNARYO) {
       const uint16_t* ko = reinterpret_cast<const uint16_t*>(p.g[1]) + grow;
-      half_row_to_float(ko, D, gr.b.data());
+      half_row_to_float(ko, D, gr.b.data() + off);
     }
   }
+  return off;
 }
 
 // Packed codes -> element values through one table row per byte (the scalar decoders' exact values; a
