@@ -232,6 +232,23 @@ def write_everywhere(caches: list[KVCacheManager], next_pos: dict[int, int], sid
             c.write(c.seqs[sid], layer, k, v, pos, cls)
 
 
+def apply_op(caches: list[KVCacheManager], next_pos: dict[int, int], o, evict=None) -> None:
+    """One drawn op on side-by-side caches: add, write and free happen in every cache; an eviction is
+    ``evict(sid, layer, victims)`` (what each test compares), skipped when None. The last request stays."""
+    ids = sorted(caches[0].seqs)
+    if o[0] == "add" or not ids:
+        add_everywhere(caches, next_pos)
+    elif o[0] == "write":
+        write_everywhere(caches, next_pos, ids[o[1] % len(ids)], o[3], CLASSES[o[2]])
+    elif o[0] == "evict":
+        if evict is not None:
+            sid = ids[o[1] % len(ids)]
+            evict(sid, o[2], [p % max(1, next_pos[sid]) for p in o[3]])
+    elif len(ids) > 1:
+        for c in caches:
+            c.free_sequence(ids[o[1] % len(ids)])
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=30))
 def test_batched_eviction_matches_one_by_one(ops):
@@ -239,21 +256,13 @@ def test_batched_eviction_matches_one_by_one(ops):
     a time (``_evict_each``): slots, pages, reuse heaps, key-scale arena (free order included), bytes."""
     caches = [make_cache(), make_cache()]
     next_pos: dict[int, int] = {}
+
+    def evict(sid, layer, victims):
+        a = evict_private(caches[0], caches[0].seqs[sid], layer, victims)
+        assert a == caches[1]._evict_each(caches[1].seqs[sid], layer, victims)
+
     for o in ops:
-        ids = sorted(caches[0].seqs)
-        if o[0] == "add" or not ids:
-            add_everywhere(caches, next_pos)
-        elif o[0] == "write":
-            write_everywhere(caches, next_pos, ids[o[1] % len(ids)], o[3], CLASSES[o[2]])
-        elif o[0] == "evict":
-            sid = ids[o[1] % len(ids)]
-            victims = [p % max(1, next_pos[sid]) for p in o[3]]
-            a = evict_private(caches[0], caches[0].seqs[sid], o[2], victims)
-            b = caches[1]._evict_each(caches[1].seqs[sid], o[2], victims)
-            assert a == b
-        else:
-            for c in caches:
-                c.free_sequence(ids[o[1] % len(ids)])
+        apply_op(caches, next_pos, o, evict)
         assert _state(caches[0]) == _state(caches[1])
     check_invariants(caches[0])
 
@@ -309,20 +318,10 @@ def test_gather_kv_many_equals_one_read_per_request_across_formats():
 def test_slot_search_equals_position_map(ops, eviction, picks):
     """gather's array search over slot positions finds, row for row, the slots each request's position map
     names, whatever writes, evictions, reuse and compaction left (or returns None for the lookup path)."""
-    caches = [make_cache(eviction)]
+    cache = make_cache(eviction)
     next_pos: dict[int, int] = {}
     for o in ops:
-        ids = sorted(caches[0].seqs)
-        if o[0] == "add" or not ids:
-            add_everywhere(caches, next_pos)
-        elif o[0] == "write":
-            write_everywhere(caches, next_pos, ids[o[1] % len(ids)], o[3], CLASSES[o[2]])
-        elif o[0] == "evict":
-            seq = caches[0].seqs[ids[o[1] % len(ids)]]
-            caches[0].evict(seq, o[2], [p % max(1, next_pos[seq.seq_id]) for p in o[3]])
-        elif len(ids) > 1:
-            caches[0].free_sequence(ids[o[1] % len(ids)])
-    cache = caches[0]
+        apply_op([cache], next_pos, o, lambda sid, layer, victims: cache.evict(cache.seqs[sid], layer, victims))
     ids = sorted(cache.seqs)
     rng = np.random.default_rng(picks[0][1])
     for layer in range(L):
@@ -487,14 +486,7 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs):
     caches = [make_cache(), make_cache()]
     next_pos: dict[int, int] = {}
     for o in ops:
-        ids = sorted(caches[0].seqs)
-        if o[0] == "add" or not ids:
-            add_everywhere(caches, next_pos)
-        elif o[0] == "write":
-            write_everywhere(caches, next_pos, ids[o[1] % len(ids)], o[3], CLASSES[o[2]])
-        elif o[0] == "free" and len(ids) > 1:
-            for c in caches:
-                c.free_sequence(ids[o[1] % len(ids)])
+        apply_op(caches, next_pos, o)
     ids = sorted(caches[0].seqs)
     if not ids:
         add_everywhere(caches, next_pos)
