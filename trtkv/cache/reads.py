@@ -56,7 +56,8 @@ def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, obj
 SEARCH_SPAN_MAX = 1 << 16  # requests x position span up to which _slots_by_search's inverse table is built
 
 
-def _slots_by_search(mgr: KVCacheManager, layer: int, items) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+def _slots_by_search(mgr: KVCacheManager, layer: int, items
+                     ) -> dict[str, tuple[np.ndarray | None, np.ndarray]] | None:
     """``{format: (rows, page * B + slot)}`` of the requested positions, found in the requests' own pages by
     their slot positions (``PagePool.slot_pos``) with array operations: an inverse table over each request's
     span of asked positions instead of a dictionary lookup per row (a batch's anneal reads ~2,000 rows a
