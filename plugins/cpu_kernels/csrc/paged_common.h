@@ -346,7 +346,11 @@ inline void for_each_live_slot_prefetched(const Pools& p, const int32_t* table, 
 // Lanes past n hold stale values and are ignored.
 inline float softmax_tile(float* sp, int64_t n, float& m, float& l, float* lg, const int64_t* where) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  const float mx = std::max(m, _mm512_mask_reduce_max_ps((__mmask16)((1u << n) - 1u), _mm512_loadu_ps(sp)));
+  // NaN lanes left out of the maximum, as the scalar loop's std::max leaves them: their exp stays NaN and
+  // poisons l and the output as the reference's softmax does (vmaxps would return a NaN or drop it by order)
+  const __m512 s = _mm512_loadu_ps(sp);
+  const __mmask16 live = _mm512_cmp_ps_mask(s, s, _CMP_ORD_Q) & (__mmask16)((1u << n) - 1u);
+  const float mx = std::max(m, _mm512_mask_reduce_max_ps(live, s));
 #else
   float mx = m;
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sp[i]);
