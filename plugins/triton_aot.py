@@ -33,6 +33,11 @@ class Spec:
     constexprs: dict[str, object] = field(hash=False)
     num_warps: int = 4
     num_stages: int = 3  # Triton's launch default
+    per_target: dict[int, tuple[int, int]] = field(default_factory=dict, hash=False)  # cc -> (warps, stages)
+
+    def launch(self, cc: int) -> tuple[int, int]:
+        """Warps and stages the runtime launches this specialization with on ``sm_<cc>``."""
+        return self.per_target.get(cc, (self.num_warps, self.num_stages))
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64, 
     specs = []
     for G, D in geometries:
         for name, fmt in FORMATS.items():
-            cfg = launch_config(B, G, D, P, fmt.code)
+            cfg = launch_config(B, G, D, P, fmt.code)  # PAGES is the same on every target
             slot = [_ptr(f.dtype) for f in fmt.slot_fields(1, D)]
             group = [_ptr(f.dtype) for f in fmt.group_fields(1, D)]
             f = slot + [slot[0]] * (4 - len(slot))
@@ -92,9 +97,13 @@ def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64, 
                              DP=triton.next_power_of_2(D), PAGES=cfg.pages, NUM_SPLITS=1, RETURN_LOGITS=logits,
                              PRECISION=precision, PACKED=packed_rows(D))
                 label = f"paged_attention {name} G={G} D={D}{' logits' if logits else ''}"
+                per_target = {}
+                for cc in TARGETS:
+                    c = launch_config(B, G, D, P, fmt.code, cc, precision)
+                    per_target[cc] = (c.warps, c.stages)
                 specs.append(Spec("plugins.paged_attention.triton_kernel:_paged_attn_kernel",
                                   label + ("" if precision == PRECISIONS[0] else f" {precision}"),
-                                  _sig(_paged_attn_kernel, types), const, cfg.warps, cfg.stages))
+                                  _sig(_paged_attn_kernel, types), const, cfg.warps, cfg.stages, per_target))
     return specs
 
 
@@ -169,8 +178,9 @@ def compile_one(spec: Spec, cc: int) -> Usage:
     mod, name = spec.kernel.split(":")
     fn = getattr(importlib.import_module(mod), name)
     try:
+        warps, stages = spec.launch(cc)
         ck = triton.compile(ASTSource(fn, spec.signature, spec.constexprs), target=GPUTarget("cuda", cc, 32),
-                            options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+                            options={"num_warps": warps, "num_stages": stages})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(ck.asm["cubin"])
             f.flush()

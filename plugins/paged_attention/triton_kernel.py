@@ -224,23 +224,40 @@ TILE_SLOTS = 32  # slots per loop step (>= 16: the K extent of the P @ V product
 
 
 @functools.lru_cache(maxsize=None)  # per call on the decode path: read the environment once
-def launch_config(B: int, G: int, D: int, P: int, fmt_code: int) -> LaunchConfig:
+def launch_config(B: int, G: int, D: int, P: int, fmt_code: int, cc: int = 90,
+                  precision: str | None = None) -> LaunchConfig:
     """The default tiling. The scores and P@V are ``tl.dot`` products, so a step's registers are the K and V
     tiles ``[PAGES*B, DP]`` (fp32 after dequantization) rather than the ``[GP, PAGES*B, DP]`` broadcast
     product the first kernel reduced (255 registers and spills at one 8-slot page, D=128). ``TILE_SLOTS``
-    slots a step; 4 warps, one stage at D=128 (fastest of the tilings timed on an H200, docs/benchmarks.md);
-    warps and stages elsewhere are what ptxas allocates without spills on sm_90 (tests/kernels/test_triton_aot.py):
-    fp32 pages at D=128 spill 8 bytes on 4 warps, D=64 on one stage, D=16 on 8 warps. (sm_80 and sm_100 still
-    spill 8-16 bytes in a few specializations: docs/kernels.md.)
-    ``P`` does not cap the tile: lanes past the block table are masked, and the tile must stay >= 16 slots."""
+    slots a step; 4 warps, one stage at D=128 (fastest of the tilings timed on an H200, docs/benchmarks.md).
+    Warps and stages elsewhere, per target ``cc`` (``target_cc``), are what ptxas allocates without spills
+    (tests/kernels/test_triton_aot.py compiles every default specialization for sm_80, sm_90 and sm_100):
+    on sm_90 fp32 pages at D=128 spill 8 bytes on 4 warps, D=64 on one stage, D=16 on 8 warps; sm_80 spills
+    8-16 bytes at D=64 on 8 warps (128 registers), sm_100 at D=128 on one stage and int4 at D=64 on 8 warps.
+    The sm_80/sm_100 choices are spill-free, not timed (no such GPU was lent). ``P`` does not cap the tile:
+    lanes past the block table are masked, and the tile must stay >= 16 slots."""
+    precision = precision or default_precision()
     DP = triton.next_power_of_2(D)
     if DP >= 128:
-        warps, stages = (8, 1) if fmt_code == FP32 else (4, 1)
+        if fmt_code == FP32:
+            warps, stages = 8, 1
+        else:
+            warps, stages = (4, 2) if cc >= 100 else (4, 1)
     elif DP > 16:
-        warps, stages = 8, 2
+        warps, stages = (4, 2) if cc < 90 or (cc >= 100 and fmt_code == INT4) else (8, 2)
     else:  # the tiny test model's head size
         warps, stages = 4, 1
-    return LaunchConfig(pages=max(1, TILE_SLOTS // B), warps=warps, stages=stages, precision=default_precision())
+    return LaunchConfig(pages=max(1, TILE_SLOTS // B), warps=warps, stages=stages, precision=precision)
+
+
+@functools.lru_cache(maxsize=None)
+def target_cc(device: torch.device) -> int:
+    """The launch tables' target for a device: 80 (Ampere/Ada), 90 (Hopper) or 100 (Blackwell and later);
+    90 off CUDA (the interpreter runs whatever it is given)."""
+    if device.type != "cuda":
+        return 90
+    major, _ = torch.cuda.get_device_capability(device)
+    return 80 if major < 9 else 90 if major == 9 else 100
 
 
 PROGRAMS_PER_SM = 4
@@ -281,7 +298,7 @@ def paged_attention_triton(
     assert Hq == H * G and block_table.dtype == torch.int32 and valid_bits.dtype == torch.int32
     assert all(t.is_contiguous() for t in [*slot_fields, *group_fields, valid_bits, k_group])
     q, block_table = q.contiguous(), block_table.contiguous()
-    cfg = config or launch_config(B, G, D, P, fmt_code)
+    cfg = config or launch_config(B, G, D, P, fmt_code, target_cc(q.device))
     S = num_splits or cfg.splits or _num_splits(b, H, P, cfg.pages, q.device)
     S = max(1, min(S, P)) if P else 1
     per_split = triton.cdiv(P, S) if P else 0

@@ -222,7 +222,8 @@ def test_attention_flushed_groups_match_reference(name, shape):
 def test_every_e4m3_key_scale_byte_decodes_as_the_reference(name):
     """All 256 E4M3 key-scale bytes (subnormals, -0, 448, and the NaN codes 0x7F / 0xFF) through the kernels'
     row decode (codecs.h, e4m3_row_to_float: F16C where the CPU has it), on pools whose key group changes
-    slot by slot (make_pool) and on the code-domain task's flushed pools."""
+    slot by slot (make_pool) and on the code-domain task's flushed pools; a NaN score makes the row NaN, as
+    in the reference's softmax, also when a whole split saw nothing else."""
     H, G, D = 2, 3, 64
     fmt = FORMATS[name]
     codes = torch.arange(256, dtype=torch.uint8)
@@ -241,6 +242,12 @@ def test_every_e4m3_key_scale_byte_decodes_as_the_reference(name):
         assert any(torch.isnan(t).any() for t in want)
         for a, e in zip(got, want):
             torch.testing.assert_close(a, e, atol=3e-5, rtol=3e-5, equal_nan=True)
+        ks[:] = 0x7F  # every score NaN: each split ends with m = -inf and l = NaN, which the merge must keep
+        for splits in (None, 2, 3):
+            got, want = run_both(fmt, q, (slot, group, k_group, bits), bt, splits=splits)
+            assert torch.isnan(want[0]).all()
+            for a, e in zip(got, want):
+                torch.testing.assert_close(a, e, atol=3e-5, rtol=3e-5, equal_nan=True)
 
 
 # --- kv_write: byte-identical with the reference -------------------------------------------------

@@ -244,8 +244,17 @@ void run(const Pools& p, const float* q, const int32_t* table, const int32_t* va
     for (int64_t r = begin; r < end; ++r) {  // r = bi * Hq + hg: row of out [b, Hq, D]
       const int64_t bi = r / Hq, hg = r % Hq;
       float M = NEG_INF;
-      for (int64_t sp = 0; sp < S; ++sp) M = std::max(M, pm[(bi * S + sp) * Hq + hg]);
+      bool nan_scores = false;  // a split whose scores were all NaN ends with m = -inf and l = NaN
+      for (int64_t sp = 0; sp < S; ++sp) {
+        M = std::max(M, pm[(bi * S + sp) * Hq + hg]);
+        nan_scores |= std::isnan(pl[(bi * S + sp) * Hq + hg]);
+      }
       float* o = out + r * D;
+      if (nan_scores) {  // the reference's softmax over a row with a NaN score: NaN everywhere
+        std::fill(o, o + D, NAN);
+        lse[r] = NAN;
+        continue;
+      }
       std::fill(o, o + D, 0.0f);
       if (M == NEG_INF) { lse[r] = NEG_INF; continue; }
       float L = 0.0f;
