@@ -15,7 +15,9 @@ attention (scales folded into the queries: another fp32 rounding order; the firs
 from none to 10 / 36 / 36 of 48), after teacher-forced fidelity of five 2-/4-bit engines measured the same
 with either kernel (docs/benchmarks.md). The AVX2 recording was re-taken the same day when AVX2 got its own
 code-domain task (csrc/code_attention_avx2.h): its tokens then equal the AVX-512 recording's (thinkv and
-thinkv-tbq all 48, kivi 45 of 48; the float-tile task's AVX2 tokens differed from token 10 / 33).
+thinkv-tbq all 48, kivi 45 of 48; the float-tile task's AVX2 tokens differed from token 10 / 33). The AMD Zen 4
+(AVX-512 with VBMI, oneDNN-packed weights) recording of 2026-11-27 equals the Xeon AVX-512 one for thinkv and
+thinkv-tbq (all 48 tokens) and for kivi up to token 24.
 """
 from __future__ import annotations
 
