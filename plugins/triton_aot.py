@@ -97,10 +97,8 @@ def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64, 
                              DP=triton.next_power_of_2(D), PAGES=cfg.pages, NUM_SPLITS=1, RETURN_LOGITS=logits,
                              PRECISION=precision, PACKED=packed_rows(D))
                 label = f"paged_attention {name} G={G} D={D}{' logits' if logits else ''}"
-                per_target = {}
-                for cc in TARGETS:
-                    c = launch_config(B, G, D, P, fmt.code, cc, precision)
-                    per_target[cc] = (c.warps, c.stages)
+                per_target = {cc: (c.warps, c.stages) for cc in TARGETS
+                              for c in [launch_config(B, G, D, P, fmt.code, cc)]}
                 specs.append(Spec("plugins.paged_attention.triton_kernel:_paged_attn_kernel",
                                   label + ("" if precision == PRECISIONS[0] else f" {precision}"),
                                   _sig(_paged_attn_kernel, types), const, cfg.warps, cfg.stages, per_target))

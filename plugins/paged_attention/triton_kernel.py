@@ -224,8 +224,7 @@ TILE_SLOTS = 32  # slots per loop step (>= 16: the K extent of the P @ V product
 
 
 @functools.lru_cache(maxsize=None)  # per call on the decode path: read the environment once
-def launch_config(B: int, G: int, D: int, P: int, fmt_code: int, cc: int = 90,
-                  precision: str | None = None) -> LaunchConfig:
+def launch_config(B: int, G: int, D: int, P: int, fmt_code: int, cc: int = 90) -> LaunchConfig:
     """The default tiling. The scores and P@V are ``tl.dot`` products, so a step's registers are the K and V
     tiles ``[PAGES*B, DP]`` (fp32 after dequantization) rather than the ``[GP, PAGES*B, DP]`` broadcast
     product the first kernel reduced (255 registers and spills at one 8-slot page, D=128). ``TILE_SLOTS``
@@ -236,7 +235,6 @@ def launch_config(B: int, G: int, D: int, P: int, fmt_code: int, cc: int = 90,
     8-16 bytes at D=64 on 8 warps (128 registers), sm_100 at D=128 on one stage and int4 at D=64 on 8 warps.
     The sm_80/sm_100 choices are spill-free, not timed (no such GPU was lent). ``P`` does not cap the tile:
     lanes past the block table are masked, and the tile must stay >= 16 slots."""
-    precision = precision or default_precision()
     DP = triton.next_power_of_2(D)
     if DP >= 128:
         if fmt_code == FP32:
@@ -247,7 +245,7 @@ def launch_config(B: int, G: int, D: int, P: int, fmt_code: int, cc: int = 90,
         warps, stages = (4, 2) if cc < 90 or (cc >= 100 and fmt_code == INT4) else (8, 2)
     else:  # the tiny test model's head size
         warps, stages = 4, 1
-    return LaunchConfig(pages=max(1, TILE_SLOTS // B), warps=warps, stages=stages, precision=precision)
+    return LaunchConfig(pages=max(1, TILE_SLOTS // B), warps=warps, stages=stages, precision=default_precision())
 
 
 @functools.lru_cache(maxsize=None)
