@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from trtkv.errors import TrtkvError
+from trtkv.export import DEFAULT_OPSET
 
 EXIT_USAGE = 2
 
@@ -36,18 +37,6 @@ class TrtkvGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("trtkv: interrupted", err=True)
             sys.exit(130)
-
-
-def parse_sets(values: tuple[str, ...]) -> dict[str, str]:
-    out = {}
-    for item in values:
-        if "=" not in item:
-            raise TrtkvError(f"--set {item!r}: expected key=value")
-        k, v = item.split("=", 1)
-        if not k.strip():
-            raise TrtkvError(f"--set {item!r}: empty key")
-        out[k.strip()] = v.strip()
-    return out
 
 
 @click.group(cls=TrtkvGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -141,6 +130,7 @@ def build(model, policy, budget, sets, out, dtype, synthetic_weights, seed, cali
     --set takes policy parameters and the cache settings block_size, eviction, max_batch, max_pages, kv_memory,
     kv_memory_fraction, demote and host_kv_memory."""
     from trtkv.build.builder import build_engine
+    from trtkv.settings import parse_sets
 
     if budget is not None and budget <= 0:
         raise TrtkvError(f"--budget must be positive, got {budget}")
@@ -186,7 +176,7 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
              as_json, kv_memory, host_kv_memory, demote, sets, runtime, onnx_dir) -> None:
     """Generate text with ENGINE (streams to the terminal)."""
     from trtkv.api import Engine, SamplingParams
-    from trtkv.cache.manager import CACHE_SETTINGS
+    from trtkv.settings import parse_sets, split_settings
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop), chat=not raw,
@@ -194,14 +184,11 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
     params.validate()
     overrides = {k: v for k, v in (("kv_memory", kv_memory), ("host_kv_memory", host_kv_memory), ("demote", demote))
                  if v is not None}
-    policy_overrides = {}
-    for k, v in parse_sets(sets).items():
-        if k in CACHE_SETTINGS:
-            if k in overrides:
-                raise TrtkvError(f"give {k} once: --{k.replace('_', '-')} or --set {k}, not both")
-            overrides[k] = v
-        else:
-            policy_overrides[k] = v
+    policy_overrides, cache_sets = split_settings(parse_sets(sets))
+    for k, v in cache_sets.items():
+        if k in overrides:
+            raise TrtkvError(f"give {k} once: --{k.replace('_', '-')} or --set {k}, not both")
+        overrides[k] = v
     eng = Engine.load(engine, cache_overrides=overrides or None, policy_overrides=policy_overrides or None,
                       runtime=runtime, onnx_dir=onnx_dir)
     if as_json:
@@ -346,6 +333,7 @@ def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, host_kv_memory, 
     from trtkv.bench import BenchConfig, load_engines, parse_batch_sizes, parse_size, run_bench
     from trtkv.bench.report import print_bench
     from trtkv.bench.summary import write_results
+    from trtkv.settings import parse_sets
 
     cfg = BenchConfig(batch_sizes=parse_batch_sizes(batch_sizes), prompt_len=prompt_len, gen_len=gen_len,
                       kv_memory=parse_size(kv_memory) if kv_memory else None, repeat=repeat, warmup=not no_warmup,
@@ -396,6 +384,7 @@ def eval_cmd(engines, task, data, limit, max_tokens, samples, temperature, top_p
     from trtkv.bench.runner import load_engines, machine_info
     from trtkv.eval import DataFileNotFoundError, load_problems, load_traces
     from trtkv.eval.run import print_eval, run_accuracy, run_fidelity, write_eval
+    from trtkv.settings import parse_sets
 
     for name, v in (("--limit", limit), ("--max-tokens", max_tokens), ("--batch", batch), ("--topk", topk),
                     ("--samples", samples)):
@@ -473,6 +462,7 @@ def search_cmd(engine, task, limit, data, preset, branching, depth, expansions, 
     from trtkv.search import SearchConfig, get_task
     from trtkv.search.report import write_search
     from trtkv.search.run import run_search_task
+    from trtkv.settings import parse_sets
 
     get_task(task)
     over = {k: v for k, v in (("branching", branching), ("depth", depth), ("expansions", expansions),
@@ -511,13 +501,41 @@ def _add_serving_commands() -> None:
 _add_serving_commands()
 
 
-def _add_export_command() -> None:
-    from trtkv.export.command import export_cmd
+# --- export (heavy imports when it runs) ---------------------------------------------------------
+@main.command("export")
+@click.argument("engine", type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory for the ONNX files.")
+@click.option("--opset", type=int, default=DEFAULT_OPSET, show_default=True, help="Default-domain opset (18..23).")
+@click.option("--inline", is_flag=True, help="Inline the trtkv functions (for tools that cannot read functions).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Policy parameter override (repeatable).")
+@click.option("--check", is_flag=True,
+              help="Then run the graphs with Polygraphy (ONNX Runtime) on recorded steps against the PyTorch "
+                   "engine's logits and print the max abs/rel error per output.")
+@click.option("--atol", type=float, default=1e-2, show_default=True, help="--check: absolute logits tolerance.")
+@click.option("--rtol", type=float, default=1e-2, show_default=True, help="--check: relative logits tolerance.")
+def export_cmd(engine, out, opset, inline, sets, check, atol, rtol) -> None:
+    """Write ENGINE's prefill and decode steps as ONNX (trtkv plugins as trtkv-domain functions) to --out."""
+    from trtkv.export import require_onnx
+    from trtkv.settings import parse_sets
 
-    main.add_command(export_cmd)
+    require_onnx()
+    from trtkv.api import Engine
+    from trtkv.export.exporter import check_exportable, export_engine
 
+    eng = Engine.load(engine, device="cpu", policy_overrides=parse_sets(sets) or None)
+    check_exportable(eng)
+    m = export_engine(eng, out, opset=opset, inline=inline, log=lambda msg: click.echo(msg, err=True))
+    click.echo(f"exported {m.policy} engine ({', '.join(m.kv.formats)}) to {out} "
+               f"({', '.join(g.file for g in m.graphs.values())}, export.json)")
+    if check:
+        from trtkv.export.check import CHECK_PROMPTS, run_check
 
-_add_export_command()
+        click.echo(f"polygraphy: ONNX Runtime vs the PyTorch engine's logits, {len(CHECK_PROMPTS)} prompts "
+                   "(greedy, teacher-forced replay)")
+        results = run_check(engine, out, atol=atol, rtol=rtol, log=click.echo)
+        failed = [r.graph for r in results if not r.passed]
+        if failed:
+            raise TrtkvError(f"polygraphy check failed for {', '.join(failed)} (atol {atol:g}, rtol {rtol:g})")
 
 
 if __name__ == "__main__":

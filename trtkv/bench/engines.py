@@ -49,11 +49,10 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
 
     if not paths:
         raise TrtkvError("name at least one engine directory")
-    from trtkv.cache.manager import CACHE_SETTINGS
+    from trtkv.settings import split_settings
 
     manifests = [read_manifest(p) for p in paths]
-    overrides = {k: _value_or_file(k, v) for k, v in (policy_overrides or {}).items()}
-    cache_ov = {k: overrides.pop(k) for k in list(overrides) if k in CACHE_SETTINGS}  # demote=, kv_memory=, ...
+    overrides, cache_ov = split_settings({k: _value_or_file(k, v) for k, v in (policy_overrides or {}).items()})
     per_engine, used = [], set()
     for m in manifests:
         cls = POLICIES.get(m.policy.name)

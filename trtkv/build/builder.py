@@ -7,29 +7,21 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 from trtkv import __version__
 from trtkv.build.calibration.artifact import CalibrationArtifact, KVAmax
 from trtkv.build.engine_dir import write_manifest
 from trtkv.build.manifest import CacheSection, EngineManifest, ModelSection, PolicySection
-from trtkv.cache.manager import CACHE_SETTINGS, CacheConfig
+from trtkv.cache.config import CacheConfig
 from trtkv.errors import TrtkvError
 from trtkv.models.fetch import fetch
 from trtkv.models.loader import DTYPES, sha256_files, weight_files
 from trtkv.models.registry import resolve_model
 from trtkv.policies import make_policy
+from trtkv.settings import split_settings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
-
-
-def split_settings(policy_name: str, settings: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
-    """``--set`` keys go to the cache section when they name a cache setting (validated and typed by
-    ``CacheConfig.validate_settings``), else to the policy."""
-    cache = {k: v for k, v in settings.items() if k in CACHE_SETTINGS}
-    pol = {k: v for k, v in settings.items() if k not in CACHE_SETTINGS}
-    return pol, CacheConfig.validate_settings(cache)
 
 
 def default_dtype(device: str) -> str:
@@ -42,7 +34,8 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
                  calibration_file: str | Path | None = None, calib_prompts: int | None = None,
                  calib_max_tokens: int | None = None) -> Path:
     spec = resolve_model(model)
-    pol_params, cache = split_settings(policy, settings or {})
+    pol_params, cache = split_settings(settings or {})
+    cache = CacheConfig.validate_settings(cache)
     if budget is not None:
         pol_params["budget"] = str(budget)
     pol = make_policy(policy, pol_params)  # validates names and values before any download
