@@ -1,5 +1,5 @@
 """trtkv: build, run, measure and serve reasoning LLMs with compressed KV caches."""
-__version__ = "0.1.0"
+from trtkv.version import __version__ as __version__
 
 
 def __getattr__(name):  # lazy: importing trtkv must not import torch

@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from trtkv import __version__
+from trtkv.version import __version__
 from trtkv.build.calibration.artifact import CalibrationArtifact, KVAmax
 from trtkv.build.engine_dir import write_manifest
 from trtkv.build.manifest import CacheSection, EngineManifest, ModelSection, PolicySection

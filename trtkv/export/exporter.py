@@ -52,7 +52,7 @@ def layer_scales(engine, layout: KVLayout) -> list[list[tuple[float, float]]]:
 def export_engine(engine, out: Path, opset: int = DEFAULT_OPSET, inline: bool = False,
                   log=lambda msg: None) -> ExportManifest:
     """Write the engine's step graphs and ``export.json`` into ``out``."""
-    from trtkv import __version__
+    from trtkv.version import __version__
 
     check_exportable(engine)
     out = Path(out)

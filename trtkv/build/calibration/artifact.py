@@ -209,7 +209,7 @@ def build_artifact(analysis: Analysis, data: CalibrationData | None, model: str,
 def make_artifact(analysis: Analysis, data: CalibrationData | None, model: str,
                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The artifact's JSON form (not yet validated; :func:`build_artifact` gives the typed one)."""
-    from trtkv import __version__
+    from trtkv.version import __version__
 
     meta = data.meta if data is not None else {}
     art: dict[str, Any] = {
