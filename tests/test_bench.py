@@ -133,7 +133,7 @@ def test_bench_reports_thinkv_stats(tiny_ckpt, engine_factory, tmp_path):
 
 def test_progress_bar_logs_lines_when_not_a_terminal(capsys):
     """Under nohup / a log file a long sweep must still say where it is: whole lines, not \\r redraws."""
-    from trtkv.bench.progress import progress_bar
+    from trtkv.progress import progress_bar
 
     bar = progress_bar(10, "fidelity", "tok", None, log_interval_s=0)
     for _ in range(10):

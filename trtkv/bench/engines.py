@@ -2,7 +2,6 @@
 policies that take them), labels, and what an engine reads per decode step."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
     weights exists (what lets several 8B engines share one GPU). Each engine is loaded once per runtime in
     ``runtimes`` (``torch``, ``onnxruntime``), labelled ``LABEL@RUNTIME`` when there are several."""
     from trtkv.api import Engine
-    from trtkv.build.engine_dir import read_manifest
+    from trtkv.artifacts.engine_dir import read_manifest
     from trtkv.policies import POLICIES, policy_fields
 
     if not paths:
@@ -83,14 +82,6 @@ def _value_or_file(key: str, value: Any) -> Any:
         return path.read_text().strip()
     except OSError as e:
         raise TrtkvError(f"--set {key}=@{path}: cannot read the file ({e.strerror or e})") from None
-
-
-def model_key(engine) -> tuple:
-    """Engines with equal keys run the same weights (same model, weights hash or synthetic seed, dtype)."""
-    mm = engine.manifest.model
-    weights = ("synthetic", mm.synthetic_seed) if mm.synthetic else mm.weights_sha256
-    return (mm.alias, weights, str(engine.core.dtype), str(engine.core.device),
-            json.dumps(mm.arch.to_dict(), sort_keys=True))
 
 
 def _share_of_device(cache_ov: dict[str, Any], i: int, n: int) -> dict[str, Any]:

@@ -11,15 +11,13 @@ import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from trtkv.bench.engines import BenchEngine, weight_bytes
-
-if TYPE_CHECKING:
-    from trtkv.bench.runner import BenchConfig, RunResult
+from trtkv.bench.records import BenchConfig, RunResult
 
 FIT_METHOD = (
     "largest batch that fits = floor(KV memory / per-request peak KV bytes), where the per-request peak is the "

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from trtkv.bench.runner import model_key
 from trtkv.errors import TrtkvError
 from trtkv.policies.base import StatsRequest
 from trtkv.runtime.observers import EngineObserver
@@ -53,6 +52,14 @@ class StepRecorder(EngineObserver):
 
     def on_decode(self, reqs, logits, stats):
         self.logits, self.stats = logits, stats
+
+
+def model_key(engine) -> tuple:
+    """Engines with equal keys run the same weights (same model, weights hash or synthetic seed, dtype)."""
+    mm = engine.manifest.model
+    weights = ("synthetic", mm.synthetic_seed) if mm.synthetic else mm.weights_sha256
+    return (mm.alias, weights, str(engine.core.dtype), str(engine.core.device),
+            json.dumps(mm.arch.to_dict(), sort_keys=True))
 
 
 def reference_core(engine, observers=()):
@@ -128,7 +135,7 @@ def run_fidelity(engines: list, traces: list, max_tokens: int = 1024, reference=
                  recall_layers: str | int | None = 8, topk: int = 10, batch: int = 4,
                  progress: bool | None = None) -> list[dict[str, Any]]:
     """One record per engine (plus one per reference), in input order."""
-    from trtkv.bench.progress import progress_bar
+    from trtkv.progress import progress_bar
     from trtkv.eval.fidelity import FidelityAccumulator
 
     if not traces:
@@ -321,7 +328,7 @@ def run_accuracy(engines: list, task: str, problems: list, samples: int = 1, max
                  progress: bool | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Generate ``samples`` answers per problem with every engine and grade them; returns
     (one record per engine, one row per sample)."""
-    from trtkv.bench.progress import progress_bar
+    from trtkv.progress import progress_bar
     from trtkv.eval.answers import extract_answer, is_correct, reference_answer
     from trtkv.runtime.sampling import SamplingParams
 
@@ -393,7 +400,7 @@ def _accuracy_summary(rows: list[dict], n_problems: int, k: int) -> dict[str, An
 
 # --- output -------------------------------------------------------------------------------------
 def write_eval(out: Path, doc: dict[str, Any], sample_rows: list[dict] | None = None) -> list[Path]:
-    from trtkv.bench import plots
+    from trtkv.eval import plots
 
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json"]

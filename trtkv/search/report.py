@@ -52,9 +52,9 @@ def write_search(out: Path, doc: dict[str, Any]) -> list[Path]:
 
 
 def plot_timelines(timelines: dict[str, list], path: Path, label: str, max_problems: int = 4) -> Path:
-    from trtkv.bench.plots import _plt
+    from trtkv.plotting import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     for name, points in list(timelines.items())[:max_problems]:
         xs = list(range(len(points)))
@@ -73,9 +73,9 @@ def plot_timelines(timelines: dict[str, list], path: Path, label: str, max_probl
 
 def compare_plot(docs: dict[str, dict], timelines: dict[str, dict], problem: str, path: Path) -> Path:
     """One problem's live KV under several policies (docs/benchmarks figure)."""
-    from trtkv.bench.plots import _plt
+    from trtkv.plotting import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     for label, tl in timelines.items():
         pts = tl.get(problem) or []
