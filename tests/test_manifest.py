@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from trtkv.build.calibration import CalibrationArtifact
-from trtkv.build.manifest import EngineManifest
+from trtkv.artifacts.manifest import EngineManifest
 from trtkv.errors import TrtkvError
 
 ARCH = {"architecture": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -132,7 +132,7 @@ def test_info_prints_the_manifest_and_rejects_a_malformed_one(tmp_path):
 
 def test_set_max_pages_and_kv_memory_at_build_and_load(tiny_ckpt, engine_factory):
     from trtkv.api import Engine
-    from trtkv.build.engine_dir import read_manifest
+    from trtkv.artifacts.engine_dir import read_manifest
 
     path = engine_factory(tiny_ckpt, "full", max_pages=64, kv_memory="2GiB", max_batch=3, block_size=16)
     c = read_manifest(path).cache

@@ -81,7 +81,7 @@ def test_params_round_trip():
 
 
 def test_compacting_policies_force_compact_cache(engine_factory, tiny_ckpt):
-    from trtkv.build.engine_dir import read_manifest
+    from trtkv.artifacts.engine_dir import read_manifest
 
     assert read_manifest(engine_factory(tiny_ckpt, "rkv", budget=48)).cache.eviction == "compact"
     assert read_manifest(engine_factory(tiny_ckpt, "ams", budget=48)).cache.eviction == "compact"

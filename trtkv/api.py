@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 import plugins  # noqa: F401  (registers torch.ops.trtkv.*)
-from trtkv.build.engine_dir import read_manifest, verify_weights
-from trtkv.build.manifest import EngineManifest
+from trtkv.artifacts.engine_dir import read_manifest, verify_weights
+from trtkv.artifacts.manifest import EngineManifest
 from trtkv.cache.manager import CacheConfig
 from trtkv.errors import TrtkvError
 from trtkv.models.config import ModelArch
@@ -338,7 +338,7 @@ class Engine:
 
     def metrics(self) -> dict[str, Any]:
         cache = self.core.cache
-        tiers = cache._tiers
+        tiers = cache.tiers if cache.has_tiers else None
         return {"kv_bytes_in_use": sum(cache.seq_bytes(s) for s in list(cache.seqs.values())),
                 "kv_bytes_device": sum(cache.seq_bytes(s) for s in list(cache.seqs.values()))
                 + self.core.staging.staging_bytes(),

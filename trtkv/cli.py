@@ -220,7 +220,7 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
 @click.argument("engine", type=click.Path(path_type=Path))
 def info(engine) -> None:
     """Print an engine's manifest."""
-    from trtkv.build.engine_dir import read_manifest
+    from trtkv.artifacts.engine_dir import read_manifest
 
     click.echo(json.dumps(read_manifest(engine).to_dict(), indent=2))
 

@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 
 from trtkv.version import __version__
-from trtkv.build.calibration.artifact import CalibrationArtifact, KVAmax
-from trtkv.build.engine_dir import write_manifest
-from trtkv.build.manifest import CacheSection, EngineManifest, ModelSection, PolicySection
+from trtkv.artifacts.calibration import CalibrationArtifact, KVAmax
+from trtkv.artifacts.engine_dir import write_manifest
+from trtkv.artifacts.manifest import CacheSection, EngineManifest, ModelSection, PolicySection
 from trtkv.cache.config import CacheConfig
 from trtkv.errors import TrtkvError
 from trtkv.models.fetch import fetch

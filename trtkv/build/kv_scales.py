@@ -10,7 +10,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from trtkv.build.calibration.artifact import KVAmax
+from trtkv.artifacts.calibration import KVAmax
 from trtkv.paths import PACKAGE_DIR
 
 

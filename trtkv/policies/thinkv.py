@@ -35,7 +35,7 @@ from trtkv.errors import TrtkvError
 from trtkv.policies.base import KVPolicy, ReportColumn, StatsRequest
 
 if TYPE_CHECKING:
-    from trtkv.build.calibration.artifact import CalibrationArtifact
+    from trtkv.artifacts.calibration import CalibrationArtifact
 
 T, E, R = 0, 1, 2  # thought codes (paper's pseudocode order)
 IMPORTANCE = {T: 0, E: 1, R: 2}

@@ -6,7 +6,8 @@ One module per job::
     collect.py    FullKV generations watched by an observer      -> CalibrationData (u[p][step, layer], K/V amax)
     density.py    KDE per (prompt, layer), its modes and valleys
     analysis.py   layer ranking, thresholds, the quantile fallback -> Analysis
-    artifact.py   CalibrationArtifact: the one validator and writer of the JSON artifact
+    artifact.py   an Analysis as a CalibrationArtifact (trtkv/artifacts/calibration.py: the record, its one
+                  validator and writer)
     run.py        calibrate() / calibrate_for_build(): prompts, temporary full engine, raw data, all of the above
 
 The names below are the public API (``trtkv calibrate``, the builder, the plot and the tests import them).
@@ -14,10 +15,10 @@ The names below are the public API (``trtkv calibrate``, the builder, the plot a
 from trtkv.build.calibration.analysis import (DEFAULT_NUM_LAYERS, DEFAULT_TARGET_SHARES, RULE_FALLBACK, RULE_KDE,
                                               RULES, Analysis, analyze, classify_shares, parse_shares,
                                               pooled_u_bar)
-from trtkv.build.calibration.artifact import (ARTIFACT_VERSION, REL_THRESHOLD, SPARSITY_DEF_VERSION,
-                                              CalibrationArtifact, KVAmax, build_artifact, layer_scales,
-                                              load_calibration, make_artifact, packaged_calibration,
-                                              save_calibration, summary_lines)
+from trtkv.artifacts.calibration import (ARTIFACT_VERSION, REL_THRESHOLD, SPARSITY_DEF_VERSION,
+                                         CalibrationArtifact, KVAmax, layer_scales, load_calibration,
+                                         packaged_calibration, save_calibration, summary_lines)
+from trtkv.build.calibration.artifact import build_artifact, make_artifact
 from trtkv.build.calibration.collect import (DEFAULT_MIN_KEYS, CalibrationData, SparsityObserver, collect_sparsity,
                                              model_default_sampling)
 from trtkv.build.calibration.density import GRID_POINTS, MODE_FLOOR, find_modes, find_valleys, kde_on_grid

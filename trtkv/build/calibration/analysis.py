@@ -29,15 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from trtkv.artifacts.calibration import (N_THOUGHT_TYPES, RULE_FALLBACK, RULE_KDE, RULES,  # noqa: F401 (re-exported)
+                                         THOUGHT_TYPE_COUNTS, TYPES)
 from trtkv.build.calibration.density import GRID_POINTS, find_modes, find_valleys, kde_on_grid
 from trtkv.errors import TrtkvError
 
-RULE_KDE = "kde-valleys"
-RULE_FALLBACK = "fallback-quantiles"
-RULES = (RULE_KDE, RULE_FALLBACK)
-THOUGHT_TYPE_COUNTS = (1, 3)  # 1: the paper's §E.10 single category (no labels); 3: R / E / T
-N_THOUGHT_TYPES = 3
-TYPES = ("E", "R", "T")  # ascending sparsity
 DEFAULT_TARGET_SHARES = {"E": 0.2, "R": 0.6, "T": 0.2}
 DEFAULT_NUM_LAYERS = 4
 MIN_POINTS = 8  # a (prompt, layer) with fewer recorded steps is left out of the analysis

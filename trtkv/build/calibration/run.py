@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from trtkv.build.calibration.analysis import DEFAULT_NUM_LAYERS, analyze
-from trtkv.build.calibration.artifact import (CalibrationArtifact, build_artifact, packaged_calibration,
-                                              summary_lines)
+from trtkv.artifacts.calibration import CalibrationArtifact, packaged_calibration, summary_lines
+from trtkv.build.calibration.artifact import build_artifact
 from trtkv.build.calibration.collect import DEFAULT_MIN_KEYS, CalibrationData, Log, collect_sparsity
 from trtkv.errors import TrtkvError
 
@@ -40,8 +40,8 @@ class _FullEngine:
         import torch
 
         from trtkv.api import Engine
-        from trtkv.build.engine_dir import read_manifest, write_manifest
-        from trtkv.build.manifest import PolicySection
+        from trtkv.artifacts.engine_dir import read_manifest, write_manifest
+        from trtkv.artifacts.manifest import PolicySection
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tmp = Path(tempfile.mkdtemp(prefix="trtkv-calib-"))

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from trtkv.build.calibration.artifact import CalibrationArtifact, KVAmax
+from trtkv.artifacts.calibration import CalibrationArtifact, KVAmax
 from trtkv.cache.manager import CacheConfig
 from trtkv.errors import TrtkvError
 from trtkv.models.config import ModelArch

@@ -1,6 +1,6 @@
 """The engine directory: ``engine.json`` (what was built, how) next to ``weights/`` and ``tokenizer/``.
 
-Reading goes through :class:`~trtkv.build.manifest.EngineManifest` (format version, every field) and
+Reading goes through :class:`~trtkv.artifacts.manifest.EngineManifest` (format version, every field) and
 checks the weights hash; each failure is one clear line ending in what to do.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trtkv.build.manifest import ENGINE_FORMAT_VERSION, EngineManifest
+from trtkv.artifacts.manifest import ENGINE_FORMAT_VERSION, EngineManifest
 from trtkv.errors import TrtkvError
 from trtkv.models.loader import sha256_files, weight_files
 
