@@ -33,12 +33,8 @@ def check_device_cap(policy, cfg: CacheConfig, prompt_len: int, max_tokens: int)
     if cap is None:
         return
     fmt = max(policy.formats(), key=lambda f: get_format(f).slot_bytes(cfg.num_kv_heads, cfg.head_dim))
-    protected = policy.min_device_tokens(prompt_len, max_tokens)
-    must = int(protected * device_bytes_per_token(cfg, fmt))
-    from trtkv.policies.base import KVPolicy
-
-    has_protected_set = type(policy).min_device_tokens is not KVPolicy.min_device_tokens  # e.g. tiered
-    if has_protected_set and must > cap:
+    protected = policy.min_device_tokens(prompt_len, max_tokens)  # None: no protected set (only tiered has one)
+    if protected is not None and (must := int(protected * device_bytes_per_token(cfg, fmt))) > cap:
         raise OutOfKVMemory(f"this request can never fit the KV cache: --kv-memory {cap:,} bytes is smaller than "
                             f"its protected set on the device ({protected} tokens of the {prompt_len}-token "
                             f"prompt, sinks and recent window = {must:,} bytes); raise --kv-memory or shorten "
@@ -54,8 +50,7 @@ def check_device_cap(policy, cfg: CacheConfig, prompt_len: int, max_tokens: int)
 def check_fits(core, prompt_len: int, max_tokens: int, n: int = 1) -> None:
     """Refuse at once (``OutOfKVMemory``) a request that could never fit ``core``'s KV cache, even alone: its
     protected set or worst case over ``--kv-memory``, or its worst-case pages (``n`` samples) over a pool."""
-    from trtkv.cache.budget import pages_needed
-    from trtkv.runtime.scheduler import never_fits_message
+    from trtkv.cache.budget import never_fits_message, pages_needed
 
     cfg = core.cache.cfg
     check_device_cap(core.policy, cfg, prompt_len, max_tokens)

@@ -143,3 +143,14 @@ def pages_needed(policy, cfg, prompt_len: int, max_tokens: int) -> dict[str, int
     slack = 2 * len(policy.formats())
     return {f: math.ceil(n / cfg.block_size) + slack
             for f, n in policy.kv_footprint(prompt_len, max_tokens).items()}
+
+
+def never_fits_message(prompt_len: int, max_tokens: int, n: int, fmt: str, need: int, cap: int, cfg) -> str:
+    """The one line for a request whose worst-case pages (``need``, ``n`` samples) exceed a ``fmt`` pool's ``cap``
+    (admission at ``Engine.make_request`` and the scheduler's)."""
+    samples = f" x {n} samples" if n > 1 else ""
+    size = (f"kv_memory {cfg.kv_memory:,} bytes" if cfg.kv_memory is not None else
+            f"max_pages={cfg.max_pages}" if cfg.max_pages is not None else "the default KV memory")
+    return (f"this request can never fit the KV cache: it may need {need} pages of {fmt} per layer ({prompt_len} "
+            f"prompt + {max_tokens} new tokens{samples}) but each pool holds {cap} ({size}); raise --kv-memory "
+            f"(or --set max_pages), lower --max-tokens or shorten the prompt")

@@ -149,10 +149,11 @@ class KVPolicy:
         bound = self.max_live_tokens(prompt_len, max_tokens)
         return {f: bound for f in self.formats()}
 
-    def min_device_tokens(self, prompt_len: int, max_tokens: int) -> int:
+    def min_device_tokens(self, prompt_len: int, max_tokens: int) -> int | None:
         """Tokens per layer that must stay on the device whatever happens (a tiered policy's protected set);
-        admission rejects a request whose minimum does not fit ``--kv-memory``. Default: the footprint."""
-        return max(self.kv_footprint(prompt_len, max_tokens).values(), default=0)
+        admission rejects a request whose minimum does not fit ``--kv-memory``, with a line naming it. Default
+        None: no protected set apart from the footprint (``kv_footprint``, which admission checks anyway)."""
+        return None
 
     # --- engine-facing hooks ----------------------------------------------------------------
     def needs_calibration(self) -> bool:

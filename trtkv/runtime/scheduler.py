@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from trtkv.cache.budget import pages_needed
+from trtkv.cache.budget import never_fits_message, pages_needed
 from trtkv.errors import OutOfKVMemory, TrtkvError
 from trtkv.runtime.core import EngineCore
 from trtkv.runtime.forking import spawn_samples
@@ -179,15 +179,6 @@ class Scheduler:
         fn(arg)
         _sync(self.core.device)
         self.step_timer(phase, reqs, time.perf_counter() - t0)
-
-
-def never_fits_message(prompt_len: int, max_tokens: int, n: int, fmt: str, need: int, cap: int, cfg) -> str:
-    samples = f" x {n} samples" if n > 1 else ""
-    size = (f"kv_memory {cfg.kv_memory:,} bytes" if cfg.kv_memory is not None else
-            f"max_pages={cfg.max_pages}" if cfg.max_pages is not None else "the default KV memory")
-    return (f"this request can never fit the KV cache: it may need {need} pages of {fmt} per layer ({prompt_len} "
-            f"prompt + {max_tokens} new tokens{samples}) but each pool holds {cap} ({size}); raise --kv-memory "
-            f"(or --set max_pages), lower --max-tokens or shorten the prompt")
 
 
 def _sync(device: torch.device) -> None:
