@@ -77,3 +77,26 @@ def test_first_minima_equals_argmin_per_vector(seed):
     assert first_minima([r.numpy() for r in rows]) == [int(np.argmin(r.numpy())) for r in rows] == want
     ragged = rows + [torch.tensor([1.0, 0.0])]
     assert first_minima(ragged) == want + [1]
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def test_scoring_policies_declare_what_their_overrides_change():
+    """The batched paths are chosen by flags, not by looking for overrides: a policy that replaces ``keep``,
+    ``event`` or ``evict_layer`` (or the per-request end of step) must say so, and one that replaces
+    ``protected`` must replace ``protected_rows`` with it (the batch's mask)."""
+    assert {p.__name__ for p in _subclasses(ScorerPolicy)} >= {"H2OPolicy", "TOVAPolicy", "LazyEvictionPolicy"}
+    for cls in _subclasses(ScorerPolicy):
+        def overrides(name, cls=cls):
+            return getattr(cls, name) is not getattr(ScorerPolicy, name)
+
+        if overrides("keep"):
+            assert not cls.keeps_best_scores, f"{cls.__name__} replaces keep(): set keeps_best_scores = False"
+        if any(overrides(f) for f in ("keep", "event", "evict_layer", "on_decode_step_end")):
+            assert not cls.batched_events, f"{cls.__name__} replaces how one event runs: set batched_events = False"
+        owner = next(c for c in cls.__mro__ if "protected" in vars(c))
+        assert "protected_rows" in vars(owner), f"{owner.__name__} replaces protected() but not protected_rows()"

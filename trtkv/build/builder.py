@@ -39,7 +39,7 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
     if budget is not None:
         pol_params["budget"] = str(budget)
     pol = make_policy(policy, pol_params)  # validates names and values before any download
-    measure_formats = bool(getattr(pol, "precision_is_auto", lambda: False)())
+    measure_formats = pol.needs_format_selection()
     if measure_formats:  # ThinKV precision=auto: calibrate scales for the paper's formats, then measure
         from trtkv.build.format_selection import DEFAULT_PRECISION
 

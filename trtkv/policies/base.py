@@ -160,6 +160,12 @@ class KVPolicy:
         """Does ``trtkv build`` have to calibrate (or load a calibration) for this configuration?"""
         return False
 
+    def needs_format_selection(self) -> bool:
+        """Does ``trtkv build`` have to measure candidate storage formats for this configuration
+        (``trtkv.build.format_selection``)? A policy that says so also takes the choice through
+        ``set_precision(precision)`` (ThinKV with ``precision=auto``)."""
+        return False
+
     def load_calibration(self, artifact: Any) -> None:
         """Take what the policy needs from the engine's calibration artifact (None: there is none)."""
 

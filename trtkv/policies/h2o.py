@@ -71,7 +71,5 @@ class H2OPolicy(ScorerPolicy):
 
     def protected_rows(self, reqs, layer: int, held: np.ndarray) -> np.ndarray:
         """``protected`` over a stack of requests' held positions: one comparison with each row's bound."""
-        if type(self).protected is not H2OPolicy.protected:
-            return super().protected_rows(reqs, layer, held)
         first = np.fromiter((r.position - self.recent + 1 for r in reqs), np.int64, len(reqs))
         return held >= first[:, None]

@@ -137,6 +137,8 @@ class LazyEvictionPolicy(ScorerPolicy):
     score: str = "sigmoid"
     ablate: str = "none"
     cut_prompt = False  # no prefill compression: a longer prompt is cut at the first multiple of W
+    keeps_best_scores = False  # keep() is lexicographic over (I, MRI, TS, position)
+    batched_events = False  # evict_layer waits for the first decode step; keep() is its own
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -56,6 +56,12 @@ class ScorerPolicy(KVPolicy):
     hard_cap = False  # target = budget - cadence.every (room for the next tokens) instead of budget
     evict_protected_when_short = False  # hard caps: evict protected tokens (lowest score) if candidates run out
     cut_prompt = True  # run an event right after prefill when the prompt exceeds the target
+    # keep() keeps the k best scores, ties to the newer token: a one-token cut then takes the first minimum
+    # directly (here and for a whole batch, ``lone_victims``). A policy whose keep() differs sets False.
+    keeps_best_scores = True
+    # a step's due events may run together (``events``); a policy that changes how one event runs (``event``,
+    # ``evict_layer``, ``keep``) sets False and gets one ``event`` per request, in request order.
+    batched_events = True
 
     def __post_init__(self) -> None:
         self._scorer: Scorer = self.make_scorer()
@@ -127,9 +133,8 @@ class ScorerPolicy(KVPolicy):
 
     def on_decode_step_end_batch(self, reqs, stats) -> None:
         """Every request observes its step, then the requests whose cadence fires have their events together
-        (``events``). A subclass that changes how one event runs keeps the request-by-request loop."""
-        cls = type(self)
-        if any(getattr(cls, f) is not getattr(ScorerPolicy, f) for f in _EVENT_HOOKS):
+        (``events``); with ``batched_events`` False, request by request."""
+        if not (self.batched_events and self.keeps_best_scores):  # lone_victims assumes keep's best-score rule
             return super().on_decode_step_end_batch(reqs, stats)
         due = []
         for req, st in zip(reqs, stats):
@@ -209,9 +214,7 @@ class ScorerPolicy(KVPolicy):
 
     def protected_rows(self, reqs: list, layer: int, held: np.ndarray) -> np.ndarray:
         """``protected`` of several requests as a mask over ``held [B, n]`` (rows ascending, nothing buffered):
-        sinks and the recent window as columns, or each row through an overriding ``protected``."""
-        if type(self).protected is not ScorerPolicy.protected:
-            return np.stack([sorted_member(h, np.sort(self.protected(r, layer, h))) for r, h in zip(reqs, held)])
+        sinks and the recent window as columns. A policy that overrides ``protected`` overrides this too."""
         mask = np.zeros(held.shape, bool)
         mask[:, :self.n_sink] = True
         if self.recent:
@@ -242,7 +245,7 @@ class ScorerPolicy(KVPolicy):
         n_keep = target - (n_live - len(cand))
         if n_keep < len(cand):
             scores = head_mean(self.scorer.score(req, layer, cand, req.state.memo))
-            if n_keep == len(cand) - 1 and type(self).keep is ScorerPolicy.keep:
+            if n_keep == len(cand) - 1 and self.keeps_best_scores:
                 # one victim (a full cache, one token a step): the first minimum of the ascending candidates,
                 # i.e. the lowest score, ties to the older token — what top_keep leaves out (NaN included)
                 at = first_minima([scores])[0]
@@ -262,8 +265,6 @@ class ScorerPolicy(KVPolicy):
     def extra_stats(self, req) -> dict[str, Any]:
         return {"eviction_events": req.state.events}
 
-
-_EVENT_HOOKS = ("on_decode_step_end", "event", "evict_layer", "keep")  # overridden: no batched events
 
 
 def first_minima(scores: list) -> list[int]:

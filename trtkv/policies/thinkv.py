@@ -172,6 +172,9 @@ class ThinKVPolicy(KVPolicy):
         """precision=auto: ``trtkv build`` measures candidate formats (trtkv.build.format_selection)."""
         return self.tbq and str(self.precision).strip().lower() == "auto"
 
+    def needs_format_selection(self) -> bool:
+        return self.precision_is_auto()
+
     def set_precision(self, precision: str) -> None:
         """Fix the formats (the builder's format selection writes its choice here)."""
         self._formats = parse_precision(precision)
