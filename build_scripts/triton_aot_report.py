@@ -15,6 +15,7 @@ import time
 import triton
 
 from plugins.triton_aot import all_specs, compile_all, report_markdown
+from trtkv.models.registry import load_registry
 
 
 def main() -> int:
@@ -28,7 +29,8 @@ def main() -> int:
     targets = tuple(int(t) for t in a.targets.split(","))
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        usages = compile_all(all_specs(a.opt_in), targets=targets, workers=a.workers,
+        archs = [spec.arch for spec in load_registry().values() if spec.config]
+        usages = compile_all(all_specs(archs, a.opt_in), targets=targets, workers=a.workers,
                              cache_dir=None if a.reuse_cache else tmp)
     print(f"Triton {triton.__version__}, targets {', '.join(f'sm_{t}' for t in targets)}, "
           f"{len(usages)} compiles in {time.time() - t0:.0f} s\n")

@@ -55,19 +55,15 @@ class Usage:
         return self.stack > 0 or self.local > 0
 
 
-def registry_geometries() -> list[tuple[int, int]]:
-    """(G query heads per KV head, head_dim) of the models in configs/models.yaml, one per distinct
-    (next power of two of G, head_dim): the kernels pad G to a power of two, so the largest G of each
-    padded size stands for the others (same tiles, same registers)."""
-    from trtkv.models.registry import load_registry
-
+def model_geometries(archs) -> list[tuple[int, int]]:
+    """(G query heads per KV head, head_dim) of the model architectures ``archs`` (the registry's, from the
+    caller: plugins know no model), one per distinct (next power of two of G, head_dim): the kernels pad G to
+    a power of two, so the largest G of each padded size stands for the others (same tiles, same registers)."""
     best: dict[tuple[int, int], int] = {}
-    for spec in load_registry().values():
-        if spec.config:
-            a = spec.arch
-            G, D = a.num_attention_heads // a.num_key_value_heads, a.head_dim
-            key = (triton.next_power_of_2(G), D)
-            best[key] = max(best.get(key, 0), G)
+    for a in archs:
+        G, D = a.num_attention_heads // a.num_key_value_heads, a.head_dim
+        key = (triton.next_power_of_2(G), D)
+        best[key] = max(best.get(key, 0), G)
     return sorted(((G, D) for (_, D), G in best.items()), key=lambda t: (t[1], t[0]))
 
 
@@ -147,8 +143,9 @@ def kmeans_specs() -> list[Spec]:
                  _sig(_assign_kernel, types), dict(BLOCK_M=16, BLOCK_K=16, BLOCK_F=64))]
 
 
-def all_specs(opt_in: bool = False) -> list[Spec]:
-    geos = registry_geometries()
+def all_specs(archs, opt_in: bool = False) -> list[Spec]:
+    """Every specialization to compile for the model architectures ``archs``."""
+    geos = model_geometries(archs)
     return attention_specs(geos, opt_in=opt_in) + kv_write_specs(sorted({d for _, d in geos})) + kmeans_specs()
 
 
