@@ -40,6 +40,7 @@ test: setup lint
 
 lint: setup
 	$(BIN)/ruff check trtkv plugins tests build_scripts
+	$(BIN)/lint-imports --no-cache  # the layering in .importlinter
 
 test-kernels: setup
 	$(BIN)/python -m pytest -q tests/kernels

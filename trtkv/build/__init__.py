@@ -1,0 +1,1 @@
+"""`trtkv build` and `trtkv calibrate`: write engine directories, calibrate, select formats."""

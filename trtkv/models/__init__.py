@@ -1,0 +1,1 @@
+"""The decoder (Llama / Qwen2), the model registry, weight fetching and conversion."""
