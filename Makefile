@@ -18,9 +18,13 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+# torch first, then trtkv without pip's build isolation: setup.py compiles the C++ CPU kernels against this
+# torch, -march=native (a few minutes on 2 cores, once; again when their sources change). No trtkv process compiles.
+KERNEL_SRC := setup.py plugins/cpu_kernels/variants.py $(wildcard plugins/cpu_kernels/csrc/*)
+$(VENV)/.installed: pyproject.toml $(KERNEL_SRC) | $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH_SPEC)" "setuptools>=68" ninja==1.13.2
+	@echo "building trtkv's C++ CPU kernels for this CPU (setup.py)"
+	$(BIN)/pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
 	touch $@
 
 setup: $(VENV)/.installed

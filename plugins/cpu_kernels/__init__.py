@@ -1,4 +1,4 @@
-"""Compiled CPU kernels (C++/OpenMP, built at first use): paged attention and kv_write over packed pages,
+"""Compiled CPU kernels (C++/OpenMP, built at install; see build.py): paged attention and kv_write over packed pages,
 attention over the residual buffers, and k-means token selection.
 
 The torch references in ``plugins/paged_attention``, ``plugins/kv_write``, ``plugins/buffer_attention`` and

@@ -5,4 +5,5 @@ import pytest
 
 from plugins.cpu_kernels import cpu_kernels_available
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels could not be built here")
+needs_kernels = pytest.mark.skipif(not cpu_kernels_available(),
+                                   reason="no C++ CPU kernels here: none built at install fits, none built at first use")
