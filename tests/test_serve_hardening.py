@@ -1,7 +1,9 @@
-"""Serving under abuse (issue 19): each numbered case against a real server process on 127.0.0.1.
+"""Serving under abuse (issues 19 and 38): each numbered case against a real server process on 127.0.0.1.
 
 One `python -m trtkv.serve serve` process serves the module (its SIGTERM test runs last); the
 deployed repository runs under `python -m trtkv.serve tritonserver` twice (healthy, then crashed).
+Tests named `test_38_*` are issue 38's cases; assertions count events and steps, never seconds (the
+bounded waits are hang guards).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import queue
 import signal
 import stat
 import subprocess
@@ -23,7 +26,7 @@ pytest.importorskip("pytriton")
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("starlette")
 
-from serve_helpers import (HOST, PROMPT, ROOT, children, free_ports, group_processes,  # noqa: E402
+from serve_helpers import (HOST, PROMPT, ROOT, children, free_ports, gauges, group_processes,  # noqa: E402
                            python_env, serve_command, stop_process, wait_gauges_idle, wait_ready)
 
 from trtkv.serve import client  # noqa: E402
@@ -82,6 +85,7 @@ def server(engine_dir, tmp_path_factory):
     srv = Server(proc, log, http, grpc, metrics, trtkv_metrics)
     try:
         wait_ready(srv.http_url, "trtkv", 240, proc)
+        srv.gauges_when_ready = gauges(trtkv_metrics)
         yield srv
     finally:
         stop_process(proc)
@@ -102,13 +106,48 @@ def test_1_deep_json_is_refused_and_server_survives(server):
     assert client.http_generate(server.http_url, PROMPT, max_tokens=2)["generated_tokens"] >= 1
 
 
-def test_10_huge_field_count_is_refused_quickly(server):
-    t0 = time.monotonic()
+def test_10_huge_field_count_is_refused(server):
     status, body = server.post("/v2/models/trtkv/generate", WIDE)
     assert status == 400 and "values" in body["error"]
-    assert time.monotonic() - t0 < 5
     status, body = server.post("/v1/chat/completions", b"x" * (5 << 20))
-    assert status == 413
+    assert status == 413 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_38_ready_means_warm(server):
+    """Ready only once a request can be served at once: the warm-up generation allocated the KV pools (and
+    loaded the kernels) before the HTTP front end and tritonserver's model answered; it is no request."""
+    g = server.gauges_when_ready
+    assert g.get("trtkv_kv_pool_bytes", 0) > 0 and g["trtkv_requests_total"] == 0, g
+    log = server.log.read_text(errors="replace")
+    assert log.index("engine warmed up") < log.index("serving ")
+
+
+def test_38_2_adversarial_body_answered_while_a_stream_flows(server):
+    """4 MiB of an unterminated string of \\" pairs: the body check was quadratic (80 KB: 12 s) and ran on
+    the event loop, stalling every client.  Now it is a 400, and a stream opened before it keeps going."""
+    body = {"model": "trtkv", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    conn = http.client.HTTPConnection(HOST, server.http, timeout=300)
+    conn.request("POST", "/v1/completions", body=json.dumps(body).encode())
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events: list[bytes] = [resp.readline()]
+    assert events[0].startswith(b"data: ")
+    answer: list = []
+    adversarial = (b'{"model": "trtkv", "prompt": "' + b'\\"' * (2 << 20))[: 4 << 20]
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(lambda: answer.append(server.post("/v1/completions", adversarial, timeout=120)))
+        for line in iter(resp.readline, b""):  # the stream runs on to its 400 tokens
+            if line.startswith(b"data: "):
+                events.append(line)
+                if line.strip() == b"data: [DONE]":
+                    break
+        fut.result(timeout=180)
+    conn.close()
+    (status, reply), = answer
+    assert status == 400 and "not valid JSON" in reply["error"]["message"]
+    chunks = [json.loads(e[6:]) for e in events if e.strip() != b"data: [DONE]"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and len(chunks) > 10
+    assert server.alive()
 
 
 # 2 and 3: no admin API, no token, private shared memory ----------------------------------------------
@@ -132,6 +171,8 @@ def test_2_3_admin_apis_closed_no_token_in_proc(server):
         "repository-index": lambda h: c.get_model_repository_index(headers=h),
         "trace": lambda h: c.get_trace_settings(headers=h),
         "statistics": lambda h: c.get_inference_statistics(headers=h),
+        "logging": lambda h: c.get_log_settings(headers=h),  # issue 38: open under trtkv serve before
+        "logging-update": lambda h: c.update_log_settings({"log_verbose_level": 1}, headers=h),
     }
     for name, call in attempts.items():
         for headers in (None, {key: value}, {key.lower(): value}, {f"triton-grpc-protocol-{key.lower()}": value}):
@@ -167,7 +208,9 @@ BAD_KSERVE = [
     (b'{"text_input": "hi", "stop": {"a": 1}}', "stop must be a string or an array"),
     (b'{"text_input": ["hi"]}', "text_input must be a string"),
     (b'{"text_input": 5}', "text_input must be a string"),
-    (b'{"text_input": "\\ud800"}', "not valid UTF-8"),
+    (b'{"text_input": "\\ud800"}', "text_input holds a lone surrogate"),
+    (b'{"text_input": "hi", "stop": ["\\ud800"]}', "stop holds a lone surrogate"),  # issue 38: was a 500
+    (b'{"text_input": "hi", "stop": ["x", "\\udfff"]}', "stop holds a lone surrogate"),
     (b'{"text_input": "hi", "bogus": 1}', "unknown input 'bogus'"),
     (b'{"max_tokens": 3}', "missing required input text_input"),
 ]
@@ -183,6 +226,15 @@ BAD_OPENAI = [
     ("/v1/chat/completions", {"model": "trtkv", "messages": [{"role": "user", "content": None}]}, "content"),
     ("/v1/chat/completions", {"model": "trtkv", "messages": [{"role": "user", "content": "x"}],
                               "temperature": -1}, "temperature"),
+    # issue 38: lone surrogates are a 400 (stop was a 500), and errors name OpenAI's fields
+    ("/v1/completions", {"model": "trtkv", "prompt": "hi", "stop": ["\ud800"]}, "stop holds a lone surrogate"),
+    ("/v1/completions", {"model": "trtkv", "prompt": "a\ud800"}, "prompt holds a lone surrogate"),
+    ("/v1/chat/completions", {"model": "trtkv", "messages": [{"role": "user", "content": "x"}], "stop": "\udc00"},
+     "stop holds a lone surrogate"),
+    ("/v1/chat/completions", {"model": "trtkv", "messages": [{"role": "user", "content": "\ud800"}]},
+     "messages[0].content holds a lone surrogate"),
+    ("/v1/completions", {"model": "trtkv", "prompt": "  "}, "prompt is empty"),
+    ("/v1/completions", {"model": "trtkv", "prompt": "hi", "stop": ["x"] * 17}, "stop holds 17 strings"),
 ]
 
 
@@ -195,6 +247,7 @@ def test_7_malformed_bodies_get_4xx_never_500(server):
     for path, body, message in BAD_OPENAI:
         status, reply = server.post(path, json.dumps(body).encode())
         assert 400 <= status < 500 and message in reply["error"]["message"], (path, body, status, reply)
+        assert set(reply["error"]) == {"message", "type", "param", "code"} and "text_input" not in json.dumps(reply)
     status, _ = server.post("/v2/models/other/generate", b'{"text_input": "hi"}')
     assert status == 404
     assert server.alive()
@@ -227,6 +280,104 @@ def test_openai_client_completions_chat_and_stream(server):
         oa.completions.create(model="trtkv", prompt="hi", max_tokens=0)
 
 
+def test_38_5_openai_compatibility(server):
+    """GET /v1/models/{id}, error objects for 404/405/431, chat logprobs=false, OpenAI's field names."""
+    openai = pytest.importorskip("openai")
+    oa = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
+    assert oa.models.retrieve("trtkv").id == "trtkv"
+    with pytest.raises(openai.NotFoundError) as err:
+        oa.models.retrieve("gpt-4o")
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        oa.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    chat = oa.chat.completions.create(model="trtkv", messages=[{"role": "user", "content": PROMPT}], max_tokens=3,
+                                      logprobs=False)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens must be between") as err:
+        oa.chat.completions.create(model="trtkv", messages=[{"role": "user", "content": "hi"}],
+                                   max_completion_tokens=0)
+    assert err.value.body["param"] == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError, match="prompt is empty"):
+        oa.completions.create(model="trtkv", prompt="", max_tokens=2)
+    for method, path, status in [("GET", "/v1/embeddings", 404), ("DELETE", "/v1/models/trtkv", 405),
+                                 ("GET", "/v1/chat/completions", 405)]:
+        conn = http.client.HTTPConnection(HOST, server.http, timeout=30)
+        conn.request(method, path)
+        resp = conn.getresponse()
+        reply = json.loads(resp.read())
+        conn.close()
+        assert resp.status == status and set(reply["error"]) == {"message", "type", "param", "code"}, reply
+    conn = http.client.HTTPConnection(HOST, server.http, timeout=30)
+    conn.request("GET", "/v1/models", headers={"X-Pad": "a" * 100_000})  # docs/serving.md: heads up to 64 KiB
+    resp = conn.getresponse()
+    assert resp.status == 431 and "65536" in json.loads(resp.read())["error"]["message"]
+    conn.close()
+
+
+# 38.3: gRPC requests are all answered, once, without a traceback in the log; cancelling stops the generation
+
+def _grpc_input(name, array, dtype):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    tensor = grpcclient.InferInput(name, list(np.shape(array)), dtype)
+    tensor.set_data_from_numpy(np.asarray(array, dtype=np.object_ if dtype == "BYTES" else None))
+    return tensor
+
+
+def test_38_3_every_grpc_request_answered_once_without_traceback(server):
+    import numpy as np
+
+    text = _grpc_input("text_input", [PROMPT.encode()], "BYTES")
+    two = client.grpc_inputs({"max_tokens": 2})
+    bad = {
+        "max_tokens 0": (client.grpc_inputs({"text_input": PROMPT, "max_tokens": 0}), "max_tokens must be between"),
+        "5,000 stop strings": ([text] + two + [_grpc_input("stop", [b"x"] * 5000, "BYTES")], "stop holds 5000"),
+        "1 MB stop string": ([text] + two + [_grpc_input("stop", [b"x" * (1 << 20)], "BYTES")], "at most 256"),
+        "surrogate stop": ([text] + two + [_grpc_input("stop", ["\ud800".encode("utf-8", "surrogatepass")],
+                                                        "BYTES")], "stop is not valid UTF-8"),
+        "invalid UTF-8 prompt": (client.grpc_inputs({"text_input": b"\xff\xfe", "max_tokens": 2}), "not valid UTF-8"),
+        "no prompt": (two, "text_input"),
+        "two prompts": ([_grpc_input("text_input", [b"a", b"b"], "BYTES")] + two, "text_input"),
+        "wrong dtype": ([text, _grpc_input("max_tokens", np.array([2], np.int64), "INT64")], "expects 'INT32'"),
+        "unknown input": ([text, _grpc_input("bogus", [b"x"], "BYTES")], "bogus"),
+    }
+    size = server.log.stat().st_size
+    for name, (inputs, message) in bad.items():
+        with pytest.raises(ServerError) as err:
+            list(client.grpc_stream(f"{HOST}:{server.grpc}", "trtkv", inputs, timeout_s=120))
+        text_ = str(err.value)
+        assert message in text_ and "Traceback" not in text_ and "\n" not in text_, (name, text_)
+    # a zero-element stop (shape [0]) was never answered; now it is no stop strings, as `"stop": []` over HTTP
+    empty = [text] + two + [_grpc_input("stop", np.array([], dtype=np.object_), "BYTES")]
+    out = client.collect(client.grpc_stream(f"{HOST}:{server.grpc}", "trtkv", empty, timeout_s=120))
+    assert out["generated_tokens"] == 2 and out["finish_reason"] == "length"
+    with open(server.log, "rb") as f:
+        f.seek(size)
+        log = f.read().decode(errors="replace")
+    assert "Traceback" not in log and log.count("answered with an error") >= 5, log[-3000:]
+    assert server.alive()
+
+
+def test_38_3_cancelled_grpc_stream_frees_its_pages(server):
+    """The gRPC client goes away mid-stream (cancels): the generation stops (it ran on to max_tokens)."""
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    conn = grpcclient.InferenceServerClient(f"{HOST}:{server.grpc}")
+    conn.start_stream(callback=lambda result, error: results.put((result, error)))
+    conn.async_stream_infer("trtkv", client.grpc_inputs({"text_input": PROMPT, "max_tokens": 8000, "ignore_eos": True,
+                                                         "stream": True}), enable_empty_final_response=True)
+    for _ in range(3):
+        assert results.get(timeout=300)[1] is None
+    assert gauges(server.trtkv_metrics)["trtkv_live_requests"] == 1
+    conn.stop_stream(cancel_requests=True)
+    conn.close()
+    _, g = wait_gauges_idle(server.trtkv_metrics, 30)  # hang guard; 8,000 tokens would take minutes
+    assert g["trtkv_live_requests"] == 0 and g["trtkv_live_pages"] == 0, g
+    assert client.collect(client.grpc_generate(f"{HOST}:{server.grpc}", PROMPT, max_tokens=2))["generated_tokens"]
+
+
 # 6: a client that goes away stops its generation ---------------------------------------------------
 
 def _open_and_drop(server, path: str, body: dict, read_first: bool):
@@ -243,7 +394,7 @@ def _open_and_drop(server, path: str, body: dict, read_first: bool):
 
 
 def test_6_disconnect_cancels_generation_and_frees_pages(server):
-    long = {"max_tokens": 2000, "ignore_eos": True}
+    long = {"max_tokens": 8000, "ignore_eos": True}  # minutes of generation each: only a cancel frees them
     drops = [("/v1/completions", {"model": "trtkv", "prompt": PROMPT, "stream": True, **long}, True),
              ("/v1/chat/completions", {"model": "trtkv", "messages": [{"role": "user", "content": PROMPT}],
                                        **long}, False),
@@ -251,10 +402,8 @@ def test_6_disconnect_cancels_generation_and_frees_pages(server):
              ("/v2/models/trtkv/generate", {"text_input": PROMPT, **long}, False)]
     with ThreadPoolExecutor(len(drops)) as pool:
         list(pool.map(lambda d: _open_and_drop(server, *d), drops))
-    seconds, g = wait_gauges_idle(server.trtkv_metrics, 10)
+    _, g = wait_gauges_idle(server.trtkv_metrics, 30)  # hang guard: freed within a step of each disconnect
     assert g["trtkv_live_requests"] == 0 and g["trtkv_live_pages"] == 0, g
-    assert seconds < 5, f"pages freed only after {seconds:.1f}s"
-    # gRPC through PyTriton cannot cancel (its proxy drops Triton's cancellation): documented
     assert client.http_generate(server.http_url, PROMPT, max_tokens=2)["generated_tokens"] >= 1
 
 
@@ -268,14 +417,12 @@ def test_9_port_clash_is_one_line(server, engine_dir, option):
     ports[option] = {"--http-port": server.http, "--grpc-port": server.grpc,
                      "--trtkv-metrics-port": server.trtkv_metrics}[option]
     args = [a for k, v in ports.items() for a in (k, v)]
-    t0 = time.monotonic()
     run = subprocess.run(serve_command("serve", engine_dir, "--host", HOST, *args), cwd=ROOT,
                          env=python_env(), capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     lines = [ln for ln in run.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("trtkv: error: cannot listen on") and option in lines[0], \
         run.stderr[-2000:]
-    assert time.monotonic() - t0 < 60
     assert server.alive()  # still serving, model still loaded
     assert client.collect(client.grpc_generate(f"{HOST}:{server.grpc}", PROMPT, max_tokens=2))["generated_tokens"]
 

@@ -113,8 +113,17 @@ class TinyEngine:
         words = [" w"] * params.max_tokens
         res = SimpleNamespace(text="".join(words), token_ids=list(range(len(words))), finish_reason="length",
                               stats={"prompt_tokens": 1, "generated_tokens": len(words)})
-        return iter([ev(w, [i], i == len(words) - 1, res if i == len(words) - 1 else None)
-                     for i, w in enumerate(words)])
+        return Handle([ev(w, [i], i == len(words) - 1, res if i == len(words) - 1 else None)
+                       for i, w in enumerate(words)])
+
+
+class Handle(list):
+    """A RequestHandle's contract: iterate the events, cancel."""
+
+    cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
 
 
 def run_infer(engine, **fields):
@@ -136,3 +145,138 @@ def test_infer_fn_streams_and_maps_errors():
         run_infer(TinyEngine("bad"))
     with pytest.raises(protocol.InternalError, match="ZeroDivisionError: oops"):
         run_infer(TinyEngine("bug"))
+
+
+# ---- issue 38: the gRPC path has the HTTP bounds, one-line errors, cancellation -----------------------
+
+def test_stop_strings_bounded_on_every_path():
+    """Tensors (gRPC, the deployed model) get the same stop limits as JSON: 16 strings of 256 characters."""
+    many = np.array([b"x"] * (protocol.MAX_STOP_STRINGS + 1), dtype=np.object_)
+    with pytest.raises(RequestError, match="stop holds 17 strings; at most 16"):
+        parse_request(req(stop=many), 64, SamplingParams)
+    with pytest.raises(RequestError, match="stop strings must be at most 256 characters"):
+        parse_request(req(stop=np.array([b"x" * (1 << 20)], dtype=np.object_)), 64, SamplingParams)
+    with pytest.raises(RequestError, match="stop is not valid UTF-8"):
+        parse_request(req(stop=np.array(["\ud800".encode("utf-8", "surrogatepass")], dtype=np.object_)), 64,
+                      SamplingParams)
+    with pytest.raises(RequestError, match="stop holds a lone surrogate"):
+        parse_request(req(stop=np.array(["\ud800"], dtype=np.object_)), 64, SamplingParams)
+    assert parse_request(req(stop=np.array([], dtype=np.object_)), 64, SamplingParams).params.stop == ()
+    ok = np.array([b"x" * 256] * 16, dtype=np.object_)
+    assert len(parse_request(req(stop=ok), 64, SamplingParams).params.stop) == 16
+
+
+def test_errors_name_the_clients_fields():
+    names = {"text_input": "prompt", "max_tokens": "max_completion_tokens"}
+    with pytest.raises(RequestError, match="^prompt is empty$") as err:
+        parse_request(req(text_input=np.array([b"  "], dtype=np.object_)), 64, SamplingParams, names)
+    assert err.value.param == "prompt"
+    with pytest.raises(RequestError, match="^max_completion_tokens must be between 1 and 64") as err:
+        parse_request(req(max_tokens=np.array([0], np.int32)), 64, SamplingParams, names)
+    assert err.value.param == "max_completion_tokens"
+
+
+def test_stub_proxy_shares_the_cancel_constants():
+    """pytriton_proxy.py runs in tritonserver's stub and cannot import trtkv: its constants are repeated."""
+    import ast
+    from pathlib import Path
+
+    pytest.importorskip("pytriton")
+    from trtkv.serve import triton_server
+
+    tree = ast.parse((Path(triton_server.__file__).parent / "pytriton_proxy.py").read_text())
+    consts = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+              for t in node.targets if isinstance(t, ast.Name) and isinstance(node.value, ast.Constant)}
+    assert consts["CANCEL_SOCKET"] == triton_server.CANCEL_SOCKET
+    assert consts["KEY_PARAMETER"] == triton_server.KEY_PARAMETER
+
+
+def test_pytriton_traceback_logged_as_one_line():
+    import logging
+
+    pytest.importorskip("pytriton")
+    from trtkv.serve.triton_server import _OneLineErrors
+
+    trace = ('Traceback (most recent call last):\n  File "x.py", line 1, in infer\n    raise RequestError\n'
+             "RequestError: max_tokens must be between 1 and 64 (the model's positions), got 0\n")
+    record = logging.LogRecord("pytriton.proxy.inference", logging.WARNING, "x", 1,
+                               "Exception while performing inference on requests=%s: %s", ("00000002", trace), None)
+    assert _OneLineErrors().filter(record)
+    assert record.getMessage() == ("request 00000002 answered with an error: RequestError: max_tokens must be "
+                                   "between 1 and 64 (the model's positions), got 0")
+
+
+class SlowHandle:
+    """Events every 10 ms until cancelled; counts the events produced after `cancel`."""
+
+    def __init__(self, n):
+        self.n, self.cancelled, self.after_cancel = n, False, 0
+
+    def __iter__(self):
+        import time
+
+        for i in range(self.n):
+            done = i == self.n - 1 or self.cancelled
+            self.after_cancel += self.cancelled
+            yield ev(" w", [i], done, RESULT if done else None)
+            if done:
+                return
+            time.sleep(0.01)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_grpc_cancel_reaches_the_generation(tmp_path):
+    """A key sent on the cancel socket (by the stub, when Triton reports the request cancelled) ends the
+    callable's stream and cancels the engine request: at most one more event is produced, of 100,000."""
+    import socket
+
+    pytest.importorskip("pytriton")
+    from trtkv.serve.triton_server import KEY_PARAMETER, _CancelListener, make_infer_fn
+
+    handle = SlowHandle(100_000)
+    engine = SimpleNamespace(info={"max_position_embeddings": 32}, submit=lambda prompt, params: handle)
+    listener = _CancelListener(tmp_path / "cancel.sock")
+    infer = make_infer_fn(engine, SamplingParams, listener)
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    async def go():
+        got = 0
+        request = SimpleNamespace(data=req(stream=np.array([True])), parameters={KEY_PARAMETER: "7-1"})
+        async for _ in infer([request]):
+            got += 1
+            if got == 3:
+                sender.sendto(b"7-1", str(tmp_path / "cancel.sock"))
+        return got
+
+    try:
+        got = asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        listener.close()
+        sender.close()
+    assert handle.cancelled and handle.after_cancel <= 1 and got < 100
+    assert not (tmp_path / "cancel.sock").exists()
+
+
+def test_cancel_before_the_request_arrives_still_cancels(tmp_path):
+    import socket
+    import time
+
+    pytest.importorskip("pytriton")
+    from trtkv.serve.triton_server import _CancelListener
+
+    listener = _CancelListener(tmp_path / "c.sock")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(b"9-9", str(tmp_path / "c.sock"))
+        cancelled = []
+        for _ in range(500):  # the listener thread has to take the datagram first (bounded: 5 s)
+            listener.register("9-9", lambda: cancelled.append(True))
+            if cancelled:
+                break
+            listener.unregister("9-9")
+            time.sleep(0.01)
+        assert cancelled
+    finally:
+        listener.close()

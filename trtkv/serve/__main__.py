@@ -17,12 +17,15 @@ import click
 from trtkv.errors import TrtkvError
 
 
+PORT = click.IntRange(1, 65535)
+
+
 def _ports(f):
     for opt in reversed([
         click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind."),
-        click.option("--http-port", type=int, default=8000, show_default=True),
-        click.option("--grpc-port", type=int, default=8001, show_default=True),
-        click.option("--metrics-port", type=int, default=8002, show_default=True),
+        click.option("--http-port", type=PORT, default=8000, show_default=True),
+        click.option("--grpc-port", type=PORT, default=8001, show_default=True),
+        click.option("--metrics-port", type=PORT, default=8002, show_default=True),
     ]):
         f = opt(f)
     return f
@@ -42,7 +45,7 @@ def main() -> None:
 @main.command()
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
 @_ports
-@click.option("--trtkv-metrics-port", type=int, default=None,
+@click.option("--trtkv-metrics-port", type=PORT, default=None,
               help="Port of the trtkv gauges endpoint [metrics port + 1].")
 @click.option("--model-name", default=None, help="Triton model name [trtkv].")
 @click.option("--log-verbose", type=int, default=0, help="tritonserver verbosity.")
@@ -81,10 +84,12 @@ def deploy(engine, repo, out, model_name):
 def tritonserver(repo, host, http_port, grpc_port, metrics_port, open_api, allow_http):
     """Run the bundled tritonserver on REPO with this Python's backend stub."""
     from trtkv.serve.deploy import start_tritonserver
-    from trtkv.serve.http_front import check_port_free
+    from trtkv.serve.http_front import check_port_free, distinct_ports
 
     ports = [(grpc_port, "--grpc-port"), (metrics_port, "--metrics-port")]
-    for port, option in ports + ([(http_port, "--http-port")] if allow_http else []):
+    ports += [(http_port, "--http-port")] if allow_http else []
+    distinct_ports(ports)
+    for port, option in ports:
         check_port_free(host, port, option)
     proc = start_tritonserver(repo, host=host, http_port=http_port, grpc_port=grpc_port,
                               metrics_port=metrics_port, open_apis=open_api, allow_http=allow_http)

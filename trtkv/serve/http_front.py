@@ -2,10 +2,13 @@
 
 `trtkv serve` puts this, not tritonserver's HTTP server, on the public HTTP port, because
 tritonserver's JSON parser can be crashed (deep nesting) or stalled (quadratic field counts) by a
-single body and neither can be configured.  Here every body is bounded (`bounded_json`) and checked
-field by field (`json_requests`) before it reaches `engine.submit`; a client that goes away has its
-generation cancelled at once (its pages return within a scheduler step); shutdown sends every open
-stream a final error event before the socket closes.
+single body and neither can be configured.  Here every body is bounded (`bounded_json`, in a small
+thread pool so a 4 MiB body never holds up the event loop that streams everyone else's tokens) and
+checked field by field (`json_requests`) before it reaches `engine.submit`; request heads are
+bounded (64 KiB); a client that goes away has its generation cancelled at once (its pages return
+within a scheduler step); shutdown sends every open stream a final error event before the socket
+closes.  Every error is a JSON object: OpenAI's `{"error": {"message", "type", "param", "code"}}`
+under `/v1`, KServe's `{"error": message}` elsewhere, 404 and 405 included.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import secrets
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -32,6 +37,62 @@ from trtkv.serve.protocol import RequestError
 
 LOG = logging.getLogger(__name__)
 SHUTDOWN_MESSAGE = "server shutting down; the request was cancelled"
+MAX_HEAD_BYTES = 64 << 10  # request line + headers (docs/serving.md, Hardening)
+BODY_CHECK_THREADS = 2  # bodies are checked off the event loop; this bounds their CPU and memory at once
+
+
+class _JSON(JSONResponse):
+    """JSON with every non-ASCII character escaped: valid whatever a message echoes (a lone surrogate too)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+_OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+                 413: "invalid_request_error", 431: "invalid_request_error", 499: "invalid_request_error"}
+
+
+def error_response(path: str, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    """The error body of the API `path` belongs to: OpenAI's error object under /v1, KServe's elsewhere."""
+    if path == "/v1" or path.startswith("/v1/"):
+        kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    else:
+        body = {"error": message}
+    return _JSON(body, status_code=status, headers=headers)
+
+
+class _Guard:
+    """ASGI wrapper: bounds the request head and the number of requests in the app, with JSON errors.
+
+    uvicorn's h11 parser only bounds a head that arrives in pieces (`h11_max_incomplete_event_size`);
+    one that arrives whole is parsed whatever its size, so the bound is checked here too.
+    """
+
+    def __init__(self, app, max_head_bytes: int, max_active: int):
+        self.app, self.max_head_bytes, self.max_active = app, max_head_bytes, max_active
+        self.active = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 16 + sum(
+            len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head > self.max_head_bytes:
+            response = error_response(scope["path"], 431, f"request headers are {head} bytes; "
+                                      f"the limit is {self.max_head_bytes}")
+        elif self.active >= self.max_active:
+            response = error_response(scope["path"], 503, f"server busy: {self.active} requests open; retry later")
+        else:
+            self.active += 1
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.active -= 1
+            return
+        await response(scope, receive, send)
 
 
 class _Closing(Exception):
@@ -100,9 +161,11 @@ class HttpFrontEnd:
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server = self._thread = None
+        self._checks: ThreadPoolExecutor | None = None
         self.created = int(time.time())
-        self.app = Starlette(routes=[
+        self.starlette = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v2/health/live", self.live, methods=["GET"]),
@@ -110,7 +173,18 @@ class HttpFrontEnd:
             Route("/v2/models/{model}/ready", self.model_ready, methods=["GET"]),
             Route("/v2/models/{model}/generate", self.generate, methods=["POST"]),
             Route("/v2/models/{model}/generate_stream", self.generate_stream, methods=["POST"]),
-        ])
+        ], exception_handlers={HTTPException: self._http_error, Exception: self._server_error})
+        self.app = _Guard(self.starlette, MAX_HEAD_BYTES, max_inflight + 64)
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's own 404 (no such route) and 405 (wrong method), as the API's error object."""
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return error_response(request.url.path, exc.status_code, message[:300], headers=exc.headers)
+
+    async def _server_error(self, request: Request, exc: Exception) -> Response:
+        LOG.error("request %s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}")
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "HttpFrontEnd":
@@ -118,9 +192,12 @@ class HttpFrontEnd:
 
         sock = bind_port(self.host, self.port, "--http-port")
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=5, limit_concurrency=self._max_inflight + 64,
-                                h11_max_incomplete_event_size=64 << 10, timeout_keep_alive=30)
+        # http="h11": the head bound below is h11's (httptools, if installed, would have none); requests
+        # past max_inflight + 64 get a JSON 503 from _Guard, connections past limit_concurrency uvicorn's own.
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False, http="h11",
+                                timeout_graceful_shutdown=5, limit_concurrency=self._max_inflight + 1024,
+                                h11_max_incomplete_event_size=MAX_HEAD_BYTES, timeout_keep_alive=30)
+        self._checks = ThreadPoolExecutor(BODY_CHECK_THREADS, thread_name_prefix="trtkv-body")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, args=(sock,), daemon=True, name="trtkv-http")
         self._thread.start()
@@ -169,6 +246,8 @@ class HttpFrontEnd:
         self._server.should_exit = True
         self._thread.join(timeout=drain_s + 10)
         self._server = None
+        if self._checks is not None:
+            self._checks.shutdown(wait=False, cancel_futures=True)
 
     # ---- engine bridge -------------------------------------------------------------------------
     async def _submit(self, parsed: protocol.ParsedRequest):
@@ -237,11 +316,14 @@ class HttpFrontEnd:
             if size > self._limits.max_bytes:
                 raise BodyError(f"request body exceeds the limit of {self._limits.max_bytes} bytes", 413)
             chunks.append(chunk)
-        return parse_body(b"".join(chunks), self._limits)
+        # Off the event loop: the check is linear, but 4 MiB still costs tens of ms that every open
+        # stream would wait for; the pool's few threads bound what concurrent bodies cost at once.
+        return await asyncio.get_running_loop().run_in_executor(self._checks, parse_body, b"".join(chunks),
+                                                                self._limits)
 
     # ---- KServe v2 -----------------------------------------------------------------------------
     def _kserve_error(self, status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status)
+        return _JSON({"error": message}, status_code=status)
 
     async def _kserve_parse(self, request: Request) -> protocol.ParsedRequest:
         model = request.path_params["model"]
@@ -274,7 +356,7 @@ class HttpFrontEnd:
             if out is None:
                 handle.cancel()
                 return self._kserve_error(499, "client disconnected")
-            return JSONResponse(out)
+            return _JSON(out)
         except BodyError as e:
             return self._kserve_error(e.status, str(e))
         except RequestError as e:
@@ -323,13 +405,28 @@ class HttpFrontEnd:
         return Response(status_code=503 if self._closing else 200)
 
     # ---- OpenAI ----------------------------------------------------------------------------------
-    def _openai_error(self, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
-                            status_code=status)
+    def _openai_error(self, status: int, message: str, param: str | None = None,
+                      code: str | None = None) -> JSONResponse:
+        return error_response("/v1", status, message, param=param, code=code)
+
+    def _request_error(self, e: RequestError) -> JSONResponse:
+        param = getattr(e, "param", None)
+        if "is not served here" in str(e):
+            return self._openai_error(404, str(e), param, "model_not_found")
+        return self._openai_error(400, str(e), param)
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "trtkv"}
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "trtkv"}]})
+        return _JSON({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != self.model_name:
+            return self._openai_error(404, f"The model {name!r}"[:150] + f" does not exist; this server serves "
+                                      f"{self.model_name!r}", "model", "model_not_found")
+        return _JSON(self._model_card())
 
     async def completions(self, request: Request) -> Response:
         return await self._openai(request, chat=False)
@@ -351,9 +448,9 @@ class HttpFrontEnd:
         except BodyError as e:
             return self._openai_error(e.status, str(e))
         except RequestError as e:
-            return self._openai_error(404 if "is not served here" in str(e) else 400, str(e))
+            return self._request_error(e)
         except _Closing:
-            return self._openai_error(503, SHUTDOWN_MESSAGE, "server_error")
+            return self._openai_error(503, SHUTDOWN_MESSAGE)
         ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         base = {"id": ident, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
@@ -368,19 +465,17 @@ class HttpFrontEnd:
         try:
             result = await self._until_done_or_gone(request, work())
         except RequestError as e:
-            return self._openai_error(400, str(e))
+            return self._request_error(e)
         except _Closing:
-            return self._openai_error(503, SHUTDOWN_MESSAGE, "server_error")
+            return self._openai_error(503, SHUTDOWN_MESSAGE)
         except _EngineFailed as e:
-            internal = str(e).startswith("internal error")
-            return self._openai_error(500 if internal else 400, str(e), "server_error" if internal else
-                                      "invalid_request_error")
+            return self._openai_error(500 if str(e).startswith("internal error") else 400, str(e))
         if result is None:
             handle.cancel()
             return self._openai_error(499, "client disconnected")
         choice = {"index": 0, "finish_reason": _finish(result.finish_reason), "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text})
-        return JSONResponse({**base, "choices": [choice], "usage": _usage(result)})
+        return _JSON({**base, "choices": [choice], "usage": _usage(result)})
 
     async def _openai_stream(self, handle, req, base: dict, chat: bool):
         base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -407,9 +502,11 @@ class HttpFrontEnd:
                         yield _sse({**base, "choices": [], "usage": _usage(ev.result)})
             yield _sse(b"[DONE]")
         except (RequestError, _EngineFailed) as e:
-            yield _sse({"error": {"message": str(e), "type": "invalid_request_error"}})
+            internal = str(e).startswith("internal error")
+            yield _sse({"error": {"message": str(e), "type": "server_error" if internal else "invalid_request_error",
+                                  "param": None, "code": None}})
         except _Closing:
-            yield _sse({"error": {"message": SHUTDOWN_MESSAGE, "type": "server_error"}})
+            yield _sse({"error": {"message": SHUTDOWN_MESSAGE, "type": "server_error", "param": None, "code": None}})
 
 
 def _finish(reason: str | None) -> str:
@@ -442,3 +539,14 @@ def bind_port(host: str, port: int, option: str) -> socket.socket:
 def check_port_free(host: str, port: int, option: str) -> None:
     """Fail early, before tritonserver starts, if a port is taken (its own error is a 60-line trace)."""
     bind_port(host, port, option).close()
+
+
+def distinct_ports(ports) -> None:
+    """Refuse, before anything starts, two listeners given the same port ((port, option) pairs; 0 = any)."""
+    seen: dict[int, str] = {}
+    for port, option in ports:
+        if not port:
+            continue
+        if port in seen:
+            raise TrtkvError(f"{seen[port]} and {option} are both {port}; give each its own port")
+        seen[port] = option

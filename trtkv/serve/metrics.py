@@ -25,6 +25,8 @@ GAUGES = {
     "tokens_host": ("trtkv_tokens_host", "Tokens held in the host tiers (per layer) by live requests", "gauge"),
     "transfer_bytes_total": ("trtkv_kv_transfer_bytes_total", "KV bytes copied between device and host tiers",
                              "counter"),
+    "kv_pool_bytes": ("trtkv_kv_pool_bytes", "Bytes the KV pools reserved (allocated by the warm-up, used or not)",
+                      "gauge"),
 }
 
 

@@ -22,6 +22,8 @@ import numpy as np
 from trtkv.errors import TrtkvError
 
 DEFAULT_MAX_TOKENS = 256
+MAX_STOP_STRINGS = 16  # the same bounds for every way in (gRPC, KServe JSON, OpenAI JSON)
+MAX_STOP_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,10 @@ class RequestError(Exception):
 
     __module__ = "builtins"
 
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param  # the request field at fault, when there is one (OpenAI's error "param")
+
     @property
     def __traceback__(self):  # type: ignore[override]
         return None
@@ -97,80 +103,110 @@ class ParsedRequest:
     stream: bool
 
 
-def _scalar(inputs: Mapping[str, np.ndarray], name: str, kind: type, default):
-    value = inputs.get(name)
+def _scalar(inputs: Mapping[str, np.ndarray], key: str, kind: type, default,
+            names: Mapping[str, str] | None = None):
+    value = inputs.get(key)
+    name = (names or {}).get(key, key)
     if value is None:
         return default
     arr = np.asarray(value)
     if arr.size != 1:
-        raise RequestError(f"{name} must hold exactly one value, got {arr.size}")
+        raise RequestError(f"{name} must hold exactly one value, got {arr.size}", name)
     item = arr.reshape(-1)[0]
     if kind is float:
         if not np.issubdtype(arr.dtype, np.floating) and not np.issubdtype(arr.dtype, np.integer):
-            raise RequestError(f"{name} must be a number, got {arr.dtype}")
+            raise RequestError(f"{name} must be a number, got {arr.dtype}", name)
         item = float(item)
         if not math.isfinite(item):
-            raise RequestError(f"{name} must be finite, got {item}")
+            raise RequestError(f"{name} must be finite, got {item}", name)
         return item
     if kind is int:
         if not np.issubdtype(arr.dtype, np.integer):
-            raise RequestError(f"{name} must be an integer, got {arr.dtype}")
+            raise RequestError(f"{name} must be an integer, got {arr.dtype}", name)
         return int(item)
     if kind is bool:
         if arr.dtype != np.bool_:
-            raise RequestError(f"{name} must be a boolean, got {arr.dtype}")
+            raise RequestError(f"{name} must be a boolean, got {arr.dtype}", name)
         return bool(item)
     raise AssertionError(kind)
 
 
+def check_encodable(name: str, text: str) -> str:
+    """`text` if it can be encoded as UTF-8; a lone surrogate (JSON's "\\ud800") is a RequestError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{name} holds a lone surrogate ({text[e.start]!a} at character {e.start}); "
+                           "strings must be valid Unicode", name) from None
+    return text
+
+
 def _text(raw: Any, name: str) -> str:
     if isinstance(raw, str):
-        return raw
+        return check_encodable(name, raw)
     if isinstance(raw, (bytes, np.bytes_)):
         try:
             return bytes(raw).decode("utf-8")
         except UnicodeDecodeError:
-            raise RequestError(f"{name} is not valid UTF-8") from None
-    raise RequestError(f"{name} must be BYTES (a string), got {type(raw).__name__}")
+            raise RequestError(f"{name} is not valid UTF-8", name) from None
+    raise RequestError(f"{name} must be BYTES (a string), got {type(raw).__name__}", name)
+
+
+def stop_strings(raw: Any, name: str = "stop") -> tuple[str, ...]:
+    """The stop strings of a request (empty ones dropped), bounded in number and length."""
+    items = np.asarray(raw, dtype=object).reshape(-1)
+    if items.size > MAX_STOP_STRINGS:
+        raise RequestError(f"{name} holds {items.size} strings; at most {MAX_STOP_STRINGS}", name)
+    out = tuple(_text(x, name) for x in items)
+    if any(len(s) > MAX_STOP_CHARS for s in out):
+        raise RequestError(f"{name} strings must be at most {MAX_STOP_CHARS} characters", name)
+    return tuple(s for s in out if s)
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], max_positions: int,
-                  sampling_params: type) -> ParsedRequest:
+                  sampling_params: type, names: Mapping[str, str] | None = None) -> ParsedRequest:
     """Turn one request's input tensors into (prompt, SamplingParams, stream).
 
     `sampling_params` is passed in (normally `trtkv.api.SamplingParams`) so the
-    contract can be exercised without importing the engine.
+    contract can be exercised without importing the engine.  `names` maps input
+    names to the field names the client used (OpenAI's `prompt` for `text_input`),
+    so an error names what the client sent.
     """
+    names = names or {}
+    prompt_name = names.get("text_input", "text_input")
     raw = inputs.get("text_input")
     if raw is None:
-        raise RequestError("missing required input text_input")
+        raise RequestError(f"missing required input {prompt_name}", prompt_name)
     raw = np.asarray(raw)
     if raw.size != 1:
-        raise RequestError(f"text_input must hold exactly one prompt, got {raw.size}")
-    prompt = _text(raw.reshape(-1)[0], "text_input")
+        raise RequestError(f"{prompt_name} must hold exactly one prompt, got {raw.size}", prompt_name)
+    prompt = _text(raw.reshape(-1)[0], prompt_name)
     if not prompt.strip():
-        raise RequestError("text_input is empty")
+        raise RequestError(f"{prompt_name} is empty", prompt_name)
 
-    max_tokens = _scalar(inputs, "max_tokens", int, min(DEFAULT_MAX_TOKENS, max_positions))
+    def scalar(key, kind, default):
+        return _scalar(inputs, key, kind, default, names)
+
+    max_tokens = scalar("max_tokens", int, min(DEFAULT_MAX_TOKENS, max_positions))
     if not 1 <= max_tokens <= max_positions:
-        raise RequestError(f"max_tokens must be between 1 and {max_positions} "
-                           f"(the model's positions), got {max_tokens}")
-    temperature = _scalar(inputs, "temperature", float, 0.0)
+        name = names.get("max_tokens", "max_tokens")
+        raise RequestError(f"{name} must be between 1 and {max_positions} (the model's positions), got {max_tokens}",
+                           name)
+    temperature = scalar("temperature", float, 0.0)
     if temperature < 0:
-        raise RequestError(f"temperature must be >= 0, got {temperature}")
-    top_p = _scalar(inputs, "top_p", float, 1.0)
+        raise RequestError(f"temperature must be >= 0, got {temperature}", "temperature")
+    top_p = scalar("top_p", float, 1.0)
     if not 0 < top_p <= 1:
-        raise RequestError(f"top_p must be in (0, 1], got {top_p}")
-    top_k = _scalar(inputs, "top_k", int, 0)
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = scalar("top_k", int, 0)
     if top_k < 0:
-        raise RequestError(f"top_k must be >= 0, got {top_k}")
-    repetition_penalty = _scalar(inputs, "repetition_penalty", float, 1.0)
-    seed = _scalar(inputs, "seed", int, None)
-    stream = _scalar(inputs, "stream", bool, False)
-    extra = {"ignore_eos": True} if _scalar(inputs, "ignore_eos", bool, False) else {}
+        raise RequestError(f"top_k must be >= 0, got {top_k}", "top_k")
+    repetition_penalty = scalar("repetition_penalty", float, 1.0)
+    seed = scalar("seed", int, None)
+    stream = scalar("stream", bool, False)
+    extra = {"ignore_eos": True} if scalar("ignore_eos", bool, False) else {}
     stop_raw = inputs.get("stop")
-    stop = () if stop_raw is None else tuple(
-        s for s in (_text(x, "stop") for x in np.asarray(stop_raw).reshape(-1)) if s)
+    stop = () if stop_raw is None else stop_strings(stop_raw)
 
     params = sampling_params(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, **extra)

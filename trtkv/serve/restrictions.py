@@ -20,10 +20,11 @@ from trtkv.errors import TrtkvError
 CATEGORIES = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
               "statistics", "trace", "logging")
 # Closed unless opened: shared memory (a client can map the backend's own regions and abort the
-# server), the repository (load with an uploaded model.py runs code), statistics, trace, logging.
+# server), the repository (load with an uploaded model.py runs code), statistics, trace, logging
+# (a client could turn verbose logging on and fill the disk with every prompt).
 CLOSED_DEPLOYED = ("shared-memory", "model-repository", "statistics", "trace", "logging")
-# PyTriton reads the log settings while it starts, so `trtkv serve` cannot close "logging".
-CLOSED_PYTRITON = ("shared-memory", "model-repository", "statistics", "trace")
+# PyTriton reads the log settings while it starts; `trtkv serve` skips that check (triton_server._triton_class).
+CLOSED_PYTRITON = CLOSED_DEPLOYED
 GRPC_KEY, GRPC_VALUE = "TRTKV-CLOSED", "unsendable-upper-case-key"
 HTTP_KEY, HTTP_VALUE = "trtkv-closed", "unsendable\nline-break"
 

@@ -27,6 +27,7 @@ import triton_python_backend_utils as pb_utils  # only exists inside Triton's st
 
 from trtkv.serve import protocol
 from trtkv.serve.metrics import GAUGES
+from trtkv.serve.triton_server import warm_up
 
 LOG = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -92,6 +93,8 @@ class TritonPythonModel:
         api = importlib.import_module(spec.get("api", "trtkv.api"))
         self._sampling_params = api.SamplingParams
         self._engine = api.Engine.load(spec["engine"])
+        # Triton calls the model ready when this returns: the first request must be served at once
+        LOG.info("engine warmed up in %.1f s", warm_up(self._engine, self._sampling_params))
         self._engine.start_background()
         info = getattr(self._engine, "info", None) or {}
         self._max_positions = int(info.get("max_position_embeddings") or 2**31 - 1)

@@ -8,23 +8,121 @@ the PyTriton callable is an *async* generator: PyTriton runs all requests of
 a model on one asyncio loop, where a blocking generator would serve them one
 at a time.  Each request's blocking engine stream is pumped by its own thread
 into an asyncio queue.
+
+PyTriton's proxy model (the Python-backend side, inside tritonserver's stub) is
+wrapped by `pytriton_proxy.py`, copied into PyTriton's model store before
+tritonserver starts: it answers requests PyTriton would lose (a zero-element
+`stop`) and passes Triton's request cancellation back here, on a Unix datagram
+socket in PyTriton's private workspace (`_CancelListener`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import faulthandler
 import logging
 import os
+import shutil
 import signal
+import socket
 import sysconfig
 import threading
+import time
+from pathlib import Path
 
 from trtkv.serve import processes, protocol, shm
 from trtkv.serve.metrics import MetricsServer, render
 
 LOG = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "trtkv"
+# Shared with pytriton_proxy.py, which runs inside tritonserver's stub and cannot import trtkv.
+CANCEL_SOCKET = "trtkv-cancel.sock"
+KEY_PARAMETER = "trtkv_request_key"
+WARM_UP_PROMPT = "Hello"
+
+
+def warm_up(engine, sampling_params) -> float:
+    """One two-token generation, so that the first request is served at once: the CPU kernels are loaded,
+    the KV pools allocated and every first-call cost paid before the server says it is ready.  Run before
+    the engine's background loop starts, it is not counted in `requests_total`.  Returns its seconds."""
+    t0 = time.monotonic()
+    engine.generate(WARM_UP_PROMPT, sampling_params(max_tokens=2))
+    return time.monotonic() - t0
+
+
+class _OneLineErrors(logging.Filter):
+    """PyTriton logs every exception raised by the inference callable with its whole traceback, and a bad
+    request is one (`RequestError`); the log keeps its last line, the one the client gets.  (An engine
+    failure is logged with its trace by `make_infer_fn` itself.)"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (isinstance(record.msg, str) and record.msg.startswith("Exception while performing inference")
+                and isinstance(record.args, tuple) and len(record.args) == 2):
+            lines = [line for line in str(record.args[1]).splitlines() if line.strip()]
+            record.msg, record.args = "request %s answered with an error: %s", (record.args[0],
+                                                                                  lines[-1] if lines else "")
+        return True
+
+
+def _install_log_filter() -> None:
+    logger = logging.getLogger("pytriton.proxy.inference")
+    if not any(isinstance(f, _OneLineErrors) for f in logger.filters):
+        logger.addFilter(_OneLineErrors())
+
+
+class _CancelListener:
+    """Keys of requests Triton cancelled, sent by `pytriton_proxy.py` from the stub; cancels their generation."""
+
+    EARLY_KEPT = 4096  # keys cancelled before their request reached the inference callable
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(str(path))
+        os.chmod(path, 0o600)
+        self._sock.settimeout(0.5)
+        self._lock = threading.Lock()
+        self._waiting: dict[str, object] = {}
+        self._early: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="trtkv-grpc-cancel")
+        self._thread.start()
+
+    def register(self, key: str, cancel) -> None:
+        with self._lock:
+            early = self._early.pop(key, 0) is None
+            if not early:
+                self._waiting[key] = cancel
+        if early:
+            cancel()
+
+    def unregister(self, key: str) -> None:
+        with self._lock:
+            self._waiting.pop(key, None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                key = self._sock.recv(256).decode("ascii", "replace")
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                cancel = self._waiting.pop(key, None)
+                if cancel is None:
+                    self._early[key] = None
+                    while len(self._early) > self.EARLY_KEPT:
+                        self._early.popitem(last=False)
+            if cancel is not None:
+                cancel()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close()
+        self.path.unlink(missing_ok=True)
 
 
 def ensure_libpython_on_path() -> None:
@@ -54,17 +152,19 @@ def _max_positions(engine) -> int:
     return int(info.get("max_position_embeddings") or 2**31 - 1)
 
 
-def make_infer_fn(engine, sampling_params):
-    """The PyTriton callable: validate, submit, stream events back."""
+def make_infer_fn(engine, sampling_params, cancels: _CancelListener | None = None):
+    """The PyTriton callable: validate, submit, stream events back; a request Triton cancels stops at once."""
     max_positions = _max_positions(engine)
 
     async def infer(requests):
         if len(requests) != 1:  # cannot happen with batching off; refuse rather than mix streams
             raise protocol.RequestError(f"expected one request per call, got {len(requests)}")
         parsed = protocol.parse_request(requests[0].data, max_positions, sampling_params)
+        key = (getattr(requests[0], "parameters", None) or {}).get(KEY_PARAMETER)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         abandoned = threading.Event()
+        handles: list = []
 
         def put(item):
             try:
@@ -72,9 +172,19 @@ def make_infer_fn(engine, sampling_params):
             except RuntimeError:  # loop closed: the server is stopping
                 abandoned.set()
 
+        def cancel():  # Triton cancelled the request (the gRPC client went away): from the listener's thread
+            abandoned.set()
+            for handle in list(handles):
+                handle.cancel()  # the engine frees its pages at its next step
+            put(("cancelled", None))
+
         def pump():
             try:
                 handle = engine.submit(parsed.prompt, parsed.params)
+                handles.append(handle)
+                if abandoned.is_set():
+                    handle.cancel()
+                    return
                 for out in protocol.responses(handle, parsed.stream):
                     if abandoned.is_set():
                         handle.cancel()
@@ -87,6 +197,8 @@ def make_infer_fn(engine, sampling_params):
                 LOG.exception("generation failed")
                 put(("err", protocol.InternalError(f"{type(e).__name__}: {e}")))
 
+        if cancels is not None and key:
+            cancels.register(key, cancel)
         threading.Thread(target=pump, daemon=True, name="trtkv-request").start()
         try:
             while True:
@@ -95,12 +207,39 @@ def make_infer_fn(engine, sampling_params):
                     yield [value]
                 elif kind == "err":
                     raise value
-                else:
+                else:  # end, or cancelled: the client is gone, nobody reads an error
                     return
         finally:
             abandoned.set()
+            for handle in handles:
+                handle.cancel()  # a no-op for a finished request
+            if cancels is not None and key:
+                cancels.unregister(key)
 
     return infer
+
+
+def _triton_class():
+    """PyTriton's Triton, minus its log-level check: that reads the logging API, which trtkv closes."""
+    from pytriton.triton import Triton
+
+    class _NoLogCheck:
+        def check(self, skip_update: bool = False) -> None:
+            pass
+
+    class TrtkvTriton(Triton):
+        def _initialize_server(self) -> None:
+            super()._initialize_server()
+            self._log_level_checker = _NoLogCheck()
+
+    return TrtkvTriton
+
+
+def install_proxy(model_dir: Path) -> None:
+    """Put `pytriton_proxy.py` over the proxy model PyTriton wrote to `<store>/<model>/<version>/model.py`."""
+    if not (model_dir / "pytriton_model.py").exists():
+        (model_dir / "model.py").rename(model_dir / "pytriton_model.py")
+    shutil.copyfile(Path(__file__).with_name("pytriton_proxy.py"), model_dir / "model.py")
 
 
 class TritonService:
@@ -120,23 +259,27 @@ class TritonService:
         self.trtkv_metrics_port = metrics_port + 1 if trtkv_metrics_port is None else trtkv_metrics_port
         self._sampling_params, self._log_verbose = sampling_params, log_verbose
         self._open_apis, self._limits = tuple(open_apis), limits
-        self._triton = self._metrics = self.front = None
+        self._triton = self._metrics = self.front = self._cancels = None
         self._triton_procs: dict[int, str] = {}
 
     def start(self) -> "TritonService":
         from pytriton.model_config import ModelConfig
-        from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy, TritonSecurityConfig
+        from pytriton.triton import TritonConfig, TritonLifecyclePolicy, TritonSecurityConfig
 
         from trtkv.serve.bounded_json import JsonLimits
-        from trtkv.serve.http_front import HttpFrontEnd, check_port_free
+        from trtkv.serve.http_front import HttpFrontEnd, check_port_free, distinct_ports
         from trtkv.serve.restrictions import grpc_restriction
 
-        for port, option in ((self.http_port, "--http-port"), (self.grpc_port, "--grpc-port"),
-                             (self.metrics_port, "--metrics-port"),
-                             (self.trtkv_metrics_port, "--trtkv-metrics-port")):
+        ports = ((self.http_port, "--http-port"), (self.grpc_port, "--grpc-port"),
+                 (self.metrics_port, "--metrics-port"), (self.trtkv_metrics_port, "--trtkv-metrics-port"))
+        distinct_ports(ports)
+        for port, option in ports:
             if port:  # 0: pick a free one
                 check_port_free(self.host, port, option)
         ensure_libpython_on_path()
+        _install_log_filter()
+        if getattr(self.engine, "_thread", None) is None:  # not yet serving: warm it before anything says ready
+            LOG.info("engine warmed up in %.1f s", warm_up(self.engine, self._sampling_params))
         self.engine.start_background()
         config = TritonConfig(allow_http=False, grpc_address=self.host, grpc_port=self.grpc_port,
                               metrics_address=self.host, metrics_port=self.metrics_port,
@@ -145,15 +288,18 @@ class TritonService:
         # The model is written to PyTriton's model store before tritonserver starts and loaded by it
         # at startup, so PyTriton never needs the model-repository API, and no access token (which
         # tritonserver would only take on its world-readable command line) exists.
-        self._triton = Triton(config=config,
-                              triton_lifecycle_policy=TritonLifecyclePolicy(launch_triton_on_startup=True,
-                                                                            local_model_store=True),
-                              security_config=TritonSecurityConfig(restricted_endpoints=[]))
+        self._triton = _triton_class()(
+            config=config, triton_lifecycle_policy=TritonLifecyclePolicy(launch_triton_on_startup=True,
+                                                                         local_model_store=True),
+            security_config=TritonSecurityConfig(restricted_endpoints=[]))
         try:
+            workspace = Path(self._triton._workspace.path)
+            self._cancels = _CancelListener(workspace / CANCEL_SOCKET)
             self._triton.bind(model_name=self.model_name,
-                              infer_func=make_infer_fn(self.engine, self._sampling_params),
+                              infer_func=make_infer_fn(self.engine, self._sampling_params, self._cancels),
                               inputs=_tensors(protocol.INPUTS), outputs=_tensors(protocol.OUTPUTS),
                               config=ModelConfig(batching=False, decoupled=True))
+            install_proxy(Path(self._triton._workspace.model_store_path) / self.model_name / "1")
             started = threading.Event()
             guard = threading.Thread(target=self._guard_shm, args=(started,), daemon=True, name="trtkv-shm")
             guard.start()  # the stub creates its region before the model is ready to take a prompt
@@ -225,6 +371,9 @@ class TritonService:
             if leftovers:
                 LOG.warning("killed processes tritonserver left behind: %s", leftovers)
             shm.remove(prefix)  # left behind when tritonserver crashed
+        if self._cancels is not None:
+            self._cancels.close()
+            self._cancels = None
 
     def __enter__(self):
         return self.start()
@@ -239,18 +388,21 @@ def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics
 
     0 after a requested shutdown; 1 when tritonserver died under the service (the log says why).
     """
-    from trtkv.api import Engine, SamplingParams
-
     def _interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    from trtkv.serve.http_front import check_port_free
+    from trtkv.serve.http_front import check_port_free, distinct_ports
     from trtkv.serve.restrictions import closed
 
     closed(open_apis, pytriton=True)  # an unknown category is refused before anything loads
-    for port, option in ((http_port, "--http-port"), (grpc_port, "--grpc-port"), (metrics_port, "--metrics-port"),
-                         (trtkv_metrics_port or metrics_port + 1, "--trtkv-metrics-port")):
+    ports = ((http_port, "--http-port"), (grpc_port, "--grpc-port"), (metrics_port, "--metrics-port"),
+             (metrics_port + 1, "--trtkv-metrics-port (default: --metrics-port + 1)") if trtkv_metrics_port is None
+             else (trtkv_metrics_port, "--trtkv-metrics-port"))
+    distinct_ports(ports)
+    for port, option in ports:
         check_port_free(host, port, option)  # before the engine loads: a clash costs a second, not a minute
+    from trtkv.api import Engine, SamplingParams  # torch: after the checks, which take a second at most
+
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
