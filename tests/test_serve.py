@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -58,6 +59,7 @@ def service(engine):
                         metrics_port=metrics, trtkv_metrics_port=trtkv_metrics)
     try:
         svc.start()
+        svc.metrics_when_ready = engine.metrics()
         yield svc
     finally:
         svc.stop()
@@ -97,39 +99,82 @@ def test_http_generate_and_stream_equal_engine_generate(service, engine):
     assert len(grpc_once) == 1 and grpc_once[0]["text_output"] == want.text
 
 
-def _timed_stream(grpc, i, n):
-    t0 = time.monotonic()
-    out = client.collect(client.grpc_generate(grpc, f"{PROMPT} (request {i})", max_tokens=n,
-                                              ignore_eos=True, timeout_s=120))
-    return t0, time.monotonic(), out
+def test_ready_means_warm(service):
+    """start() returns (and the front end answers ready) only after a warm-up generation: the KV pools are
+    allocated and the kernels loaded before the first request; the warm-up is not counted as a request."""
+    m = service.metrics_when_ready
+    assert m["kv_pool_bytes"] > 0 and m["requests_total"] == 0 and m["live_requests"] == 0
 
 
-def test_concurrent_streams_are_batched(service, engine):
+def _stream(grpc, i, n):
+    return client.collect(client.grpc_generate(grpc, f"{PROMPT} (request {i})", max_tokens=n, ignore_eos=True,
+                                               timeout_s=600))
+
+
+def count_steps(engine, monkeypatch) -> list[int]:
+    """Records, for each scheduler step, how many requests were running after it."""
+    running: list[int] = []
+    step = engine.scheduler.step
+
+    def counted():
+        done = step()
+        running.append(len(engine.scheduler.running) + len(done))
+        return done
+
+    monkeypatch.setattr(engine.scheduler, "step", counted)
+    return running
+
+
+def test_concurrent_streams_are_batched(service, engine, monkeypatch):
+    """Counted, not timed: one by one, 32 requests of 12 tokens need at least 384 scheduler steps."""
     _, grpc = urls(service)
     n_tokens, n_requests = 12, 32
-    t = time.monotonic()
-    for i in range(3):
-        _timed_stream(grpc, i, n_tokens)
-    one_by_one = (time.monotonic() - t) / 3 * n_requests
-
-    t = time.monotonic()
+    running = count_steps(engine, monkeypatch)
     with ThreadPoolExecutor(n_requests) as pool:
-        runs = list(pool.map(lambda i: _timed_stream(grpc, i, n_tokens), range(n_requests)))
-    together = time.monotonic() - t
+        outs = list(pool.map(lambda i: _stream(grpc, i, n_tokens), range(n_requests)))
+    monkeypatch.undo()
 
-    print(f"\n{n_requests} concurrent streams: {together:.2f}s; one by one ~{one_by_one:.2f}s")
-    assert all(out["generated_tokens"] == n_tokens for _, _, out in runs)
-    assert all(out["finish_reason"] == "length" and out["text_output"] for _, _, out in runs)
-    first_end = min(end for _, end, _ in runs)
-    overlapping = sum(start < first_end for start, _, _ in runs)
-    assert overlapping >= n_requests // 2, f"only {overlapping} requests overlapped"
-    assert together < 0.5 * one_by_one, f"{together:.1f}s together vs ~{one_by_one:.1f}s one by one"
+    print(f"\n{n_requests} concurrent streams: {len(running)} scheduler steps, up to {max(running)} requests a step")
+    assert all(out["generated_tokens"] == n_tokens for out in outs)
+    assert all(out["finish_reason"] == "length" and out["text_output"] for out in outs)
+    assert len(running) < n_requests * n_tokens / 2, f"{len(running)} steps for {n_requests} requests"
+    assert max(running) >= n_requests // 4, f"at most {max(running)} requests ran together"
 
     deadline = time.monotonic() + 10
     while engine.metrics()["live_requests"] and time.monotonic() < deadline:
         time.sleep(0.1)
     m = engine.metrics()
     assert m["live_requests"] == 0 and m["live_pages"] == 0 and m["kv_bytes_in_use"] == 0
+
+
+def test_cancelled_grpc_stream_stops_within_steps(service, engine, monkeypatch):
+    """A gRPC client that cancels its stream stops the generation within a few scheduler steps (it ran on to
+    max_tokens: PyTriton's proxy dropped Triton's cancellation; trtkv's stub-side proxy passes it on)."""
+    import tritonclient.grpc as grpcclient
+
+    _, grpc = urls(service)
+    results: queue.Queue = queue.Queue()
+    conn = grpcclient.InferenceServerClient(grpc)
+    conn.start_stream(callback=lambda result, error: results.put((result, error)))
+    conn.async_stream_infer(service.model_name, client.grpc_inputs(
+        {"text_input": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}),
+        enable_empty_final_response=True)
+    for _ in range(3):
+        result, error = results.get(timeout=300)
+        assert error is None
+    running = count_steps(engine, monkeypatch)
+    conn.stop_stream(cancel_requests=True)
+    conn.close()
+    for _ in range(600):  # hang guard (60 s); the request leaves within a few steps
+        if engine.metrics()["live_requests"] == 0:
+            break
+        time.sleep(0.1)
+    monkeypatch.undo()
+    m = engine.metrics()
+    assert m["live_requests"] == 0 and m["live_pages"] == 0, m
+    print(f"\ncancelled gRPC stream: {len(running)} scheduler steps after the cancel")
+    assert len(running) <= 32, f"{len(running)} steps after the cancel (of up to 4,000)"
+    assert client.collect(client.grpc_generate(grpc, PROMPT, max_tokens=2))["generated_tokens"] >= 1
 
 
 def test_abandoned_stream_does_not_break_server(service, engine):
@@ -220,6 +265,13 @@ def test_deployed_repository_under_tritonserver(engine_dir, engine, tmp_path):
                               metrics_port=metrics, backends=tmp_path / "backends")
     try:
         wait_ready(f"{HOST}:{http}", "smol", 180, proc)
+        deadline, pool = time.monotonic() + 15, 0.0  # gauges refresh once a second; no request made yet
+        while not pool and time.monotonic() < deadline:
+            text = urllib.request.urlopen(f"http://{HOST}:{metrics}/metrics", timeout=10).read().decode()
+            pool = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("trtkv_kv_pool_bytes{"))
+            time.sleep(0.5)
+        assert pool > 0, "the deployed model said ready before it was warm"
         want = expected(engine, max_tokens=12)
         got = client.http_generate(f"{HOST}:{http}", PROMPT, model="smol", max_tokens=12)
         assert got["text_output"] == want.text
