@@ -9,6 +9,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from cli_helpers import assert_one_line_error
+
 from trtkv.bench import parse_batch_sizes, parse_size
 from trtkv.errors import TrtkvError
 
@@ -78,17 +80,11 @@ def test_bench_two_engines(tiny_ckpt, engine_factory, tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
 
 
-def _one_line_error(p, needle):
-    assert p.returncode == 2, p.stderr
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("trtkv: error:") and needle in lines[0], p.stderr
-
-
 def test_bench_bad_input(tmp_path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "trtkv.cli", "bench", *a], capture_output=True,  # noqa: E731
                                     text=True, timeout=120)
-    _one_line_error(run(str(tmp_path / "missing")), "no engine at")
-    _one_line_error(run(str(tmp_path), "--kv-memory", "lots"), "cannot read the size")
+    assert_one_line_error(run(str(tmp_path / "missing")), "no engine at")
+    assert_one_line_error(run(str(tmp_path), "--kv-memory", "lots"), "cannot read the size")
 
 
 @pytest.mark.model

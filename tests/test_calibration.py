@@ -213,11 +213,11 @@ def test_cli_bad_input_is_one_line_error(tmp_path):
     import subprocess
     import sys
 
+    from cli_helpers import assert_one_line_error
+
     for args, needle in ((["--prompts", "0"], "--prompts must be positive"),
                          (["--target-shares", "E=0.5,R=0.6,T=0.2"], "sum to 1"),
                          (["--from-raw", str(tmp_path / "none.npz")], "cannot read raw")):
         p = subprocess.run([sys.executable, "-m", "trtkv.cli", "calibrate", "smollm2-135m", *args,
                             "--out", str(tmp_path / "c.json")], capture_output=True, text=True, timeout=120)
-        lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
-        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("trtkv: error:"), p.stderr
-        assert needle in lines[0], p.stderr
+        assert_one_line_error(p, needle)

@@ -94,9 +94,10 @@ def _same_recording(gold, data):
     np.testing.assert_allclose(data.v_amax, gold["v_amax"], rtol=1e-5)
 
 
-def test_observer_collection_records_what_the_recorder_policy_did_tiny(tiny_ckpt):
+@pytest.mark.model  # recorded with SmolLM2's tokenizer on the tiny model (tiny_smol_ckpt)
+def test_observer_collection_records_what_the_recorder_policy_did_tiny(tiny_smol_ckpt):
     """3 prompts x 40 tokens, stride 2, min_keys 16, batches of 2 (the second batch holds one request)."""
-    _same_recording(*_collect(tiny_ckpt, "tiny"))
+    _same_recording(*_collect(tiny_smol_ckpt, "tiny"))
 
 
 @pytest.mark.model

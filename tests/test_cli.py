@@ -6,19 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from cli_helpers import assert_one_line_error
 
 
 def run(*args, **kw):
     return subprocess.run([sys.executable, "-m", "trtkv.cli", *args], capture_output=True, text=True, timeout=300, **kw)
-
-
-def assert_one_line_error(p, needle: str):
-    assert p.returncode != 0
-    lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, p.stderr
-    assert lines[0].startswith("trtkv: error:"), p.stderr
-    assert needle.lower() in lines[0].lower(), p.stderr
-    assert "Traceback" not in p.stderr
 
 
 def test_unknown_alias(tmp_path):

@@ -9,6 +9,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from cli_helpers import assert_one_line_error
+
 from trtkv.eval.datasets import PACKAGE_DATA_DIR
 from trtkv.eval.run import _accuracy_summary, pick_layers
 
@@ -134,18 +136,12 @@ def test_accuracy_two_gsm8k_problems(tiny_ckpt, engine_factory, tmp_path):
     assert "pass@1" in r.output
 
 
-def _one_line_error(p, needle):
-    assert p.returncode == 2, p.stderr
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("trtkv: error:") and needle in lines[0], p.stderr
-
-
 def test_eval_bad_input(tmp_path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "trtkv.cli", "eval", *a], capture_output=True,  # noqa: E731
                                     text=True, timeout=120)
-    _one_line_error(run(str(tmp_path), "--task", "mmlu"), "'mmlu' is not one of")
-    _one_line_error(run(str(tmp_path), "--task", "gsm8k", "--data", str(tmp_path / "none.jsonl")), "not found")
-    _one_line_error(run(str(tmp_path / "missing"), "--task", "fidelity", "--data", TRACES), "no engine at")
+    assert_one_line_error(run(str(tmp_path), "--task", "mmlu"), "'mmlu' is not one of")
+    assert_one_line_error(run(str(tmp_path), "--task", "gsm8k", "--data", str(tmp_path / "none.jsonl")), "not found")
+    assert_one_line_error(run(str(tmp_path / "missing"), "--task", "fidelity", "--data", TRACES), "no engine at")
 
 
 def test_lockstep_decode_matches_separate_steps(tiny_ckpt, engine_factory):

@@ -56,9 +56,10 @@ def golden():
         yield json.loads(GOLDEN.read_text())
 
 
+@pytest.mark.model  # recorded with SmolLM2's tokenizer on the tiny model (tiny_smol_ckpt)
 @pytest.mark.parametrize("name,level,params", cases(), ids=[f"{n}-{lvl}" for n, lvl, _ in cases()])
-def test_tiny_tokens_unchanged(golden, engine_factory, load_engine, tiny_ckpt, name, level, params):
-    eng = load_engine(engine_factory(tiny_ckpt, name, **params))
+def test_tiny_tokens_unchanged(golden, engine_factory, load_engine, tiny_smol_ckpt, name, level, params):
+    eng = load_engine(engine_factory(tiny_smol_ckpt, name, **params))
     got = [r.token_ids for r in eng.generate(PROMPTS, TINY)]
     if REGEN:
         golden["tiny"][_key(name, params)] = got

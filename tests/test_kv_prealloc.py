@@ -140,11 +140,13 @@ def test_default_budget_reserves_no_more_than_could_be_used(tiny):
 
 
 def test_never_fits_is_refused_at_admission_and_leaks_nothing(tiny, monkeypatch):
-    eng = tiny("full", cache={"max_pages": 12})
+    probe = tiny("full")
+    cap = max(pages_needed(probe.policy, probe.core.cache.cfg, len(probe.encode_prompt(PROMPT, False)), 40).values())
+    eng = tiny("full", cache={"max_pages": cap})  # pools that hold PROMPT's request and not LONG's
     with pytest.raises(OutOfKVMemory) as e:
         eng.generate(LONG, RAW)
     msg = str(e.value)
-    assert "can never fit" in msg and "max_pages=12" in msg and "\n" not in msg
+    assert "can never fit" in msg and f"max_pages={cap}" in msg and "\n" not in msg
     assert eng.core.cache.pages_in_use() == 0 and not eng.core.cache.seqs
     with pytest.raises(OutOfKVMemory, match="can never fit"):  # the server path refuses at submit
         eng.submit(LONG, RAW)

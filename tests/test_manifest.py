@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from cli_helpers import assert_one_line_error
+
 from trtkv.build.calibration import CalibrationArtifact
 from trtkv.artifacts.manifest import EngineManifest
 from trtkv.errors import TrtkvError
@@ -113,12 +115,6 @@ def run(*args):
     return subprocess.run([sys.executable, "-m", "trtkv.cli", *args], capture_output=True, text=True, timeout=300)
 
 
-def _one_line_error(p, needle):
-    lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
-    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("trtkv: error:"), p.stderr
-    assert needle in lines[0], p.stderr
-
-
 def test_info_prints_the_manifest_and_rejects_a_malformed_one(tmp_path):
     d = tmp_path / "e"
     d.mkdir()
@@ -127,7 +123,7 @@ def test_info_prints_the_manifest_and_rejects_a_malformed_one(tmp_path):
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == EngineManifest.from_dict(_v1()).to_dict()
     (d / "engine.json").write_text(json.dumps(_patched("cache", "max_pages", "many")))
-    _one_line_error(run("info", str(d)), "max_pages")
+    assert_one_line_error(run("info", str(d)), "max_pages")
 
 
 def test_set_max_pages_and_kv_memory_at_build_and_load(tiny_ckpt, engine_factory):
@@ -157,8 +153,8 @@ def test_cache_settings_on_the_command_line(tiny_ckpt, tmp_path):
     for args, needle in ((["--set", "max_pages=abc"], "max_pages"), (["--kv-memory", "lots"], "kv_memory"),
                          (["--set", "block_size=0"], "block_size"),
                          (["--kv-memory", "1GiB", "--set", "kv_memory=2GiB"], "once")):
-        _one_line_error(run("build", "--model", str(tiny_ckpt), "--out", str(tmp_path / "x"), *args), needle)
-    _one_line_error(run("generate", str(out), "--prompt", "hi", "--kv-memory", "0"), "kv_memory")
+        assert_one_line_error(run("build", "--model", str(tiny_ckpt), "--out", str(tmp_path / "x"), *args), needle)
+    assert_one_line_error(run("generate", str(out), "--prompt", "hi", "--kv-memory", "0"), "kv_memory")
     p = run("generate", str(out), "--prompt", "hi", "--max-tokens", "4", "--kv-memory", "256MiB", "--json")
     assert p.returncode == 0, p.stderr
     assert len(json.loads(p.stdout)["token_ids"]) <= 4

@@ -13,6 +13,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from cli_helpers import assert_one_line_error
+
 from trtkv.api import Engine, SamplingParams
 from trtkv.runtime.observers import EngineObserver
 from trtkv.runtime.scheduler import Scheduler
@@ -52,12 +54,6 @@ def exported(tiny_ckpt, engine_factory, tmp_path_factory):
 def run(*args):
     return subprocess.run([sys.executable, "-m", "trtkv.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=600)
-
-
-def assert_one_line_error(p, needle: str):
-    lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
-    assert p.returncode == 2 and len(lines) == 1, p.stderr
-    assert lines[0].startswith("trtkv: error:") and needle in lines[0], p.stderr
 
 
 def test_export_files_manifest_and_checker(exported):

@@ -1,7 +1,9 @@
 """The scoring policies' batched end of step (``ScorerPolicy.on_decode_step_end_batch``) evicts what their
 request-by-request hooks evict: the same positions attended at every step and layer, the same tokens and the
 same accounting, for a batch of requests of different lengths (so they fill up, fire and finish at different
-steps), through the one-victim batch path and its fallbacks (buffered tokens, cadences, prompt cuts)."""
+steps), through the one-victim batch path and its fallbacks (buffered tokens, cadences, prompt cuts). Two
+requests share a prompt (and so its length, whatever the tokenizer) but not their lengths of output, so some
+one-victim cuts and residual flushes fall on the same step for several requests."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +22,9 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog.",
            "Once upon a time, in a land far away, there lived a wise old king who loved puzzles and riddles.",
            "Numbers: 1, 2, 3",
            "A",
-           "Tell me a story about a robot who learns to paint, with three characters and a twist at the end."]
-PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True, chat=False) for n in (90, 60, 75, 40, 85)]
+           "Tell me a story about a robot who learns to paint, with three characters and a twist at the end.",
+           "The quick brown fox jumps over the lazy dog."]
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True, chat=False) for n in (90, 60, 75, 40, 85, 70)]
 SCORED = [(e["name"], p) for e in MATRIX if issubclass(POLICIES[e["name"]], ScorerPolicy) for p in e["params"]]
 EXTRA = [("h2o", {"budget": 32, "kv_format": "int4"}),  # a residual buffer: the fallback path every 16 tokens
          ("tova", {"budget": 24}), ("random", {"budget": 24, "n_sink": 2}),

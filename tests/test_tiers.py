@@ -261,7 +261,8 @@ def test_admission_by_device_bytes(tiny):
 
     full = tiny("full")
     tiered = tiny("tiered", beta=0.0, evict_ratio=0.0, interval=4, sinks=1, window=8)
-    P = len(full.encode_prompt(PROMPT, False))
+    prompt = "Once upon a time, a king loved riddles."  # short next to the 120 new tokens tiering moves off
+    P = len(full.encode_prompt(prompt, False))
     need_full = device_bytes_needed(full.policy, full.core.cache.cfg, P, 120)
     need_tiered = device_bytes_needed(tiered.policy, tiered.core.cache.cfg, P, 120)
     assert need_tiered < need_full / 3
@@ -277,7 +278,7 @@ def test_admission_by_device_bytes(tiny):
         core = eng.make_core(kv_memory=cap)
         assert core.cache.capacity_pages(fmt) == cap_pages
         sched = Scheduler(core, 8)
-        reqs = [eng.make_request(PROMPT, RAW) for _ in range(3)]
+        reqs = [eng.make_request(prompt, RAW) for _ in range(3)]
         for r in reqs:
             sched.add(r)
         sched.step()
