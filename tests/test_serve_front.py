@@ -217,17 +217,22 @@ def test_request_head_bounded_at_64_kib(front):
     assert status == 200
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--http-port", "{a}", "--grpc-port", "{a}"], "--http-port and --grpc-port are both {a}"),
-    (["--http-port", "{a}", "--metrics-port", "{a}"], "--http-port and --metrics-port are both {a}"),
-    (["--grpc-port", "{a}", "--metrics-port", "{b}", "--trtkv-metrics-port", "{a}"],
+DUPLICATE_PORTS = [
+    ("serve", ["--http-port", "{a}", "--grpc-port", "{a}"], "--http-port and --grpc-port are both {a}"),
+    ("serve", ["--http-port", "{a}", "--metrics-port", "{a}"], "--http-port and --metrics-port are both {a}"),
+    ("serve", ["--grpc-port", "{a}", "--metrics-port", "{b}", "--trtkv-metrics-port", "{a}"],
      "--grpc-port and --trtkv-metrics-port are both {a}"),
-])
-def test_duplicate_ports_refused_at_once(tmp_path, flags, message):
+    ("tritonserver", ["--http-port", "{a}", "--grpc-port", "{a}"], "--http-port and --grpc-port are both {a}"),
+    ("tritonserver", ["--grpc-port", "{a}", "--metrics-port", "{a}"], "--grpc-port and --metrics-port are both {a}"),
+]
+
+
+@pytest.mark.parametrize("command,flags,message", DUPLICATE_PORTS)
+def test_duplicate_ports_refused_at_once(tmp_path, command, flags, message):
     """One `trtkv: error:` line and exit 2, before anything loads (it took 24 s and 92 log lines)."""
     a, b = free_ports(2)
     flags = [f.format(a=a, b=b) for f in flags]
-    run = subprocess.run([sys.executable, "-m", "trtkv.cli", "serve", str(tmp_path), "--host", HOST, *flags],
+    run = subprocess.run([sys.executable, "-m", "trtkv.cli", command, str(tmp_path), "--host", HOST, *flags],
                          cwd=ROOT, env=python_env(), capture_output=True, text=True, timeout=120)
     lines = [ln for ln in (run.stdout + run.stderr).splitlines() if ln.strip()]
     assert run.returncode == 2 and lines == [f"trtkv: error: {message.format(a=a)}; give each its own port"], lines

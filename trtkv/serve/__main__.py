@@ -86,8 +86,8 @@ def tritonserver(repo, host, http_port, grpc_port, metrics_port, open_api, allow
     from trtkv.serve.deploy import start_tritonserver
     from trtkv.serve.http_front import check_port_free, distinct_ports
 
-    ports = [(grpc_port, "--grpc-port"), (metrics_port, "--metrics-port")]
-    ports += [(http_port, "--http-port")] if allow_http else []
+    ports = ([(http_port, "--http-port")] if allow_http else []) + [(grpc_port, "--grpc-port"),
+                                                                     (metrics_port, "--metrics-port")]
     distinct_ports(ports)
     for port, option in ports:
         check_port_free(host, port, option)

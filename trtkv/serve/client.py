@@ -31,8 +31,8 @@ class ServerError(RuntimeError):
 
 def _request_fields(prompt, max_tokens, stream, **params) -> dict:
     fields = {"text_input": prompt, "max_tokens": max_tokens, "stream": stream}
-    # an empty stop list means "no stop strings"; as a zero-element tensor it is lost inside
-    # PyTriton 0.7's proxy and never answered (issue 19), so it is not sent at all
+    # an empty stop list means "no stop strings", so it is not sent (a zero-element tensor is answered
+    # alike since issue 38; PyTriton 0.7's own proxy never answered one)
     fields.update({k: v for k, v in params.items() if v is not None and not (k == "stop" and not v)})
     known = {io.name for io in INPUTS}
     unknown = set(fields) - known
