@@ -46,7 +46,6 @@ def test_unavailable_means_plain(monkeypatch):
     assert not packing_available(_random_model(False).to(torch.bfloat16))
 
 
-@pytest.mark.model  # the tiny model uses SmolLM2's tokenizer
 def test_engines_pack_by_default_share_and_match_plain(tiny_ckpt, engine_factory, monkeypatch):
     from trtkv.bench import load_engines
 
