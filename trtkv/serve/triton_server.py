@@ -45,7 +45,8 @@ WARM_UP_PROMPT = "Hello"
 def warm_up(engine, sampling_params) -> float:
     """One two-token generation, so that the first request is served at once: the CPU kernels are loaded,
     the KV pools allocated and every first-call cost paid before the server says it is ready.  Run before
-    the engine's background loop starts, it is not counted in `requests_total`.  Returns its seconds."""
+    the engine's background loop starts (serve and the deployed model do), it is not counted in
+    `requests_total`.  Returns its seconds."""
     t0 = time.monotonic()
     engine.generate(WARM_UP_PROMPT, sampling_params(max_tokens=2))
     return time.monotonic() - t0
@@ -235,11 +236,24 @@ def _triton_class():
     return TrtkvTriton
 
 
-def install_proxy(model_dir: Path) -> None:
-    """Put `pytriton_proxy.py` over the proxy model PyTriton wrote to `<store>/<model>/<version>/model.py`."""
+PROXY_FOR_PYTRITON = "0.7."  # the PyTriton release whose proxy model pytriton_proxy.py extends
+
+
+def install_proxy(model_dir: Path) -> bool:
+    """Put `pytriton_proxy.py` over the proxy model PyTriton wrote to `<store>/<model>/<version>/model.py`.
+
+    Only over the PyTriton release it was written against (it extends that proxy's internals); with
+    another, PyTriton's own proxy stays and the log says what that costs."""
+    import pytriton
+
+    if not pytriton.__version__.startswith(PROXY_FOR_PYTRITON):
+        LOG.warning("nvidia-pytriton %s is not %sx: gRPC cancellation and zero-element stop tensors are left to "
+                    "PyTriton's own proxy (see docs/serving.md)", pytriton.__version__, PROXY_FOR_PYTRITON)
+        return False
     if not (model_dir / "pytriton_model.py").exists():
         (model_dir / "model.py").rename(model_dir / "pytriton_model.py")
     shutil.copyfile(Path(__file__).with_name("pytriton_proxy.py"), model_dir / "model.py")
+    return True
 
 
 class TritonService:
@@ -278,8 +292,7 @@ class TritonService:
                 check_port_free(self.host, port, option)
         ensure_libpython_on_path()
         _install_log_filter()
-        if getattr(self.engine, "_thread", None) is None:  # not yet serving: warm it before anything says ready
-            LOG.info("engine warmed up in %.1f s", warm_up(self.engine, self._sampling_params))
+        LOG.info("engine warmed up in %.1f s", warm_up(self.engine, self._sampling_params))  # before anything is ready
         self.engine.start_background()
         config = TritonConfig(allow_http=False, grpc_address=self.host, grpc_port=self.grpc_port,
                               metrics_address=self.host, metrics_port=self.metrics_port,
