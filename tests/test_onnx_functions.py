@@ -13,8 +13,9 @@ from onnx import helper
 from plugins.formats import LayerScales, get_format
 from plugins.kv_write.reference import kv_write_ref
 from plugins.paged_attention.reference import paged_attention_ref
-from trtkv.export.format_functions import EXPORTABLE_FORMATS, format_functions
+from trtkv.export.format_functions import _E4M3_VALUES, EXPORTABLE_FORMATS, format_functions
 from trtkv.export.functions import function_proto, library
+from trtkv.export.layout import NUMPY_DTYPE, to_boundary
 
 H, D, HQ = 2, 32, 4
 
@@ -22,7 +23,7 @@ H, D, HQ = 2, 32, 4
 def _value_info(name: str, t: torch.Tensor | None = None, elem: int | None = None):
     if t is None:
         return helper.make_tensor_value_info(name, elem, None)
-    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(t.numpy().dtype), list(t.shape))
+    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(to_boundary(t).dtype), list(t.shape))
 
 
 def _run_one(fmt_name: str, fn_name: str, inputs: dict[str, torch.Tensor], outputs: list[tuple[str, int]], **attrs):
@@ -32,11 +33,11 @@ def _run_one(fmt_name: str, fn_name: str, inputs: dict[str, torch.Tensor], outpu
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("trtkv", 1)],
                               functions=[function_proto(f, 20) for f in library([fmt_name])])
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, {n: t.numpy() for n, t in inputs.items()})
+    return sess.run(None, {n: to_boundary(t) for n, t in inputs.items()})
 
 
 def _elem(dtype: torch.dtype) -> int:
-    return helper.np_dtype_to_tensor_dtype(torch.empty(0, dtype=dtype).numpy().dtype)
+    return helper.np_dtype_to_tensor_dtype(np.dtype(NUMPY_DTYPE[dtype]))
 
 
 @pytest.mark.parametrize("name", EXPORTABLE_FORMATS)
@@ -59,7 +60,7 @@ def test_encode_is_bit_exact(name):
         rows = live[row].nonzero().flatten()
         slot, group = fmt.encode(k[row, rows], v[row, rows], LayerScales(0.011, 0.023))
         for i, f in enumerate(specs):
-            ref = (slot[f.name] if i < n_slot else group[f.name]).numpy()
+            ref = to_boundary(slot[f.name] if i < n_slot else group[f.name])
             out = got[i][row, rows.numpy()] if i < n_slot else got[i][row]
             assert np.array_equal(ref.view(np.uint8), np.ascontiguousarray(out).view(np.uint8)), (name, f.name, row)
 
@@ -96,3 +97,41 @@ def test_paged_attention_matches_reference(name):
         assert np.array_equal(np.isfinite(out), np.isfinite(r))
         assert np.allclose(out[np.isfinite(r)], r[np.isfinite(r)], atol=2e-6, rtol=1e-5)
     assert np.all(got[0][2] == 0) and np.all(np.isneginf(got[1][2]))  # nothing live: out 0, lse -inf
+
+
+def _edge_floats() -> torch.Tensor:
+    """Rounding ties and near-ties of bfloat16 and E4M3, subnormals, overflow, signed zeros, inf and NaN."""
+    torch.manual_seed(2)
+    bits = torch.randint(0, 1 << 16, (4096,), dtype=torch.int32)
+    ties = ((bits << 16) | 0x8000).view(torch.float32)  # exactly half a bfloat16 ulp above a bfloat16 value
+    e4m3 = torch.tensor(_E4M3_VALUES.tolist(), dtype=torch.float32)
+    mids = (e4m3[1:] + e4m3[:-1]) / 2
+    near = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, 1e9)),
+                      torch.nextafter(mids, torch.zeros_like(mids))])
+    wide = torch.randn(4096) * torch.exp2(torch.randint(-140, 128, (4096,)).float())
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.3895e38, 3.4e38, -3.4e38,
+                            1e-45, -1e-45, 2.0**-126, 2.0**-133, 448.0, 464.0, 480.0, 1e6, 2.0**-10, 2.0**-9])
+    return torch.cat([ties, -ties, near, -near, wide, special])
+
+
+def test_bf16_bits_round_to_nearest_even_and_back():
+    x = _edge_floats()
+    (got,) = _run_one("bf16", "Bf16Encode", {"x": x}, [("y", onnx.TensorProto.INT16)])
+    ref = x.to(torch.bfloat16).view(torch.int16).numpy()
+    nan = torch.isnan(x).numpy()  # any NaN pattern (torch's depends on the CPU path)
+    assert np.array_equal(got[~nan], ref[~nan])
+    assert np.all((got[nan] & 0x7F80) == 0x7F80) and np.all(got[nan] & 0x7F)
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    (dec,) = _run_one("bf16", "Bf16Decode", {"bits": every}, [("y", onnx.TensorProto.FLOAT)])
+    want = every.view(torch.bfloat16).float().numpy()
+    assert np.array_equal(np.isnan(dec), np.isnan(want))
+    assert np.array_equal(dec[~np.isnan(want)].view(np.int32), want[~np.isnan(want)].view(np.int32))  # -0.0 too
+
+
+def test_e4m3_nearest_matches_reference():
+    from plugins.formats.e4m3 import e4m3_encode
+
+    x = _edge_floats()
+    x = x[~torch.isnan(x)]  # NaN stores 0 with the input's sign bit in torch; the graphs store 0x00
+    (got,) = _run_one("fp8", "E4M3EncodeNearest", {"x": x}, [("y", onnx.TensorProto.UINT8)])
+    assert np.array_equal(got, e4m3_encode(x).numpy())

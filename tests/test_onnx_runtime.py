@@ -1,7 +1,8 @@
 """``trtkv export`` and ``--runtime onnxruntime`` end to end on the tiny random Llama (issue 17): the graphs pass
 the ONNX checker, call the KV plugins as ``trtkv`` functions (or inline them), and ONNX Runtime driving them
 inside trtkv's scheduler gives the PyTorch runtime's greedy tokens and, under eviction, the same kept tokens;
-Polygraphy reports the logits within tolerance; bench runs both runtimes; bad input is one error line."""
+``export --check`` (lockstep, Polygraphy) passes for every storage format and ThinKV and catches wrong records;
+bench runs both runtimes; bad input is one error line."""
 from __future__ import annotations
 
 import json
@@ -124,13 +125,120 @@ def test_streamingllm_keeps_the_same_tokens(exported):
     assert all(len(layer) == 20 for step in kept_ort[-3:] for req in step for layer in req)  # evicting at budget
 
 
-def test_polygraphy_check_within_tolerance(exported):
-    from trtkv.export.check import run_check
+# --- export --check (issue 38 item 6): lockstep, every storage format ------------------------------------------
+CHECK_FORMATS = ("fp32", "fp16", "bf16", "fp8", "nvfp4", "nvfp4o", "ternary", "ternaryo", "int4", "int2")
+CHECK_STEPS = 48
+CHECK_TOL = 1e-3  # a tenth of the command's default
 
-    path, out, _, _ = exported("full-fp16")
-    checks = run_check(path, out, atol=1e-3, rtol=1e-3, steps=8, log=lambda line: None)
-    assert [c.graph for c in checks] == ["prefill.onnx", "decode_step.onnx"]
-    assert all(c.passed and c.max_abs < 1e-3 and c.steps > 0 for c in checks)
+
+def _assert_check_passed(report, steps: int = CHECK_STEPS) -> None:
+    text = "\n".join(report.lines(CHECK_TOL, CHECK_TOL))
+    assert report.passed and report.mismatch_count == 0, text
+    assert [g.graph for g in report.graphs] == ["prefill.onnx", "decode_step.onnx"], text
+    assert [g.steps for g in report.graphs] == [2, steps], text  # two prompts in one batch
+    assert report.tokens == report.tokens_equal == 2 * (steps + 1), text  # greedy tokens equal at every step
+
+
+@pytest.mark.parametrize("fmt", CHECK_FORMATS)
+def test_export_check_passes_in_lockstep(tiny_ckpt, engine_factory, load_engine, tmp_path, fmt):
+    """``export --check`` on a ``full`` engine of every storage format: each step run by ONNX Runtime and by
+    PyTorch from the same cache state, logits within 1e-3, greedy tokens equal over 48 steps, and every KV record
+    that differs a midpoint flip, not a mismatch (the teacher-forced replay before this failed NVFP4)."""
+    from plugins.formats import get_format
+    from trtkv.export.check import lockstep_check
+    from trtkv.export.exporter import export_engine
+
+    engine = load_engine(engine_factory(tiny_ckpt, "full", kv_format=fmt))
+    export_engine(engine, tmp_path)
+    report = lockstep_check(engine, tmp_path, steps=CHECK_STEPS, atol=CHECK_TOL, rtol=CHECK_TOL)
+    _assert_check_passed(report)
+    layers = engine.arch.num_hidden_layers
+    if get_format(fmt).quantized:  # the prompt's full groups and at least two flushes per request and layer
+        assert report.write_units >= layers * 2 * 2 + layers * 2, report.write_units
+    else:  # every token of both requests, per layer
+        assert report.write_units >= layers * 2 * CHECK_STEPS, report.write_units
+
+
+@pytest.mark.parametrize("name", ["thinkv", "thinkv-sparsity"])
+def test_export_check_passes_in_lockstep_thinkv(exported, name):
+    """ThinKV (NVFP4 + ternary, evictions at the budget, anneals; thought labels from decode attention
+    sparsity in the second) passes the lockstep check; the statistics the policy reads agree too."""
+    from trtkv.export.check import lockstep_check
+
+    _, out, torch_engine, _ = exported(name)
+    report = lockstep_check(torch_engine, out, steps=CHECK_STEPS, atol=CHECK_TOL, rtol=CHECK_TOL)
+    _assert_check_passed(report)
+    if name == "thinkv-sparsity":
+        assert 0 < report.stats_max_diff < 1e-4, report.stats_max_diff
+
+
+def test_export_check_catches_a_wrong_record(exported, monkeypatch):
+    """A graph that stores wrong codes fails the check as a real mismatch, even though both steps then attend the
+    same (wrong) KV and the logits agree: the records are checked against PyTorch's encoding."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+
+    from trtkv.export.check import lockstep_check
+
+    _, out, torch_engine, _ = exported("thinkv")
+    infer = OnnxrtRunner.infer
+
+    def corrupt(self, feed_dict, *args, **kwargs):
+        got = infer(self, feed_dict, *args, **kwargs)
+        for name in got:
+            if name.endswith(".write.k"):
+                got[name] = got[name] ^ np.uint8(0x11)  # one code of every nibble pair
+        return got
+
+    monkeypatch.setattr(OnnxrtRunner, "infer", corrupt)
+    report = lockstep_check(torch_engine, out, steps=20, atol=CHECK_TOL, rtol=CHECK_TOL)
+    assert not report.passed and report.mismatch_count > 0
+    assert all("differ from PyTorch's encoding of the graph's own K/V" in m for m in report.mismatches), \
+        report.mismatches
+
+
+@pytest.mark.parametrize("fmt", CHECK_FORMATS)
+def test_midpoint_flip_is_told_from_a_mismatch(fmt):
+    """``compare_unit``: inputs one float apart on either side of a rounding boundary (found by bisection) give
+    different records and count as a midpoint flip; the same records from inputs far apart, or other records
+    from the same input, are mismatches."""
+    import torch
+
+    from plugins.formats import get_format
+    from trtkv.export.check import compare_unit
+    from trtkv.export.layout import to_boundary
+    from trtkv.export.torch_ops import kv_encode
+
+    g, H, D = get_format(fmt).group_size, 2, 32
+    torch.manual_seed(3)
+    k, v = torch.randn(1, g, H, D) * 2, torch.randn(1, g, H, D)
+    live = torch.ones(1, g, dtype=torch.bool)
+    scales = (0.05, 0.03)
+    at = (0, g - 1, 1, 5)
+
+    def with_value(x):
+        kk = k.clone()
+        kk[at] = x
+        return kk, [to_boundary(t) for t in kv_encode(fmt, kk, v, live, *scales)]
+
+    jump = 4 * float(k.abs().max())  # past any code boundary: the element becomes its channel's largest
+    lo, hi = float(k[at]), float(k[at]) + jump
+    base = with_value(lo)[1]
+    same = lambda recs: all(np.array_equal(a, b) for a, b in zip(recs, base))  # noqa: E731
+    assert not same(with_value(hi)[1])
+    while True:
+        mid = float(np.float32((lo + hi) / 2))
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if same(with_value(mid)[1]) else (lo, mid)
+    (kt, _), (ko, theirs) = with_value(lo), with_value(hi)
+    flip = compare_unit(fmt, kt, v, ko, v, live, theirs, scales)
+    assert flip.mismatch is None and flip.codes + flip.scales >= 1 and flip.input_diff < 1e-6, flip
+    assert compare_unit(fmt, kt, v, kt, v, live, base, scales).codes == 0  # equal records: nothing
+    far, far_records = with_value(float(k[at]) + jump)
+    assert "more than float rounding" in compare_unit(fmt, k, v, far, v, live, far_records, scales).mismatch
+    wrong = [r.copy() for r in theirs]
+    wrong[0].reshape(-1).view(np.uint8)[0] ^= 1
+    assert "differ from PyTorch's encoding" in compare_unit(fmt, kt, v, ko, v, live, wrong, scales).mismatch
 
 
 def test_inline_and_cli(exported, tmp_path):
@@ -140,7 +248,7 @@ def test_inline_and_cli(exported, tmp_path):
     model = onnx.load(str(tmp_path / "inl" / "decode_step.onnx"), load_external_data=False)
     assert not model.functions and all(n.domain != "trtkv" for n in model.graph.node)
     onnx.checker.check_model(str(tmp_path / "inl" / "prefill.onnx"), full_check=True)
-    ids = np.array([1, 504, 3250, 12, 9], np.int64)
+    ids = np.array([1, 504, 325, 12, 9], np.int64)  # within the tiny vocabulary (1,024)
     logits = [ort.InferenceSession(str(d / "prefill.onnx")).run(["logits"], {"input_ids": ids})[0]
               for d in (out, tmp_path / "inl")]
     assert np.allclose(logits[0], logits[1], atol=1e-5)
@@ -171,8 +279,8 @@ def test_unexportable_policy_and_bad_options_are_one_line_errors(tiny_ckpt, engi
                           "cannot run from the ONNX graphs")
     full = engine_factory(tiny_ckpt, "full", kv_format="fp16")
     assert_one_line_error(run("export", full, "--out", tmp_path / "y", "--opset", "12"), "--opset 12")
-    int4 = engine_factory(tiny_ckpt, "full", kv_format="int4")
-    assert_one_line_error(run("export", int4, "--out", tmp_path / "z"), "no ONNX functions")
+    tiered = engine_factory(tiny_ckpt, "full", kv_format="fp16", demote="host")
+    assert_one_line_error(run("export", tiered, "--out", tmp_path / "z"), "use demote=none")
 
 
 def test_missing_onnx_extra_is_one_line_error(tiny_ckpt, engine_factory, tmp_path):

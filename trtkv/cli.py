@@ -509,11 +509,14 @@ _add_serving_commands()
 @click.option("--inline", is_flag=True, help="Inline the trtkv functions (for tools that cannot read functions).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Policy parameter override (repeatable).")
 @click.option("--check", is_flag=True,
-              help="Then run the graphs with Polygraphy (ONNX Runtime) on recorded steps against the PyTorch "
-                   "engine's logits and print the max abs/rel error per output.")
+              help="Then check the graphs against the PyTorch engine in lockstep: every step run by ONNX Runtime "
+                   "(through Polygraphy) and by PyTorch from the same cache state; compares logits, greedy tokens "
+                   "and the stored KV records (midpoint flips reported apart from real mismatches).")
 @click.option("--atol", type=float, default=1e-2, show_default=True, help="--check: absolute logits tolerance.")
 @click.option("--rtol", type=float, default=1e-2, show_default=True, help="--check: relative logits tolerance.")
-def export_cmd(engine, out, opset, inline, sets, check, atol, rtol) -> None:
+@click.option("--check-steps", type=click.IntRange(1, 4096), default=48, show_default=True,
+              help="--check: greedy decode steps per prompt.")
+def export_cmd(engine, out, opset, inline, sets, check, atol, rtol, check_steps) -> None:
     """Write ENGINE's prefill and decode steps as ONNX (trtkv plugins as trtkv-domain functions) to --out."""
     from trtkv.export import require_onnx
     from trtkv.settings import parse_sets
@@ -530,12 +533,14 @@ def export_cmd(engine, out, opset, inline, sets, check, atol, rtol) -> None:
     if check:
         from trtkv.export.check import CHECK_PROMPTS, run_check
 
-        click.echo(f"polygraphy: ONNX Runtime vs the PyTorch engine's logits, {len(CHECK_PROMPTS)} prompts "
-                   "(greedy, teacher-forced replay)")
-        results = run_check(engine, out, atol=atol, rtol=rtol, log=click.echo)
-        failed = [r.graph for r in results if not r.passed]
-        if failed:
-            raise TrtkvError(f"polygraphy check failed for {', '.join(failed)} (atol {atol:g}, rtol {rtol:g})")
+        click.echo(f"check: ONNX Runtime (Polygraphy) and PyTorch in lockstep from the same cache state, "
+                   f"{len(CHECK_PROMPTS)} prompts x {check_steps} greedy steps")
+        report = run_check(eng, out, atol=atol, rtol=rtol, steps=check_steps, log=click.echo)
+        if not report.passed:
+            failed = [g.graph for g in report.graphs if not g.passed]
+            what = [f"logits of {', '.join(failed)} outside atol {atol:g} / rtol {rtol:g}"] if failed else []
+            what += [f"{report.mismatch_count} real mismatches"] if report.mismatch_count else []
+            raise TrtkvError(f"export check failed: {'; '.join(what)}")
 
 
 if __name__ == "__main__":

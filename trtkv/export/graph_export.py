@@ -22,10 +22,10 @@ MIN_OPSET, MAX_OPSET = 18, 23  # the function bodies' ops keep their semantics a
 # example sizes of the symbolic dimensions (distinct, and never 0 or 1, which torch.export would specialise)
 EXAMPLE_SIZES = {"batch": 2, "prompt": 37, "pages": 5, "groups": 4, "table": 3}
 ONNX_DTYPE = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
-              "bfloat16": onnx.TensorProto.BFLOAT16, "uint8": onnx.TensorProto.UINT8, "int32": onnx.TensorProto.INT32,
-              "int64": onnx.TensorProto.INT64, "bool": onnx.TensorProto.BOOL}
-_TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
+              "bfloat16": onnx.TensorProto.BFLOAT16, "uint8": onnx.TensorProto.UINT8, "int16": onnx.TensorProto.INT16,
+              "int32": onnx.TensorProto.INT32, "int64": onnx.TensorProto.INT64, "bool": onnx.TensorProto.BOOL}
+_TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8,
+                "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
 
 
 def _size(dim: int | str) -> int:

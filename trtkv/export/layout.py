@@ -13,12 +13,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from plugins.formats import get_format
 
-NUMPY_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-               torch.uint8: "uint8", torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"}
+# dtype of a tensor at the graph boundary: bfloat16 crosses as its int16 bit patterns (numpy, and so ONNX Runtime's
+# and Polygraphy's Python APIs, have no bfloat16); every other dtype as itself
+NUMPY_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "int16",
+               torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
+               torch.bool: "bool"}
+
+
+def to_boundary(t: torch.Tensor) -> np.ndarray:
+    """A host tensor as the graphs take it (zero-copy): bfloat16 as its int16 bit patterns."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def from_boundary(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A graph output as a host tensor of ``dtype`` (zero-copy): int16 bit patterns back to bfloat16."""
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
 @dataclass(frozen=True)
@@ -97,8 +112,8 @@ class KVLayout:
     def decode_outputs(self) -> list[TensorSpec]:
         L, H, D = self.num_layers, self.num_kv_heads, self.head_dim
         out = [TensorSpec("logits", "float32", ("batch", self.vocab_size))]
-        if self.group > 1:
-            out += [TensorSpec(n, "float32", (L, "batch", H, D)) for n in ("k_new", "v_new")]
+        # the step's raw K/V: the buffer's new row, and what ``trtkv export --check`` re-encodes in PyTorch
+        out += [TensorSpec(n, "float32", (L, "batch", H, D)) for n in ("k_new", "v_new")]
         for layer in range(L):
             for fmt in self.formats:
                 out += self.write_outputs(layer, fmt, "batch")
@@ -113,8 +128,7 @@ class KVLayout:
     def prefill_outputs(self) -> list[TensorSpec]:
         L, H, D = self.num_layers, self.num_kv_heads, self.head_dim
         out = [TensorSpec("logits", "float32", (1, self.vocab_size))]
-        if self.buffers_prompt_tail:
-            out += [TensorSpec("k", "float32", (L, "prompt", H, D)), TensorSpec("v", "float32", (L, "prompt", H, D))]
+        out += [TensorSpec("k", "float32", (L, "prompt", H, D)), TensorSpec("v", "float32", (L, "prompt", H, D))]
         rows = "prompt" if self.group == 1 else "prompt_groups"
         for layer in range(L):
             for fmt in self.formats:

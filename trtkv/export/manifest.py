@@ -16,7 +16,7 @@ from typing import Any
 from trtkv.export.layout import KVLayout, TensorSpec
 
 MANIFEST_NAME = "export.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the graphs always return the raw K/V (prefill k, v; decode k_new, v_new); bf16 as int16
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,9 @@ class ExportManifest:
 
 
 def engine_fingerprint(engine_dir: Path, policy_params: dict[str, Any], opset: int, inline: bool) -> str:
-    """What an export depends on: the engine manifest, the policy parameters in effect, opset and inlining."""
+    """What an export depends on: the engine manifest, the policy parameters in effect, opset, inlining and the
+    export format version (an export written by an older trtkv is re-exported)."""
     h = hashlib.sha256((Path(engine_dir) / "engine.json").read_bytes())
-    h.update(json.dumps({"policy": policy_params, "opset": opset, "inline": inline}, sort_keys=True,
-                        default=str).encode())
+    h.update(json.dumps({"policy": policy_params, "opset": opset, "inline": inline, "format": FORMAT_VERSION},
+                        sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]

@@ -10,16 +10,40 @@ to the buffer, and builds the attention statistics a policy asked for from the g
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
 from trtkv.cache.pending import PendingWrite, pending_bits, reserve, store
 from trtkv.errors import TrtkvError
+from trtkv.export.layout import from_boundary, to_boundary
 from trtkv.export.ort_session import StepSessions
 from trtkv.policies.base import LayerStats, StepStats
 from trtkv.runtime.attention import row_stats
 from trtkv.runtime.core import EngineCore
 from trtkv.runtime.request import Request
+
+
+@dataclass
+class DecodePlan:
+    """One decode step up to the graph run: the batch, its writes reserved, the graph's inputs."""
+
+    reqs: list[Request]
+    ctxs: list
+    seqs: list
+    classes: list
+    sreqs: list
+    positions: list[int]
+    buffered: list[int]  # each request's buffer fill before the step
+    units: list[list[list[int]]]  # [layer][request]: the positions of the step's write unit
+    pending: list[list[tuple[int, PendingWrite]]]  # [layer]: (request, reserved write)
+    feeds: dict = field(default_factory=dict)
+    tables: list = field(default_factory=list)  # [layer]: (pool, block table, validity words) per format fed
+    want: list = field(default_factory=list)  # [layer][request]: the policy asked for statistics
+    force: list = field(default_factory=list)  # [layer]: an observer forces statistics
+    stat_layers: list[int] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
 
 
 class OrtEngineCore(EngineCore):
@@ -41,11 +65,22 @@ class OrtEngineCore(EngineCore):
     # --- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, req: Request) -> None:
+        self._begin_prefill_graph(req)
+        out = self.sessions.run_prefill(req.prompt_ids)
+        self._store_prefill(req, out)
+        self._end_prefill(req, torch.from_numpy(out["logits"]), StepStats(step=-1))
+
+    def _begin_prefill_graph(self, req: Request):
         ctx, sreq = self._begin_prefill(req)
         if sreq.weights or sreq.sparsity or sreq.prefill_window:
             raise TrtkvError(f"policy {self.policy.name!r} reads prefill attention statistics, which the ONNX "
                              "prefill graph does not return; run it with --runtime torch")
-        out = self.sessions.run_prefill(req.prompt_ids)
+        return ctx
+
+    def _store_prefill(self, req: Request, out: dict) -> None:
+        """Store the prompt's records (groups of g, the last one partial) and buffer its tail when the policy
+        keeps the tail in the residual buffer."""
+        ctx = req.ctx
         fmt, thought, seg = self.policy.prefill_class(ctx)
         T, g = req.prompt_len, self.g
         positions = list(range(T))
@@ -66,17 +101,27 @@ class OrtEngineCore(EngineCore):
                 else:
                     k, v = torch.from_numpy(out["k"][layer, full:]), torch.from_numpy(out["v"][layer, full:])
                     self.cache.buffer_append(layer, [ctx.seq] * (T - full), k, v, positions[full:])
-        self._end_prefill(req, torch.from_numpy(out["logits"]), StepStats(step=-1))
 
     def _records(self, out: dict, layer: int, fmt: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """A layer's write records in ``fmt``: slot records ``[rows, g, ...]``, group records ``[rows, ...]``."""
+        """A layer's write records in ``fmt``: slot records ``[rows, g, ...]``, group records ``[rows, ...]``
+        (host dtypes: bfloat16 back from its int16 bit patterns)."""
         p = f"l{layer}.{fmt}.write."
-        return ([torch.from_numpy(out[p + f.name]) for f in self.layout.slot_fields(fmt)],
-                [torch.from_numpy(out[p + f.name]) for f in self.layout.group_fields(fmt)])
+        return ([from_boundary(out[p + f.name], f.dtype) for f in self.layout.slot_fields(fmt)],
+                [from_boundary(out[p + f.name], f.dtype) for f in self.layout.group_fields(fmt)])
 
     # --- decode -----------------------------------------------------------------------------
     @torch.inference_mode()
     def decode_step(self, reqs: list[Request]) -> None:
+        plan = self._plan_decode(reqs)
+        out = self.sessions.run_decode(plan.feeds, plan.outputs)
+        for layer in range(self.layout.num_layers):
+            self._store_layer(out, layer, plan)
+        stats, forced = self._graph_stats(out, plan)
+        self._end_decode(reqs, torch.from_numpy(out["logits"]), stats, forced)
+
+    def _plan_decode(self, reqs: list[Request]) -> "DecodePlan":
+        """Everything up to the graph run: the policy's step hooks, each layer's write reserved and the policy's
+        ``before_attention`` (layer by layer, as in torch), the graph's inputs and the outputs to fetch."""
         pol, cache, lay = self.policy, self.cache, self.layout
         ctxs = [r.ctx for r in reqs]
         seqs = [c.seq for c in ctxs]
@@ -107,30 +152,35 @@ class OrtEngineCore(EngineCore):
             pol.before_attention_batch(ctxs, layer)
             for o in self.observers:
                 o.before_attention(reqs, layer)
-        feeds, tables = self._feeds(reqs, classes, positions, buffered, pending)
+        plan = DecodePlan(reqs, ctxs, seqs, classes, sreqs, positions, buffered, units, pending)
+        plan.feeds, plan.tables = self._feeds(reqs, classes, positions, buffered, pending)
         fs = self._forced["decode"]
-        want = [[bool(sr and (sr.weights or sr.sparsity) and (sr.layers is None or layer in sr.layers))
-                 for sr in sreqs] for layer in range(lay.num_layers)]
-        force = [fs is not None and (fs.layers is None or layer in fs.layers) for layer in range(lay.num_layers)]
-        stat_layers = [layer for layer in range(lay.num_layers) if force[layer] or any(want[layer])]
+        plan.want = [[bool(sr and (sr.weights or sr.sparsity) and (sr.layers is None or layer in sr.layers))
+                      for sr in sreqs] for layer in range(lay.num_layers)]
+        plan.force = [fs is not None and (fs.layers is None or layer in fs.layers) for layer in range(lay.num_layers)]
+        plan.stat_layers = [layer for layer in range(lay.num_layers) if plan.force[layer] or any(plan.want[layer])]
         names = ["logits"] + (["k_new", "v_new"] if self.g > 1 else [])
         names += [s.name for layer in range(lay.num_layers) for f in lay.formats
                   for s in lay.write_outputs(layer, f, "batch")]
-        names += [f"l{layer}.attn_logits" for layer in stat_layers]
-        out = self.sessions.run_decode(feeds, names)
-        self._store(out, seqs, positions, buffered, pending)
+        plan.outputs = names + [f"l{layer}.attn_logits" for layer in plan.stat_layers]
+        return plan
+
+    def _graph_stats(self, out: dict, plan: "DecodePlan") -> tuple[list[StepStats], list[StepStats] | None]:
+        """The attention statistics the policy (and observers) asked for, from the graph's attention logits."""
+        reqs, ctxs = plan.reqs, plan.ctxs
+        fs = self._forced["decode"]
         stats = [StepStats(step=c.step) for c in ctxs]
         forced = [StepStats(step=c.step) for c in ctxs] if fs is not None else None
-        for layer in stat_layers:
+        for layer in plan.stat_layers:
             for i in range(len(reqs)):
-                if not (want[layer][i] or force[layer]):
+                if not (plan.want[layer][i] or plan.force[layer]):
                     continue
-                ls = self._layer_stats(out[f"l{layer}.attn_logits"][i], tables[layer], i, units[layer][i])
-                if want[layer][i]:
+                ls = self._layer_stats(out[f"l{layer}.attn_logits"][i], plan.tables[layer], i, plan.units[layer][i])
+                if plan.want[layer][i]:
                     stats[i].layers[layer] = ls
-                if force[layer]:
+                if plan.force[layer]:
                     forced[i].layers[layer] = ls
-        self._end_decode(reqs, torch.from_numpy(out["logits"]), stats, forced)
+        return stats, forced
 
     def _feeds(self, reqs, classes, positions, buffered, pending):
         """The decode graph's inputs; also, per layer, the ``(format, block table, slot positions)`` fed."""
@@ -141,8 +191,8 @@ class OrtEngineCore(EngineCore):
         if len(lay.formats) > 1:
             feeds["write_format"] = np.asarray([lay.formats.index(cl[0]) for cl in classes], np.int64)
         if self.g > 1:
-            feeds["buffer_k"] = torch.stack([s.buf_k for s in seqs], 1).numpy()
-            feeds["buffer_v"] = torch.stack([s.buf_v for s in seqs], 1).numpy()
+            feeds["buffer_k"] = to_boundary(torch.stack([s.buf_k for s in seqs], 1))
+            feeds["buffer_v"] = to_boundary(torch.stack([s.buf_v for s in seqs], 1))
             feeds["buffer_len"] = np.asarray(buffered, np.int64)
         tables = []
         for layer in range(lay.num_layers):
@@ -155,9 +205,9 @@ class OrtEngineCore(EngineCore):
                 # so far (page 0 at least: padded block-table entries read it) and the groups handed out
                 n, ng = max(pool.fresh, 1), max(pool.group_fresh, 1)
                 for f, t in zip(lay.slot_fields(fmt), pool.fields):
-                    feeds[p + f.name] = t[:n].numpy()
+                    feeds[p + f.name] = to_boundary(t[:n])
                 for f, t in zip(lay.group_fields(fmt), pool.group_fields):
-                    feeds[p + f.name] = t[:ng].numpy()
+                    feeds[p + f.name] = to_boundary(t[:ng])
                 if pool.group_specs:
                     feeds[p + "k_group"] = pool.k_group[:n].numpy()
                 valid = words.get(id(pool), pool.valid)[:n]
@@ -170,21 +220,23 @@ class OrtEngineCore(EngineCore):
             tables.append(fed)
         return feeds, tables
 
-    def _store(self, out, seqs, positions, buffered, pending) -> None:
-        """Store each reserved write from the chosen format's records; append non-flushing tokens to the buffer."""
-        for layer, writes in enumerate(pending):
-            for i, w in writes:
-                slot, group = self._records(out, layer, w.pool.fmt.name)
-                n = len(w.pages)
-                store(w, [r[i, :n] for r in slot], [r[i] for r in group])
-                if self.g > 1:
-                    seqs[i].buf_pos[layer] = []  # the group went to pages
+    def _store_layer(self, out: dict, layer: int, plan: "DecodePlan") -> None:
+        """Store one layer's reserved writes from the chosen format's records; append the tokens that did not
+        complete a flush group to the residual buffer."""
+        seqs = plan.seqs
+        writes = plan.pending[layer]
+        for i, w in writes:
+            slot, group = self._records(out, layer, w.pool.fmt.name)
+            n = len(w.pages)
+            store(w, [r[i, :n] for r in slot], [r[i] for r in group])
             if self.g > 1:
-                flushed = {i for i, _ in writes}
-                for i, s in enumerate(seqs):
-                    if i not in flushed:
-                        self.cache.buffer_append(layer, [s], torch.from_numpy(out["k_new"][layer, i:i + 1]),
-                                                 torch.from_numpy(out["v_new"][layer, i:i + 1]), [positions[i]])
+                seqs[i].buf_pos[layer] = []  # the group went to pages
+        if self.g > 1:
+            flushed = {i for i, _ in writes}
+            for i, s in enumerate(seqs):
+                if i not in flushed:
+                    self.cache.buffer_append(layer, [s], torch.from_numpy(out["k_new"][layer, i:i + 1]),
+                                             torch.from_numpy(out["v_new"][layer, i:i + 1]), [plan.positions[i]])
 
     def _layer_stats(self, logits: np.ndarray, fed, i: int, unit: list[int]) -> LayerStats:
         """Attention statistics of request ``i`` in one layer from the graph's logits ``[Hq, keys]``: the keys

@@ -67,8 +67,8 @@ class _StepGraph(nn.Module):
 
 
 class PrefillStep(_StepGraph):
-    """Prompt ``input_ids [T]`` -> last logits, the prompt's K/V records per layer and format (groups of g;
-    the last group partial), and the raw K/V when the policy buffers the prompt's tail."""
+    """Prompt ``input_ids [T]`` -> last logits, the raw K/V (the buffer takes the prompt's tail from them when the
+    policy buffers it), and the prompt's K/V records per layer and format (groups of g; the last group partial)."""
 
     def forward(self, input_ids):
         lay, model = self.layout, self.model
@@ -94,8 +94,7 @@ class PrefillStep(_StepGraph):
             vs.append(v.float())
             x = model.finish_layer(layer, x, attn)
         logits = model.logits(x[-1:])
-        raw = [torch.stack(ks), torch.stack(vs)] if lay.buffers_prompt_tail else []
-        return (logits, *raw, *records)
+        return (logits, torch.stack(ks), torch.stack(vs), *records)
 
 
 class DecodeStep(_StepGraph):
@@ -105,7 +104,6 @@ class DecodeStep(_StepGraph):
         lay, model = self.layout, self.model
         a = dict(zip([s.name for s in lay.decode_inputs()], inputs))
         ids = a["input_ids"]
-        g = lay.group
         dtype = model.model.embed_tokens.weight.dtype
         cos, sin = model.rotary.cos_sin(a["positions"], dtype)
         x = model.embed(ids)
@@ -130,8 +128,7 @@ class DecodeStep(_StepGraph):
             stats.append(torch.cat(logit_parts, dim=-1))
             x = model.finish_layer(layer, x, merge_partials(parts))
         logits = model.logits(x)
-        raw = [torch.stack(k_new), torch.stack(v_new)] if g > 1 else []
-        return (logits, *raw, *records, *stats)
+        return (logits, torch.stack(k_new), torch.stack(v_new), *records, *stats)
 
     def _write_unit(self, layer, a, k, v, records, k_new, v_new):
         """Encode this step's write unit in every format; return it as the attention will see it once stored:
@@ -146,11 +143,14 @@ class DecodeStep(_StepGraph):
             n = a["buffer_len"]
             at = (torch.arange(g, device=k.device)[None, :] == n[:, None])[:, :, None, None]
             bk, bv = a["buffer_k"][layer], a["buffer_v"][layer]
-            uk = torch.where(at, k[:, None].to(bk.dtype), bk).float()
-            uv = torch.where(at, v[:, None].to(bv.dtype), bv).float()
+            # the token rounded to the buffer's dtype and back, then selected in fp32: ONNX Runtime's CPU EP has no
+            # fp16 Where and runs one in fp32 with the Cast pair around it removed, so a Cast(fp16) -> Where ->
+            # Cast(fp32) chain leaves the token unrounded (measured: a flush group then encodes the fp32 token)
+            uk = torch.where(at, k[:, None].to(bk.dtype).float(), bk.float())
+            uv = torch.where(at, v[:, None].to(bv.dtype).float(), bv.float())
             live = torch.arange(g, device=k.device)[None, :] <= n[:, None]
-            k_new.append(k.float())
-            v_new.append(v.float())
+        k_new.append(k.float())
+        v_new.append(v.float())
         dk = dv = None
         for i, recs in enumerate(self.encode_all(layer, uk, uv, live)):
             records += recs

@@ -13,8 +13,13 @@ import torch
 
 from plugins.formats import LayerScales, get_format
 
-TORCH_OP_FORMATS = ("fp32", "fp16", "bf16", "nvfp4", "nvfp4o", "ternary", "ternaryo")
+TORCH_OP_FORMATS = ("fp32", "fp16", "bf16", "fp8", "nvfp4", "nvfp4o", "ternary", "ternaryo", "int4", "int2")
 _lib = torch.library.Library("trtkv_export", "DEF")
+
+
+def _boundary(dtype: torch.dtype) -> torch.dtype:
+    """A record's dtype at the graph boundary: bfloat16 crosses as int16 bit patterns (layout.py)."""
+    return torch.int16 if dtype == torch.bfloat16 else dtype
 
 
 def _record_names(fmt_name: str) -> tuple[list[str], list[str]]:
@@ -37,7 +42,7 @@ def _define(fmt_name: str) -> None:
         n, g, H, D = k.shape
         slot_specs, group_specs = fmt.slot_fields(H, D), fmt.group_fields(H, D)
         slot = [torch.zeros(n, g, *f.shape, dtype=f.dtype) for f in slot_specs]
-        group = [torch.zeros(n, *f.shape, dtype=f.dtype) for f in group_specs]
+        group = [torch.zeros(n, *f.shape, dtype=f.dtype) for f in group_specs]  # bit patterns at the boundary
         for i in range(n):
             rows = live[i].nonzero().flatten()
             if len(rows) == 0:
@@ -47,16 +52,18 @@ def _define(fmt_name: str) -> None:
                 t[i, rows] = s_enc[f.name]
             for t, f in zip(group, group_specs):
                 t[i] = g_enc[f.name]
-        return tuple(slot + group)
+        return tuple(t.view(_boundary(t.dtype)) for t in slot + group)
 
     def encode_meta(k, v, live, scale_k, scale_v):
         n, g, H, D = k.shape
-        return tuple([k.new_empty((n, g, *f.shape), dtype=f.dtype) for f in fmt.slot_fields(H, D)]
-                     + [k.new_empty((n, *f.shape), dtype=f.dtype) for f in fmt.group_fields(H, D)])
+        return tuple([k.new_empty((n, g, *f.shape), dtype=_boundary(f.dtype)) for f in fmt.slot_fields(H, D)]
+                     + [k.new_empty((n, *f.shape), dtype=_boundary(f.dtype)) for f in fmt.group_fields(H, D)])
 
     def decode(*args):
         """Slot records ``[..., *shape]`` followed by their group records gathered per slot -> fp32 ``k, v``."""
         *records, scale_k, scale_v = args
+        dtypes = [f.dtype for f in fmt.slot_fields(1, 16) + fmt.group_fields(1, 16)]
+        records = [r.view(dt) if dt == torch.bfloat16 else r for r, dt in zip(records, dtypes)]
         slot = dict(zip(slot_names, records))
         group = dict(zip(group_names, records[len(slot_names):]))
         k, v = fmt.decode(slot, group, LayerScales(scale_k, scale_v))

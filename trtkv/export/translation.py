@@ -31,7 +31,8 @@ def _encoder(name: str):
 
 
 def _decoder(name: str):
-    """Records per format family: (k, v), (k, v, v_scale, k_scale) or (k, v, v_scale, k_scale, k_offset)."""
+    """Records per format family: (k, v), (k, v, v_scale, k_scale), (k, v, v_scale, k_scale, k_offset) or
+    (k, v, v_scale, v_zero, k_scale, k_zero)."""
     n = len(get_format(name).slot_fields(1, 16)) + len(get_format(name).group_fields(1, 16))
 
     def call(records, scale_k, scale_v):
@@ -43,9 +44,12 @@ def _decoder(name: str):
     elif n == 4:
         def kv_decode(k, v, v_scale, k_scale, scale_k: float, scale_v: float):
             return call([k, v, v_scale, k_scale], scale_k, scale_v)
-    else:
+    elif n == 5:
         def kv_decode(k, v, v_scale, k_scale, k_offset, scale_k: float, scale_v: float):
             return call([k, v, v_scale, k_scale, k_offset], scale_k, scale_v)
+    else:  # int4 / int2: value scale and zero per slot, key scale and zero per group
+        def kv_decode(k, v, v_scale, v_zero, k_scale, k_zero, scale_k: float, scale_v: float):
+            return call([k, v, v_scale, v_zero, k_scale, k_zero], scale_k, scale_v)
     return kv_decode
 
 
