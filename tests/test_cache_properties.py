@@ -258,7 +258,7 @@ def test_batched_eviction_matches_one_by_one(ops):
     next_pos: dict[int, int] = {}
 
     def evict(sid, layer, victims):
-        a = evict_private(caches[0], caches[0].seqs[sid], layer, victims)
+        a = evict_private(caches[0].pools[layer], layer, caches[0].seqs[sid], victims)
         assert a == caches[1]._evict_each(caches[1].seqs[sid], layer, victims)
 
     for o in ops:
@@ -268,24 +268,24 @@ def test_batched_eviction_matches_one_by_one(ops):
 
 
 def test_residual_arena_grows_and_appends_in_order():
-    """Residual buffers are rows of one arena: growing it re-points every live request's buffer (contents kept),
+    """Residual buffers are rows of one arena: growing it keeps every live request's buffer (contents kept),
     a request listed several times fills consecutive slots, and attention reads them like per-request buffers."""
     cache = make_cache(g=4)
     seqs = [cache.add_sequence(i) for i in range(3)]
     k = torch.randn(3, H, D)
     cache.buffer_append(0, seqs, k, -k, [5, 6, 7])
     more = [cache.add_sequence(i) for i in range(3, 12)]  # past the arena's 8 initial rows
-    assert cache.residual.k.shape[0] >= 12 and len({s.buf_row for s in seqs + more}) == 12
+    assert cache.residual.k.shape[0] >= 12 and len({s.residual.row for s in seqs + more}) == 12
     for i, s in enumerate(seqs):
-        assert s.buf_k.data_ptr() == cache.residual.k[s.buf_row].data_ptr()
-        assert torch.equal(s.buf_k[0, 0], k[i]) and torch.equal(s.buf_v[0, 0], -k[i]) and s.buf_pos[0] == [5 + i]
+        assert s.buf_k.data_ptr() == cache.residual.k[s.residual.row].data_ptr()
+        assert torch.equal(s.buf_k[0, 0], k[i]) and torch.equal(s.buf_v[0, 0], -k[i]) and s.buffered_positions(0) == [5 + i]
     tail = torch.randn(3, H, D)
     cache.buffer_append(1, [more[0]] * 3, tail, tail, [0, 1, 2])
-    assert torch.equal(more[0].buf_k[1, :3], tail) and more[0].buf_pos[1] == [0, 1, 2]
-    row = more[1].buf_row
+    assert torch.equal(more[0].buf_k[1, :3], tail) and more[0].buffered_positions(1) == [0, 1, 2]
+    row = more[1].residual.row
     cache.free_sequence(more[1].seq_id)
     again = cache.add_sequence(99)
-    assert again.buf_row == row and not again.buf_k.any()  # a reused row starts zeroed
+    assert again.residual.row == row and not again.buf_k.any()  # a reused row starts zeroed
 
 
 def test_gather_kv_many_equals_one_read_per_request_across_formats():
@@ -302,7 +302,7 @@ def test_gather_kv_many_equals_one_read_per_request_across_formats():
     rng = np.random.default_rng(0)
     items = [(s, rng.permutation(cache.live_positions(s, 1))[: 5 + 7 * i]) for i, s in enumerate(seqs)]
     items.append((seqs[0], np.empty(0, np.int64)))
-    assert reads._slots_by_search(cache, 1, items) is not None  # the array path, not the lookup fallback
+    assert reads._slots_by_search(cache.pools[1], 1, items) is not None  # the array path, not the lookup fallback
     many = cache.gather_kv_many(1, items)
     for (seq, pos), (k, v) in zip(items, many):
         k1, v1 = cache.gather_kv(seq, 1, pos)
@@ -330,7 +330,7 @@ def test_slot_search_equals_position_map(ops, eviction, picks):
             seq = cache.seqs[ids[i % len(ids)]]
             live = cache.live_positions(seq, layer)
             items.append((seq, rng.permutation(live)[: seed % (len(live) + 1)]))
-        got, want = reads._slots_by_search(cache, layer, items), reads._slots_by_lookup(cache, layer, items)
+        got, want = reads._slots_by_search(cache.pools[layer], layer, items), reads._slots_by_lookup(cache.pools[layer], layer, items)
         if got is None:
             continue
         assert got.keys() == want.keys()

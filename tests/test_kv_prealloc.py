@@ -279,7 +279,7 @@ def test_http_front_end_capped_engine_400_and_keeps_serving(tiny):
 
 def test_page_pool_is_fixed_and_says_when_full():
     from plugins.formats import get_format
-    from trtkv.cache.host_store import HostPagePool
+
     from trtkv.cache.pool import PagePool
 
     pool = PagePool(get_format("int4"), 2, 16, 4, "cpu", pages=3, groups=2)
@@ -297,7 +297,7 @@ def test_page_pool_is_fixed_and_says_when_full():
     assert pool.decref_group(0) and pool.alloc_group(1) == 0
     assert [t.data_ptr() for t in (*pool.fields, pool.k_group, *pool.group_fields)] == ptrs
     assert (pool.capacity, pool.group_capacity, pool.peak_in_use, pool.peak_groups) == (3, 2, 3, 2)
-    host = HostPagePool(get_format("int4"), 2, 16, 4, pages=2)  # host tiers still grow (host memory only)
+    host = PagePool(get_format("int4"), 2, 16, 4, "cpu", pages=2, groups=2, growable=True)  # host tiers still grow (host memory only)
     assert [host.alloc_page(0) for _ in range(5)] == [0, 1, 2, 3, 4] and host.capacity == 8
     assert [host.alloc_group(1) for _ in range(3)] == [0, 1, 2] and host.group_capacity >= 3
 

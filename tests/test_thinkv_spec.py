@@ -255,7 +255,7 @@ def test_residual_buffer_bounds_flushes_and_conservation(engine_factory, load_en
             assert 0 <= buf < g
             assert buf == i % g, f"step {i}: {buf} tokens buffered in layer {layer}"
             in_pages = set(seq.layers[layer].loc)
-            buffered = set(seq.buf_pos[layer])
+            buffered = set(seq.buffered_positions(layer))
             evicted = set(hooks.evicted.get(layer, {}))
             assert not (in_pages & buffered or in_pages & evicted or buffered & evicted)
             assert P + i == len(in_pages) + len(evicted) + buf

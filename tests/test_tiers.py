@@ -17,7 +17,7 @@ from policy_matrix import MATRIX, full_precision, one_thread
 import plugins  # noqa: F401
 from trtkv.api import SamplingParams
 from trtkv.cache.manager import CacheConfig, KVCacheManager
-from trtkv.cache.tiers import TIER_DEVICE, TIER_EVICTED, TIER_HOST, TIER_HOST_Q, parse_demote, parse_tier
+from trtkv.cache.tier_names import TIER_DEVICE, TIER_EVICTED, TIER_HOST, TIER_HOST_Q, parse_demote, parse_tier
 from trtkv.errors import TrtkvError
 from trtkv.policies import make_policy
 from trtkv.runtime.attention import decode_attention

@@ -68,7 +68,7 @@ def _cache_setting(key: str, value: Any) -> Any:
             raise bad(f"choose {' or '.join(EVICTION_MODES)}")
         return text
     if key == "demote":
-        from trtkv.cache.tiers import parse_demote
+        from trtkv.cache.tier_names import parse_demote
 
         parse_demote(text)  # a bad value fails here, with one clear line
         return text

@@ -6,42 +6,37 @@ H2O/R-KV event); pages shared by forked sequences, and evictions of a few tokens
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from trtkv.cache.pool import PagePool
+from trtkv.cache.sequence import SeqKV
+
 DECREF_ARRAY_MIN = 64  # victims from which decref_groups uses array operations (numpy costs ~20 us a call)
 
-if TYPE_CHECKING:
-    from trtkv.cache.manager import KVCacheManager, SeqKV
-    from trtkv.cache.pool import PagePool
 
-
-def evict_private(mgr: KVCacheManager, seq: SeqKV, layer: int, positions: list[int]) -> int:
+def evict_private(pools: dict[str, PagePool], layer: int, seq: SeqKV, positions: list[int]) -> int:
     """Eviction from pages no other sequence holds, per format as array operations over the victims
     (the same end state as evicting them one by one, which ``KVCacheManager._evict_each`` does)."""
-    return evict_private_many(mgr, layer, [(seq, positions)])[0]
+    return evict_private_many(pools, layer, [(seq, positions)])[0]
 
 
-def evict_private_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, list[int]]]) -> list[int]:
-    """``evict_private`` of several requests in one layer (a batch's anneal): one key-group read and one
-    validity update per format for all of them; the per-request parts (position maps, reference drops, reuse
-    heaps, page releases) run request by request, in order, so the end state is that of evicting each in turn."""
+def evict_private_many(pools: dict[str, PagePool], layer: int, items: list[tuple[SeqKV, list[int]]]) -> list[int]:
+    """``evict_private`` of several requests in one layer (``pools``: that layer's) — a batch's anneal: one
+    key-group read and one validity update per format for all of them; the per-request parts (position maps,
+    reference drops, reuse heaps, page releases) run request by request, in order, so the end state is that
+    of evicting each in turn."""
     counts, merged = [], {}  # a request listed twice (two segments annealed at once) is one request here
     for seq, positions in items:
-        table = seq.layers[layer]
-        table.holes = True
-        found = [w for w in map(table.loc.pop, map(int, positions), itertools.repeat(None)) if w is not None]
+        found = seq.layers[layer].forget(positions)
         counts.append(len(found))
         merged.setdefault(id(seq), (seq, []))[1].extend(found)
     seqs, found_of = [seq for seq, _ in merged.values()], [found for _, found in merged.values()]
     fmts = {w[0] for found in found_of for w in found}
     for fmt in sorted(fmts):
-        pool = mgr.pools[layer][fmt]
+        pool = pools[fmt]
         mine = [[w for w in found if w[0] == fmt] for found in found_of] if len(fmts) > 1 else found_of
         bounds = np.cumsum([0] + [len(m) for m in mine])
         _, pages, slots = zip(*(w for m in mine for w in m))
@@ -58,33 +53,8 @@ def evict_private_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV,
         for i, seq in enumerate(seqs):
             lo, hi = bounds[i], bounds[i + 1]
             if lo < hi:
-                _free_slots(mgr, seq, seq.layers[layer], pool, fmt, pl[lo:hi], sl[lo:hi])
+                seq.layers[layer].free_slots(pool, fmt, pl[lo:hi], sl[lo:hi])
     return counts
-
-
-def _free_slots(mgr: KVCacheManager, seq: SeqKV, table, pool: PagePool, fmt: str, pl: list[int], sl: list[int]
-                ) -> None:
-    """Evicted slots join their class's reuse heap; pages left empty (and not open) go back to the pool."""
-    uniq = list(dict.fromkeys(pl))
-    classes = pool.page_class[uniq].tolist()
-    seq_no = {p: table.page_seq[(fmt, p)] for p in uniq}
-    if len(set(classes)) == 1:  # one class (the common case): the heap entries in one pass
-        by_cls = {classes[0]: list(zip(map(seq_no.__getitem__, pl), pl, sl))}
-    else:
-        cls_of, by_cls = dict(zip(uniq, classes)), {}
-        for p, s in zip(pl, sl):
-            by_cls.setdefault(cls_of[p], []).append((seq_no[p], p, s))
-    for c, freed in by_cls.items():  # pops come out the same whichever way the heap is built (entries differ)
-        heap = table.reusable.setdefault((fmt, c), [])
-        if len(freed) > len(heap):
-            heap.extend(freed)
-            heapq.heapify(heap)
-        else:
-            for item in freed:
-                heapq.heappush(heap, item)
-    for p, c, live in zip(uniq, classes, pool.live[uniq].tolist()):
-        if live == 0 and table.open_page.get((fmt, c)) != p:
-            mgr._release(seq, table, pool, (fmt, c), p)
 
 
 def decref_groups(seq: SeqKV, pool: PagePool, gids) -> None:
@@ -120,11 +90,7 @@ def decref_groups_many(seqs: list[SeqKV], pool: PagePool, gids: np.ndarray, boun
     last = len(g) - 1 - first_rev
     order = np.argsort(last, kind="stable")  # by each group's last victim
     u, counts, last = u[order], counts[order], last[order]
-    ref = pool.group_ref
-    ref[u] -= counts
-    assert (ref[u] >= 0).all(), "key-scale arena refcount below zero"
-    freed = ref[u] == 0
-    pool.group_free.extend(u[freed].tolist())
+    freed = pool.decref_groups_ordered(u, counts)
     for i, n in enumerate(np.bincount(owner[last[freed]], minlength=len(seqs)).tolist()):
         if n:
             seqs[i].add_bytes(-pool.group_bytes * n)

@@ -3,45 +3,47 @@
 A decode step fills every request's buffer on the same step (they all started flushed, one token a step), so
 the whole batch flushes together: one ``kv_write_groups`` call per format writes every request's group, and
 the slots are marked live in one array operation, instead of one kernel call, one allocation record and one
-validity update per request (measured ~160 us each on CPU: a batch of 16 at 30 layers paid ~78 ms on every
-16th step). Slots are allocated request by request, in batch order, exactly as a flush of each would.
+validity update per request. Slots are allocated request by request, in batch order, exactly as a flush of
+each would.
 """
 from __future__ import annotations
-
-import itertools
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from plugins import ops as plugin_ops
+from trtkv.cache.block_table import Cls
+from trtkv.cache.pool import PagePool
+from trtkv.cache.pool_set import PoolSet
+from trtkv.cache.residual import ResidualArena
+from trtkv.cache.sequence import SeqKV
 
-if TYPE_CHECKING:
-    from trtkv.cache.manager import Cls, KVCacheManager, SeqKV
 
-
-def flush_many(cache: KVCacheManager, layer: int, seqs: list[SeqKV], classes: list[Cls], segs: list[int]) -> None:
+def flush_many(pools: PoolSet, arena: ResidualArena, layer: int, seqs: list[SeqKV], classes: list[Cls],
+               segs: list[int], clock=None) -> None:
     """Write the buffered tokens of ``seqs`` in ``layer`` to pages, request ``i`` as one group of class
-    ``classes[i]`` (segment ``segs[i]``); requests of one format with equal fill share a kernel call."""
+    ``classes[i]`` (segment ``segs[i]``); requests of one format with equal fill share a kernel call.
+    ``clock``: the decode-step profile clock (the kernel's time is "kv_write")."""
     calls: dict[tuple[str, int], list[int]] = {}
     for i, s in enumerate(seqs):
-        n = len(s.buf_pos[layer])
+        n = s.buffered(layer)
         if n:
             calls.setdefault((classes[i][0], n), []).append(i)
     for (fmt, n), idx in calls.items():
-        _flush_call(cache, layer, fmt, n, [seqs[i] for i in idx], [classes[i] for i in idx], [segs[i] for i in idx])
+        _flush_call(pools, arena, layer, fmt, n, [seqs[i] for i in idx], [classes[i] for i in idx],
+                    [segs[i] for i in idx], clock)
 
 
-def _flush_call(cache: KVCacheManager, layer: int, fmt: str, n: int, seqs: list[SeqKV], classes: list[Cls],
-                segs: list[int]) -> None:
-    pool = cache.pool(layer, fmt)
-    pages, slots = _alloc(cache, layer, pool, n, seqs, classes)
-    gids = [cache.alloc_group(s, layer, pool, n) for s in seqs]
+def _flush_call(pools: PoolSet, arena: ResidualArena, layer: int, fmt: str, n: int, seqs: list[SeqKV],
+                classes: list[Cls], segs: list[int], clock) -> None:
+    pool = pools.pool(layer, fmt)
+    pages, slots = _alloc(layer, pool, n, seqs, classes)
+    gids = [s.alloc_group(layer, pool, n) for s in seqs]
     G = len(seqs)
-    k, v = _buffers(cache.residual, seqs, layer, n)
+    k, v = _buffers(arena, seqs, layer, n)
     pg, sl = np.concatenate(pages), np.concatenate(slots)
-    sc = cache.layer_scales(layer, fmt)
-    clk = cache.clock
+    sc = pools.layer_scales(layer, fmt)
+    clk = clock
     prev = clk.switch("kv_write") if clk is not None else None
     plugin_ops.kv_write_groups(k, v, pool.fields, pool.group_fields, pool.k_group,
                                torch.from_numpy(pg).view(G, n).to(pool.device),
@@ -49,28 +51,26 @@ def _flush_call(cache: KVCacheManager, layer: int, fmt: str, n: int, seqs: list[
                                torch.tensor(gids, dtype=torch.int64), pool.fmt.code, sc.k, sc.v)
     if clk is not None:
         clk.switch(prev)
-    positions = [p for s in seqs for p in s.buf_pos[layer]]
+    positions = [p for s in seqs for p in s.buffered_positions(layer)]
     seg = segs[0] if all(x == segs[0] for x in segs) else np.repeat(np.asarray(segs, np.int64), n)
     pool.mark_written(pg, sl, positions, seg)
     for j, s in enumerate(seqs):
-        s.layers[layer].loc.update(zip(s.buf_pos[layer], zip(itertools.repeat(fmt), pages[j].tolist(),
-                                                             slots[j].tolist())))
-        s.buf_pos[layer] = []
+        s.layers[layer].place(fmt, pages[j].tolist(), slots[j].tolist(), s.residual.take(layer))
 
 
-def _buffers(arena, seqs: list[SeqKV], layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _buffers(arena: ResidualArena, seqs: list[SeqKV], layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``n`` buffered tokens of ``seqs`` in ``layer``, ``[G, n, H, D]``: a view of the arena when
     their rows are consecutive (a batch admitted together), else a gather (the kernel converts either)."""
-    r0 = seqs[0].buf_row
-    if all(s.buf_row == r0 + j for j, s in enumerate(seqs)):
+    r0 = seqs[0].residual.row
+    if all(s.residual.row == r0 + j for j, s in enumerate(seqs)):
         return arena.k[r0:r0 + len(seqs), layer, :n], arena.v[r0:r0 + len(seqs), layer, :n]
-    rows = arena.rows(seqs)
+    rows = arena.rows([s.residual for s in seqs])
     return arena.k[rows, layer, :n], arena.v[rows, layer, :n]
 
 
-def _alloc(cache: KVCacheManager, layer: int, pool, n: int, seqs: list[SeqKV], classes: list[Cls]
+def _alloc(layer: int, pool: PagePool, n: int, seqs: list[SeqKV], classes: list[Cls]
            ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Slots for ``n`` tokens of each request, as ``KVCacheManager.alloc_slots`` of each in turn would choose
+    """Slots for ``n`` tokens of each request, as ``BlockTable.alloc_slots`` of each in turn would choose
     them. The common case — a group exactly filling fresh pages (no reusable slot, no open page of the class)
     — takes a run of consecutive such requests' pages from the pool in one call; the others go through
     ``alloc_slots`` in their place in the batch, so every request gets the pages it would get in order."""
@@ -80,16 +80,15 @@ def _alloc(cache: KVCacheManager, layer: int, pool, n: int, seqs: list[SeqKV], c
     run: list[int] = []  # consecutive requests of one page class on the fast path, not yet allocated
 
     def fresh(j: int) -> bool:
-        table = seqs[j].layers[layer]
-        return n % B == 0 and not table.reusable.get(classes[j]) and classes[j] not in table.open_page
+        return n % B == 0 and seqs[j].layers[layer].needs_fresh_pages(classes[j])
 
     def take_run() -> None:
         got = pool.alloc_pages(len(run) * per, classes[run[0]][1]) if run else None
         if got is None:  # too few pages left: one by one, so the error names the request that ran out
             for j in run:
-                pages[j], slots[j] = cache.alloc_slots(seqs[j], layer, classes[j], n)
+                pages[j], slots[j] = seqs[j].layers[layer].alloc_slots(pool, classes[j], n)
         else:
-            _give_pages(cache, layer, pool, seqs, classes, run, got, per, pages, slots)
+            _give_pages(layer, pool, seqs, classes, run, got, per, pages, slots)
         run.clear()
 
     for j in range(len(seqs)):
@@ -100,27 +99,19 @@ def _alloc(cache: KVCacheManager, layer: int, pool, n: int, seqs: list[SeqKV], c
         if fresh(j):
             run.append(j)
         else:
-            pages[j], slots[j] = cache.alloc_slots(seqs[j], layer, classes[j], n)
+            pages[j], slots[j] = seqs[j].layers[layer].alloc_slots(pool, classes[j], n)
     take_run()
     return pages, slots
 
 
-def _give_pages(cache: KVCacheManager, layer: int, pool, seqs, classes, run: list[int], got: np.ndarray, per: int,
-                pages: list, slots: list) -> None:
+def _give_pages(layer: int, pool: PagePool, seqs: list[SeqKV], classes: list[Cls], run: list[int], got: np.ndarray,
+                per: int, pages: list, slots: list) -> None:
     """Record ``per`` fresh pages of ``got`` (whole, in order) in each of the ``run`` requests' tables."""
     B = pool.B
-    pool.hwm[got] = B
+    pool.mark_full(got)
     every_slot = np.repeat(got, B)
     full_slots = np.tile(np.arange(B, dtype=np.int64), per)
     for i, j in enumerate(run):
-        s, cls = seqs[j], classes[j]
-        table = s.layers[layer]
-        owned = table.pages.setdefault(cls, [])
-        for p in got[i * per:(i + 1) * per].tolist():
-            cache._page_counter += 1
-            table.page_seq[(cls[0], p)] = cache._page_counter
-            owned.append(p)
-        table._flat = table._bt = None
-        s.add_bytes(per * (pool.page_bytes + 4))
+        seqs[j].layers[layer].add_full_pages(pool, classes[j], got[i * per:(i + 1) * per].tolist())
         pages[j] = every_slot[i * per * B:(i + 1) * per * B]
         slots[j] = full_slots

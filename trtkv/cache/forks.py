@@ -20,187 +20,120 @@ cache stays single-owner:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
-import numpy as np
 import torch
 
+from trtkv.cache.block_table import held_page_bytes
+from trtkv.cache.pool import PagePool
+from trtkv.cache.sequence import SeqKV
 from trtkv.errors import OutOfKVMemory
-
-if TYPE_CHECKING:
-    from trtkv.cache.manager import KVCacheManager, SeqKV
 
 FORK_MODES = ("cow", "tree")
 
 
 class PageRefs:
-    """Sharers of pages referenced by more than one sequence: ``(layer, format, page) -> {seq ids}``."""
+    """Sharers of pages referenced by more than one sequence: ``(layer, format, page) -> {seq ids}``, and the
+    copies made on write."""
 
     def __init__(self) -> None:
-        self.shared: dict[tuple[int, str, int], set[int]] = {}
+        self._shared: dict[tuple[int, str, int], set[int]] = {}
+        self.copies = 0  # pages copied because a sharer evicted from them
 
     def sharers(self, layer: int, fmt: str, p: int) -> set[int] | None:
-        return self.shared.get((layer, fmt, p))
+        return self._shared.get((layer, fmt, p))
 
     def add(self, layer: int, fmt: str, p: int, *seq_ids: int) -> None:
-        self.shared.setdefault((layer, fmt, p), set()).update(seq_ids)
+        self._shared.setdefault((layer, fmt, p), set()).update(seq_ids)
 
     def drop(self, layer: int, fmt: str, p: int, seq_id: int) -> bool:
         """Remove one sharer; True when the page was shared (another sequence still holds it)."""
         key = (layer, fmt, p)
-        s = self.shared.get(key)
+        s = self._shared.get(key)
         if s is None or seq_id not in s:
             return False
         s.discard(seq_id)
         if len(s) <= 1:
-            del self.shared[key]
+            del self._shared[key]
         return True
 
     def __len__(self) -> int:
-        return len(self.shared)
+        return len(self._shared)
 
+    # --- verbs on shared pages -------------------------------------------------------------------
+    def share(self, parent: SeqKV, child: SeqKV) -> None:
+        """``child`` (new, empty) holds exactly ``parent``'s paged tokens, by reference; both are sealed."""
+        for layer, (pt, ct) in enumerate(zip(parent.layers, child.layers)):
+            pt.seal()
+            ct.copy_from(pt)
+            for (fmt, _), pages in pt.pages.items():
+                for p in pages:
+                    self.add(layer, fmt, p, parent.seq_id, child.seq_id)
+        child.account.start_at(parent.kv_bytes)
 
-def _seal(table) -> None:
-    """No more writes into the table's current pages; its tokens are no longer one dense run (a sealed
-    partly filled page leaves unwritten slots), so attention must not take the dense-view fast path."""
-    table.open_page.clear()
-    table.reusable.clear()
-    table.holes = True
+    @torch.inference_mode()
+    def make_private(self, pool: PagePool, seq: SeqKV, layer: int, fmt: str, p: int) -> int:
+        """Copy-on-write: give ``seq`` its own copy of shared page ``p``; returns the copy's page id."""
+        try:
+            q = pool.copy_page(p)
+        except OutOfKVMemory as e:
+            raise e.at(seq.seq_id, layer, fmt) from None
+        seq.layers[layer].replace_page((fmt, int(pool.page_class[p])), p, q, pool.slot_pos[q])
+        self.drop(layer, fmt, p, seq.seq_id)
+        self.copies += 1
+        return q
 
-
-def seal_sequence(seq: SeqKV) -> None:
-    """A sequence that will write no more tokens of its own (a closed tree node): its pages are released as
-    soon as evictions empty them (an open page would otherwise stay held)."""
-    for table in seq.layers:
-        _seal(table)
-
-
-@torch.inference_mode()
-def fork_sequence(mgr: KVCacheManager, parent: SeqKV, child_id: int, mode: str = "cow") -> SeqKV:
-    """A new sequence holding exactly the parent's tokens, by reference."""
-    if mode not in FORK_MODES:
-        raise ValueError(f"fork mode must be one of {FORK_MODES}")
-    child = mgr.add_sequence(child_id)
-    child.fork_mode = parent.fork_mode = mode
-    if parent.buf_k is not None:  # the residual buffer (<= g tokens) is copied: it is not paged
-        child.buf_k.copy_(parent.buf_k)
-        child.buf_v.copy_(parent.buf_v)
-        child.buf_pos = [list(p) for p in parent.buf_pos]
-    for layer, (pt, ct) in enumerate(zip(parent.layers, child.layers)):
-        _seal(pt)
-        ct.pages = {cls: list(pages) for cls, pages in pt.pages.items()}
-        ct.page_seq = dict(pt.page_seq)
-        ct.loc = dict(pt.loc)
-        ct.holes = True
-        for (fmt, _), pages in pt.pages.items():
-            for p in pages:
-                mgr.refs.add(layer, fmt, p, parent.seq_id, child_id)
-    child.kv_bytes = child.peak_bytes = parent.kv_bytes
-    return child
-
-
-@torch.inference_mode()
-def make_private(mgr: KVCacheManager, seq: SeqKV, layer: int, fmt: str, p: int) -> int:
-    """Copy-on-write: give ``seq`` its own copy of shared page ``p``; returns the copy's page id."""
-    table = seq.layers[layer]
-    pool = mgr.pools[layer][fmt]
-    cls = (fmt, int(pool.page_class[p]))
-    try:
-        q = pool.alloc_page(cls[1])
-    except OutOfKVMemory as e:
-        raise e.at(seq.seq_id, layer, fmt) from None
-    for t in pool.fields:
-        t[q] = t[p]
-    pool.k_group[q] = pool.k_group[p]
-    pool.valid[q], pool.live[q], pool.hwm[q] = pool.valid[p], pool.live[p], pool.hwm[p]
-    pool.slot_pos[q], pool.slot_seg[q] = pool.slot_pos[p], pool.slot_seg[p]
-    if pool.group_specs:  # the copy's slots point at the same key-scale groups
-        for s in range(pool.B):
-            if pool.valid[q] >> s & 1:
-                g = int(pool.k_group[q, s])
-                if g >= 0:
-                    pool.group_ref[g] += 1
-    pages = table.pages[cls]
-    pages[pages.index(p)] = q
-    mgr._page_counter += 1
-    del table.page_seq[(fmt, p)]
-    table.page_seq[(fmt, q)] = mgr._page_counter
-    for s in range(pool.B):
-        pos = int(pool.slot_pos[q, s])
-        if pos >= 0 and table.loc.get(pos) == (fmt, p, s):
-            table.loc[pos] = (fmt, q, s)
-    table._flat = table._bt = None
-    mgr.refs.drop(layer, fmt, p, seq.seq_id)
-    mgr.cow_copies += 1
-    return q
-
-
-def evict_shared(mgr: KVCacheManager, seq: SeqKV, layer: int, fmt: str, p: int, s: int, pos: int) -> None:
-    """Tree mode: evict slot ``s`` of shared page ``p`` for every sharer (the caller popped ``seq``'s loc)."""
-    pool = mgr.pools[layer][fmt]
-    sharers = [mgr.seqs[i] for i in mgr.refs.sharers(layer, fmt, p) if i in mgr.seqs]
-    for other in sharers:
-        if other is not seq and other.layers[layer].loc.get(pos) == (fmt, p, s):
-            del other.layers[layer].loc[pos]
-            other.layers[layer].holes = True
-    g = int(pool.k_group[p, s]) if pool.group_specs else -1
-    if pool.decref_group(g):
+    def evict_shared(self, pool: PagePool, seqs: Mapping[int, SeqKV], seq: SeqKV, layer: int, fmt: str, p: int,
+                     s: int, pos: int) -> None:
+        """Tree mode: evict slot ``s`` of shared page ``p`` for every sharer (``seq`` already forgot ``pos``)."""
+        sharers = [seqs[i] for i in self.sharers(layer, fmt, p) if i in seqs]
         for other in sharers:
-            other.add_bytes(-pool.group_bytes)
-    pool.mark_evicted(p, s)
-    if pool.live[p] == 0:
-        cls = (fmt, int(pool.page_class[p]))
-        for other in sharers:
-            t = other.layers[layer]
-            if p in t.pages.get(cls, ()):
-                t.pages[cls].remove(p)
-                t.page_seq.pop((fmt, p), None)
-                t._flat = t._bt = None
-                other.add_bytes(-(pool.page_bytes + 4))
-        del mgr.refs.shared[(layer, fmt, p)]
-        pool.release_page(p)
+            if other is not seq and other.layers[layer].locate(pos) == (fmt, p, s):
+                other.layers[layer].forget((pos,))
+        g = int(pool.k_group[p, s]) if pool.group_specs else -1
+        if pool.decref_group(g):
+            for other in sharers:
+                other.add_bytes(-pool.group_bytes)
+        pool.mark_evicted(p, s)
+        if pool.live[p] == 0:
+            cls = (fmt, int(pool.page_class[p]))
+            for other in sharers:
+                t = other.layers[layer]
+                if p in t.pages.get(cls, ()):
+                    t.drop_page(pool, cls, p)
+            del self._shared[(layer, fmt, p)]
+            pool.release_page(p)
 
+    def share_written(self, pools: dict[str, PagePool], owner: SeqKV, sharers: list[SeqKV], layer: int,
+                      positions) -> None:
+        """Make tokens just written into ``owner`` (a tree node rebuilt by rehydration) visible to ``sharers``
+        (its live descendants), by reference: each page they lack joins their table. The owner is sealed."""
+        otable = owner.layers[layer]
+        otable.seal()
+        for pos in positions:
+            fmt, p, s = otable.locate(int(pos))
+            pool = pools[fmt]
+            cls = (fmt, int(pool.page_class[p]))
+            for other in sharers:
+                t = other.layers[layer]
+                t.seal()
+                t.place(fmt, (p,), (s,), (int(pos),))
+                if t.add_shared_page(pool, cls, p, otable.order_of(fmt, p)):
+                    self.add(layer, fmt, p, owner.seq_id, other.seq_id)
 
-def share_written(mgr: KVCacheManager, owner: SeqKV, sharers: list[SeqKV], layer: int, positions) -> None:
-    """Make tokens just written into ``owner`` (a tree node rebuilt by rehydration) visible to ``sharers``
-    (its live descendants), by reference: each page they lack joins their table. The owner is sealed."""
-    otable = owner.layers[layer]
-    _seal(otable)
-    for pos in positions:
-        fmt, p, s = otable.loc[int(pos)]
-        pool = mgr.pools[layer][fmt]
-        cls = (fmt, int(pool.page_class[p]))
-        for other in sharers:
-            t = other.layers[layer]
-            _seal(t)
-            t.loc[int(pos)] = (fmt, p, s)
-            if (fmt, p) not in t.page_seq:
-                t.pages.setdefault(cls, []).append(p)
-                t.page_seq[(fmt, p)] = otable.page_seq[(fmt, p)]
-                t._flat = t._bt = None
-                other.add_bytes(pool.page_bytes + 4)
-                mgr.refs.add(layer, fmt, p, owner.seq_id, other.seq_id)
+    def release(self, pool: PagePool, seq: SeqKV, layer: int, fmt: str, p: int) -> bool:
+        """A freed sequence lets go of page ``p``: True when another sequence still holds it (only the
+        reference and its bytes go)."""
+        if not self.drop(layer, fmt, p, seq.seq_id):
+            return False
+        seq.add_bytes(-held_page_bytes(pool))
+        return True
 
-
-def release_sequence_page(mgr: KVCacheManager, seq: SeqKV, layer: int, fmt: str, p: int) -> bool:
-    """``free_sequence`` of one page: True when another sequence still holds it (only the reference goes)."""
-    if not mgr.refs.drop(layer, fmt, p, seq.seq_id):
-        return False
-    pool = mgr.pools[layer][fmt]
-    seq.add_bytes(-(pool.page_bytes + 4))
-    return True
-
-
-def shared_bytes(mgr: KVCacheManager, seq: SeqKV) -> int:
-    """Bytes of the pages ``seq`` references that another live sequence references too."""
-    total = 0
-    for layer, table in enumerate(seq.layers):
-        for (fmt, _), pages in table.pages.items():
-            pool = mgr.pools[layer][fmt]
-            total += sum(pool.page_bytes for p in pages if mgr.refs.sharers(layer, fmt, p))
-    return total
-
-
-def live_slots(mgr: KVCacheManager, layer: int = 0) -> int:
-    """Tokens one layer holds in pages across the engine, each physical slot once."""
-    return int(sum(int(np.sum(pool.live)) for pool in mgr.pools[layer].values()))
+    def shared_bytes(self, pools, seq: SeqKV) -> int:
+        """Bytes of the pages ``seq`` references that another live sequence references too."""
+        total = 0
+        for layer, table in enumerate(seq.layers):
+            for (fmt, _), pages in table.pages.items():
+                pool = pools[layer][fmt]
+                total += sum(pool.page_bytes for p in pages if self.sharers(layer, fmt, p))
+        return total

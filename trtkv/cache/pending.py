@@ -28,10 +28,8 @@ def reserve(cache: KVCacheManager, seq: SeqKV, layer: int, cls: Cls, positions: 
     """Allocate and record ``positions`` (one flush group, or write-through tokens) of one request."""
     pool = cache.pool(layer, cls[0])
     pages, slots = cache.alloc_slots(seq, layer, cls, len(positions))
-    gid = pool.alloc_group(len(positions))
-    if gid >= 0:
-        seq.add_bytes(pool.group_bytes)
-    cache._record(seq, layer, pool, cls[0], pages, slots, positions, seg)
+    gid = seq.alloc_group(layer, pool, len(positions))
+    cache.record_written(seq, layer, pool, cls[0], pages, slots, positions, seg)
     return PendingWrite(pool, pages, slots, gid)
 
 

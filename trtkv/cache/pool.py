@@ -24,12 +24,18 @@ MARK_MANY_MIN = 8  # slots written in one call from which mark_written uses arra
 
 
 class PagePool:
+    """``growable``: double the pages (and groups) when full instead of raising — the host tiers' pools
+    (``TierStore.host``), whose memory is host RAM capped in bytes elsewhere; ``pin``: keep the
+    tensors in pinned host memory (asynchronous copies to a GPU)."""
+
     def __init__(self, fmt: KVFormat, num_heads: int, head_dim: int, block_size: int, device: str,
-                 pages: int, groups: int = 0):
+                 pages: int, groups: int = 0, growable: bool = False, pin: bool = False):
         # Pools are made lazily, sometimes inside a decode step's inference mode; their tensors must stay
         # normal tensors so cache writes outside inference mode (tree search, tools) may update them.
         with torch.inference_mode(False):
             self._setup(fmt, num_heads, head_dim, block_size, device, pages, groups)
+        self.growable, self.pin = growable, pin
+        self._pin_all()
 
     def _setup(self, fmt: KVFormat, num_heads: int, head_dim: int, block_size: int, device: str,
                pages: int, groups: int = 0) -> None:
@@ -107,6 +113,8 @@ class PagePool:
         self.groups_ready = end
 
     def alloc_page(self, page_class: int) -> int:
+        if self.growable and not self.free and self.fresh >= self.capacity:
+            self._grow_pages()
         if self.free:
             p = heapq.heappop(self.free)
         elif self.fresh < self.capacity:
@@ -162,6 +170,8 @@ class PagePool:
     def alloc_group(self, refs: int) -> int:
         if not self.group_specs:
             return -1
+        if self.growable and not self.group_free and self.group_fresh >= self.group_capacity:
+            self._grow_groups()
         if self.group_free:
             g = self.group_free.pop()
         elif self.group_fresh < self.group_capacity:
@@ -187,11 +197,39 @@ class PagePool:
             return True
         return False
 
+    def decref_groups_ordered(self, groups: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Drop ``counts[i]`` references of ``groups[i]`` (distinct), freeing emptied groups in the given
+        order; returns which were freed."""
+        ref = self.group_ref
+        ref[groups] -= counts
+        assert (ref[groups] >= 0).all(), "key-scale arena refcount below zero"
+        freed = ref[groups] == 0
+        self.group_free.extend(groups[freed].tolist())
+        return freed
+
     @property
     def groups_in_use(self) -> int:
         return self.group_fresh - len(self.group_free)
 
     # --- slot state -------------------------------------------------------------------------
+    def slot_free(self, p: int, s: int) -> bool:
+        return not self.valid.item(p) >> s & 1
+
+    def take_tail(self, p: int, want: int) -> tuple[int, int]:
+        """Up to ``want`` never-written tail slots of page ``p``: ``(first slot, count)``."""
+        start = int(self.hwm[p])
+        take = min(self.B - start, want)
+        self.hwm[p] = start + take
+        return start, take
+
+    def tail_full(self, p: int) -> bool:
+        """Every slot of page ``p`` was written at least once."""
+        return self.hwm[p] >= self.B
+
+    def mark_full(self, pages: np.ndarray) -> None:
+        """Pages about to be written whole (their tails are taken)."""
+        self.hwm[pages] = self.B
+
     def mark_written(self, pages: list[int], slots: list[int], positions: list[int],
                      seg: int | np.ndarray = -1) -> None:
         """Distinct ``(page, slot)`` pairs now hold the tokens at ``positions`` (of segment ``seg``: one for all,
@@ -247,6 +285,54 @@ class PagePool:
         self.slot_seg[pages, slots] = -1
         self._valid_dirty = True
 
+    def copy_page(self, p: int) -> int:
+        """A new page of ``p``'s class holding a copy of ``p`` (codes, key-group ids, metadata); each live
+        slot of the copy holds one more reference to its key-scale group (copy-on-write of a shared page)."""
+        q = self.alloc_page(int(self.page_class[p]))
+        for t in self.fields:
+            t[q] = t[p]
+        self.k_group[q] = self.k_group[p]
+        self.valid[q], self.live[q], self.hwm[q] = self.valid[p], self.live[p], self.hwm[p]
+        self.slot_pos[q], self.slot_seg[q] = self.slot_pos[p], self.slot_seg[p]
+        if self.group_specs:
+            for s in range(self.B):
+                if self.valid[q] >> s & 1:
+                    g = int(self.k_group[q, s])
+                    if g >= 0:
+                        self.group_ref[g] += 1
+        self._valid_dirty = True
+        return q
+
+    def compact_pages(self, pages: list[int]) -> tuple[list[int], list[tuple[int, int]], int]:
+        """Move the live slots of ``pages`` (in page, then slot order) to the front of ``pages``; returns
+        their positions, their new ``(page, slot)`` and how many tokens' codes were copied. Pages past the
+        live ones end empty (the caller releases them)."""
+        B = self.B
+        src = [(p, s) for p in pages for s in range(B) if self.valid[p] >> s & 1]
+        dst = [(pages[i // B], i % B) for i in range(len(src))]
+        moves = [(a, b) for a, b in zip(src, dst) if a != b]
+        if moves:
+            sp, ss, dp, ds = (torch.tensor(x, device=self.device) for x in zip(*(a + b for a, b in moves)))
+            for t in self.fields:
+                t[dp, ds] = t[sp, ss].clone()
+            self.k_group[dp, ds] = self.k_group[sp, ss].clone()
+        pos = [int(self.slot_pos[p, s]) for p, s in src]
+        segs = [int(self.slot_seg[p, s]) for p, s in src]
+        for p in pages:
+            self.valid[p] = 0
+            self.live[p] = 0
+            self.hwm[p] = 0
+            self.slot_pos[p] = -1
+            self.slot_seg[p] = -1
+        for (p, s), q, g in zip(dst, pos, segs):
+            self.valid[p] |= np.int32(1 << s)
+            self.live[p] += 1
+            self.hwm[p] = max(self.hwm[p], s + 1)
+            self.slot_pos[p, s] = q
+            self.slot_seg[p, s] = g
+        self._valid_dirty = True
+        return pos, dst, len(moves)
+
     def valid_bits(self) -> torch.Tensor:
         """Device int32 ``[capacity]`` validity words for the attention kernel (on a GPU, a preallocated
         mirror refreshed over the pages handed out so far)."""
@@ -279,3 +365,30 @@ class PagePool:
     def peak_bytes(self) -> int:
         """Bytes of the most pages and groups in use at once (what the workload actually needed)."""
         return self.peak_in_use * self.page_bytes + self.peak_groups * self.group_bytes
+
+    # --- growth (host pools) ---------------------------------------------------------------------
+    def _pin_all(self) -> None:
+        if self.pin:
+            self.fields = [t.pin_memory() for t in self.fields]
+            self.k_group = self.k_group.pin_memory()
+            self.group_fields = [t.pin_memory() for t in self.group_fields]
+
+    def _grow_pages(self) -> None:
+        """Double the pages; the new ones are initialised when first handed out. Copies host memory only."""
+        pad = self.capacity
+        self.fields = [torch.cat([t, t.new_empty(pad, *t.shape[1:])]) for t in self.fields]
+        self.k_group = torch.cat([self.k_group, self.k_group.new_empty((pad, self.B))])
+        self.valid = np.concatenate([self.valid, np.zeros(pad, np.int32)])
+        self.live = np.concatenate([self.live, np.zeros(pad, np.int32)])
+        self.hwm = np.concatenate([self.hwm, np.zeros(pad, np.int32)])
+        self.slot_pos = np.concatenate([self.slot_pos, np.empty((pad, self.B), np.int64)])
+        self.slot_seg = np.concatenate([self.slot_seg, np.empty((pad, self.B), np.int32)])
+        self.page_class = np.concatenate([self.page_class, np.zeros(pad, np.int32)])
+        self._valid_dirty = True
+        self._pin_all()
+
+    def _grow_groups(self) -> None:
+        new = max(2 * self.group_capacity, 8)
+        self.group_fields = [torch.cat([t, t.new_empty(new - len(t), *t.shape[1:])]) for t in self.group_fields]
+        self.group_ref = np.concatenate([self.group_ref, np.zeros(new - len(self.group_ref), np.int32)])
+        self._pin_all()

@@ -3,35 +3,30 @@ per format, and whether a lone request's tokens form one dense run of pages (a v
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from trtkv.cache.manager import KVCacheManager, SeqKV
-    from trtkv.cache.pool import PagePool
+from trtkv.cache.pool import PagePool
+from trtkv.cache.pool_set import PoolSet
+from trtkv.cache.sequence import SeqKV
 
 
-def gather_kv(mgr: KVCacheManager, seq: SeqKV, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized fp32 ``k, v [m, H, D]`` of paged tokens (read-only; for selection, not compaction)."""
-    return gather_kv_many(mgr, layer, [(seq, positions)])[0]
-
-
-def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, object]], keys_only: bool = False
+def gather_kv_many(pools: PoolSet, layer: int, items: list[tuple[SeqKV, object]], keys_only: bool = False
                    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """:func:`gather_kv` of several requests' positions in one layer, one dequantization per format for
-    all of them (a batch's anneals read their keys in one call instead of one per request). ``keys_only``:
-    gather and dequantize the key fields alone (values come back None)."""
+    """Dequantized fp32 ``k, v [m, H, D]`` of several requests' paged positions in one layer (read-only; for
+    selection, not compaction), one dequantization per format for all of them (a batch's anneals read their
+    keys in one call instead of one per request). ``keys_only``: gather and dequantize the key fields alone
+    (values come back None)."""
+    cfg = pools.cfg
     sizes = [len(positions) for _, positions in items]
-    by_fmt = _slots_by_search(mgr, layer, items)
+    by_fmt = _slots_by_search(pools[layer], layer, items)
     if by_fmt is None:
-        by_fmt = _slots_by_lookup(mgr, layer, items)
+        by_fmt = _slots_by_lookup(pools[layer], layer, items)
     if len(by_fmt) != 1:  # rows of several formats (or none) land in one output; one format's decode is it
-        out_k = torch.empty(sum(sizes), mgr.cfg.num_kv_heads, mgr.cfg.head_dim, device=mgr.cfg.device)
+        out_k = torch.empty(sum(sizes), cfg.num_kv_heads, cfg.head_dim, device=cfg.device)
         out_v = None if keys_only else torch.empty_like(out_k)
     for fmt, (rows, flat) in by_fmt.items():
-        pool = mgr.pools[layer][fmt]
+        pool = pools[layer][fmt]
         flat = torch.from_numpy(flat).to(pool.device)
         slot = {f.name: t.flatten(0, 1).index_select(0, flat) for f, t in zip(pool.slot_specs, pool.fields)
                 if not keys_only or f.name == "k"}
@@ -39,7 +34,7 @@ def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, obj
         if pool.group_specs:
             gid = pool.k_group.flatten().index_select(0, flat).long()
             group = {f.name: t.index_select(0, gid) for f, t in zip(pool.group_specs, pool.group_fields)}
-        scales = mgr.layer_scales(layer, fmt)
+        scales = pools.layer_scales(layer, fmt)
         k, v = (pool.fmt.decode_keys(slot, group, scales), None) if keys_only else pool.fmt.decode(slot, group,
                                                                                                      scales)
         if len(by_fmt) == 1:  # every row, in order
@@ -56,7 +51,7 @@ def gather_kv_many(mgr: KVCacheManager, layer: int, items: list[tuple[SeqKV, obj
 SEARCH_SPAN_MAX = 1 << 16  # requests x position span up to which _slots_by_search's inverse table is built
 
 
-def _slots_by_search(mgr: KVCacheManager, layer: int, items
+def _slots_by_search(pools: dict[str, PagePool], layer: int, items
                      ) -> dict[str, tuple[np.ndarray | None, np.ndarray]] | None:
     """``{format: (rows, page * B + slot)}`` of the requested positions, found in the requests' own pages by
     their slot positions (``PagePool.slot_pos``) with array operations: an inverse table over each request's
@@ -79,7 +74,7 @@ def _slots_by_search(mgr: KVCacheManager, layer: int, items
     inv = np.full(len(items) * span, -1, np.int64)
     fmt_at = np.zeros(len(items) * span, np.int8) if len(fmts) > 1 else None
     for i, fmt in enumerate(fmts):
-        pool = mgr.pools[layer][fmt]
+        pool = pools[fmt]
         pages = [t.get(fmt, NO_PAGES) for t in tables]
         owner = np.repeat(np.arange(len(items)), [len(p) for p in pages])
         held = np.concatenate(pages).astype(np.int64)
@@ -103,19 +98,20 @@ def _slots_by_search(mgr: KVCacheManager, layer: int, items
     return {fmt: (None, flat) for fmt in out} if len(out) == 1 else out  # one format: every row, in order
 
 
-def _slots_by_lookup(mgr: KVCacheManager, layer: int, items) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
+def _slots_by_lookup(pools: dict[str, PagePool], layer: int, items
+                     ) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
     """``_slots_by_search``'s answer from each request's position map, one lookup per row."""
     where = [w for seq, positions in items for w in map(seq.layers[layer].loc.__getitem__, _ints(positions))]
     fmt_of, pages, slots = zip(*where) if where else ((), (), ())  # one pass over the rows
     pages, slots = np.asarray(pages, np.int64), np.asarray(slots, np.int64)
     fmts = sorted(set(fmt_of))
     if len(fmts) == 1:  # every row in one format (the common case): no per-row sorting
-        return {fmts[0]: (None, pages * mgr.pools[layer][fmts[0]].B + slots)}
+        return {fmts[0]: (None, pages * pools[fmts[0]].B + slots)}
     fmt_of = np.asarray(fmt_of)
     out = {}
     for fmt in fmts:
         rows = np.flatnonzero(fmt_of == fmt)
-        out[fmt] = (rows, pages[rows] * mgr.pools[layer][fmt].B + slots[rows])
+        out[fmt] = (rows, pages[rows] * pools[fmt].B + slots[rows])
     return out
 
 
@@ -126,42 +122,32 @@ def _ints(positions) -> list[int]:
 NO_PAGES = np.empty(0, np.int32)  # a sequence without pages of a format
 
 
-def block_tables(mgr: KVCacheManager, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
-    """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""
-    out = []
-    if len(seqs) == 1:  # no padding to do; the tensor is cached until the page list changes
-        table = seqs[0].layers[layer]
-        if table._bt is None:
-            table._bt = [(mgr.pools[layer][fmt], torch.from_numpy(pages[None]).to(mgr.pools[layer][fmt].device))
-                         for fmt, pages in table.pages_of_format().items() if len(pages)]  # (a format whose
-            # pages were all released, e.g. a tree block re-stored and rebuilt, has no table)
-        return table._bt
-    per_seq = [s.layers[layer].pages_of_format() for s in seqs]
-    cached = mgr._batch_bt[layer]
-    if cached is not None and len(cached[0]) == len(per_seq) and all(map(operator.is_, cached[0], per_seq)):
-        return cached[1]  # same requests, same page lists (each ``_flat`` is rebuilt when its pages change)
-    for fmt, pool in mgr.pools[layer].items():
-        rows = [d.get(fmt, NO_PAGES) for d in per_seq]
-        width = max((len(r) for r in rows), default=0)
-        if width == 0:
-            continue
-        bt = np.full((len(seqs), width), -1, np.int32)
-        for i, r in enumerate(rows):
-            bt[i, : len(r)] = r
-        out.append((pool, torch.from_numpy(bt).to(pool.device)))
-    mgr._batch_bt[layer] = (per_seq, out)  # holds the page arrays it was built from, so identity is safe
-    return out
+class BlockTableCache:
+    """Each layer's block tables of the last batch read, reused while the batch and its page lists stay the
+    same (a decode step reads every layer's tables; most steps change no page list)."""
 
+    def __init__(self, num_layers: int) -> None:
+        self._last: list = [None] * num_layers
 
-def dense_run(layer: int, seqs: list[SeqKV]) -> tuple[int, int] | None:
-    """``(first page, live tokens)`` when a lone request's tokens fill one ascending run of pages from
-    its first slot with no hole — then attention can read a view of the pool instead of a gather."""
-    if len(seqs) != 1:
-        return None
-    table = seqs[0].layers[layer]
-    if table.holes or len(table.pages) != 1:
-        return None
-    (pages,) = table.pages.values()
-    if not pages or pages[-1] - pages[0] != len(pages) - 1 or any(b - a != 1 for a, b in zip(pages, pages[1:])):
-        return None
-    return pages[0], table.live
+    def get(self, pools: dict[str, PagePool], layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
+        """Per format used in ``layer`` (``pools``: that layer's): ``(pool, block_table [b, P] int32, -1 padded)``."""
+        if len(seqs) == 1:  # no padding to do; the table caches the tensors until its page lists change
+            return seqs[0].layers[layer].single_block_tables(lambda flat: [
+                (pools[fmt], torch.from_numpy(pages[None]).to(pools[fmt].device))
+                for fmt, pages in flat.items() if len(pages)])  # (a format whose pages were all released has none)
+        per_seq = [s.layers[layer].pages_of_format() for s in seqs]
+        cached = self._last[layer]
+        if cached is not None and len(cached[0]) == len(per_seq) and all(map(operator.is_, cached[0], per_seq)):
+            return cached[1]  # same requests, same page lists (each table's arrays are rebuilt when its pages change)
+        out = []
+        for fmt, pool in pools.items():
+            rows = [d.get(fmt, NO_PAGES) for d in per_seq]
+            width = max((len(r) for r in rows), default=0)
+            if width == 0:
+                continue
+            bt = np.full((len(seqs), width), -1, np.int32)
+            for i, r in enumerate(rows):
+                bt[i, : len(r)] = r
+            out.append((pool, torch.from_numpy(bt).to(pool.device)))
+        self._last[layer] = (per_seq, out)  # holds the page arrays it was built from, so identity is safe
+        return out

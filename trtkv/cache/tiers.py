@@ -6,9 +6,11 @@
     T3 evicted  gone
 
 Every token of a request is in exactly one tier per layer. The host tiers are a second, host-resident
-``KVCacheManager`` (pinned memory on CUDA), so pages, slots, key-scale groups and byte accounting work
-exactly as on the device. Moves copy codes verbatim when the format is kept (T0 <-> T1: attention over the
-moved token is unchanged, Proposition 1) and re-encode through the ``kv_write`` plugin otherwise. Policies
+``KVCacheManager`` composed with growing host pools (pinned memory on CUDA; ``PoolSet(growable=True)``: host
+pools start small and double when full, their bytes capped here with undo), so pages, slots,
+key-scale groups and byte accounting work exactly as on the device. Moves copy codes verbatim when the
+format is kept (T0 <-> T1: attention over the moved token is unchanged, Proposition 1) and re-encode through
+the ``kv_write`` plugin otherwise. Policies
 ask for moves through the request API (``PolicyRequest.place``); the cache setting ``demote`` turns any
 policy's evictions into moves to T1/T2 (``tier_for_demote``).
 """
@@ -16,62 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from plugins.formats import FORMATS, get_format
-from trtkv.cache.host_store import HostKVStore
-from trtkv.cache.manager import KVCacheManager, SeqKV
-from trtkv.errors import OutOfKVMemory, TrtkvError
+from plugins.formats import get_format
+from trtkv.cache.pool_set import PoolSet
+from trtkv.cache.sequence import SeqKV
+from trtkv.cache.tier_names import (DEFAULT_HOST_FORMAT, TIER_DEVICE, TIER_EVICTED, TIER_HOST,  # noqa: F401
+                                     TIER_HOST_Q, TIER_NAMES, parse_demote, parse_host_format, parse_tier)
+from trtkv.errors import OutOfKVMemory
 
-TIER_DEVICE, TIER_HOST, TIER_HOST_Q, TIER_EVICTED = 0, 1, 2, 3
-TIER_NAMES = ("device", "host", "host-q", "evicted")
-# The compressed host format ``demote=host-compressed`` / ``host_format=compressed`` pick. Chosen by measured
-# fidelity on the shipped R1 traces (docs/benchmarks.md, "Tiered KV memory"): int4 kept more top-1 agreement
-# than nvfp4 at nearly the same bytes.
-DEFAULT_HOST_FORMAT = "int4"
-
-
-def parse_host_format(value: str | None, what: str = "host_format") -> str | None:
-    """``none``/empty -> None (T1, the token's own format); ``compressed`` -> the default T2 format; else a
-    registered KV format name. Bad values raise one clear line."""
-    text = (value or "none").strip().lower()
-    if text in ("none", "", "same", "t1"):
-        return None
-    if text == "compressed":
-        return DEFAULT_HOST_FORMAT
-    if text not in FORMATS:
-        raise TrtkvError(f"{what}={value!r}: not a KV format; choose none, compressed or one of "
-                         f"{', '.join(FORMATS)}")
-    return text
-
-
-def parse_demote(value: str | None) -> tuple[bool, str | None]:
-    """``demote=none|host|host-<format>`` -> (demote?, host format or None for T1)."""
-    text = (value or "none").strip().lower()
-    if text == "none":
-        return False, None
-    if text == "host":
-        return True, None
-    if text.startswith("host-"):
-        return True, parse_host_format(text[5:], what=f"demote={value}: format")
-    raise TrtkvError(f"--set demote={value!r}: choose none, host, host-compressed or host-<format> "
-                     f"(e.g. host-int4)")
-
-
-def parse_tier(tier: str) -> tuple[int, str | None]:
-    """A tier name of the request API: ``device``, ``host``, ``host-<format>``, ``evicted``."""
-    t = tier.strip().lower()
-    if t == "device":
-        return TIER_DEVICE, None
-    if t == "evicted":
-        return TIER_EVICTED, None
-    if t == "host" or t.startswith("host-"):
-        fmt = parse_host_format(t[5:] if t.startswith("host-") else None, what=f"tier {tier!r}: format")
-        return (TIER_HOST if fmt is None else TIER_HOST_Q), fmt
-    raise TrtkvError(f"unknown tier {tier!r}; choose device, host, host-<format> or evicted")
-
+CacheLike = Any  # a KVCacheManager, device or host (not imported: the manager creates its TierStore)
 
 @dataclass
 class SeqTiers:
@@ -91,12 +50,13 @@ class SeqTiers:
 class TierStore:
     """Placement, moves and per-tier accounting for one device cache (``KVCacheManager.tiers``)."""
 
-    def __init__(self, dev: KVCacheManager):
+    def __init__(self, dev: CacheLike):
         self.dev = dev
         cfg = dev.cfg
         host_cfg = dataclasses.replace(cfg, device="cpu", residual_group=1, eviction="inplace", max_pages=None)
         pin = str(cfg.device).startswith("cuda") and torch.cuda.is_available()
-        self.host = HostKVStore(host_cfg, dev.kv_amax, pin=pin)
+        # a cache of the device cache's own kind over growing host pools (this module never imports the manager)
+        self.host = type(dev)(host_cfg, dev.kv_amax, pools=PoolSet(host_cfg, dev.kv_amax, growable=True, pin=pin))
         self.cap = getattr(cfg, "host_kv_memory", None)
         self.demote, self.demote_fmt = parse_demote(getattr(cfg, "demote", "none"))
         self.seqs: dict[int, SeqTiers] = {}
@@ -137,7 +97,7 @@ class TierStore:
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         out = np.full(len(pos), TIER_EVICTED, np.int8)
         dev_loc = seq.layers[layer].loc
-        buf = set(seq.buf_pos[layer]) if seq.buf_pos else set()
+        buf = set(seq.buffered_positions(layer))
         st = self.seqs.get(seq.seq_id)
         hloc = st.host.layers[layer].loc if st is not None else {}
         orig = st.orig_fmt[layer] if st is not None else {}
@@ -234,9 +194,8 @@ class TierStore:
             moved += _encode_copy(self.dev, seq, self.host, st.host, layer, enc, lambda p: fmt)
             st.orig_fmt[layer].update(classes)
         self._check_cap(seq, layer, positions, before)
-        n = self.dev.evict(seq, layer, positions)  # frees the device slots (metadata; compacts in compact mode)
-        seq.evicted_tokens -= n  # a move, not an eviction
-        self.dev.evictions_total -= n
+        # frees the device slots (metadata; compacts in compact mode): a move, not an eviction
+        n = self.dev.evict(seq, layer, positions, counted=False)
         self._moved(st, layer, moved, time.perf_counter() - t0)
         return n
 
@@ -286,14 +245,11 @@ class TierStore:
             st.orig_fmt[layer].pop(p, None)
         self._free_host(st, layer, positions)
         st.evicted_from_host += len(positions)
-        seq.evicted_tokens += len(positions)
-        self.dev.evictions_total += len(positions)
+        self.dev.count_evicted(seq, len(positions))
         return len(positions)
 
     def _free_host(self, st: SeqTiers, layer: int, positions: list[int]) -> None:
-        n = self.host.evict(st.host, layer, positions)
-        st.host.evicted_tokens -= n
-        self.host.evictions_total -= n
+        self.host.evict(st.host, layer, positions, counted=False)
         st.version[layer] += 1
 
     def _check_cap(self, seq: SeqKV, layer: int, positions: list[int], before: int) -> None:
@@ -334,13 +290,13 @@ class TierStore:
             return
         assert self.host.recount_bytes(st.host) == st.host.kv_bytes, "host byte counter drifted"
         for layer in range(self.dev.cfg.num_layers):
-            dev = set(seq.layers[layer].loc) | set(seq.buf_pos[layer] if seq.buf_pos else ())
+            dev = set(seq.layers[layer].loc) | set(seq.buffered_positions(layer))
             host = set(st.host.layers[layer].loc)
             assert not dev & host, f"layer {layer}: positions in two tiers: {sorted(dev & host)[:5]}"
             assert set(st.orig_fmt[layer]) <= host, "T2 record of a position the host does not hold"
 
 
-def _raw_copy(src: KVCacheManager, sseq: SeqKV, dst: KVCacheManager, dseq: SeqKV, layer: int,
+def _raw_copy(src: CacheLike, sseq: SeqKV, dst: CacheLike, dseq: SeqKV, layer: int,
               positions: list[int]) -> int:
     """Copy tokens' codes, per-slot scales and key-scale groups verbatim (same format) into ``dst``'s pages.
     The source keeps its copy (the caller frees it). Returns the bytes moved."""
@@ -365,26 +321,18 @@ def _raw_copy(src: KVCacheManager, sseq: SeqKV, dst: KVCacheManager, dseq: SeqKV
             gids = spool.k_group[sp, ss].cpu().tolist()
             gmap = {}
             for g in sorted(set(gids)):
-                try:
-                    ng = dpool.alloc_group(gids.count(g))
-                except OutOfKVMemory as e:
-                    raise e.at(dseq.seq_id, layer, cls[0]) from None
-                dseq.add_bytes(dpool.group_bytes)
+                ng = dseq.alloc_group(layer, dpool, gids.count(g))
                 for sgf, dgf in zip(spool.group_fields, dpool.group_fields):
                     dgf[ng] = sgf[g].to(dpool.device)
                 gmap[g] = ng
                 moved += dpool.group_bytes
             dpool.k_group[dp, ds] = torch.tensor([gmap[g] for g in gids], dtype=torch.int32, device=dpool.device)
-        pl, sl = pages.tolist(), slots.tolist()
-        dpool.mark_written(pl, sl, [i[0] for i in items])
-        dloc = dseq.layers[layer].loc
-        for (pos, _, _, seg), p, s in zip(items, pl, sl):
-            dpool.slot_seg[p, s] = seg
-            dloc[pos] = (cls[0], p, s)
+        dst.record_written(dseq, layer, dpool, cls[0], pages, slots, [i[0] for i in items],
+                           np.asarray([i[3] for i in items], np.int32))
     return moved
 
 
-def _encode_copy(src: KVCacheManager, sseq: SeqKV, dst: KVCacheManager, dseq: SeqKV, layer: int,
+def _encode_copy(src: CacheLike, sseq: SeqKV, dst: CacheLike, dseq: SeqKV, layer: int,
                  positions: list[int], fmt_of, thought=None) -> int:
     """Dequantize tokens from ``src`` and encode them into ``dst`` in ``fmt_of(pos)`` (flush groups of the
     format's group size, one thought class and segment per group). Returns the bytes written."""
@@ -409,6 +357,6 @@ def _encode_copy(src: KVCacheManager, sseq: SeqKV, dst: KVCacheManager, dseq: Se
 
 
 
-__all__ = ["TierStore", "HostKVStore", "SeqTiers", "parse_demote", "parse_host_format", "parse_tier",
+__all__ = ["TierStore", "SeqTiers", "parse_demote", "parse_host_format", "parse_tier",
            "TIER_DEVICE", "TIER_HOST", "TIER_HOST_Q", "TIER_EVICTED",
            "TIER_NAMES", "DEFAULT_HOST_FORMAT"]

@@ -136,7 +136,7 @@ class OrtEngineCore(EngineCore):
         buffered = [s.buffered(0) for s in seqs]
         # each layer's write unit per request: the token, or the buffer with the token appended (a flush group
         # when full); the graph attends it after the pages
-        units = [[list(s.buf_pos[layer]) + [positions[i]] if self.g > 1 else [positions[i]]
+        units = [[list(s.buffered_positions(layer)) + [positions[i]] if self.g > 1 else [positions[i]]
                   for i, s in enumerate(seqs)] for layer in range(lay.num_layers)]
         same_class = all(cl[:2] == classes[0][:2] for cl in classes)
         pending: list[list[tuple[int, PendingWrite]]] = []
@@ -230,7 +230,7 @@ class OrtEngineCore(EngineCore):
             n = len(w.pages)
             store(w, [r[i, :n] for r in slot], [r[i] for r in group])
             if self.g > 1:
-                seqs[i].buf_pos[layer] = []  # the group went to pages
+                self.cache.discard_buffered(seqs[i], layer)  # the group went to pages
         if self.g > 1:
             flushed = {i for i, _ in writes}
             for i, s in enumerate(seqs):

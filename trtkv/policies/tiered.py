@@ -74,7 +74,7 @@ class TieredPolicy(KVPolicy):
     evict_accounting: str = "per_event"
 
     def __post_init__(self) -> None:
-        from trtkv.cache.tiers import parse_host_format
+        from trtkv.cache.tier_names import parse_host_format
 
         if not 0.0 <= self.beta <= 1.0:
             raise ValueError(f"beta must be in [0, 1], got {self.beta}")

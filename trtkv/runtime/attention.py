@@ -20,14 +20,16 @@ def buffer_partial(cache: KVCacheManager, seqs: list[SeqKV], layer: int, q: torc
                    want_positions: bool = True):
     """Attention of ``q [b, Hq, D]`` over each request's residual buffer: (out, lse, logits [b,Hq,g], pos);
     ``pos`` (the buffered positions, -1 padded) is None unless ``want_positions``."""
-    kb, vb = cache.residual.gather(layer, seqs)  # [b, g, H, D]
+    bufs = [s.residual for s in seqs]
+    kb, vb = cache.residual.gather(layer, bufs)  # [b, g, H, D]
     g = kb.shape[1]
-    out, lse, logits = dense_partial(q, kb, vb, cache.residual.counts(layer, seqs), sm_scale)
+    out, lse, logits = dense_partial(q, kb, vb, cache.residual.counts(layer, bufs), sm_scale)
     if not want_positions:
         return out, lse, logits, None
     pos = np.full((len(seqs), g), -1, np.int64)
     for i, s in enumerate(seqs):
-        pos[i, : len(s.buf_pos[layer])] = s.buf_pos[layer]
+        buf = s.buffered_positions(layer)
+        pos[i, : len(buf)] = buf
     return out, lse, logits, pos
 
 
@@ -101,7 +103,8 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     if buffered and not any_stats:  # one call: the buffers' attention merged into the pages' partial in place
         out, lse = out.contiguous(), lse.contiguous()
         arena = cache.residual
-        plugin_ops.buffer_attention(q, arena.k, arena.v, arena.rows(seqs), layer, arena.counts(layer, seqs),
+        bufs = [s.residual for s in seqs]
+        plugin_ops.buffer_attention(q, arena.k, arena.v, arena.rows(bufs), layer, arena.counts(layer, bufs),
                                     sm_scale, out, lse)
     lap("policy" if any_stats else "bookkeeping")
     stats: list[LayerStats | None] = [None] * len(seqs)

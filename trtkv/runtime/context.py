@@ -61,7 +61,7 @@ class RequestContext:
         return self._cache.live_positions_in(self._seq, layer, lo, hi)
 
     def buffered_positions(self, layer: int) -> np.ndarray:
-        return np.asarray(self._seq.buf_pos[layer] if self._seq.buf_pos else (), dtype=np.int64)
+        return np.asarray(self._seq.buffered_positions(layer), dtype=np.int64)
 
     def all_positions(self, layer: int) -> np.ndarray:
         paged, buf = self.live_positions(layer), self.buffered_positions(layer)
@@ -83,7 +83,7 @@ class RequestContext:
     def kv(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         positions = np.asarray(positions, dtype=np.int64)
         seq = self._seq
-        buf = seq.buf_pos[layer] if seq.buf_pos else []
+        buf = seq.buffered_positions(layer)
         if not buf:
             return self._cache.gather_kv(seq, layer, positions)
         in_buf = np.isin(positions, buf)
@@ -109,7 +109,7 @@ class RequestContext:
             if req._cache is not self._cache:
                 raise ValueError("keys_many: every request must share this request's cache")
             positions = np.asarray(positions, dtype=np.int64)
-            buf = req._seq.buf_pos[layer] if req._seq.buf_pos else []
+            buf = req._seq.buffered_positions(layer)
             if len(buf) and not set(buf).isdisjoint(positions.tolist()):  # (np.isin: ~50 us a call)
                 out[j] = req.keys(layer, positions)
             else:
@@ -148,7 +148,7 @@ class RequestContext:
 
     # --- tiers (trtkv/cache/tiers.py) -----------------------------------------------------------
     def host_positions(self, layer: int) -> np.ndarray:
-        if self._cache._tiers is None:
+        if not self._cache.has_tiers:
             return np.empty(0, np.int64)
         return self._cache.tiers.host_positions(self._seq, layer)
 
@@ -164,7 +164,7 @@ class RequestContext:
         return self._cache.tiers.tier_of(self._seq, layer, positions)
 
     def place(self, layer: int | None, positions, tier: str) -> int:
-        from trtkv.cache.tiers import parse_tier
+        from trtkv.cache.tier_names import parse_tier
 
         code, fmt = parse_tier(tier)
         layers = range(self._num_layers) if layer is None else (layer,)
@@ -179,5 +179,5 @@ class RequestContext:
     @property
     def kv_bytes(self) -> int:
         """Device KV bytes: pages, plus the host tiers' staging buffers when the request has host tokens."""
-        tiers = self._cache._tiers
-        return self._seq.kv_bytes + (tiers.staging_bytes(self._seq) if tiers is not None else 0)
+        staging = self._cache.tiers.staging_bytes(self._seq) if self._cache.has_tiers else 0
+        return self._seq.kv_bytes + staging

@@ -335,7 +335,7 @@ class EngineCore:
             clk.switch("bookkeeping")
         for r, c in zip(reqs, ctxs):
             r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))
-        if self.cache._tiers is not None:
+        if self.cache.has_tiers:
             for c in ctxs:
                 self.cache.tiers.note_peaks(c.seq)
         for o in self.observers:
@@ -392,12 +392,7 @@ class EngineCore:
         for r in reqs:
             seq, pos = r.ctx.seq, r.ctx.position
             for layer in range(self.arch.num_hidden_layers):
-                if seq.buf_pos and pos in seq.buf_pos[layer]:
-                    seq.buf_pos[layer].remove(pos)
-                if pos in seq.layers[layer].loc:
-                    n = self.cache.evict(seq, layer, [pos])
-                    seq.evicted_tokens -= n  # a rollback, not an eviction
-                    self.cache.evictions_total -= n
+                self.cache.rollback(seq, layer, pos)
 
     def finish(self, req: Request) -> GenerationResult:
         """Collect stats, run the policy's finish hook and free the request's pages at once."""
@@ -421,9 +416,8 @@ class EngineCore:
         }
         stats.update(self.cache.tiers.stats(seq))  # per-tier bytes and tokens, transfers (cache/tiers.py)
         if seq.fork_mode is not None:  # pages shared with other live sequences (counted once per engine)
-            from trtkv.cache.forks import shared_bytes
 
-            stats["kv_bytes_shared"] = shared_bytes(self.cache, seq)
+            stats["kv_bytes_shared"] = self.cache.shared_bytes(seq)
             stats["sample_index"] = req.sample_index
         stats.update(self.policy.extra_stats(req.ctx))
         req.result = GenerationResult(req.text, list(req.generated), req.finish_reason or "cancelled", stats,

@@ -12,7 +12,6 @@ import time
 
 import torch
 
-from trtkv.cache.forks import fork_sequence
 from trtkv.runtime.context import RequestContext
 from trtkv.runtime.core import EngineCore
 from trtkv.runtime.request import Request
@@ -35,7 +34,7 @@ def fork_request(core: EngineCore, parent: Request, params: SamplingParams, gene
     core.next_fork_id += 1
     child = Request(rid, parent.prompt, ctx_ids, params, generator, core.arch.max_position_embeddings)
     child.events = parent.events.__class__() if parent.events is not None else None
-    seq = fork_sequence(core.cache, parent.ctx.seq, rid, mode)
+    seq = core.cache.fork(parent.ctx.seq, rid, mode)
     ctx = RequestContext(rid, len(ctx_ids), core.cache, seq, core.arch.num_hidden_layers,
                          core.arch.num_attention_heads)
     ctx.tree = parent.ctx.tree

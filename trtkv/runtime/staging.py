@@ -94,7 +94,7 @@ class HostStaging:
         self.step_bytes: dict[int, int] = {}  # this step's staged bytes per request (CUDA time attribution)
 
     def active(self, seqs: list[SeqKV]) -> bool:
-        t = self.cache._tiers
+        t = self.cache.tiers if self.cache.has_tiers else None
         return t is not None and any(t.has_host(s) for s in seqs)
 
     def staging_bytes(self) -> int:
@@ -153,7 +153,7 @@ class HostStaging:
 
     # --- staging -----------------------------------------------------------------------------------
     def _versions(self, layer: int) -> tuple:
-        t = self.cache._tiers
+        t = self.cache.tiers if self.cache.has_tiers else None
         return tuple(t.seqs[s.seq_id].version[layer] if s.seq_id in t.seqs else -1 for s in self.batch)
 
     def _stage(self, layer: int) -> _Stage:

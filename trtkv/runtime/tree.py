@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from trtkv.cache import forks
 from trtkv.runtime.core import EngineCore
 from trtkv.runtime.forking import fork_request
 from trtkv.runtime.prefix_prefill import entropy_confidence, prefill_at, span_missing
@@ -136,7 +135,7 @@ class SearchTree:
 
     def cached_tokens(self) -> int:
         buffered = sum(s.buffered(0) for s in self.core.cache.seqs.values())
-        return forks.live_slots(self.core.cache, 0) + buffered
+        return self.core.cache.live_slots(0) + buffered
 
     def resident(self, node_id: int) -> list[int]:
         node = self.nodes[node_id]
@@ -182,7 +181,7 @@ class SearchTree:
             cache.evict(ctx.seq, layer, pos)
             for s in range(0, len(pos), step):
                 cache.write(ctx.seq, layer, k[s:s + step], v[s:s + step], pos[s:s + step], (fmt, 0), -1)
-            forks.share_written(cache, ctx.seq, sharers, layer, pos)
+            cache.share_written(ctx.seq, sharers, layer, pos)
         self.conversions += len(pos)
         self._record("store")
         return len(pos)
@@ -202,7 +201,7 @@ class SearchTree:
         prefill_at(self.core, ctx, node.token_ids, node.start, missing, cls)
         sharers = self._sharers(node_id)
         for layer in range(self.core.arch.num_hidden_layers):
-            forks.share_written(self.core.cache, ctx.seq, sharers, layer, missing)
+            self.core.cache.share_written(ctx.seq, sharers, layer, missing)
         node.rehydrations += 1
         self.rehydration_count += 1
         self.rehydration_s += time.perf_counter() - t0
@@ -245,7 +244,7 @@ class SearchTree:
         node.text = self.core.decode_text(node.token_ids)
         node.confidence = entropy_confidence(req.last_logits)
         node.closed = True
-        forks.seal_sequence(req.ctx.seq)  # a closed block writes no more tokens of its own
+        self.core.cache.seal(req.ctx.seq)  # a closed block writes no more tokens of its own
         return node
 
     def _block_done(self, req: Request, stop_at_newline: bool) -> bool:

@@ -1,0 +1,302 @@
+"""``BlockTable``: one request's pages in one layer, and where each of its tokens lives.
+
+A table owns, for its request and layer: the pages of every class (format, thought type) in allocation
+order, the open page of each class (never-written tail slots), the heaps of reusable (evicted) slots, the
+position map ``position -> (format, page, slot)``, the flat page arrays and cached block tables built from
+the page lists (rebuilt whenever a page list changes), and the bytes its pages cost the request. Every
+change goes through a verb here, so the rules of paging live in one place; the pools' own state (codes,
+validity, fill) changes only through ``PagePool``'s verbs.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Iterator
+from types import MappingProxyType
+
+import numpy as np
+
+from trtkv.cache.accounting import ByteAccount
+from trtkv.cache.pool import PagePool
+from trtkv.errors import OutOfKVMemory
+
+Cls = tuple[str, int]  # (format name, thought class): a page holds tokens of exactly one class
+Where = tuple[str, int, int]  # (format, page, slot) of a token
+ENTRY_BYTES = 4  # one block-table entry (an int32 page id), charged with each page a request holds
+
+
+def held_page_bytes(pool: PagePool) -> int:
+    """What holding one page of ``pool`` costs a request: the page and its block-table entry."""
+    return pool.page_bytes + ENTRY_BYTES
+
+
+class BlockTable:
+    """One request's pages in one layer. ``order`` numbers pages as they join the table (shared by the
+    cache's tables, so "oldest page first" among reusable slots is the cache-wide allocation order)."""
+
+    def __init__(self, seq_id: int, layer: int, account: ByteAccount, order: Iterator[int]) -> None:
+        self.seq_id, self.layer = seq_id, layer
+        self._account = account
+        self._order = order
+        self._pages: dict[Cls, list[int]] = {}
+        self._open: dict[Cls, int] = {}  # the page of a class with never-written tail slots
+        self._reusable: dict[Cls, list[tuple[int, int, int]]] = {}  # heap of (page order, page, slot)
+        self._page_order: dict[tuple[str, int], int] = {}  # order number of each held page
+        self._loc: dict[int, Where] = {}
+        self._flat: dict[str, np.ndarray] | None = None
+        self._single_bt: list | None = None  # block tables of this request alone (attention at batch 1)
+        self._holes = False  # an eviction ever hit this table (its live slots are no longer a prefix)
+
+    # --- what the table holds (read-only views) ------------------------------------------------------
+    @property
+    def live(self) -> int:
+        return len(self._loc)
+
+    @property
+    def loc(self) -> MappingProxyType:
+        """``position -> (format, page, slot)`` of every paged token, in write order."""
+        return MappingProxyType(self._loc)
+
+    @property
+    def pages(self) -> MappingProxyType:
+        """``class -> [page, ...]`` in table order."""
+        return MappingProxyType(self._pages)
+
+    @property
+    def reusable(self) -> MappingProxyType:
+        return MappingProxyType(self._reusable)
+
+    @property
+    def open_page(self) -> MappingProxyType:
+        return MappingProxyType(self._open)
+
+    @property
+    def page_seq(self) -> MappingProxyType:
+        """``(format, page) -> order number`` of every held page."""
+        return MappingProxyType(self._page_order)
+
+    @property
+    def holes(self) -> bool:
+        return self._holes
+
+    def __contains__(self, pos: int) -> bool:
+        return pos in self._loc
+
+    def locate(self, pos: int) -> Where | None:
+        return self._loc.get(pos)
+
+    def holds_page(self, fmt: str, p: int) -> bool:
+        return (fmt, p) in self._page_order
+
+    def order_of(self, fmt: str, p: int) -> int:
+        return self._page_order[(fmt, p)]
+
+    def num_pages(self) -> int:
+        return sum(len(p) for p in self._pages.values())
+
+    def pages_of_format(self) -> dict[str, np.ndarray]:
+        """Pages per format in table order, as int32 arrays (a batch's block table is copied from them every
+        layer of every step); rebuilt only when a page list changes."""
+        if self._flat is None:
+            flat: dict[str, list[int]] = {}
+            for (fmt, _), pages in self._pages.items():
+                flat.setdefault(fmt, []).extend(pages)
+            self._flat = {f: np.asarray(p, np.int32) for f, p in flat.items()}
+        return self._flat
+
+    def single_block_tables(self, build: Callable[[dict[str, np.ndarray]], list]) -> list:
+        """This request's block tables built by ``build(pages_of_format())``, cached until a page list changes."""
+        if self._single_bt is None:
+            self._single_bt = build(self.pages_of_format())
+        return self._single_bt
+
+    def dense_run(self) -> tuple[int, int] | None:
+        """``(first page, live tokens)`` when the tokens fill one ascending run of pages from the first slot
+        with no hole (attention can then read a view of the pool instead of a gather)."""
+        if self._holes or len(self._pages) != 1:
+            return None
+        (pages,) = self._pages.values()
+        if not pages or pages[-1] - pages[0] != len(pages) - 1 or any(b - a != 1 for a, b in zip(pages, pages[1:])):
+            return None
+        return pages[0], self.live
+
+    # --- slots ---------------------------------------------------------------------------------------
+    def alloc_slots(self, pool: PagePool, cls: Cls, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Slots for ``n`` tokens of ``cls``: reusable (evicted) slots first (oldest page, lowest slot), then
+        the open page's tail, and only then new pages."""
+        heap = self._reusable.get(cls)
+        pages, slots = [], []
+        if heap:
+            order, fmt = self._page_order, cls[0]
+            while heap and len(pages) < n:
+                no, p, s = heapq.heappop(heap)
+                if order.get((fmt, p)) != no or not pool.slot_free(p, s):
+                    continue  # stale entry: page released (maybe reallocated, to any class) or slot refilled
+                pages.append(p)
+                slots.append(s)
+        while len(pages) < n:
+            p = self._open.get(cls)
+            if p is None:
+                p = self._new_page(pool, cls)
+            start, take = pool.take_tail(p, n - len(pages))
+            pages.extend([p] * take)
+            slots.extend(range(start, start + take))
+            if pool.tail_full(p):
+                del self._open[cls]
+        return np.asarray(pages, np.int64), np.asarray(slots, np.int64)
+
+    def alloc_one(self, pool: PagePool, cls: Cls) -> tuple[int, int]:
+        """``alloc_slots(pool, cls, 1)`` as two ints, without building arrays (a decode step's write)."""
+        heap = self._reusable.get(cls)
+        while heap:
+            no, p, s = heapq.heappop(heap)
+            if self._page_order.get((cls[0], p)) == no and pool.slot_free(p, s):
+                return int(p), int(s)
+        p = self._open.get(cls)
+        if p is None:  # a new page: the general path
+            pages, slots = self.alloc_slots(pool, cls, 1)
+            return int(pages[0]), int(slots[0])
+        s, _ = pool.take_tail(p, 1)
+        if pool.tail_full(p):
+            del self._open[cls]
+        return int(p), s
+
+    def needs_fresh_pages(self, cls: Cls) -> bool:
+        """No reusable slot and no open page of ``cls``: a write of whole pages takes fresh pages."""
+        return not self._reusable.get(cls) and cls not in self._open
+
+    def add_full_pages(self, pool: PagePool, cls: Cls, pages: Iterable[int]) -> None:
+        """Pages just taken from ``pool`` and filled at once (a flush of whole pages): held, never open."""
+        owned = self._pages.setdefault(cls, [])
+        n = 0
+        for p in pages:
+            self._page_order[(cls[0], p)] = next(self._order)
+            owned.append(p)
+            n += 1
+        self._pages_changed()
+        self._account.add(n * held_page_bytes(pool))
+
+    def _new_page(self, pool: PagePool, cls: Cls) -> int:
+        try:
+            p = pool.alloc_page(cls[1])
+        except OutOfKVMemory as e:
+            raise e.at(self.seq_id, self.layer, cls[0]) from None
+        self._page_order[(cls[0], p)] = next(self._order)
+        self._pages.setdefault(cls, []).append(p)
+        self._open[cls] = p
+        self._pages_changed()
+        self._account.add(held_page_bytes(pool))
+        return p
+
+    # --- the position map ----------------------------------------------------------------------------
+    def place(self, fmt: str, pages: Iterable[int], slots: Iterable[int], positions: Iterable[int]) -> None:
+        """The tokens at ``positions`` now live in ``(fmt, page, slot)``."""
+        loc = self._loc
+        for p, s, pos in zip(pages, slots, positions):
+            loc[pos] = (fmt, p, s)
+
+    def forget(self, positions: Iterable[int]) -> list[Where]:
+        """Drop ``positions`` from the map (evicted or moved away); returns where the held ones were."""
+        self._holes = True
+        pop = self._loc.pop
+        return [w for w in (pop(int(p), None) for p in positions) if w is not None]
+
+    # --- freed slots and pages -----------------------------------------------------------------------
+    def free_slot(self, pool: PagePool, cls: Cls, p: int, s: int) -> None:
+        """Slot ``s`` of page ``p`` (just evicted) joins its class's reuse heap; the page goes back to the
+        pool when it is left empty and is not the open page."""
+        heapq.heappush(self._reusable.setdefault(cls, []), (self._page_order[(cls[0], p)], p, s))
+        if pool.live[p] == 0 and self._open.get(cls) != p:
+            self.release_page(pool, cls, p)
+
+    def free_slots(self, pool: PagePool, fmt: str, pl: list[int], sl: list[int]) -> None:
+        """``free_slot`` of many evicted slots of one format at once."""
+        uniq = list(dict.fromkeys(pl))
+        classes = pool.page_class[uniq].tolist()
+        order = {p: self._page_order[(fmt, p)] for p in uniq}
+        if len(set(classes)) == 1:  # one class (the common case): the heap entries in one pass
+            by_cls = {classes[0]: list(zip(map(order.__getitem__, pl), pl, sl))}
+        else:
+            cls_of, by_cls = dict(zip(uniq, classes)), {}
+            for p, s in zip(pl, sl):
+                by_cls.setdefault(cls_of[p], []).append((order[p], p, s))
+        for c, freed in by_cls.items():  # pops come out the same whichever way the heap is built (entries differ)
+            heap = self._reusable.setdefault((fmt, c), [])
+            if len(freed) > len(heap):
+                heap.extend(freed)
+                heapq.heapify(heap)
+            else:
+                for item in freed:
+                    heapq.heappush(heap, item)
+        for p, c, live in zip(uniq, classes, pool.live[uniq].tolist()):
+            if live == 0 and self._open.get((fmt, c)) != p:
+                self.release_page(pool, (fmt, c), p)
+
+    def release_page(self, pool: PagePool, cls: Cls, p: int) -> None:
+        """Return empty page ``p`` to ``pool``."""
+        self.drop_page(pool, cls, p)
+        pool.release_page(p)
+
+    def drop_page(self, pool: PagePool, cls: Cls, p: int) -> None:
+        """Stop holding page ``p`` (its pool page stays with whoever else holds it)."""
+        self._pages[cls].remove(p)
+        del self._page_order[(cls[0], p)]
+        self._pages_changed()
+        self._account.add(-held_page_bytes(pool))
+
+    # --- shared pages (cache/forks.py) ---------------------------------------------------------------
+    def seal(self) -> None:
+        """No more writes into the current pages; the tokens are no longer one dense run (a sealed, partly
+        filled page leaves unwritten slots), so attention must not take the dense-view fast path."""
+        self._open.clear()
+        self._reusable.clear()
+        self._holes = True
+
+    def copy_from(self, parent: BlockTable) -> None:
+        """Hold exactly ``parent``'s pages and tokens, by reference (a fork; the bytes are charged by the
+        caller, once for all layers)."""
+        self._pages = {cls: list(pages) for cls, pages in parent.pages.items()}
+        self._page_order = dict(parent.page_seq)
+        self._loc = dict(parent.loc)
+        self._holes = True
+        self._pages_changed()
+
+    def replace_page(self, cls: Cls, old: int, new: int, slot_positions: np.ndarray) -> None:
+        """Copy-on-write: private copy ``new`` takes shared page ``old``'s place (a fresh order number) and
+        its tokens (``slot_positions``: the position in each slot of the copy, -1 free)."""
+        pages = self._pages[cls]
+        pages[pages.index(old)] = new
+        del self._page_order[(cls[0], old)]
+        self._page_order[(cls[0], new)] = next(self._order)
+        for s, pos in enumerate(slot_positions.tolist()):
+            if pos >= 0 and self._loc.get(pos) == (cls[0], old, s):
+                self._loc[pos] = (cls[0], new, s)
+        self._pages_changed()
+
+    def add_shared_page(self, pool: PagePool, cls: Cls, p: int, order: int) -> bool:
+        """Hold page ``p`` of another table (with that table's order number); False when already held."""
+        if (cls[0], p) in self._page_order:
+            return False
+        self._pages.setdefault(cls, []).append(p)
+        self._page_order[(cls[0], p)] = order
+        self._pages_changed()
+        self._account.add(held_page_bytes(pool))
+        return True
+
+    # --- compaction (cache/compaction.py) ------------------------------------------------------------
+    def compacted(self, pool: PagePool, cls: Cls, keep: int) -> None:
+        """After ``pool.compact_pages`` moved this class's live tokens to its first ``keep`` pages: release
+        the rest, forget reusable slots, and leave the last kept page open if it has tail slots."""
+        pages = self._pages[cls]
+        for p in pages[keep:]:
+            del self._page_order[(cls[0], p)]
+            pool.release_page(p)
+            self._account.add(-held_page_bytes(pool))
+        self._pages[cls] = pages = pages[:keep]
+        self._reusable[cls] = []
+        self._open.pop(cls, None)
+        if pages and not pool.tail_full(pages[-1]):
+            self._open[cls] = pages[-1]
+        self._pages_changed()
+
+    def _pages_changed(self) -> None:
+        self._flat = self._single_bt = None
