@@ -211,3 +211,60 @@ def test_profile_clock_is_off_unless_observed(tiny_ckpt, engine_factory, load_en
     assert core.clock is None and core.cache.clock is None
     while not req.result:
         sched.step()
+
+
+@pytest.mark.model
+def test_memory_limited_run_admits_what_the_memory_holds(tiny_ckpt, engine_factory, tmp_path):
+    """``--requests auto --kv-memory``: each engine's pools get the memory; twice its largest batch is queued, at
+    most that batch decodes at once (continuous batching fills it back as requests finish), every request
+    finishes, and the cheaper policy runs a bigger batch."""
+    import dataclasses
+
+    from trtkv.api import Engine
+    from trtkv.bench.capacity import largest_batch
+    from trtkv.cache.budget import pages_needed, plan_pools
+    from trtkv.cli import main
+
+    full = engine_factory(tiny_ckpt, "full")
+    sl = engine_factory(tiny_ckpt, "streamingllm", budget=16)
+    kv, P, G = 96 * 1024, 24, 40
+    caps = []
+    for path in (full, sl):
+        e = Engine.load(path)
+        cfg = dataclasses.replace(e.core.cache.cfg, kv_memory=kv)
+        cap = largest_batch(e.policy, cfg, P, G)
+        need = pages_needed(e.policy, cfg, P, G)
+        for b, fits in ((cap.batch, True), (cap.batch + 1, False)):  # the largest batch, not one more
+            pages = plan_pools(dataclasses.replace(cfg, max_batch=b), e.policy.pool_formats(),
+                               e.policy.drops_tokens()).pages
+            assert all(b * n <= pages for n in need.values()) == fits
+        caps.append(cap.batch)
+    assert 1 <= caps[0] < caps[1]
+
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(main, ["bench", str(full), str(sl), "--requests", "auto", "--kv-memory", "96KiB",
+                                  "--prompt-len", str(P), "--gen-len", str(G), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "throughput at 96.00 KiB of KV memory" in r.output
+    doc = json.loads((out / "results.json").read_text())
+    rows = [x for x in doc["results"]]
+    assert [x["admission_batch"] for x in rows] == caps
+    for x, cap in zip(rows, caps):
+        assert x["requests"] == x["batch"] == 2 * cap
+        assert x["output_tokens"] == 2 * cap * G  # every queued request finished, exactly G tokens each
+        assert x["max_concurrent"] == cap  # the memory's batch was reached and never exceeded
+        assert x["kv_pool_bytes"] <= kv
+        assert x["steady_tokens_per_s"] > 0 and 0 < x["kv_footprint_pct"]
+    run = next(r for r in doc["runs"] if r["engine"] == rows[1]["engine"])
+    assert max(run["step_waiting"]) > 0 and run["step_waiting"][-1] == 0  # requests waited, then all ran
+    assert rows[1]["kv_footprint_pct"] < rows[0]["kv_footprint_pct"]
+    data = (out / "throughput_at_memory_limit.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_limited_run_bad_input(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "trtkv.cli", "bench", *a], capture_output=True,  # noqa: E731
+                                    text=True, timeout=120)
+    assert_one_line_error(run(str(tmp_path), "--requests", "auto"), "pass --kv-memory")
+    assert_one_line_error(run(str(tmp_path), "--requests", "0", "--kv-memory", "1GiB"), "positive integer or 'auto'")
+    assert_one_line_error(run(str(tmp_path), "--requests", "many", "--kv-memory", "1GiB"), "positive integer or 'auto'")

@@ -310,7 +310,11 @@ def _command_line(name: str) -> str | None:
 @click.option("--gen-len", type=int, default=256, show_default=True,
               help="Generated tokens per request (EOS ignored, so exactly this many).")
 @click.option("--kv-memory", default=None, metavar="SIZE",
-              help="KV memory (e.g. 2GiB, 80GB) for the largest-batch-that-fits estimate.")
+              help="KV memory (e.g. 2GiB, 80GB) for the largest-batch-that-fits estimate; with --requests, each "
+                   "engine's KV pools.")
+@click.option("--requests", "requests", default=None, metavar="N|auto",
+              help="Memory-limited throughput (the seed paper's Table 2): queue N requests per engine (auto: twice "
+                   "its largest batch), admit as many as --kv-memory holds, the next as one finishes.")
 @click.option("--host-kv-memory", default=None, metavar="SIZE", help="Cap on host-tier KV bytes (T1 + T2).")
 @click.option("--repeat", type=int, default=1, show_default=True, help="Repeats, engines interleaved in each.")
 @click.option("--prompt", "prompt_source", type=click.Choice(["text", "ids"]), default="text", show_default=True,
@@ -327,17 +331,20 @@ def _command_line(name: str) -> str | None:
 @click.option("--runtime", default="torch", show_default=True, metavar="NAMES",
               help="torch, torch-compile, onnxruntime, or several comma-separated (each engine runs under each, "
                    "interleaved).")
-def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, host_kv_memory, repeat, prompt_source, sets, device,
-          seed, no_warmup, profile, out, runtime) -> None:
+def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, requests, host_kv_memory, repeat, prompt_source,
+          sets, device, seed, no_warmup, profile, out, runtime) -> None:
     """Latency, throughput and KV memory of ENGINES over batch sizes, measured in one run."""
     from trtkv.bench import BenchConfig, load_engines, parse_batch_sizes, parse_size, run_bench
+    from trtkv.bench.records import parse_requests
     from trtkv.bench.report import print_bench
     from trtkv.bench.summary import write_results
     from trtkv.settings import parse_sets
 
+    n_requests, requests_auto = parse_requests(requests)
     cfg = BenchConfig(batch_sizes=parse_batch_sizes(batch_sizes), prompt_len=prompt_len, gen_len=gen_len,
                       kv_memory=parse_size(kv_memory) if kv_memory else None, repeat=repeat, warmup=not no_warmup,
-                      prompt_source=prompt_source, seed=seed, profile=profile).validate()
+                      prompt_source=prompt_source, seed=seed, profile=profile, requests=n_requests,
+                      requests_auto=requests_auto).validate()
     sets = {**parse_sets(sets), **({"host_kv_memory": host_kv_memory} if host_kv_memory else {})}
     from trtkv.api import RUNTIMES
 

@@ -85,4 +85,34 @@ def bench_plots(doc: dict[str, Any], out: Path) -> list[Path]:
     ax.set_title(_title(doc, "KV memory vs generated tokens"), fontsize=10)
     fig.tight_layout()
     paths.append(save(fig, out / "kv_vs_tokens.png", plt))
+    if any(r.get("admission_batch") for r in doc["results"]):
+        paths.append(memory_limited_plot(doc, out, plt))
     return paths
+
+
+def memory_limited_plot(doc: dict[str, Any], out: Path, plt) -> Path:
+    """The memory-limited run: decode tokens/s (batch / step time, median over the steps at each batch) against
+    the concurrent batch, per engine, with each engine's steady-state tokens/s at its largest batch."""
+    import statistics
+
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for row in doc["results"]:
+        by_batch: dict[int, list[float]] = {}
+        for run in doc["runs"]:
+            if run["engine"] == row["engine"] and run["batch"] == row["batch"]:
+                for b, s in zip(run["step_batch"], run["decode_s"]):
+                    if s > 0:
+                        by_batch.setdefault(b, []).append(b / s)
+        xs = sorted(by_batch)
+        line, = ax.plot(xs, [statistics.median(by_batch[x]) for x in xs], marker=".", label=row["engine"])
+        ax.plot([row["max_concurrent"]], [row["steady_tokens_per_s"]], marker="*", ms=12, color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent requests (decode batch)")
+    ax.set_ylabel("output tokens/s")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    kv = doc["config"].get("kv_memory")
+    ax.set_title(_title(doc, f"Throughput at {kv / MiB:.0f} MiB of KV memory (star: steady state)"), fontsize=10)
+    fig.tight_layout()
+    return save(fig, out / "throughput_at_memory_limit.png", plt)

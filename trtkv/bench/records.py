@@ -12,7 +12,11 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     prompt_len: int = 512
     gen_len: int = 256
-    kv_memory: int | None = None  # bytes, for the "largest batch that fits" estimate
+    kv_memory: int | None = None  # bytes: the "largest batch that fits" estimate; with ``requests``, the KV pools
+    # the memory-limited run (``requests`` set): that many requests queued per engine, admitted as the KV pools
+    # allow and replaced as they finish; ``requests_auto``: instead, this many times the engine's largest batch
+    requests: int | None = None
+    requests_auto: float | None = None
     repeat: int = 1
     warmup: bool = True
     prompt_source: str = "text"  # "text": packaged reasoning traces tokenized and repeated; "ids": random ids
@@ -28,7 +32,34 @@ class BenchConfig:
             raise TrtkvError("--repeat must be at least 1")
         if self.prompt_source not in ("text", "ids"):
             raise TrtkvError("--prompt must be 'text' or 'ids'")
+        if self.memory_limited:
+            if self.kv_memory is None:
+                raise TrtkvError("--requests runs as many requests at once as --kv-memory holds: pass --kv-memory "
+                                 "SIZE (e.g. 256MiB)")
+            if (self.requests is not None and self.requests <= 0) or (self.requests_auto is not None
+                                                                       and self.requests_auto <= 0):
+                raise TrtkvError("--requests must be a positive integer or 'auto'")
         return self
+
+    @property
+    def memory_limited(self) -> bool:
+        return self.requests is not None or self.requests_auto is not None
+
+
+def parse_requests(text: str | None) -> tuple[int | None, float | None]:
+    """``--requests``: ``N`` (requests queued per engine) or ``auto`` (twice each engine's largest batch)."""
+    if text is None:
+        return None, None
+    t = str(text).strip().lower()
+    if t == "auto":
+        return None, 2.0
+    try:
+        n = int(t)
+    except ValueError:
+        raise TrtkvError(f"--requests {text!r}: expected a positive integer or 'auto'") from None
+    if n <= 0:
+        raise TrtkvError(f"--requests {text!r}: expected a positive integer or 'auto'")
+    return n, None
 
 
 @dataclass
@@ -56,3 +87,8 @@ class RunResult:
     pool_peak_bytes: int = 0  # pages and key-scale groups in use at once, at most, during the run
     rss_bytes: int | None = None
     profile_s: dict[str, list[float]] = field(default_factory=dict)  # --profile: per phase, per decode step
+    # the memory-limited run: the batch admission allows, and per decode step its end (seconds from the start)
+    # and the requests still waiting for admission
+    admission_batch: int | None = None
+    step_end_s: list[float] = field(default_factory=list)
+    step_waiting: list[int] = field(default_factory=list)

@@ -5,6 +5,10 @@ prefill and every batched decode step (``Scheduler.step_timer``, device-synchron
 Engines are measured in the same process and interleaved per repeat (repeat 0: every batch size of every
 engine, then repeat 1, ...), so slow drifts of a shared machine hit all engines alike and the ratios to
 the first engine are meaningful.
+
+The memory-limited run (``--requests N|auto --kv-memory SIZE``, the seed paper's Table 2): each engine's KV
+pools get ``SIZE``; its requests are queued at once and the scheduler admits as many as the pools hold at their
+worst case (``trtkv/bench/capacity.py``), admitting the next as one finishes (continuous batching).
 """
 from __future__ import annotations
 
@@ -66,7 +70,9 @@ _REQ_IDS = itertools.count(1 << 40)  # never collides with the engine's own requ
 
 
 def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: bool = False,
-             on_step=None) -> RunResult:
+             on_step=None, admission_batch: int | None = None) -> RunResult:
+    """``batch`` requests at once; with ``admission_batch`` (the memory-limited run) they are queued, the KV pools
+    are ``cfg.kv_memory`` and at most ``admission_batch`` run at a time."""
     from trtkv.runtime.request import Request
     from trtkv.runtime.sampling import SamplingParams, make_generator
 
@@ -78,7 +84,7 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
     params = SamplingParams(max_tokens=cfg.gen_len, ignore_eos=True, chat=False).validate(limit)
     prompts = make_prompts(e, batch, cfg.prompt_len, cfg.prompt_source, cfg.seed + repeat)
     reqs = [Request(next(_REQ_IDS), "", ids, params, make_generator(cfg.seed), limit) for ids in prompts]
-    res = RunResult(be.label, batch, repeat)
+    res = RunResult(be.label, batch, repeat, admission_batch=admission_batch)
     first = reqs[0]
     profiler = StepProfiler(e.core.device) if cfg.profile else None
 
@@ -89,6 +95,8 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
             res.decode_s.append(seconds)
             res.step_batch.append(len(rs))
             res.step_kv_total.append(sum(r.ctx.kv_bytes for r in rs))
+            res.step_end_s.append(time.perf_counter() - t0)
+            res.step_waiting.append(len(sched.waiting))
             if profiler is not None:
                 for part, s in profiler.step_parts(seconds).items():
                     res.profile_s.setdefault(part, []).append(s)
@@ -100,8 +108,9 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
     from trtkv.runtime.scheduler import Scheduler
 
     # a core and scheduler of its own (same weights, fresh cache): the engine's live core is never touched
-    core = e.make_core(observers=(profiler,) if profiler is not None else ())
-    sched = Scheduler(core, max(batch, e.scheduler.max_batch), step_timer=timer)
+    limits = {} if admission_batch is None else {"kv_memory": cfg.kv_memory, "max_batch": admission_batch}
+    core = e.make_core(observers=(profiler,) if profiler is not None else (), **limits)
+    sched = Scheduler(core, admission_batch or max(batch, e.scheduler.max_batch), step_timer=timer)
     cuda = core.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(core.device)
@@ -144,6 +153,25 @@ def _rss_bytes() -> int | None:
         return None
 
 # --- the sweep --------------------------------------------------------------------------------------
+def _plan(engines: list[BenchEngine], cfg: BenchConfig) -> list[tuple[BenchEngine, tuple[int, ...], int | None]]:
+    """Per engine: the request counts to run and, in the memory-limited run, the batch admission allows in
+    ``cfg.kv_memory`` (None in the batch sweep, where every request runs at once)."""
+    if not cfg.memory_limited:
+        return [(be, cfg.batch_sizes, None) for be in engines]
+    import dataclasses
+
+    from trtkv.bench.capacity import largest_batch
+
+    out = []
+    for be in engines:
+        e = be.engine
+        cache_cfg = dataclasses.replace(e.core.cache.cfg, kv_memory=cfg.kv_memory)
+        cap = largest_batch(e.policy, cache_cfg, cfg.prompt_len, cfg.gen_len).batch
+        n = cfg.requests if cfg.requests is not None else max(1, round(cfg.requests_auto * cap))
+        out.append((be, (n,), cap))
+    return out
+
+
 def run_bench(engines: list[BenchEngine], cfg: BenchConfig, progress: bool | None = None,
               command: str | None = None) -> dict[str, Any]:
     """Run the sweep and return the results document (what ``results.json`` holds)."""
@@ -157,17 +185,21 @@ def run_bench(engines: list[BenchEngine], cfg: BenchConfig, progress: bool | Non
         for be in engines:
             run_once(be, 1, warm, 0)
     runs: list[RunResult] = []
-    total_steps = cfg.repeat * len(engines) * len(cfg.batch_sizes) * cfg.gen_len
+    plan = _plan(engines, cfg)
+    total_steps = cfg.repeat * cfg.gen_len * sum(-(-b // cap) if cap else 1 for _, sizes, cap in plan for b in sizes)
     bar = progress_bar(total_steps, "bench", "step", progress)
     try:
         for rep in range(cfg.repeat):
-            for b in cfg.batch_sizes:
-                for be in engines:
-                    bar.set_postfix_str(f"{be.label} batch={b} repeat={rep + 1}/{cfg.repeat}")
-                    r = run_once(be, b, cfg, rep, trace=(rep == 0 and b == cfg.batch_sizes[0]),
-                                 on_step=lambda: bar.update(1))
+            for i in range(max(len(sizes) for _, sizes, _ in plan)):
+                for be, sizes, cap in plan:
+                    b = sizes[i]
+                    what = f"requests={b} (at most {cap} at once)" if cap else f"batch={b}"
+                    bar.set_postfix_str(f"{be.label} {what} repeat={rep + 1}/{cfg.repeat}")
+                    r = run_once(be, b, cfg, rep, trace=(rep == 0 and i == 0), on_step=lambda: bar.update(1),
+                                 admission_batch=cap)
                     runs.append(r)
-                    bar.update(cfg.gen_len - len(r.decode_s))  # steps the bar did not see (the prefill's token)
+                    if not cap:
+                        bar.update(cfg.gen_len - len(r.decode_s))  # steps the bar did not see (the prefill's token)
     finally:
         bar.close()
     doc = summarize(engines, cfg, runs, command)

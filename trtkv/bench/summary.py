@@ -81,7 +81,7 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
     rows = []
     for be in engines:
         wbytes = weight_bytes(be.engine.model)
-        for b in cfg.batch_sizes:
+        for b in dict.fromkeys(r.batch for r in runs if r.engine == be.label):  # batch sizes, or requests queued
             rs = [r for r in runs if r.engine == be.label and r.batch == b]
             steps = [s for r in rs for s in r.decode_s]
             e2e = statistics.median(r.e2e_s for r in rs)
@@ -118,10 +118,12 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
                 "policy_stats": _mean_stats([d for r in rs for d in r.policy_stats]),  # mean over requests
                 **_tier_summary(rs),
                 **_profile_summary(rs),
+                **_memory_limited_summary(rs),
             })
     first = engines[0].label
     for row in rows:
-        ref = next(r for r in rows if r["engine"] == first and r["batch"] == row["batch"])
+        ref = next((r for r in rows if r["engine"] == first and r["batch"] == row["batch"]),
+                   next(r for r in rows if r["engine"] == first))  # the memory-limited run: requests differ
         row["ratios_to_first"] = {k: _ratio(row[k], ref[k]) for k in
                                   ("tokens_per_s", "tpot_ms_p50", "e2e_s", "kv_bytes_per_request_peak",
                                    "engine_overhead_ms")}
@@ -161,6 +163,37 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
                         "touched only as pages are used); kv_pool_peak_bytes the most pool pages and key-scale "
                         "groups in use at once; rss_bytes is the process's resident memory after the run"),
     }
+
+
+def _memory_limited_summary(rs: list[RunResult]) -> dict[str, Any]:
+    """The memory-limited run (``--requests``): the batch admission allows, the steady-state output tokens/s,
+    and each request's peak KV as a share of an fp16 full cache (the seed paper's "Mem. ftprnt %")."""
+    if not rs or rs[0].admission_batch is None:
+        return {}
+    peak = max(x for r in rs for x in r.kv_bytes_peak)
+    full = statistics.fmean(x for r in rs for x in r.kv_bytes_full)
+    return {"requests": rs[0].batch, "admission_batch": rs[0].admission_batch,
+            "steady_tokens_per_s": statistics.median(steady_tokens_per_s(r) for r in rs),
+            "kv_footprint_pct": 100.0 * peak / full if full else None}
+
+
+STEADY_BATCH_SHARE = 0.9  # the steady state starts when the running batch first reaches this share of its maximum
+
+
+def steady_tokens_per_s(r: RunResult) -> float:
+    """Output tokens per second while the engine runs at its memory limit: decode steps from the first whose
+    batch reaches ``STEADY_BATCH_SHARE`` of the run's largest, through the last that still had requests waiting
+    (after it the batch only drains); the wall time between includes the newcomers' prefills. Falls back to the
+    whole run when that window has fewer than two steps."""
+    n = len(r.step_batch)
+    top = max(r.step_batch, default=0)
+    start = next((i for i, b in enumerate(r.step_batch) if b >= STEADY_BATCH_SHARE * top), n)
+    end = max((i for i, w in enumerate(r.step_waiting) if w > 0), default=-1)
+    if end - start < 1:
+        total = sum(r.generated)
+        return total / r.e2e_s if r.e2e_s > 0 else 0.0
+    tokens = sum(r.step_batch[start + 1:end + 1])
+    return tokens / (r.step_end_s[end] - r.step_end_s[start])
 
 
 def _tier_summary(rs: list[RunResult]) -> dict[str, Any]:
