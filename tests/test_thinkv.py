@@ -75,7 +75,12 @@ def test_precision_auto_is_resolved_at_build_time():
     with pytest.raises(TrtkvError, match="trtkv build"):
         pol.formats()
     pol.set_precision("R:int4,E:int4,T:int2")
-    assert pol.precision == "R4aE4aT2a" and pol.formats() == {"int4", "int2"}
+    assert pol.precision == "R4aE4aT2a"
+    assert pol.formats() == {"int4"}  # uncalibrated: every segment is R, T's format is never written
+    pol.thresholds, pol.thought_types = (0.4, 0.8), 3  # calibrated, three thought types: labels by sparsity
+    assert pol.formats() == {"int4", "int2"}
+    pol.thought_types = 1  # one type (paper §E.10): all R again
+    assert pol.formats() == {"int4"} == pol.pool_formats()
 
 
 def test_classify_boundaries():

@@ -200,7 +200,14 @@ class ThinKVPolicy(KVPolicy):
         if self.precision_is_auto():
             raise TrtkvError("precision=auto is resolved by `trtkv build` (it measures the formats); rebuild the "
                              "engine or set a precision such as R4E4T2")
+        if self._all_reasoning():  # every segment is R: the other types' formats are never written
+            return {self._formats[R]}
         return set(self._formats.values())
+
+    def _all_reasoning(self) -> bool:
+        """Every segment is labelled R: one thought type (paper §E.10) or no calibration, and no replayed
+        schedule. Then the cache needs no pool (and admission reserves no pages) for E's and T's formats."""
+        return not self.thought_schedule and not self._labels_by_sparsity()
 
     def residual_group(self) -> int:
         return self.group
