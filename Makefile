@@ -12,7 +12,7 @@ PROMPT  ?= Write a long, detailed essay about the history of mathematics, from a
 # SmolLM2-135M loops under greedy decoding even with the full cache; the demo samples (seeded, reproducible)
 SAMPLING ?= --temperature 0.7 --top-p 0.9 --repetition-penalty 1.1 --seed 0 --ignore-eos
 
-.PHONY: setup demo test test-fast test-kernels lint bench-cpu clean
+.PHONY: setup demo test test-fast test-kernels lint bench-cpu wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -56,5 +56,10 @@ bench-cpu: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not model and not serve" tests --ignore=tests/kernels
 
+# a wheel for other x86-64 machines (no compiler needed there): x86-64-v4+VBMI, v4 and v3 builds of the CPU
+# kernels, the import picks the one the CPU runs (setup.py); it needs the torch version it was built with
+wheel: setup
+	TRTKV_CPU_ARCH=portable $(BIN)/pip wheel -q --no-build-isolation --no-deps -w dist .
+
 clean:
-	rm -rf $(VENV) $(ENGINES) .pytest_cache
+	rm -rf $(VENV) $(ENGINES) .pytest_cache build plugins/cpu_kernels/_C_*.so plugins/cpu_kernels/_C_build.json
