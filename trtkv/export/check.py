@@ -61,6 +61,7 @@ DEFAULT_RTOL = 1e-2
 # of one step is ~1e-6 of it; a quantization step of the coarsest format here is 1/8 to 1/2 of it)
 INPUT_RTOL = 1e-4
 MAX_LISTED = 8  # mismatches and near ties listed in the report
+LOSSLESS = ("fp32",)  # formats that store the K/V as they are: their records differ exactly as the K/V do
 
 
 @dataclass
@@ -89,11 +90,10 @@ class Flips:
     """Midpoint flips: stored values that differ between the two steps only because an input sat within float
     rounding of a rounding boundary."""
 
-    codes: int = 0  # element codes (4-/2-bit, E4M3, integer) and stored elements of the unscaled formats
+    codes: int = 0  # element codes (4-/2-bit, E4M3, integer) and fp16 / bfloat16 elements (fp32 stores the K/V as is)
     scales: int = 0  # block scales, zero points and key offsets
     buffer: int = 0  # residual-buffer elements (the new token rounded to the buffer's dtype)
-    units: int = 0  # write units (a token, a flush group, a prompt group) holding at least one flip
-    max_input_diff: float = 0.0  # the largest |K/V difference| / row magnitude among them
+    units: int = 0  # write units (a token, a flush group, a prompt group) or buffer rows holding at least one
 
     @property
     def total(self) -> int:
@@ -109,7 +109,9 @@ class CheckReport:
     tokens: int  # greedy tokens compared (prefill's first token and every decode step's, per request)
     tokens_equal: int
     near_ties: list[str]  # token disagreements explained by a near tie
-    write_units: int  # write units compared
+    write_units: int  # write units compared (tokens, flush groups, prompt groups)
+    buffer_rows: int  # tokens appended to the residual buffer compared
+    kv_max_diff: float  # largest |K/V difference| of the two steps / its row's magnitude, over everything compared
     stats_max_diff: float  # largest attention-weight difference where the policy read statistics
 
     @property
@@ -121,9 +123,9 @@ class CheckReport:
         out = [g.line(atol, rtol) for g in self.graphs]
         out.append(f"greedy tokens     {self.tokens_equal}/{self.tokens} equal"
                    + (f" ({len(self.near_ties)} near ties)" if self.near_ties else ""))
-        out.append(f"KV records        {self.write_units} write units: {f.total} midpoint flips ({f.codes} codes, "
-                   f"{f.scales} scales, {f.buffer} buffer elements in {f.units} units; inputs apart by <= "
-                   f"{f.max_input_diff:.1e} of their row), {self.mismatch_count} real mismatches")
+        out.append(f"KV records        {self.write_units} write units, {self.buffer_rows} buffer rows (K/V apart by <= "
+                   f"{self.kv_max_diff:.1e} of their row): {f.total} midpoint flips in {f.units} of them ({f.codes} "
+                   f"codes, {f.scales} scales, {f.buffer} buffer elements), {self.mismatch_count} real mismatches")
         if self.stats_max_diff:
             out.append(f"attention stats   max weight difference {self.stats_max_diff:.1e}")
         out += [f"  near tie: {t}" for t in self.near_ties[:MAX_LISTED]]
@@ -142,7 +144,8 @@ class _Recorder:
         self.mismatch_count = 0
         self.tokens = self.tokens_equal = 0
         self.near_ties: list[str] = []
-        self.write_units = 0
+        self.write_units = self.buffer_rows = 0
+        self.kv_max_diff = 0.0
         self.stats_max_diff = 0.0
 
     def mismatch(self, what: str) -> None:
@@ -219,22 +222,25 @@ def compare_unit(fmt: str, kt: torch.Tensor, vt: torch.Tensor, ko: torch.Tensor,
         return ([np.asarray(r)[0][rows] for r in records[:len(slot_specs)]]
                 + [np.asarray(r)[0] for r in records[len(slot_specs):]])
 
-    ours = stored([to_boundary(t) for t in kv_encode(fmt, kt, vt, live, *scales)])
-    theirs = stored(graph_records)
-    if all(np.array_equal(a, b) for a, b in zip(ours, theirs)):
-        return UnitResult()
-    again = stored([to_boundary(t) for t in kv_encode(fmt, ko, vo, live, *scales)])
-    if not all(np.array_equal(a, b) for a, b in zip(again, theirs)):
-        bad = [f.name for f, a, b in zip(slot_specs + group_specs, again, theirs) if not np.array_equal(a, b)]
-        return UnitResult(mismatch=f"the graph's {fmt} records ({', '.join(bad)}) differ from PyTorch's encoding "
-                                   "of the graph's own K/V")
     live4 = live[0][:, None, None]
     ok_k, gap_k = _input_gap(torch.where(live4, kt[0], 0), torch.where(live4, ko[0], 0), rounded)
     ok_v, gap_v = _input_gap(torch.where(live4, vt[0], 0), torch.where(live4, vo[0], 0), rounded)
-    if not (ok_k and ok_v):
-        return UnitResult(mismatch=f"K/V differ by {max(gap_k, gap_v):.1e} of their row (more than float rounding), "
-                                   f"and so do the {fmt} records")
     out = UnitResult(input_diff=max(gap_k, gap_v))
+    if not (ok_k and ok_v):
+        out.mismatch = f"K/V differ by {out.input_diff:.1e} of their row (more than float rounding)"
+        return out
+    ours = stored([to_boundary(t) for t in kv_encode(fmt, kt, vt, live, *scales)])
+    theirs = stored(graph_records)
+    if all(np.array_equal(a, b) for a, b in zip(ours, theirs)):
+        return out
+    again = stored([to_boundary(t) for t in kv_encode(fmt, ko, vo, live, *scales)])
+    if not all(np.array_equal(a, b) for a, b in zip(again, theirs)):
+        bad = [f.name for f, a, b in zip(slot_specs + group_specs, again, theirs) if not np.array_equal(a, b)]
+        out.mismatch = (f"the graph's {fmt} records ({', '.join(bad)}) differ from PyTorch's encoding of the graph's "
+                        "own K/V")
+        return out
+    if fmt in LOSSLESS:  # the records are the K/V themselves: no rounding boundary, nothing flipped
+        return out
     D = kt.shape[-1]
     for spec, a, b in zip(slot_specs + group_specs, ours, theirs):
         if spec.name in ("k", "v"):
@@ -378,6 +384,8 @@ class LockstepCore(OrtEngineCore):
                 return torch.cat([rows, token[None].to(res)]).float()[None]
 
             live = (torch.arange(self.g) <= n)[None]
+            gaps = [_input_gap(x[i:i + 1], y[i:i + 1], None)[1] for x, y in ((k, ko), (v, vo))]
+            self.rec.kv_max_diff = max(self.rec.kv_max_diff, *gaps)
             self._check_unit(f"{where} {i} (flush)", fmt, layer, group(bk, k[i]), group(bv, v[i]), group(bk, ko[i]),
                              group(bv, vo[i]), live, recs, res)
         if self.g > 1:
@@ -391,6 +399,8 @@ class LockstepCore(OrtEngineCore):
         self.rec.write_units += 1
         sc = self.cache.layer_scales(layer, fmt)
         r = compare_unit(fmt, kt, vt, ko, vo, live, graph_records, (sc.k, sc.v), rounded)
+        if rounded is None:  # (a flush group's new row is measured before rounding, by the caller)
+            self.rec.kv_max_diff = max(self.rec.kv_max_diff, r.input_diff)
         if r.mismatch:
             self.rec.mismatch(f"{where}: {r.mismatch}")
         elif r.codes or r.scales:
@@ -398,24 +408,21 @@ class LockstepCore(OrtEngineCore):
             f.units += 1
             f.codes += r.codes
             f.scales += r.scales
-            f.max_input_diff = max(f.max_input_diff, r.input_diff)
 
     def _check_buffer(self, where: str, kt, vt, ko, vo, res: torch.dtype) -> None:
         """Tokens appended to the residual buffer: PyTorch's rows and the graph's, rounded to the buffer's dtype."""
-        a = [x.to(res) for x in (kt, vt)]
-        b = [x.to(res) for x in (ko, vo)]
-        diff = sum(int((x != y).sum()) for x, y in zip(a, b))
-        if not diff:
-            return
-        ok_k, gap_k = _input_gap(kt.float(), ko.float(), res)
-        ok_v, gap_v = _input_gap(vt.float(), vo.float(), res)
+        self.rec.buffer_rows += kt.shape[0]
+        ok_k, gap_k = _input_gap(kt.float(), ko.float(), None)
+        ok_v, gap_v = _input_gap(vt.float(), vo.float(), None)
+        self.rec.kv_max_diff = max(self.rec.kv_max_diff, gap_k, gap_v)
         if not (ok_k and ok_v):
             self.rec.mismatch(f"{where}: K/V differ by {max(gap_k, gap_v):.1e} of their row (more than float rounding)")
             return
-        f = self.rec.flips
-        f.units += 1
-        f.buffer += diff
-        f.max_input_diff = max(f.max_input_diff, gap_k, gap_v)
+        diff = sum(int((x.to(res) != y.to(res)).sum()) for x, y in ((kt, ko), (vt, vo)))
+        if diff:
+            f = self.rec.flips
+            f.units += 1
+            f.buffer += diff
 
     def _compare_stats(self, where: str, graph: list[StepStats], torch_stats: list[StepStats], plan) -> None:
         """Positions attended and attention weights the policy reads: the graph's against PyTorch's."""
@@ -495,7 +502,8 @@ def lockstep_check(engine, export_dir: Path, prompts=CHECK_PROMPTS, steps: int =
         for r in runners.values():
             r.deactivate()
     return CheckReport(_polygraphy_compare(rec, atol, rtol), rec.flips, rec.mismatches, rec.mismatch_count,
-                       rec.tokens, rec.tokens_equal, rec.near_ties, rec.write_units, rec.stats_max_diff)
+                       rec.tokens, rec.tokens_equal, rec.near_ties, rec.write_units, rec.buffer_rows,
+                       rec.kv_max_diff, rec.stats_max_diff)
 
 
 def run_check(engine, export_dir, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
