@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import signal
@@ -15,6 +17,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 PROMPT = "What is 2+2? Answer briefly."
+
+
+def http_json(port: int, method: str, path: str, body: bytes | None = None, headers=None,
+              timeout: float = 120) -> tuple[int, dict]:
+    """One HTTP request to ``HOST:port``: ``(status, JSON body)``, or ``{"raw": text}`` when the body is not JSON."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        try:
+            return resp.status, json.loads(raw)
+        except ValueError:
+            return resp.status, {"raw": raw.decode(errors="replace")}
+    finally:
+        conn.close()
 
 
 def free_ports(n: int) -> list[int]:

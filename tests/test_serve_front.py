@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from serve_helpers import HOST, ROOT, free_ports, python_env  # noqa: E402
+from serve_helpers import HOST, ROOT, free_ports, http_json, python_env  # noqa: E402
 
 from trtkv.runtime.sampling import SamplingParams  # noqa: E402
 from trtkv.serve import http_front  # noqa: E402
@@ -72,17 +72,7 @@ def front():
 
 
 def request(fe, method: str, path: str, body: bytes | None = None, headers=None) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection(HOST, fe.port, timeout=120)
-    try:
-        conn.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        raw = resp.read()
-        try:
-            return resp.status, json.loads(raw)
-        except ValueError:
-            return resp.status, {"raw": raw.decode(errors="replace")}
-    finally:
-        conn.close()
+    return http_json(fe.port, method, path, body, headers)
 
 
 def assert_openai_error(status_body, status: int, message: str) -> dict:

@@ -26,7 +26,7 @@ pytest.importorskip("pytriton")
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("starlette")
 
-from serve_helpers import (HOST, PROMPT, ROOT, children, free_ports, gauges, group_processes,  # noqa: E402
+from serve_helpers import (HOST, PROMPT, ROOT, children, free_ports, gauges, group_processes, http_json,  # noqa: E402
                            python_env, serve_command, stop_process, wait_gauges_idle, wait_ready)
 
 from trtkv.serve import client  # noqa: E402
@@ -48,17 +48,7 @@ class Server:
         return f"{HOST}:{self.http}"
 
     def post(self, path: str, body: bytes, timeout: float = 60) -> tuple[int, dict]:
-        conn = http.client.HTTPConnection(HOST, self.http, timeout=timeout)
-        try:
-            conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            raw = resp.read()
-            try:
-                return resp.status, json.loads(raw)
-            except ValueError:
-                return resp.status, {"raw": raw.decode(errors="replace")}
-        finally:
-            conn.close()
+        return http_json(self.http, "POST", path, body, timeout=timeout)
 
     def alive(self) -> bool:
         wait_ready(self.http_url, "trtkv", 10, self.proc)

@@ -194,6 +194,10 @@ class BlockTable:
         for p, s, pos in zip(pages, slots, positions):
             loc[pos] = (fmt, p, s)
 
+    def place_one(self, fmt: str, p: int, s: int, pos: int) -> None:
+        """``place`` of one token (a decode step's write-through, per request and layer)."""
+        self._loc[pos] = (fmt, p, s)
+
     def forget(self, positions: Iterable[int]) -> list[Where]:
         """Drop ``positions`` from the map (evicted or moved away); returns where the held ones were."""
         self._holes = True
@@ -239,8 +243,12 @@ class BlockTable:
     def drop_page(self, pool: PagePool, cls: Cls, p: int) -> None:
         """Stop holding page ``p`` (its pool page stays with whoever else holds it)."""
         self._pages[cls].remove(p)
-        del self._page_order[(cls[0], p)]
+        self._unhold(pool, cls, p)
         self._pages_changed()
+
+    def _unhold(self, pool: PagePool, cls: Cls, p: int) -> None:
+        """Page ``p``'s order number and bytes go (the caller updates the page list)."""
+        del self._page_order[(cls[0], p)]
         self._account.add(-held_page_bytes(pool))
 
     # --- shared pages (cache/forks.py) ---------------------------------------------------------------
@@ -288,9 +296,8 @@ class BlockTable:
         the rest, forget reusable slots, and leave the last kept page open if it has tail slots."""
         pages = self._pages[cls]
         for p in pages[keep:]:
-            del self._page_order[(cls[0], p)]
+            self._unhold(pool, cls, p)
             pool.release_page(p)
-            self._account.add(-held_page_bytes(pool))
         self._pages[cls] = pages = pages[:keep]
         self._reusable[cls] = []
         self._open.pop(cls, None)

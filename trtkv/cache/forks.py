@@ -117,7 +117,7 @@ class PageRefs:
             for other in sharers:
                 t = other.layers[layer]
                 t.seal()
-                t.place(fmt, (p,), (s,), (int(pos),))
+                t.place_one(fmt, p, s, int(pos))
                 if t.add_shared_page(pool, cls, p, otable.order_of(fmt, p)):
                     self.add(layer, fmt, p, owner.seq_id, other.seq_id)
 

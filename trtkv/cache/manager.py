@@ -17,7 +17,7 @@ import itertools
 import numpy as np
 import torch
 
-from plugins.formats import KVFormat, LayerScales, get_format
+from plugins.formats import LayerScales
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache import compaction, reads
 from trtkv.cache.block_table import ENTRY_BYTES, Cls, held_page_bytes
@@ -195,8 +195,9 @@ class KVCacheManager:
         if clk is not None:
             clk.switch(prev)
         pool.mark_written(pages, slots, positions, -1)  # distinct slots: one call for the batch
+        fmt = cls[0]
         for s, p, sl, pos in zip(seqs, pages, slots, positions):
-            s.layers[layer].place(cls[0], (p,), (sl,), (pos,))
+            s.layers[layer].place_one(fmt, p, sl, pos)
 
     def record_written(self, seq: SeqKV, layer: int, pool: PagePool, fmt: str, pages: np.ndarray,
                        slots: np.ndarray, positions: list[int], seg: int | np.ndarray = -1) -> None:
@@ -399,7 +400,3 @@ class KVCacheManager:
 def fp16_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
     """What an uncompressed fp16 cache holds per token (the ``kv_bytes_full`` reference)."""
     return num_layers * 2 * num_kv_heads * head_dim * 2
-
-
-def format_of(name: str) -> KVFormat:
-    return get_format(name)
