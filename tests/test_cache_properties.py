@@ -400,7 +400,23 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
                 other = caches[1].pools[layer][fmt]
                 for a, b in zip(pool.fields, other.fields):
                     assert torch.equal(a[:pool.fresh], b[:pool.fresh])
+        _check_block_tables(caches[0])
     check_invariants(caches[0])
+
+
+def _check_block_tables(cache: KVCacheManager) -> None:
+    """The batch's cached block tables (patched row by row as pages join and leave) equal tables built anew."""
+    seqs = [cache.seqs[s] for s in sorted(cache.seqs)]
+    if len(seqs) < 2:
+        return
+    share, reads.REWRITE_SHARE = reads.REWRITE_SHARE, 1  # patch whatever share of rows changed
+    try:
+        for layer in range(L):
+            got = [(p.fmt.name, bt.tolist()) for p, bt in cache.block_tables(layer, seqs)]
+            want = [(p.fmt.name, bt.tolist()) for p, bt in reads.BlockTableCache(L).get(cache.pools[layer], layer, seqs)]
+            assert got == want
+    finally:
+        reads.REWRITE_SHARE = share
 
 
 def _ranked_state(cache: KVCacheManager):

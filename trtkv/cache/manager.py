@@ -20,7 +20,7 @@ import torch
 from plugins.formats import LayerScales
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache import compaction, reads
-from trtkv.cache.block_table import ENTRY_BYTES, Cls, held_page_bytes
+from trtkv.cache.block_table import ENTRY_BYTES, BlockTable, Cls, held_page_bytes
 from trtkv.cache.budget import PoolPlan
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
 from trtkv.cache.eviction import decref_groups, evict_private, evict_private_many
@@ -184,20 +184,18 @@ class KVCacheManager:
                       positions: list[int], cls: Cls) -> None:
         """One token per request ``k, v [b, H, D]`` into a write-through format, in one kernel call."""
         pool = self.pool(layer, cls[0])
-        allocs = [s.layers[layer].alloc_one(pool, cls) for s in seqs]
-        pages, slots = [p for p, _ in allocs], [s for _, s in allocs]
+        tables = [s.layers[layer] for s in seqs]
+        pages, slots = BlockTable.alloc_one_each(tables, pool, cls)
         sc = self.layer_scales(layer, cls[0])
         clk = self.clock
         prev = clk.switch("kv_write") if clk is not None else None
         plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
-                            torch.tensor(pages, device=pool.device), torch.tensor(slots, device=pool.device),
+                            torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
                             -1, pool.fmt.code, sc.k, sc.v)
         if clk is not None:
             clk.switch(prev)
         pool.mark_written(pages, slots, positions, -1)  # distinct slots: one call for the batch
-        fmt = cls[0]
-        for s, p, sl, pos in zip(seqs, pages, slots, positions):
-            s.layers[layer].place_one(fmt, p, sl, pos)
+        BlockTable.place_each(tables, cls[0], pages.tolist(), slots.tolist(), positions)
 
     def record_written(self, seq: SeqKV, layer: int, pool: PagePool, fmt: str, pages: np.ndarray,
                        slots: np.ndarray, positions: list[int], seg: int | np.ndarray = -1) -> None:

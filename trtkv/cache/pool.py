@@ -222,6 +222,13 @@ class PagePool:
         self.hwm[p] = start + take
         return start, take
 
+    def take_tails(self, pages: np.ndarray) -> np.ndarray:
+        """``take_tail(p, 1)`` of each of ``pages`` (distinct, each with a free tail slot): their first slots."""
+        start = self.hwm[pages]
+        assert (start < self.B).all(), "an open page without a tail slot"
+        self.hwm[pages] = start + 1
+        return start.astype(np.int64)
+
     def tail_full(self, p: int) -> bool:
         """Every slot of page ``p`` was written at least once."""
         return self.hwm[p] >= self.B

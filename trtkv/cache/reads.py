@@ -120,6 +120,7 @@ def _ints(positions) -> list[int]:
 
 
 NO_PAGES = np.empty(0, np.int32)  # a sequence without pages of a format
+REWRITE_SHARE = 8  # a batch's cached block tables are patched row by row when at most 1/8 of its rows changed
 
 
 class BlockTableCache:
@@ -137,17 +138,50 @@ class BlockTableCache:
                 for fmt, pages in flat.items() if len(pages)])  # (a format whose pages were all released has none)
         per_seq = [s.layers[layer].pages_of_format() for s in seqs]
         cached = self._last[layer]
-        if cached is not None and len(cached[0]) == len(per_seq) and all(map(operator.is_, cached[0], per_seq)):
-            return cached[1]  # same requests, same page lists (each table's arrays are rebuilt when its pages change)
+        if cached is not None and len(cached[0]) == len(per_seq):
+            same = list(map(operator.is_, cached[0], per_seq))
+            if all(same):
+                return cached[1]  # same requests, same page lists (a table rebuilds its arrays when its pages change)
+            if cached[2] == tuple(pools) and same.count(False) * REWRITE_SHARE <= len(same):
+                changed = [i for i, x in enumerate(same) if not x]  # a few rows changed: rewrite those alone
+                out = self._update(cached, per_seq, changed)
+                if out is not None:
+                    self._last[layer] = (per_seq, out, cached[2], cached[3])
+                    return out
+        host = {}
         out = []
         for fmt, pool in pools.items():
             rows = [d.get(fmt, NO_PAGES) for d in per_seq]
-            width = max((len(r) for r in rows), default=0)
+            lens = np.fromiter(map(len, rows), np.int64, len(rows))
+            width = int(lens.max(initial=0))
             if width == 0:
                 continue
-            bt = np.full((len(seqs), width), -1, np.int32)
+            bt = np.full((len(seqs), width + width // 4 + 1), -1, np.int32)  # spare columns: pages join rows often
             for i, r in enumerate(rows):
                 bt[i, : len(r)] = r
-            out.append((pool, torch.from_numpy(bt).to(pool.device)))
-        self._last[layer] = (per_seq, out)  # holds the page arrays it was built from, so identity is safe
+            host[fmt] = (pool, bt, lens)
+            out.append((pool, torch.from_numpy(np.ascontiguousarray(bt[:, :width])).to(pool.device)))
+        # holds the page arrays it was built from, so identity is safe
+        self._last[layer] = (per_seq, out, tuple(pools), host)
+        return out
+
+    @staticmethod
+    def _update(cached, per_seq: list[dict[str, np.ndarray]], changed: list[int]):
+        """The cached tables with rows ``changed`` rewritten in place, or None (rebuild) when a row outgrows its
+        table's spare columns or holds a format the tables lack."""
+        host = cached[3]
+        if any(f not in host for i in changed for f in per_seq[i]):
+            return None
+        rows = {fmt: [per_seq[i].get(fmt, NO_PAGES) for i in changed] for fmt in host}
+        if any(len(r) > host[fmt][1].shape[1] for fmt, rs in rows.items() for r in rs):
+            return None
+        out = []
+        for fmt, (pool, bt, lens) in host.items():
+            for i, r in zip(changed, rows[fmt]):
+                bt[i, : len(r)] = r
+                bt[i, len(r): lens[i]] = -1
+                lens[i] = len(r)
+            width = int(lens.max(initial=0))
+            if width:
+                out.append((pool, torch.from_numpy(np.ascontiguousarray(bt[:, :width])).to(pool.device)))
         return out

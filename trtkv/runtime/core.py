@@ -49,6 +49,8 @@ class DecodeStep:
     stats: list[StepStats]
     forced_req: StatsRequest | None
     forced: list[StepStats] | None
+    write_cls: tuple | None = None  # the (format, thought) every request writes this step, None when they differ
+    wants: tuple | None = None  # (weights, sparsity, queries) flags per request when no request names its layers
     threads: int = 1  # the caller's intra-op threads (decode_layer narrows them for the small ops)
     attn_slots: int = 0  # live (token, KV head) pairs the step's attention reads, per layer (layer 0's)
 
@@ -230,6 +232,10 @@ class EngineCore:
                           sreqs=sreqs, ids=torch.tensor([r.generated[-1] for r in reqs], device=self.device),
                           cos=cos, sin=sin, stats=[StepStats(step=c.step) for c in ctxs], forced_req=fs,
                           forced=[StepStats(step=c.step) for c in ctxs] if fs is not None else None)
+        first = classes[0][:2] if classes else None
+        step.write_cls = first if all(cl[:2] == first for cl in classes) else None
+        if not any(sr is not None and sr.layers is not None for sr in sreqs):  # the same flags in every layer
+            step.wants = self._wants(sreqs, 0)
         if self.small_ops_threads:  # only CPU narrows threads (decode_layer), so only CPU needs the size
             step.threads = torch.get_num_threads()
             step.attn_slots = sum(c.num_live(0) for c in ctxs) * self.arch.num_key_value_heads
@@ -259,8 +265,8 @@ class EngineCore:
         pol, cache, seqs, positions, classes, clk = (self.policy, self.cache, step.seqs, step.positions,
                                                      step.classes, self.clock)
         if self.g == 1:
-            if all(cl[:2] == classes[0][:2] for cl in classes):
-                cache.write_through(layer, seqs, k, v, positions, classes[0][:2])
+            if step.write_cls is not None:
+                cache.write_through(layer, seqs, k, v, positions, step.write_cls)
             else:
                 for i, s in enumerate(seqs):
                     cache.write(s, layer, k[i:i + 1], v[i:i + 1], [positions[i]], classes[i][:2], classes[i][2])
@@ -283,10 +289,8 @@ class EngineCore:
             clk.switch("bookkeeping")
         for o in self.observers:
             o.before_attention(step.reqs, layer)
-        sreqs, fs = step.sreqs, step.forced_req
-        want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
-        want_s = [bool(sr and sr.sparsity and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
-        want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+        fs = step.forced_req
+        want_w, want_s, want_q, any_want = step.wants if step.wants is not None else self._wants(step.sreqs, layer)
         force = step.forced is not None and (fs.layers is None or layer in fs.layers)
         staged = self.staging.sources(layer, self.arch.num_hidden_layers)
         out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
@@ -294,6 +298,8 @@ class EngineCore:
                                        [True] * len(seqs) if force and fs.sparsity else want_s, staged, clk)
         if staged is not None:
             self.staging.release(layer)
+        if not (any_want or force):
+            return out
         for i, ls in enumerate(lstats):
             if ls is not None:
                 if want_w[i] or want_s[i]:  # a policy sees only the layers it asked for, forced or not
@@ -304,6 +310,14 @@ class EngineCore:
                 st = step.stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
                 st.query = q[i].float()
         return out
+
+    @staticmethod
+    def _wants(sreqs: list[StatsRequest | None], layer: int) -> tuple[list[bool], list[bool], list[bool], bool]:
+        """Which requests asked for attention weights, sparsity and the query in ``layer``, and whether any did."""
+        want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+        want_s = [bool(sr and sr.sparsity and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+        want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+        return want_w, want_s, want_q, any(want_w) or any(want_s) or any(want_q)
 
     def end_decode(self, step: DecodeStep, logits: torch.Tensor) -> None:
         """Observers, sampling (or the forced token), the policy's end-of-step hook."""
