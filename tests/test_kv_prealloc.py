@@ -314,3 +314,55 @@ def test_residual_arena_has_max_batch_rows_and_admission_never_grows_it(tiny):
     assert all(len(r.token_ids) == 24 for r in res)
     assert (arena.k.data_ptr(), arena.v.data_ptr()) == before and arena.k.shape[0] == 12
     assert sorted(arena.free) == list(range(12))  # every row came back
+
+
+THINKV_TIGHT = {"budget": 24, "tau": 16, "group": 16, "retention": "4", "thought_schedule": "TRET"}
+
+
+def test_key_group_reservation_admits_more_and_never_overflows_the_arena(tiny):
+    """Arenas sized for the workload (``key_groups_per_page``, what ``trtkv bench --requests`` sets): admission
+    reserves groups besides pages, a larger batch fits the same memory than with one group per slot, and a
+    queue of evicting ThinKV requests (many anneals: live groups thinned towards one token each) all finish
+    with no arena overflow; arenas too sparse for a request refuse it with one line naming the groups."""
+    import dataclasses
+
+    from trtkv.bench.capacity import largest_batch
+    from trtkv.cache.budget import groups_needed, plan_pools
+    from trtkv.runtime.request import Request
+    from trtkv.runtime.sampling import make_generator
+
+    eng = tiny("thinkv", **THINKV_TIGHT)
+    P, G = 12, 96
+    cfg = dataclasses.replace(eng.core.cache.cfg, kv_memory=160 * 1024)
+    cap = largest_batch(eng.policy, cfg, P, G)
+    assert cap.batch > 1 and cap.key_groups_per_page is not None and cap.key_groups_per_page < cfg.block_size
+    plain = plan_pools(dataclasses.replace(cfg, max_batch=cap.batch), eng.policy.pool_formats(), True)
+    assert plain.pages < cap.pool_pages  # one group per slot: fewer pages in the same memory
+    core = eng.make_core(kv_memory=cfg.kv_memory, max_batch=cap.batch, key_groups_per_page=cap.key_groups_per_page)
+    assert core.cache.reserves_groups
+    sched = Scheduler(core, cap.batch)
+    params = SamplingParams(max_tokens=G, ignore_eos=True, chat=False).validate(2048)
+    reqs = [Request(9000 + i, "", [(7 * i + j) % 500 + 3 for j in range(P)], params, make_generator(i), 2048)
+            for i in range(2 * cap.batch)]
+    for r in reqs:
+        sched.add(r)
+    most, reserved_ok = 0, True
+    while sched.has_work:
+        sched.step()
+        most = max(most, len(sched.running))
+        free = sched.free_groups()
+        reserved_ok &= all(n >= 0 for n in free.values())
+    assert all(r.finish_reason == "length" and len(r.generated) == G for r in reqs), [r.error for r in reqs]
+    assert most == cap.batch and reserved_ok
+    need = groups_needed(eng.policy, core.cache.cfg, P, G)
+    for pools in core.cache.pools:
+        for fmt, pool in pools.items():
+            assert pool.peak_groups <= cap.batch * need[fmt] <= pool.group_capacity
+    # arenas too sparse for one request's groups: refused at admission, not overflowed mid-run
+    sparse = eng.make_core(kv_memory=cfg.kv_memory, max_batch=cap.batch, key_groups_per_page=0.05)
+    s2 = Scheduler(sparse, cap.batch)
+    r = Request(9999, "", list(range(3, 3 + P)), params, make_generator(0), 2048)
+    s2.add(r)
+    while s2.has_work:
+        s2.step()
+    assert r.finish_reason == "error" and "can never fit" in r.error and "key-scale groups" in r.error

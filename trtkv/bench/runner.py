@@ -70,9 +70,10 @@ _REQ_IDS = itertools.count(1 << 40)  # never collides with the engine's own requ
 
 
 def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: bool = False,
-             on_step=None, admission_batch: int | None = None) -> RunResult:
-    """``batch`` requests at once; with ``admission_batch`` (the memory-limited run) they are queued, the KV pools
-    are ``cfg.kv_memory`` and at most ``admission_batch`` run at a time."""
+             on_step=None, capacity=None) -> RunResult:
+    """``batch`` requests at once; with ``capacity`` (the memory-limited run, ``bench/capacity.py``) they are
+    queued, the KV pools are ``cfg.kv_memory`` with the arenas ``capacity`` sized, and at most
+    ``capacity.batch`` run at a time."""
     from trtkv.runtime.request import Request
     from trtkv.runtime.sampling import SamplingParams, make_generator
 
@@ -84,6 +85,7 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
     params = SamplingParams(max_tokens=cfg.gen_len, ignore_eos=True, chat=False).validate(limit)
     prompts = make_prompts(e, batch, cfg.prompt_len, cfg.prompt_source, cfg.seed + repeat)
     reqs = [Request(next(_REQ_IDS), "", ids, params, make_generator(cfg.seed), limit) for ids in prompts]
+    admission_batch = capacity.batch if capacity is not None else None
     res = RunResult(be.label, batch, repeat, admission_batch=admission_batch)
     first = reqs[0]
     profiler = StepProfiler(e.core.device) if cfg.profile else None
@@ -108,7 +110,8 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
     from trtkv.runtime.scheduler import Scheduler
 
     # a core and scheduler of its own (same weights, fresh cache): the engine's live core is never touched
-    limits = {} if admission_batch is None else {"kv_memory": cfg.kv_memory, "max_batch": admission_batch}
+    limits = {} if capacity is None else {"kv_memory": cfg.kv_memory, "max_batch": capacity.batch,
+                                          "key_groups_per_page": capacity.key_groups_per_page}
     core = e.make_core(observers=(profiler,) if profiler is not None else (), **limits)
     sched = Scheduler(core, admission_batch or max(batch, e.scheduler.max_batch), step_timer=timer)
     cuda = core.device.type == "cuda"
@@ -153,7 +156,7 @@ def _rss_bytes() -> int | None:
         return None
 
 # --- the sweep --------------------------------------------------------------------------------------
-def _plan(engines: list[BenchEngine], cfg: BenchConfig) -> list[tuple[BenchEngine, tuple[int, ...], int | None]]:
+def _plan(engines: list[BenchEngine], cfg: BenchConfig) -> list[tuple[BenchEngine, tuple[int, ...], Any]]:
     """Per engine: the request counts to run and, in the memory-limited run, the batch admission allows in
     ``cfg.kv_memory`` (None in the batch sweep, where every request runs at once)."""
     if not cfg.memory_limited:
@@ -166,8 +169,8 @@ def _plan(engines: list[BenchEngine], cfg: BenchConfig) -> list[tuple[BenchEngin
     for be in engines:
         e = be.engine
         cache_cfg = dataclasses.replace(e.core.cache.cfg, kv_memory=cfg.kv_memory)
-        cap = largest_batch(e.policy, cache_cfg, cfg.prompt_len, cfg.gen_len).batch
-        n = cfg.requests if cfg.requests is not None else max(1, round(cfg.requests_auto * cap))
+        cap = largest_batch(e.policy, cache_cfg, cfg.prompt_len, cfg.gen_len)
+        n = cfg.requests if cfg.requests is not None else max(1, round(cfg.requests_auto * cap.batch))
         out.append((be, (n,), cap))
     return out
 
@@ -186,17 +189,18 @@ def run_bench(engines: list[BenchEngine], cfg: BenchConfig, progress: bool | Non
             run_once(be, 1, warm, 0)
     runs: list[RunResult] = []
     plan = _plan(engines, cfg)
-    total_steps = cfg.repeat * cfg.gen_len * sum(-(-b // cap) if cap else 1 for _, sizes, cap in plan for b in sizes)
+    total_steps = cfg.repeat * cfg.gen_len * sum(-(-b // cap.batch) if cap else 1
+                                                 for _, sizes, cap in plan for b in sizes)
     bar = progress_bar(total_steps, "bench", "step", progress)
     try:
         for rep in range(cfg.repeat):
             for i in range(max(len(sizes) for _, sizes, _ in plan)):
                 for be, sizes, cap in plan:
                     b = sizes[i]
-                    what = f"requests={b} (at most {cap} at once)" if cap else f"batch={b}"
+                    what = f"requests={b} (at most {cap.batch} at once)" if cap else f"batch={b}"
                     bar.set_postfix_str(f"{be.label} {what} repeat={rep + 1}/{cfg.repeat}")
                     r = run_once(be, b, cfg, rep, trace=(rep == 0 and i == 0), on_step=lambda: bar.update(1),
-                                 admission_batch=cap)
+                                 capacity=cap)
                     runs.append(r)
                     if not cap:
                         bar.update(cfg.gen_len - len(r.decode_s))  # steps the bar did not see (the prefill's token)

@@ -76,7 +76,28 @@ def groups_per_page(fmt: str, cfg, drops_tokens: bool) -> float:
     f = get_format(fmt)
     if not f.group_fields(cfg.num_kv_heads, cfg.head_dim):
         return 0.0
-    return float(cfg.block_size) if drops_tokens else max(1.0, cfg.block_size / f.group_size)
+    if not drops_tokens:
+        return max(1.0, cfg.block_size / f.group_size)
+    if cfg.key_groups_per_page is not None:  # admission reserves groups as well (``groups_needed``)
+        return min(float(cfg.block_size), float(cfg.key_groups_per_page))
+    return float(cfg.block_size)
+
+
+def groups_needed(policy, cfg, prompt_len: int, max_tokens: int) -> dict[str, int]:
+    """Key-scale groups one request may hold at worst in each (layer, format) arena: never more than the slots
+    of its reserved pages, nor more than the groups it writes — one per flush of ``g`` tokens, prompt and
+    generation apart, plus a flushed prompt tail (groups are made only by writes; evictions and gather
+    compaction only drop or move references). Host tiers re-make groups for restored tokens, so with
+    demotion the slot bound stands. Empty for formats without an arena."""
+    g = cfg.residual_group
+    out = {}
+    for f, pages in pages_needed(policy, cfg, prompt_len, max_tokens).items():
+        if not get_format(f).group_fields(cfg.num_kv_heads, cfg.head_dim):
+            continue
+        slots = pages * cfg.block_size
+        written = -(-prompt_len // g) + -(-max_tokens // g) + 2 if g > 1 and cfg.demote == "none" else slots
+        out[f] = min(slots, written)
+    return out
 
 
 def page_cost(fmt: str, cfg, drops_tokens: bool) -> float:
@@ -145,12 +166,13 @@ def pages_needed(policy, cfg, prompt_len: int, max_tokens: int) -> dict[str, int
             for f, n in policy.kv_footprint(prompt_len, max_tokens).items()}
 
 
-def never_fits_message(prompt_len: int, max_tokens: int, n: int, fmt: str, need: int, cap: int, cfg) -> str:
+def never_fits_message(prompt_len: int, max_tokens: int, n: int, fmt: str, need: int, cap: int, cfg,
+                       unit: str = "pages") -> str:
     """The one line for a request whose worst-case pages (``need``, ``n`` samples) exceed a ``fmt`` pool's ``cap``
     (admission at ``Engine.make_request`` and the scheduler's)."""
     samples = f" x {n} samples" if n > 1 else ""
     size = (f"kv_memory {cfg.kv_memory:,} bytes" if cfg.kv_memory is not None else
             f"max_pages={cfg.max_pages}" if cfg.max_pages is not None else "the default KV memory")
-    return (f"this request can never fit the KV cache: it may need {need} pages of {fmt} per layer ({prompt_len} "
+    return (f"this request can never fit the KV cache: it may need {need} {unit} of {fmt} per layer ({prompt_len} "
             f"prompt + {max_tokens} new tokens{samples}) but each pool holds {cap} ({size}); raise --kv-memory "
             f"(or --set max_pages), lower --max-tokens or shorten the prompt")

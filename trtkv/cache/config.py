@@ -30,6 +30,9 @@ class CacheConfig:
     kv_memory: int | None = None  # device KV bytes (pools, admission); None = a default (cache/budget.py)
     kv_memory_fraction: float = 0.9  # CUDA, kv_memory unset: this share of the free device memory
     max_batch: int = 64  # residual buffers set aside before the pools are sized (the scheduler's batch)
+    # key-scale groups per page of a token-dropping policy's arena; None: one per slot, which page reservations
+    # alone guarantee. Set (``trtkv bench --requests``, from the workload), admission reserves groups too.
+    key_groups_per_page: float | None = None
     # --- tiered memory (trtkv/cache/tiers.py) ---
     demote: str = "none"  # a policy's evictions: "none" drop (T3), "host" move to T1, "host-<format>" to T2
     host_kv_memory: int | None = None  # host tiers' bytes cap; None = unbounded

@@ -158,6 +158,16 @@ class KVCacheManager:
         """Pages of one (layer, format) pool."""
         return self.pools.capacity_pages(fmt)
 
+    def capacity_groups(self, fmt: str) -> int:
+        """Key-scale groups of one (layer, format) pool's arena."""
+        return self.pools.capacity_groups(fmt)
+
+    @property
+    def reserves_groups(self) -> bool:
+        """Whether admission must reserve key-scale groups besides pages (a token-dropping policy's arena
+        sized below one group per slot)."""
+        return self.cfg.key_groups_per_page is not None and self.pools.drops_tokens
+
     # --- slots ------------------------------------------------------------------------------
     def alloc_slots(self, seq: SeqKV, layer: int, cls: Cls, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Reuse evicted slots of the same class first (oldest page, lowest slot), then the open page's

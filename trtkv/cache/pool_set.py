@@ -93,6 +93,10 @@ class PoolSet:
         """Pages of one (layer, format) pool."""
         return self.plan.pages
 
+    def capacity_groups(self, fmt: str) -> int:
+        """Key-scale groups of one (layer, format) pool's arena."""
+        return self.plan.groups(fmt, self.cfg)
+
     def layer_scales(self, layer: int, fmt: str) -> LayerScales:
         """Static second-level / tensor scales of a format in a layer, from the calibrated K/V amax
         (1.0 without calibration)."""

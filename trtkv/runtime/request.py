@@ -91,6 +91,7 @@ class Request:
         self.forks: list[Request] = []  # SamplingParams(n=K): the K-1 sibling samples forked after prefill
         self.sample_index = 0  # which of the n samples this request is
         self.kv_pages: dict[str, int] | None = None  # pages per (layer, format) pool admission reserves
+        self.kv_groups: dict[str, int] | None = None  # key-scale groups per arena admission reserves (if any)
         self.error: str | None = None  # why the request failed (finish_reason "error")
 
     @property

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from trtkv.cache.budget import never_fits_message, pages_needed
+from trtkv.cache.budget import groups_needed, never_fits_message, pages_needed
 from trtkv.errors import OutOfKVMemory, TrtkvError
 from trtkv.runtime.core import EngineCore
 from trtkv.runtime.forking import spawn_samples
@@ -49,26 +49,49 @@ class Scheduler:
             req.kv_pages = pages_needed(core.policy, core.cache.cfg, req.prompt_len, req.max_new)
         return req.kv_pages
 
+    def reserved_groups(self, req: Request) -> dict[str, int]:
+        """Key-scale groups per (layer, format) arena ``req`` may hold at worst, where admission reserves
+        them (``KVCacheManager.reserves_groups``); else empty (its pages guarantee them)."""
+        if req.kv_groups is None:
+            core = self.core
+            req.kv_groups = (groups_needed(core.policy, core.cache.cfg, req.prompt_len, req.max_new)
+                             if core.cache.reserves_groups else {})
+        return req.kv_groups
+
     def free_pages(self) -> dict[str, int]:
         """Pages per format (of every layer's pool) not reserved by a running request."""
-        cache = self.core.cache
-        free = {f: cache.capacity_pages(f) for f in self.core.policy.formats()}
+        return self._free(self.reserved_pages, self.core.cache.capacity_pages)
+
+    def free_groups(self) -> dict[str, int]:
+        """Key-scale groups per format (of every layer's arena) not reserved by a running request."""
+        return self._free(self.reserved_groups, self.core.cache.capacity_groups)
+
+    def _free(self, reserved, capacity) -> dict[str, int]:
+        free = {f: capacity(f) for f in self.core.policy.formats()}
         for r in self.running:
-            for f, n in self.reserved_pages(r).items():
-                free[f] = free.get(f, cache.capacity_pages(f)) - n
+            for f, n in reserved(r).items():
+                free[f] = free.get(f, capacity(f)) - n
         return free
 
     def _admission(self, req: Request) -> str | None:
         """``"now"``, ``"later"`` (waits for running requests to finish), or the error of a request that can
         never fit the pools."""
         cache = self.core.cache
-        mine = {f: n * req.params.n for f, n in self.reserved_pages(req).items()}
-        for f, n in mine.items():
-            cap = cache.capacity_pages(f)
-            if n > cap:
-                return never_fits_message(req.prompt_len, req.max_new, req.params.n, f, n, cap, cache.cfg)
-        free = self.free_pages()
-        return "now" if all(n <= free.get(f, cache.capacity_pages(f)) for f, n in mine.items()) else "later"
+        verdict = "now"
+        for unit, reserved, capacity, free in (
+                ("pages", self.reserved_pages, cache.capacity_pages, self.free_pages),
+                ("key-scale groups", self.reserved_groups, cache.capacity_groups, self.free_groups)):
+            mine = {f: n * req.params.n for f, n in reserved(req).items()}
+            if not mine:
+                continue
+            for f, n in mine.items():
+                cap = capacity(f)
+                if n > cap:
+                    return never_fits_message(req.prompt_len, req.max_new, req.params.n, f, n, cap, cache.cfg, unit)
+            left = free()
+            if not all(n <= left.get(f, capacity(f)) for f, n in mine.items()):
+                verdict = "later"
+        return verdict
 
     def culprit(self, e: OutOfKVMemory, candidates: list[Request]) -> Request | None:
         """The request to fail for a full pool: the one holding the most pages beyond its reservation in that
