@@ -18,6 +18,7 @@ from trtkv.artifacts.manifest import EngineManifest
 from trtkv.cache.manager import CacheConfig
 from trtkv.errors import TrtkvError
 from trtkv.models.config import ModelArch
+from trtkv.models.cpu_dtype import cpu_compute_dtype
 from trtkv.models.loader import build_model, parse_dtype
 from trtkv.policies import make_policy
 from trtkv.runtime.core import EngineCore
@@ -142,8 +143,8 @@ class Engine:
         mm = m.model
         arch, dtype = mm.arch, parse_dtype(mm.dtype)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cpu" and dtype != torch.float32:
-            dtype = torch.float32  # CPU matmuls in half precision are slow and inexact
+        if device == "cpu":
+            dtype = cpu_compute_dtype(dtype, runtime)  # fp32 unless the CPU multiplies bf16 natively
         if files is None and not mm.synthetic:
             from trtkv.models.loader import weight_files
 

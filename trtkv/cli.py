@@ -112,7 +112,8 @@ def policies_list(as_json: bool) -> None:
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Policy or cache parameter (repeatable).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Engine directory [engines/MODEL-POLICY].")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
-              help="Weight/compute dtype [fp32 on CPU, bf16 on GPU].")
+              help="Weight/compute dtype [fp32 on CPU, bf16 on GPU]; on CPU, bf16 computes in bf16 where the "
+                   "CPU has AVX512-BF16 or AMX, else in fp32.")
 @click.option("--synthetic-weights", is_flag=True, help="Random weights of the registry shape (speed/memory work).")
 @click.option("--seed", type=int, default=0, help="Seed of synthetic weights.")
 @click.option("--calibration", "calibration_file", type=click.Path(path_type=Path), default=None,
