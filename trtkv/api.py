@@ -238,11 +238,9 @@ class Engine:
         self._emit(before, done)
 
     def _fail_all(self, msg: str) -> list[Request]:
-        failed = list(self.scheduler.running)
-        for r in failed:
+        for r in self.scheduler.drop_running():
             self.core.abort(r, msg)
             r.events.put(StreamEvent("", [], True, r.result, error=msg))
-        self.scheduler.running = []
         return []
 
     def generate(self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None

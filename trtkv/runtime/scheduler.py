@@ -11,7 +11,7 @@ undone and run again, and the engine goes on.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 import torch
@@ -29,7 +29,11 @@ class Scheduler:
         self.core = core
         self.max_batch = max_batch
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self._running: list[Request] = []
+        # what the running requests reserve, per format, kept as they start and stop (admission reads it per
+        # request admitted, so summing over a batch of 1,024 each time would be O(batch^2) per step)
+        self._held_pages: Counter[str] = Counter()
+        self._held_groups: Counter[str] = Counter()
         # ``trtkv bench``: called as (phase "prefill" | "decode", requests, seconds) after each timed call,
         # device-synchronised; None (the default) times nothing.
         self.step_timer = step_timer
@@ -39,7 +43,30 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self._running)
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        """The requests decoding now (read-only: they start in ``step`` and stop through it or ``drop_running``)."""
+        return tuple(self._running)
+
+    def _start(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            self._running.append(r)
+            self._held_pages.update(self.reserved_pages(r))
+            self._held_groups.update(self.reserved_groups(r))
+
+    def _stopped(self, r: Request) -> None:
+        """``r`` left the running set: its reservations go back."""
+        self._held_pages.subtract(self.reserved_pages(r))
+        self._held_groups.subtract(self.reserved_groups(r))
+
+    def drop_running(self) -> list[Request]:
+        """Stop every running request without finishing it (the caller fails them); returns them."""
+        out, self._running = self._running, []
+        for r in out:
+            self._stopped(r)
+        return out
 
     # --- admission ------------------------------------------------------------------------------
     def reserved_pages(self, req: Request) -> dict[str, int]:
@@ -60,17 +87,16 @@ class Scheduler:
 
     def free_pages(self) -> dict[str, int]:
         """Pages per format (of every layer's pool) not reserved by a running request."""
-        return self._free(self.reserved_pages, self.core.cache.capacity_pages)
+        return self._free(self._held_pages, self.core.cache.capacity_pages)
 
     def free_groups(self) -> dict[str, int]:
         """Key-scale groups per format (of every layer's arena) not reserved by a running request."""
-        return self._free(self.reserved_groups, self.core.cache.capacity_groups)
+        return self._free(self._held_groups, self.core.cache.capacity_groups)
 
-    def _free(self, reserved, capacity) -> dict[str, int]:
+    def _free(self, held: Counter, capacity) -> dict[str, int]:
         free = {f: capacity(f) for f in self.core.policy.formats()}
-        for r in self.running:
-            for f, n in reserved(r).items():
-                free[f] = free.get(f, capacity(f)) - n
+        for f, n in held.items():
+            free[f] = free.get(f, capacity(f)) - n
         return free
 
     def _admission(self, req: Request) -> str | None:
@@ -118,7 +144,7 @@ class Scheduler:
             self.waiting.remove(r)
             r.finish_reason = "cancelled"
             done.append(r)
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and len(self._running) < self.max_batch:
             verdict = self._admission(self.waiting[0])
             if verdict == "later":
                 break
@@ -128,21 +154,24 @@ class Scheduler:
                 done.append(req)
                 continue
             done.extend(self._prefill(req))
-        active = [r for r in self.running if not r.finished and not r.cancelled]
+        active = [r for r in self._running if not r.finished and not r.cancelled]
         failed = self._decode(active) if active else []
         done.extend(failed)
+        gone = {id(r) for r in failed}
         still = []
-        for r in self.running:
-            if r in failed:
+        for r in self._running:
+            if id(r) in gone:
+                self._stopped(r)
                 continue
             if r.cancelled and not r.finished:
                 r.finish_reason = "cancelled"
             if r.finished:
                 self.core.finish(r)
+                self._stopped(r)
                 done.append(r)
             else:
                 still.append(r)
-        self.running = still
+        self._running = still
         return done
 
     def _prefill(self, req: Request) -> list[Request]:
@@ -155,18 +184,18 @@ class Scheduler:
                 self._run("prefill", self.core.prefill, req, [req])
                 samples = spawn_samples(self.core, req)  # SamplingParams(n>1): forked siblings
             except OutOfKVMemory as e:
-                blame = self.culprit(e, [*self.running, req])
-                if blame is not None and blame is not req and blame in self.running:
+                blame = self.culprit(e, [*self._running, req])
+                if blame is not None and blame is not req and blame in self._running:
                     self.core.unprefill(req)
-                    self.running.remove(blame)
+                    self._running.remove(blame)
+                    self._stopped(blame)
                     self.core.abort(blame, str(e))
                     failed.append(blame)
                     continue
                 return failed + self._fail_prefill(req, e)
             except TrtkvError as e:  # a bad request: it fails, nothing else does
                 return failed + self._fail_prefill(req, e)
-            self.running.append(req)
-            self.running.extend(samples)
+            self._start([req, *samples])
             return failed
 
     def _fail_prefill(self, req: Request, e: Exception) -> list[Request]:
