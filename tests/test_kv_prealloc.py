@@ -366,3 +366,30 @@ def test_key_group_reservation_admits_more_and_never_overflows_the_arena(tiny):
     while s2.has_work:
         s2.step()
     assert r.finish_reason == "error" and "can never fit" in r.error and "key-scale groups" in r.error
+
+
+def test_a_batch_of_1024_requests_runs_and_admission_keeps_its_counts(tiny):
+    """The scheduler at scale: 1,100 queued requests, at most 1,024 at once (admission by memory, counters
+    of what the running requests reserve kept as they start and stop), every request finishes with its
+    tokens, and the counters agree with a recount over the running set at every step."""
+    from trtkv.runtime.request import Request
+    from trtkv.runtime.sampling import make_generator
+
+    eng = tiny("h2o", budget=16, cache={"max_batch": 1024, "kv_memory": "64MiB"})
+    core = eng.core
+    sched = Scheduler(core, 1024)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, chat=False).validate(2048)
+    reqs = [Request(20000 + i, "", [(11 * i + j) % 500 + 3 for j in range(8)], params, make_generator(i), 2048)
+            for i in range(1100)]
+    for r in reqs:
+        sched.add(r)
+    most = 0
+    while sched.has_work:
+        sched.step()
+        most = max(most, len(sched.running))
+        recount = {f: core.cache.capacity_pages(f) - sum(sched.reserved_pages(r).get(f, 0) for r in sched.running)
+                   for f in core.policy.formats()}
+        assert sched.free_pages() == recount
+    assert most == 1024
+    assert all(r.finish_reason == "length" and len(r.generated) == 6 for r in reqs)
+    assert core.cache.pages_in_use() == 0 and not core.cache.seqs

@@ -160,7 +160,8 @@ class BlockTableCache:
             for i, r in enumerate(rows):
                 bt[i, : len(r)] = r
             host[fmt] = (pool, bt, lens)
-            out.append((pool, torch.from_numpy(np.ascontiguousarray(bt[:, :width])).to(pool.device)))
+            # a copy: the host table is patched in place later, a tensor handed out stays as it was
+            out.append((pool, torch.from_numpy(bt[:, :width].copy()).to(pool.device)))
         # holds the page arrays it was built from, so identity is safe
         self._last[layer] = (per_seq, out, tuple(pools), host)
         return out
@@ -183,5 +184,5 @@ class BlockTableCache:
                 lens[i] = len(r)
             width = int(lens.max(initial=0))
             if width:
-                out.append((pool, torch.from_numpy(np.ascontiguousarray(bt[:, :width])).to(pool.device)))
+                out.append((pool, torch.from_numpy(bt[:, :width].copy()).to(pool.device)))
         return out
