@@ -33,7 +33,7 @@ def workload_groups_per_page(policy, cfg: CacheConfig, prompt_len: int, gen_len:
     if not policy.drops_tokens():
         return None
     pages = pages_needed(policy, cfg, prompt_len, gen_len)
-    groups = groups_needed(policy, dataclasses.replace(cfg, key_groups_per_page=None), prompt_len, gen_len)
+    groups = groups_needed(policy, cfg, prompt_len, gen_len)
     ratios = [groups[f] / pages[f] for f in groups if pages.get(f)]
     return max(ratios) if ratios and max(ratios) < cfg.block_size else None
 

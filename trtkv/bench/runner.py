@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from trtkv.bench.capacity import Capacity, largest_batch
 from trtkv.bench.engines import BenchEngine, load_engines, weight_bytes  # noqa: F401  (re-exported)
 from trtkv.bench.records import BenchConfig, RunResult
 from trtkv.bench.summary import BASE_STATS, TIER_STATS, machine_info, numeric_leaves, summarize, write_results  # noqa: F401
@@ -70,7 +71,7 @@ _REQ_IDS = itertools.count(1 << 40)  # never collides with the engine's own requ
 
 
 def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: bool = False,
-             on_step=None, capacity=None) -> RunResult:
+             on_step=None, capacity: Capacity | None = None) -> RunResult:
     """``batch`` requests at once; with ``capacity`` (the memory-limited run, ``bench/capacity.py``) they are
     queued, the KV pools are ``cfg.kv_memory`` with the arenas ``capacity`` sized, and at most
     ``capacity.batch`` run at a time."""
@@ -156,14 +157,13 @@ def _rss_bytes() -> int | None:
         return None
 
 # --- the sweep --------------------------------------------------------------------------------------
-def _plan(engines: list[BenchEngine], cfg: BenchConfig) -> list[tuple[BenchEngine, tuple[int, ...], Any]]:
-    """Per engine: the request counts to run and, in the memory-limited run, the batch admission allows in
+def _plan(engines: list[BenchEngine], cfg: BenchConfig
+          ) -> list[tuple[BenchEngine, tuple[int, ...], Capacity | None]]:
+    """Per engine: the request counts to run and, in the memory-limited run, what admission allows in
     ``cfg.kv_memory`` (None in the batch sweep, where every request runs at once)."""
     if not cfg.memory_limited:
         return [(be, cfg.batch_sizes, None) for be in engines]
     import dataclasses
-
-    from trtkv.bench.capacity import largest_batch
 
     out = []
     for be in engines:

@@ -168,8 +168,8 @@ def pages_needed(policy, cfg, prompt_len: int, max_tokens: int) -> dict[str, int
 
 def never_fits_message(prompt_len: int, max_tokens: int, n: int, fmt: str, need: int, cap: int, cfg,
                        unit: str = "pages") -> str:
-    """The one line for a request whose worst-case pages (``need``, ``n`` samples) exceed a ``fmt`` pool's ``cap``
-    (admission at ``Engine.make_request`` and the scheduler's)."""
+    """The one line for a request whose worst-case pages (or key-scale groups: ``unit``; ``need``, ``n`` samples)
+    exceed a ``fmt`` pool's ``cap`` (admission at ``Engine.make_request`` and the scheduler's)."""
     samples = f" x {n} samples" if n > 1 else ""
     size = (f"kv_memory {cfg.kv_memory:,} bytes" if cfg.kv_memory is not None else
             f"max_pages={cfg.max_pages}" if cfg.max_pages is not None else "the default KV memory")

@@ -3,6 +3,8 @@ per format, and whether a lone request's tokens form one dense run of pages (a v
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -123,12 +125,20 @@ NO_PAGES = np.empty(0, np.int32)  # a sequence without pages of a format
 REWRITE_SHARE = 8  # a batch's cached block tables are patched row by row when at most 1/8 of its rows changed
 
 
+class _LayerTables(NamedTuple):
+    """One layer's block tables of the last batch read, and what they were built from."""
+    per_seq: list[dict[str, np.ndarray]]  # each request's page arrays (identity tells a changed row)
+    out: list[tuple[PagePool, torch.Tensor]]  # what ``get`` returned
+    formats: tuple[str, ...]  # the layer's pools then
+    host: dict[str, tuple[PagePool, np.ndarray, np.ndarray]]  # per format: pool, table (spare columns), row lengths
+
+
 class BlockTableCache:
     """Each layer's block tables of the last batch read, reused while the batch and its page lists stay the
     same (a decode step reads every layer's tables; most steps change no page list)."""
 
     def __init__(self, num_layers: int) -> None:
-        self._last: list = [None] * num_layers
+        self._last: list[_LayerTables | None] = [None] * num_layers
 
     def get(self, pools: dict[str, PagePool], layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
         """Per format used in ``layer`` (``pools``: that layer's): ``(pool, block_table [b, P] int32, -1 padded)``."""
@@ -138,15 +148,15 @@ class BlockTableCache:
                 for fmt, pages in flat.items() if len(pages)])  # (a format whose pages were all released has none)
         per_seq = [s.layers[layer].pages_of_format() for s in seqs]
         cached = self._last[layer]
-        if cached is not None and len(cached[0]) == len(per_seq):
-            same = list(map(operator.is_, cached[0], per_seq))
+        if cached is not None and len(cached.per_seq) == len(per_seq):
+            same = list(map(operator.is_, cached.per_seq, per_seq))
             if all(same):
-                return cached[1]  # same requests, same page lists (a table rebuilds its arrays when its pages change)
-            if cached[2] == tuple(pools) and same.count(False) * REWRITE_SHARE <= len(same):
+                return cached.out  # same requests, same page lists (a table rebuilds its arrays when its pages change)
+            if cached.formats == tuple(pools) and same.count(False) * REWRITE_SHARE <= len(same):
                 changed = [i for i, x in enumerate(same) if not x]  # a few rows changed: rewrite those alone
-                out = self._update(cached, per_seq, changed)
+                out = self._update(cached.host, per_seq, changed)
                 if out is not None:
-                    self._last[layer] = (per_seq, out, cached[2], cached[3])
+                    self._last[layer] = cached._replace(per_seq=per_seq, out=out)
                     return out
         host = {}
         out = []
@@ -163,14 +173,13 @@ class BlockTableCache:
             # a copy: the host table is patched in place later, a tensor handed out stays as it was
             out.append((pool, torch.from_numpy(bt[:, :width].copy()).to(pool.device)))
         # holds the page arrays it was built from, so identity is safe
-        self._last[layer] = (per_seq, out, tuple(pools), host)
+        self._last[layer] = _LayerTables(per_seq, out, tuple(pools), host)
         return out
 
     @staticmethod
-    def _update(cached, per_seq: list[dict[str, np.ndarray]], changed: list[int]):
+    def _update(host, per_seq: list[dict[str, np.ndarray]], changed: list[int]):
         """The cached tables with rows ``changed`` rewritten in place, or None (rebuild) when a row outgrows its
         table's spare columns or holds a format the tables lack."""
-        host = cached[3]
         if any(f not in host for i in changed for f in per_seq[i]):
             return None
         rows = {fmt: [per_seq[i].get(fmt, NO_PAGES) for i in changed] for fmt in host}
