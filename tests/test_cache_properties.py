@@ -302,7 +302,6 @@ def test_gather_kv_many_equals_one_read_per_request_across_formats():
     rng = np.random.default_rng(0)
     items = [(s, rng.permutation(cache.live_positions(s, 1))[: 5 + 7 * i]) for i, s in enumerate(seqs)]
     items.append((seqs[0], np.empty(0, np.int64)))
-    assert reads._slots_by_search(cache.pools[1], 1, items) is not None  # the array path, not the lookup fallback
     many = cache.gather_kv_many(1, items)
     for (seq, pos), (k, v) in zip(items, many):
         k1, v1 = cache.gather_kv(seq, 1, pos)
@@ -315,9 +314,10 @@ def test_gather_kv_many_equals_one_read_per_request_across_formats():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=30), eviction=st.sampled_from(["inplace", "compact"]),
        picks=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2 ** 32)), min_size=2, max_size=5))
-def test_slot_search_equals_position_map(ops, eviction, picks):
-    """gather's array search over slot positions finds, row for row, the slots each request's position map
-    names, whatever writes, evictions, reuse and compaction left (or returns None for the lookup path)."""
+def test_slot_lookup_names_the_slots_holding_the_positions(ops, eviction, picks):
+    """gather's batched lookup (one array read of the position maps for several requests) names, row for row,
+    slots whose pool records hold exactly the asked positions, whatever writes, evictions, reuse and
+    compaction left."""
     cache = make_cache(eviction)
     next_pos: dict[int, int] = {}
     for o in ops:
@@ -330,14 +330,16 @@ def test_slot_search_equals_position_map(ops, eviction, picks):
             seq = cache.seqs[ids[i % len(ids)]]
             live = cache.live_positions(seq, layer)
             items.append((seq, rng.permutation(live)[: seed % (len(live) + 1)]))
-        got, want = reads._slots_by_search(cache.pools[layer], layer, items), reads._slots_by_lookup(cache.pools[layer], layer, items)
-        if got is None:
+        asked = np.concatenate([np.asarray(p, np.int64) for _, p in items])
+        if not len(asked):
             continue
-        assert got.keys() == want.keys()
-        for fmt in got:
-            (r1, f1), (r2, f2) = got[fmt], want[fmt]
-            assert (r1 is None) == (r2 is None) and (r1 is None or np.array_equal(r1, r2))
-            assert np.array_equal(f1, f2)
+        got = reads._slots_by_lookup(cache.pools[layer], cache.columns, layer, items)
+        seen = np.zeros(len(asked), bool)
+        for fmt, (rows, flat) in got.items():
+            rows = np.arange(len(asked)) if rows is None else rows
+            assert np.array_equal(cache.pools[layer][fmt].slot_pos.reshape(-1)[flat], asked[rows])
+            seen[rows] = True
+        assert seen.all()
 
 
 def test_flush_group_marks_equal_slot_by_slot_marks():
@@ -413,7 +415,8 @@ def _check_block_tables(cache: KVCacheManager) -> None:
     try:
         for layer in range(L):
             got = [(p.fmt.name, bt.tolist()) for p, bt in cache.block_tables(layer, seqs)]
-            want = [(p.fmt.name, bt.tolist()) for p, bt in reads.BlockTableCache(L).get(cache.pools[layer], layer, seqs)]
+            want = [(p.fmt.name, bt.tolist()) for p, bt in reads.BlockTableCache(L).get(cache.pools[layer], layer, seqs, cache.columns,
+                                                                                   cache.rows(seqs))]
             assert got == want
     finally:
         reads.REWRITE_SHARE = share

@@ -5,7 +5,9 @@ order, the open page of each class (never-written tail slots), the heaps of reus
 position map ``position -> (format, page, slot)``, the flat page arrays and cached block tables built from
 the page lists (rebuilt whenever a page list changes), and the bytes its pages cost the request. Every
 change goes through a verb here, so the rules of paging live in one place; the pools' own state (codes,
-validity, fill) changes only through ``PagePool``'s verbs.
+validity, fill) changes only through ``PagePool``'s verbs. The position map, live count, open pages and
+reusable-slot flags sit in the cache's ``TableColumns`` (this table's row there), so a decode step's write
+updates them for the whole batch at once (``alloc_one_each``, ``TableColumns.place_rows``).
 """
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from types import MappingProxyType
 import numpy as np
 
 from trtkv.cache.accounting import ByteAccount
+from trtkv.cache.columns import Cls, PositionView, TableColumns, Where
 from trtkv.cache.pool import PagePool
 from trtkv.errors import OutOfKVMemory
 
-Cls = tuple[str, int]  # (format name, thought class): a page holds tokens of exactly one class
-Where = tuple[str, int, int]  # (format, page, slot) of a token
+__all__ = ["BlockTable", "Cls", "Where", "ENTRY_BYTES", "held_page_bytes"]
 ENTRY_BYTES = 4  # one block-table entry (an int32 page id), charged with each page a request holds
 
 
@@ -33,15 +35,15 @@ class BlockTable:
     """One request's pages in one layer. ``order`` numbers pages as they join the table (shared by the
     cache's tables, so "oldest page first" among reusable slots is the cache-wide allocation order)."""
 
-    def __init__(self, seq_id: int, layer: int, account: ByteAccount, order: Iterator[int]) -> None:
+    def __init__(self, seq_id: int, layer: int, account: ByteAccount, order: Iterator[int], cols: TableColumns,
+                 row: int) -> None:
         self.seq_id, self.layer = seq_id, layer
         self._account = account
         self._order = order
+        self._cols, self._row = cols, row  # position map, live count, open pages, reuse flags: this row
         self._pages: dict[Cls, list[int]] = {}
-        self._open: dict[Cls, int] = {}  # the page of a class with never-written tail slots
         self._reusable: dict[Cls, list[tuple[int, int, int]]] = {}  # heap of (page order, page, slot)
         self._page_order: dict[tuple[str, int], int] = {}  # order number of each held page
-        self._loc: dict[int, Where] = {}
         self._flat: dict[str, np.ndarray] | None = None
         self._single_bt: list | None = None  # block tables of this request alone (attention at batch 1)
         self._holes = False  # an eviction ever hit this table (its live slots are no longer a prefix)
@@ -49,12 +51,12 @@ class BlockTable:
     # --- what the table holds (read-only views) ------------------------------------------------------
     @property
     def live(self) -> int:
-        return len(self._loc)
+        return self._cols.live(self.layer, self._row)
 
     @property
-    def loc(self) -> MappingProxyType:
-        """``position -> (format, page, slot)`` of every paged token, in write order."""
-        return MappingProxyType(self._loc)
+    def loc(self) -> PositionView:
+        """``position -> (format, page, slot)`` of every paged token, ascending positions."""
+        return PositionView(self._cols, self.layer, self._row)
 
     @property
     def pages(self) -> MappingProxyType:
@@ -66,8 +68,9 @@ class BlockTable:
         return MappingProxyType(self._reusable)
 
     @property
-    def open_page(self) -> MappingProxyType:
-        return MappingProxyType(self._open)
+    def open_page(self) -> dict[Cls, int]:
+        """``class -> page`` of each class's open page (a copy)."""
+        return self._cols.open_pages_of(self.layer, self._row)
 
     @property
     def page_seq(self) -> MappingProxyType:
@@ -79,10 +82,14 @@ class BlockTable:
         return self._holes
 
     def __contains__(self, pos: int) -> bool:
-        return pos in self._loc
+        return self._cols.code(self.layer, self._row, int(pos)) >= 0
 
     def locate(self, pos: int) -> Where | None:
-        return self._loc.get(pos)
+        return self._cols.locate(self.layer, self._row, int(pos))
+
+    def positions(self) -> np.ndarray:
+        """Held positions, ascending."""
+        return self._cols.positions(self.layer, self._row)
 
     def holds_page(self, fmt: str, p: int) -> bool:
         return (fmt, p) in self._page_order
@@ -120,6 +127,17 @@ class BlockTable:
         return pages[0], self.live
 
     # --- slots ---------------------------------------------------------------------------------------
+    def _open_of(self, cls: Cls) -> int | None:
+        p = self._cols.open_page(self.layer, self._row, cls)
+        return None if p < 0 else p
+
+    def _close(self, cls: Cls) -> None:
+        self._cols.set_open(self.layer, self._row, cls, -1)
+
+    def _reuse_changed(self, cls: Cls) -> None:
+        """The reuse heap of ``cls`` changed: the columns' flag follows whether it is empty."""
+        self._cols.set_reusable(self.layer, self._row, cls, bool(self._reusable.get(cls)))
+
     def alloc_slots(self, pool: PagePool, cls: Cls, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Slots for ``n`` tokens of ``cls``: reusable (evicted) slots first (oldest page, lowest slot), then
         the open page's tail, and only then new pages."""
@@ -133,66 +151,76 @@ class BlockTable:
                     continue  # stale entry: page released (maybe reallocated, to any class) or slot refilled
                 pages.append(p)
                 slots.append(s)
+            self._reuse_changed(cls)
         while len(pages) < n:
-            p = self._open.get(cls)
+            p = self._open_of(cls)
             if p is None:
                 p = self._new_page(pool, cls)
             start, take = pool.take_tail(p, n - len(pages))
             pages.extend([p] * take)
             slots.extend(range(start, start + take))
             if pool.tail_full(p):
-                del self._open[cls]
+                self._close(cls)
         return np.asarray(pages, np.int64), np.asarray(slots, np.int64)
 
     def alloc_one(self, pool: PagePool, cls: Cls) -> tuple[int, int]:
         """``alloc_slots(pool, cls, 1)`` as two ints, without building arrays (a decode step's write)."""
         heap = self._reusable.get(cls)
-        while heap:
-            no, p, s = heapq.heappop(heap)
-            if self._page_order.get((cls[0], p)) == no and pool.slot_free(p, s):
-                return int(p), int(s)
-        p = self._open.get(cls)
+        if heap:
+            found = None
+            while heap:
+                no, p, s = heapq.heappop(heap)
+                if self._page_order.get((cls[0], p)) == no and pool.slot_free(p, s):
+                    found = int(p), int(s)
+                    break
+            self._reuse_changed(cls)
+            if found is not None:
+                return found
+        p = self._open_of(cls)
         if p is None:  # a new page: the general path
             pages, slots = self.alloc_slots(pool, cls, 1)
             return int(pages[0]), int(slots[0])
         s, _ = pool.take_tail(p, 1)
         if pool.tail_full(p):
-            del self._open[cls]
+            self._close(cls)
         return int(p), s
 
     @staticmethod
-    def alloc_one_each(tables: list[BlockTable], pool: PagePool, cls: Cls) -> tuple[np.ndarray, np.ndarray]:
-        """``alloc_one`` for one token of each table (distinct requests, one layer), the same slots in the same
-        state: a table with no reusable slot of ``cls`` and an open page takes that page's next tail slot by
-        array operations (a decode step's write-through at batch 256 is 256 tables a layer); the others
-        take ``alloc_one``."""
-        n = len(tables)
-        opens = np.fromiter((-1 if t._reusable.get(cls) else t._open.get(cls, -1) for t in tables),  # noqa: SLF001
-                            np.int64, n)
-        fast = opens >= 0
+    def alloc_one_each(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
+                       pool: PagePool, cls: Cls) -> tuple[np.ndarray, np.ndarray]:
+        """``alloc_one`` for one token of each of ``rows`` (distinct requests, one layer; ``tables(i)``: the
+        table of ``rows[i]``), the same slots in the same state, by array operations: rows with no reusable
+        slot of ``cls`` and no open page get new pages in one pool call, then every row without reusable
+        slots takes its open page's next tail slot; the others take ``alloc_one``."""
+        n = len(rows)
+        reuse = cols.reusable_rows(layer, rows, cls)
+        opens = cols.open_pages(layer, rows, cls)
+        need = np.flatnonzero((opens < 0) & ~reuse)
+        if len(need):
+            fresh = pool.alloc_pages(len(need), cls[1])
+            for j, i in enumerate(need.tolist()):  # a page every block_size steps per row
+                t = tables(i)
+                if fresh is None:  # the pool lacks them (or grows): one by one, a full pool names its request
+                    t._new_page(pool, cls)  # noqa: SLF001
+                else:
+                    t._adopt_open_page(pool, cls, int(fresh[j]))  # noqa: SLF001
+            opens = cols.open_pages(layer, rows, cls)
+        fast = (opens >= 0) & ~reuse
         pages = opens.copy()
         slots = np.zeros(n, np.int64)
         if fast.any():
-            op = opens[fast]
-            start = pool.take_tails(op)
+            start = pool.take_tails(opens[fast])
             slots[fast] = start
             closed = np.flatnonzero(fast)[start + 1 >= pool.B]
-            for i in closed.tolist():  # a page's last tail slot: it is no longer the class's open page
-                del tables[i]._open[cls]  # noqa: SLF001
+            if len(closed):  # a page's last tail slot: it is no longer the class's open page
+                cols.close_rows(layer, rows[closed], cls)
         for i in np.flatnonzero(~fast).tolist():
-            pages[i], slots[i] = tables[i].alloc_one(pool, cls)
+            pages[i], slots[i] = tables(i).alloc_one(pool, cls)
         return pages, slots
-
-    @staticmethod
-    def place_each(tables: list[BlockTable], fmt: str, pages: list[int], slots: list[int],
-                   positions: list[int]) -> None:
-        """``place_one`` of one token in each table."""
-        for t, p, s, pos in zip(tables, pages, slots, positions):
-            t._loc[pos] = (fmt, p, s)  # noqa: SLF001
 
     def needs_fresh_pages(self, cls: Cls) -> bool:
         """No reusable slot and no open page of ``cls``: a write of whole pages takes fresh pages."""
-        return not self._reusable.get(cls) and cls not in self._open
+        return not self._reusable.get(cls) and self._open_of(cls) is None
 
     def add_full_pages(self, pool: PagePool, cls: Cls, pages: Iterable[int]) -> None:
         """Pages just taken from ``pool`` and filled at once (a flush of whole pages): held, never open."""
@@ -210,36 +238,38 @@ class BlockTable:
             p = pool.alloc_page(cls[1])
         except OutOfKVMemory as e:
             raise e.at(self.seq_id, self.layer, cls[0]) from None
+        self._adopt_open_page(pool, cls, p)
+        return p
+
+    def _adopt_open_page(self, pool: PagePool, cls: Cls, p: int) -> None:
+        """Page ``p``, just taken from ``pool``, joins the table as the open page of ``cls``."""
         self._page_order[(cls[0], p)] = next(self._order)
         self._pages.setdefault(cls, []).append(p)
-        self._open[cls] = p
+        self._cols.set_open(self.layer, self._row, cls, p)
         self._pages_changed()
         self._account.add(held_page_bytes(pool))
-        return p
 
     # --- the position map ----------------------------------------------------------------------------
     def place(self, fmt: str, pages: Iterable[int], slots: Iterable[int], positions: Iterable[int]) -> None:
-        """The tokens at ``positions`` now live in ``(fmt, page, slot)``."""
-        loc = self._loc
-        for p, s, pos in zip(pages, slots, positions):
-            loc[pos] = (fmt, p, s)
+        """The tokens at ``positions`` (distinct) now live in ``(fmt, page, slot)``."""
+        self._cols.place(self.layer, self._row, fmt, list(pages), list(slots), list(positions))
 
     def place_one(self, fmt: str, p: int, s: int, pos: int) -> None:
-        """``place`` of one token (a decode step's write-through, per request and layer)."""
-        self._loc[pos] = (fmt, p, s)
+        """``place`` of one token."""
+        self._cols.place_one(self.layer, self._row, fmt, int(p), int(s), int(pos))
 
     def forget(self, positions: Iterable[int]) -> list[Where]:
         """Drop ``positions`` from the map (evicted or moved away); returns where the held ones were."""
         self._holes = True
-        pop = self._loc.pop
-        return [w for w in (pop(int(p), None) for p in positions) if w is not None]
+        return self._cols.forget(self.layer, self._row, positions)
 
     # --- freed slots and pages -----------------------------------------------------------------------
     def free_slot(self, pool: PagePool, cls: Cls, p: int, s: int) -> None:
         """Slot ``s`` of page ``p`` (just evicted) joins its class's reuse heap; the page goes back to the
         pool when it is left empty and is not the open page."""
         heapq.heappush(self._reusable.setdefault(cls, []), (self._page_order[(cls[0], p)], p, s))
-        if pool.live[p] == 0 and self._open.get(cls) != p:
+        self._cols.set_reusable(self.layer, self._row, cls, True)
+        if pool.live[p] == 0 and self._open_of(cls) != p:
             self.release_page(pool, cls, p)
 
     def free_slots(self, pool: PagePool, fmt: str, pl: list[int], sl: list[int]) -> None:
@@ -261,8 +291,9 @@ class BlockTable:
             else:
                 for item in freed:
                     heapq.heappush(heap, item)
+            self._cols.set_reusable(self.layer, self._row, (fmt, c), bool(heap))
         for p, c, live in zip(uniq, classes, pool.live[uniq].tolist()):
-            if live == 0 and self._open.get((fmt, c)) != p:
+            if live == 0 and self._open_of((fmt, c)) != p:
                 self.release_page(pool, (fmt, c), p)
 
     def release_page(self, pool: PagePool, cls: Cls, p: int) -> None:
@@ -285,8 +316,9 @@ class BlockTable:
     def seal(self) -> None:
         """No more writes into the current pages; the tokens are no longer one dense run (a sealed, partly
         filled page leaves unwritten slots), so attention must not take the dense-view fast path."""
-        self._open.clear()
+        self._cols.close_all(self.layer, self._row)
         self._reusable.clear()
+        self._cols.clear_reusable(self.layer, self._row)
         self._holes = True
 
     def copy_from(self, parent: BlockTable) -> None:
@@ -294,7 +326,7 @@ class BlockTable:
         caller, once for all layers)."""
         self._pages = {cls: list(pages) for cls, pages in parent.pages.items()}
         self._page_order = dict(parent.page_seq)
-        self._loc = dict(parent.loc)
+        self._cols.copy_row(self.layer, parent._row, self._row)  # noqa: SLF001
         self._holes = True
         self._pages_changed()
 
@@ -306,8 +338,8 @@ class BlockTable:
         del self._page_order[(cls[0], old)]
         self._page_order[(cls[0], new)] = next(self._order)
         for s, pos in enumerate(slot_positions.tolist()):
-            if pos >= 0 and self._loc.get(pos) == (cls[0], old, s):
-                self._loc[pos] = (cls[0], new, s)
+            if pos >= 0 and self.locate(pos) == (cls[0], old, s):
+                self.place_one(cls[0], new, s, pos)
         self._pages_changed()
 
     def add_shared_page(self, pool: PagePool, cls: Cls, p: int, order: int) -> bool:
@@ -330,10 +362,12 @@ class BlockTable:
             pool.release_page(p)
         self._pages[cls] = pages = pages[:keep]
         self._reusable[cls] = []
-        self._open.pop(cls, None)
+        self._reuse_changed(cls)
+        self._close(cls)
         if pages and not pool.tail_full(pages[-1]):
-            self._open[cls] = pages[-1]
+            self._cols.set_open(self.layer, self._row, cls, pages[-1])
         self._pages_changed()
 
     def _pages_changed(self) -> None:
         self._flat = self._single_bt = None
+        self._cols.touch(self.layer, self._row)

@@ -22,6 +22,7 @@ from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.
 from trtkv.cache import compaction, reads
 from trtkv.cache.block_table import ENTRY_BYTES, BlockTable, Cls, held_page_bytes
 from trtkv.cache.budget import PoolPlan
+from trtkv.cache.columns import TableColumns
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
 from trtkv.cache.eviction import decref_groups, evict_private, evict_private_many
 from trtkv.cache.flush import flush_many
@@ -50,6 +51,8 @@ class KVCacheManager:
         self.pools = pools if pools is not None else PoolSet(cfg, kv_amax, formats, drops_tokens, useful_pages)
         self.seqs: dict[int, SeqKV] = {}
         self._page_order = itertools.count(1)  # pages numbered as tables take them: "oldest page first"
+        self.columns = TableColumns(cfg.num_layers)  # every request's position maps, open pages, ... (by row)
+        self._rows_of: tuple[list | None, np.ndarray] = (None, np.empty(0, np.int64))  # last batch's rows
         self._batch_tables = reads.BlockTableCache(cfg.num_layers)
         self.evictions_total = 0
         self.compaction_moves = 0  # tokens copied by gather compaction
@@ -80,7 +83,7 @@ class KVCacheManager:
     # --- requests ---------------------------------------------------------------------------
     def add_sequence(self, seq_id: int) -> SeqKV:
         buf = self.residual.acquire() if self.residual is not None else None
-        seq = SeqKV(seq_id, self.cfg.num_layers, self._page_order, buf)
+        seq = SeqKV(seq_id, self.cfg.num_layers, self._page_order, self.columns, self.columns.acquire(), buf)
         self.seqs[seq_id] = seq
         return seq
 
@@ -100,6 +103,7 @@ class KVCacheManager:
                     self._drop_page_tokens(seq, pool, p)
                     pool.release_page(p)
                     seq.add_bytes(-held_page_bytes(pool))
+        self.columns.release(seq.row)
 
     def _drop_page_tokens(self, seq: SeqKV, pool: PagePool, p: int) -> None:
         """Drop every live token of a page being released: one reference drop per key-scale group, not per
@@ -194,8 +198,8 @@ class KVCacheManager:
                       positions: list[int], cls: Cls) -> None:
         """One token per request ``k, v [b, H, D]`` into a write-through format, in one kernel call."""
         pool = self.pool(layer, cls[0])
-        tables = [s.layers[layer] for s in seqs]
-        pages, slots = BlockTable.alloc_one_each(tables, pool, cls)
+        rows = self.rows(seqs)
+        pages, slots = BlockTable.alloc_one_each(lambda i: seqs[i].layers[layer], self.columns, layer, rows, pool, cls)
         sc = self.layer_scales(layer, cls[0])
         clk = self.clock
         prev = clk.switch("kv_write") if clk is not None else None
@@ -204,8 +208,18 @@ class KVCacheManager:
                             -1, pool.fmt.code, sc.k, sc.v)
         if clk is not None:
             clk.switch(prev)
-        pool.mark_written(pages, slots, positions, -1)  # distinct slots: one call for the batch
-        BlockTable.place_each(tables, cls[0], pages.tolist(), slots.tolist(), positions)
+        pos = np.asarray(positions, np.int64)
+        pool.mark_written_distinct(pages, slots, pos)  # one slot in each of distinct pages: one call for the batch
+        self.columns.place_rows(layer, rows, cls[0], pages, slots, pos)
+
+    def rows(self, seqs: list[SeqKV]) -> np.ndarray:
+        """The requests' rows in ``columns``, as an array (remembered for the same list: a decode step asks
+        once per layer)."""
+        last, rows = self._rows_of
+        if last is not seqs or len(rows) != len(seqs):
+            rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+            self._rows_of = (seqs, rows)
+        return rows
 
     def record_written(self, seq: SeqKV, layer: int, pool: PagePool, fmt: str, pages: np.ndarray,
                        slots: np.ndarray, positions: list[int], seg: int | np.ndarray = -1) -> None:
@@ -314,37 +328,24 @@ class KVCacheManager:
     # --- reads ------------------------------------------------------------------------------
     def live_positions(self, seq: SeqKV, layer: int) -> np.ndarray:
         """Positions held in pages (not the residual buffer), ascending."""
-        loc = seq.layers[layer].loc
-        pos = np.fromiter(loc, np.int64, len(loc))  # insertion order: ascending unless a tier restored some
-        if len(pos) > 1 and not (pos[1:] > pos[:-1]).all():
-            pos.sort()
-        return pos
+        return seq.layers[layer].positions()
 
     def live_positions_in(self, seq: SeqKV, layer: int, lo: int, hi: int) -> np.ndarray:
-        """Paged positions in ``[lo, hi)``, ascending: one membership test per position of a short range (a
-        segment's members) instead of listing every held position."""
-        table = seq.layers[layer]
-        lo, hi = max(int(lo), 0), int(hi)
-        if hi <= lo:
-            return np.empty(0, np.int64)
-        if hi - lo > table.live:  # a range wider than what is held: filter the held positions
-            pos = self.live_positions(seq, layer)
-            return pos[(pos >= lo) & (pos < hi)]
-        held = np.fromiter(map(table.__contains__, range(lo, hi)), bool, hi - lo)
-        return np.arange(lo, hi, dtype=np.int64)[held]
+        """Paged positions in ``[lo, hi)``, ascending."""
+        return self.columns.positions_in(layer, seq.row, int(lo), int(hi))
 
     def gather_kv(self, seq: SeqKV, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized fp32 ``k, v [m, H, D]`` of paged tokens (``trtkv/cache/reads.py``)."""
-        return reads.gather_kv_many(self.pools, layer, [(seq, positions)])[0]
+        return reads.gather_kv_many(self.pools, self.columns, layer, [(seq, positions)])[0]
 
     def gather_kv_many(self, layer: int, items: list[tuple[SeqKV, object]], keys_only: bool = False
                        ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """``gather_kv`` of several requests in one read per format (``trtkv/cache/reads.py``)."""
-        return reads.gather_kv_many(self.pools, layer, items, keys_only)
+        return reads.gather_kv_many(self.pools, self.columns, layer, items, keys_only)
 
     def block_tables(self, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""
-        return self._batch_tables.get(self.pools[layer], layer, seqs)
+        return self._batch_tables.get(self.pools[layer], layer, seqs, self.columns, self.rows(seqs))
 
     def dense_run(self, layer: int, seqs: list[SeqKV]) -> tuple[int, int] | None:
         """``(first page, live tokens)`` when a lone request's tokens are one dense run of pages."""

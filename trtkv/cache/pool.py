@@ -265,6 +265,19 @@ class PagePool:
             self.slot_seg[p, s] = seg
         self._valid_dirty = True
 
+    def mark_written_distinct(self, pages: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
+        """``mark_written`` of one slot in each of ``pages`` (distinct; segment -1): plain fancy indexing (a
+        decode step's write-through, one slot per request)."""
+        bits = np.left_shift(np.int32(1), slots.astype(np.int32))
+        v = self.valid[pages]
+        assert not (v & bits).any(), "writing into a live slot"
+        self.valid[pages] = v | bits
+        self.live[pages] += 1
+        self.hwm[pages] = np.maximum(self.hwm[pages], (slots + 1).astype(np.int32))
+        self.slot_pos[pages, slots] = positions
+        self.slot_seg[pages, slots] = -1
+        self._valid_dirty = True
+
     def mark_evicted(self, p: int, s: int) -> None:
         bit, v = 1 << s, int(self.valid[p])  # Python ints: bit <= 30 (block_size <= 31)
         assert v & bit, "evicting a slot that is not live"

@@ -7,6 +7,7 @@ import torch
 
 from trtkv.cache.accounting import ByteAccount
 from trtkv.cache.block_table import BlockTable
+from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool import PagePool
 from trtkv.cache.residual import ResidualBuffer
 from trtkv.errors import OutOfKVMemory
@@ -17,10 +18,12 @@ NO_POSITIONS: list[int] = []  # the buffered positions of a request without a re
 class SeqKV:
     """Cache state of one request. ``kv_bytes``: pages + key-scale groups + residual buffer, as charged."""
 
-    def __init__(self, seq_id: int, num_layers: int, order: Iterator[int], residual: ResidualBuffer | None = None):
+    def __init__(self, seq_id: int, num_layers: int, order: Iterator[int], cols: TableColumns, row: int,
+                 residual: ResidualBuffer | None = None):
         self.seq_id = seq_id
+        self.row = row  # this request's row in the cache's TableColumns
         self.account = ByteAccount()
-        self.layers = [BlockTable(seq_id, layer, self.account, order) for layer in range(num_layers)]
+        self.layers = [BlockTable(seq_id, layer, self.account, order, cols, row) for layer in range(num_layers)]
         self.residual = residual
         self.evicted_tokens = 0  # summed over layers
         self.fork_mode: str | None = None  # set once the sequence shares pages: "cow" or "tree" (cache/forks.py)

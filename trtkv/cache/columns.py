@@ -1,0 +1,301 @@
+"""``TableColumns``: the per-token and per-class state of every request's block tables, as arrays with one
+row per request.
+
+A decode step writes one token of every request of the batch into every layer. Kept in one object per
+(request, layer), that is Python work for requests × layers objects a step (8,192 at 32 layers × 256). Here
+the position maps, live counts, open pages, reusable-slot flags and page-list stamps of one layer are
+columns indexed by the request's row, so a batch's write is a few array operations per layer.
+``BlockTable`` still owns one request's paging rules and reaches its row only through the verbs here; the
+batch verbs take an array of rows (distinct requests).
+
+A position map entry packs ``(format, page, slot)`` into an int32: ``page << 8 | slot << 3 | format id``
+(slots < 32: block sizes are <= 31; at most 8 formats; pages < 2**23 per pool); -1 is "not held".
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+Cls = tuple[str, int]  # (format name, thought class)
+Where = tuple[str, int, int]  # (format, page, slot)
+
+NOT_HELD = -1
+_SLOT_SHIFT, _PAGE_SHIFT = 3, 8
+_FMT_MASK, _SLOT_MASK = 7, 31
+MAX_FORMATS = 8
+MAX_PAGES = 1 << 23
+FIRST_ROWS, FIRST_WIDTH = 8, 64
+
+
+class TableColumns:
+    """Rows are handed out by ``acquire`` (lowest free first) and cleared by ``release``; each layer's position
+    map is ``[rows, width]`` and widens (doubling) to the highest position written."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._rows = FIRST_ROWS
+        self._where = [np.full((FIRST_ROWS, FIRST_WIDTH), NOT_HELD, np.int32) for _ in range(num_layers)]
+        self._live = np.zeros((num_layers, FIRST_ROWS), np.int64)
+        self._open: list[dict[Cls, np.ndarray]] = [{} for _ in range(num_layers)]  # page, -1 none
+        self._reuse: list[dict[Cls, np.ndarray]] = [{} for _ in range(num_layers)]  # reuse heap not empty
+        self._stamp = np.zeros((num_layers, FIRST_ROWS), np.int64)  # changes whenever a page list changes
+        self._clock = 0
+        self._free = list(range(FIRST_ROWS - 1, -1, -1))  # a stack: the lowest free row on top
+        self._fmt_ids: dict[str, int] = {}
+        self._fmt_names: list[str] = []
+
+    # --- rows -------------------------------------------------------------------------------------
+    def acquire(self) -> int:
+        if not self._free:
+            self._grow_rows()
+        return self._free.pop()
+
+    def release(self, row: int) -> None:
+        """Row ``row`` holds nothing again (its request is freed)."""
+        for layer in range(self.num_layers):
+            self._where[layer][row] = NOT_HELD
+            for col in self._open[layer].values():
+                col[row] = -1
+            for col in self._reuse[layer].values():
+                col[row] = False
+        self._live[:, row] = 0
+        self._clock += 1
+        self._stamp[:, row] = self._clock
+        self._free.append(row)
+        if len(self._free) > 1 and self._free[-1] > self._free[-2]:
+            self._free.sort(reverse=True)
+
+    def _grow_rows(self) -> None:
+        old, new = self._rows, 2 * self._rows
+        for layer in range(self.num_layers):
+            w = self._where[layer]
+            self._where[layer] = np.concatenate([w, np.full((new - old, w.shape[1]), NOT_HELD, np.int32)])
+            for cls, col in self._open[layer].items():
+                self._open[layer][cls] = np.concatenate([col, np.full(new - old, -1, np.int64)])
+            for cls, col in self._reuse[layer].items():
+                self._reuse[layer][cls] = np.concatenate([col, np.zeros(new - old, bool)])
+        self._live = np.concatenate([self._live, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
+        self._stamp = np.concatenate([self._stamp, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
+        self._free = list(range(new - 1, old - 1, -1)) + self._free
+        self._rows = new
+
+    def _widen(self, layer: int, top: int) -> np.ndarray:
+        """Layer ``layer``'s position map, at least ``top + 1`` positions wide."""
+        w = self._where[layer]
+        if top >= w.shape[1]:
+            width = max(2 * w.shape[1], top + 1)
+            grown = np.full((w.shape[0], width), NOT_HELD, np.int32)
+            grown[:, : w.shape[1]] = w
+            self._where[layer] = w = grown
+        return w
+
+    # --- formats ----------------------------------------------------------------------------------
+    def fmt_id(self, fmt: str) -> int:
+        i = self._fmt_ids.get(fmt)
+        if i is None:
+            assert len(self._fmt_names) < MAX_FORMATS, "more KV formats than a position map entry can name"
+            i = self._fmt_ids[fmt] = len(self._fmt_names)
+            self._fmt_names.append(fmt)
+        return i
+
+    def _codes(self, fmt: str, pages, slots) -> np.ndarray:
+        pages = np.asarray(pages, np.int64)
+        assert not len(pages) or pages.max() < MAX_PAGES, "a page id beyond what a position map entry holds"
+        return ((pages << _PAGE_SHIFT) | (np.asarray(slots, np.int64) << _SLOT_SHIFT)
+                | self.fmt_id(fmt)).astype(np.int32)
+
+    def decode(self, code: int) -> Where:
+        return self._fmt_names[code & _FMT_MASK], code >> _PAGE_SHIFT, (code >> _SLOT_SHIFT) & _SLOT_MASK
+
+    def decode_many(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(format ids, pages, slots)`` of held entries."""
+        codes = codes.astype(np.int64)
+        return codes & _FMT_MASK, codes >> _PAGE_SHIFT, (codes >> _SLOT_SHIFT) & _SLOT_MASK
+
+    @property
+    def fmt_names(self) -> tuple[str, ...]:
+        return tuple(self._fmt_names)
+
+    # --- the position map of one row ----------------------------------------------------------------
+    def live(self, layer: int, row: int) -> int:
+        return int(self._live[layer, row])
+
+    def code(self, layer: int, row: int, pos: int) -> int:
+        w = self._where[layer]
+        return w.item(row, pos) if 0 <= pos < w.shape[1] else NOT_HELD
+
+    def locate(self, layer: int, row: int, pos: int) -> Where | None:
+        c = self.code(layer, row, pos)
+        return None if c < 0 else self.decode(c)
+
+    def positions(self, layer: int, row: int) -> np.ndarray:
+        """Held positions, ascending."""
+        return np.flatnonzero(self._where[layer][row] >= 0)
+
+    def positions_in(self, layer: int, row: int, lo: int, hi: int) -> np.ndarray:
+        """Held positions in ``[lo, hi)``, ascending."""
+        w = self._where[layer]
+        lo, hi = max(lo, 0), min(hi, w.shape[1])
+        if hi <= lo:
+            return np.empty(0, np.int64)
+        return np.flatnonzero(w[row, lo:hi] >= 0) + lo
+
+    def lookup_many(self, layer: int, rows: np.ndarray, positions: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(format ids, pages, slots)`` of held ``(row, position)`` pairs; KeyError names a position not held."""
+        w = self._where[layer]
+        inside = (positions >= 0) & (positions < w.shape[1])
+        codes = np.full(len(positions), NOT_HELD, np.int64)
+        codes[inside] = w[rows[inside], positions[inside]]
+        if (codes < 0).any():
+            raise KeyError(int(positions[np.argmax(codes < 0)]))
+        return self.decode_many(codes)
+
+    def row_codes(self, layer: int, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(positions, codes)`` of the held entries, ascending."""
+        r = self._where[layer][row]
+        pos = np.flatnonzero(r >= 0)
+        return pos, r[pos]
+
+    def place(self, layer: int, row: int, fmt: str, pages, slots, positions) -> None:
+        """The tokens at ``positions`` (distinct) now live in ``(fmt, page, slot)``."""
+        pos = np.asarray(positions, np.int64)
+        if not len(pos):
+            return
+        w = self._widen(layer, int(pos.max()))
+        new = int((w[row, pos] < 0).sum())
+        w[row, pos] = self._codes(fmt, pages, slots)
+        self._live[layer, row] += new
+
+    def place_one(self, layer: int, row: int, fmt: str, p: int, s: int, pos: int) -> None:
+        w = self._widen(layer, pos)
+        if w.item(row, pos) < 0:
+            self._live[layer, row] += 1
+        w[row, pos] = (p << _PAGE_SHIFT) | (s << _SLOT_SHIFT) | self.fmt_id(fmt)
+
+    def place_rows(self, layer: int, rows: np.ndarray, fmt: str, pages: np.ndarray, slots: np.ndarray,
+                   positions: np.ndarray) -> None:
+        """One new token in each of ``rows`` (distinct; positions not yet held): a decode step's write."""
+        w = self._widen(layer, int(positions.max()))
+        w[rows, positions] = self._codes(fmt, pages, slots)
+        self._live[layer, rows] += 1
+
+    def forget(self, layer: int, row: int, positions) -> list[Where]:
+        """Drop ``positions`` from the map; returns where the held ones were, in the order given."""
+        pos = np.fromiter(positions, np.int64) if not isinstance(positions, np.ndarray) else \
+            positions.astype(np.int64, copy=False)
+        if not len(pos):
+            return []
+        w = self._where[layer]
+        pos = pos[(pos >= 0) & (pos < w.shape[1])]
+        if len(pos) > 1:  # a position listed twice is forgotten once
+            _, first = np.unique(pos, return_index=True)
+            if len(first) < len(pos):
+                pos = pos[np.sort(first)]
+        codes = w[row, pos]
+        held = codes >= 0
+        pos, codes = pos[held], codes[held]
+        w[row, pos] = NOT_HELD
+        self._live[layer, row] -= len(pos)
+        fids, pages, slots = self.decode_many(codes)
+        names = self._fmt_names
+        return [(names[f], p, s) for f, p, s in zip(fids.tolist(), pages.tolist(), slots.tolist())]
+
+    def copy_row(self, layer: int, src: int, dst: int) -> None:
+        w = self._where[layer]
+        w[dst] = w[src]
+        self._live[layer, dst] = self._live[layer, src]
+
+    # --- open pages and reusable slots --------------------------------------------------------------
+    def _col(self, table: list[dict[Cls, np.ndarray]], layer: int, cls: Cls, fill, dtype) -> np.ndarray:
+        col = table[layer].get(cls)
+        if col is None:
+            col = table[layer][cls] = np.full(self._rows, fill, dtype)
+        return col
+
+    def open_page(self, layer: int, row: int, cls: Cls) -> int:
+        col = self._open[layer].get(cls)
+        return -1 if col is None else col.item(row)
+
+    def set_open(self, layer: int, row: int, cls: Cls, p: int) -> None:
+        self._col(self._open, layer, cls, -1, np.int64)[row] = p
+
+    def open_pages_of(self, layer: int, row: int) -> dict[Cls, int]:
+        return {cls: col.item(row) for cls, col in self._open[layer].items() if col.item(row) >= 0}
+
+    def close_all(self, layer: int, row: int) -> None:
+        for col in self._open[layer].values():
+            col[row] = -1
+
+    def open_pages(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray:
+        col = self._open[layer].get(cls)
+        return np.full(len(rows), -1, np.int64) if col is None else col[rows]
+
+    def close_rows(self, layer: int, rows: np.ndarray, cls: Cls) -> None:
+        self._open[layer][cls][rows] = -1
+
+    def set_reusable(self, layer: int, row: int, cls: Cls, any_left: bool) -> None:
+        col = self._reuse[layer].get(cls)
+        if col is None:
+            if not any_left:
+                return
+            col = self._col(self._reuse, layer, cls, False, bool)
+        col[row] = any_left
+
+    def clear_reusable(self, layer: int, row: int) -> None:
+        for col in self._reuse[layer].values():
+            col[row] = False
+
+    def reusable_rows(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray:
+        col = self._reuse[layer].get(cls)
+        return np.zeros(len(rows), bool) if col is None else col[rows]
+
+    # --- page-list stamps (BlockTableCache: which rows' block tables changed) -------------------------
+    def touch(self, layer: int, row: int) -> None:
+        self._clock += 1
+        self._stamp[layer, row] = self._clock
+
+    def stamps(self, layer: int, rows: np.ndarray) -> np.ndarray:
+        return self._stamp[layer, rows]
+
+
+class PositionView(Mapping):
+    """``position -> (format, page, slot)`` of one row, read-only, ascending positions."""
+
+    __slots__ = ("_cols", "_layer", "_row")
+
+    def __init__(self, cols: TableColumns, layer: int, row: int) -> None:
+        self._cols, self._layer, self._row = cols, layer, row
+
+    def __getitem__(self, pos) -> Where:
+        c = self._cols.code(self._layer, self._row, int(pos))
+        if c < 0:
+            raise KeyError(pos)
+        return self._cols.decode(c)
+
+    def get(self, pos, default=None):
+        c = self._cols.code(self._layer, self._row, int(pos))
+        return default if c < 0 else self._cols.decode(c)
+
+    def __contains__(self, pos) -> bool:
+        return self._cols.code(self._layer, self._row, int(pos)) >= 0
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._cols.positions(self._layer, self._row).tolist())
+
+    def __len__(self) -> int:
+        return self._cols.live(self._layer, self._row)
+
+    def _decoded(self) -> tuple[list[int], list[Where]]:
+        pos, codes = self._cols.row_codes(self._layer, self._row)
+        fids, pages, slots = self._cols.decode_many(codes)
+        names = self._cols.fmt_names
+        return pos.tolist(), [(names[f], p, s) for f, p, s in zip(fids.tolist(), pages.tolist(), slots.tolist())]
+
+    def values(self):
+        return self._decoded()[1]
+
+    def items(self):
+        pos, where = self._decoded()
+        return list(zip(pos, where))
