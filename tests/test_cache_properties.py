@@ -363,6 +363,10 @@ _step = st.tuples(st.just("write"), st.integers(0, 3), st.integers(0, 2), st.int
 wt_op = st.one_of(st.tuples(st.just("add")), _step, _step, _step, _step,  # mostly decode steps
                   st.tuples(st.just("evict"), st.integers(0, 3), st.integers(0, 1),
                             st.lists(st.integers(0, 200), min_size=1, max_size=3)),
+                  st.tuples(st.just("evict_each"), st.integers(0, 1), st.lists(st.integers(-1, 200), min_size=4,
+                                                                                max_size=4)),
+                  st.tuples(st.just("evict_each"), st.integers(0, 1), st.lists(st.integers(-1, 200), min_size=4,
+                                                                                max_size=4)),
                   st.tuples(st.just("free"), st.integers(0, 3)))
 
 
@@ -371,7 +375,8 @@ wt_op = st.one_of(st.tuples(st.just("add")), _step, _step, _step, _step,  # most
 def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
     """``write_through`` (one slot per request from ``alloc_one``, one slot mark for the batch) leaves exactly
     the state of writing each request's token with ``write`` (``alloc_slots(.., 1)``): slots chosen, reuse
-    heaps, open pages, stored values."""
+    heaps, open pages, stored values. ``evict_many`` of one victim per request (array operations, the freed
+    slot kept outside the reuse heap) leaves the state of evicting each in turn."""
     caches = [make_cache(g=1), make_cache(g=1)]
     next_pos: dict[int, int] = {}
     for o in ops:
@@ -393,10 +398,15 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
             sid = ids[o[1] % len(ids)]
             for c in caches:
                 c.evict(c.seqs[sid], o[2], [p % max(1, next_pos[sid]) for p in o[3]])
+        elif o[0] == "evict_each":  # a window's or a scorer's step: at most one victim per request, one layer
+            victims = [[] if v < 0 else [v % max(1, next_pos[sid])] for sid, v in zip(ids, o[2] * len(ids))]
+            assert caches[0].evict_many(o[1], [(caches[0].seqs[sid], p) for sid, p in zip(ids, victims)]) == \
+                [caches[1].evict(caches[1].seqs[sid], o[1], p) for sid, p in zip(ids, victims)]
         else:
             for c in caches:
                 c.free_sequence(ids[o[1] % len(ids)])
         assert _state(caches[0]) == _state(caches[1])
+        assert caches[0].evictions_total == caches[1].evictions_total
         for layer in range(L):
             for fmt, pool in caches[0].pools[layer].items():
                 other = caches[1].pools[layer][fmt]

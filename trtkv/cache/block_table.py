@@ -46,7 +46,6 @@ class BlockTable:
         self._page_order: dict[tuple[str, int], int] = {}  # order number of each held page
         self._flat: dict[str, np.ndarray] | None = None
         self._single_bt: list | None = None  # block tables of this request alone (attention at batch 1)
-        self._holes = False  # an eviction ever hit this table (its live slots are no longer a prefix)
 
     # --- what the table holds (read-only views) ------------------------------------------------------
     @property
@@ -64,8 +63,15 @@ class BlockTable:
         return MappingProxyType(self._pages)
 
     @property
-    def reusable(self) -> MappingProxyType:
-        return MappingProxyType(self._reusable)
+    def reusable(self) -> dict[Cls, list[tuple[int, int, int]]]:
+        """``class -> [(page order, page, slot), ...]``: the non-empty reuse heaps with the slot kept outside them
+        (a copy)."""
+        out = {cls: list(h) for cls, h in self._reusable.items() if h}
+        for cls in self._cols.single_classes(self.layer):
+            one = self._cols.single(self.layer, self._row, cls)
+            if one is not None and (cls[0], one[0]) in self._page_order:
+                out.setdefault(cls, []).append((self._page_order[(cls[0], one[0])], *one))
+        return out
 
     @property
     def open_page(self) -> dict[Cls, int]:
@@ -79,7 +85,7 @@ class BlockTable:
 
     @property
     def holes(self) -> bool:
-        return self._holes
+        return self._cols.holes(self.layer, self._row)
 
     def __contains__(self, pos: int) -> bool:
         return self._cols.code(self.layer, self._row, int(pos)) >= 0
@@ -119,7 +125,7 @@ class BlockTable:
     def dense_run(self) -> tuple[int, int] | None:
         """``(first page, live tokens)`` when the tokens fill one ascending run of pages from the first slot
         with no hole (attention can then read a view of the pool instead of a gather)."""
-        if self._holes or len(self._pages) != 1:
+        if self.holes or len(self._pages) != 1:
             return None
         (pages,) = self._pages.values()
         if not pages or pages[-1] - pages[0] != len(pages) - 1 or any(b - a != 1 for a, b in zip(pages, pages[1:])):
@@ -138,9 +144,20 @@ class BlockTable:
         """The reuse heap of ``cls`` changed: the columns' flag follows whether it is empty."""
         self._cols.set_reusable(self.layer, self._row, cls, bool(self._reusable.get(cls)))
 
+    def _absorb(self, cls: Cls) -> None:
+        """The reusable slot the columns keep outside the heap (``TableColumns.single``) joins the heap."""
+        one = self._cols.single(self.layer, self._row, cls)
+        if one is not None:
+            self._cols.clear_single(self.layer, self._row, cls)
+            no = self._page_order.get((cls[0], one[0]))
+            if no is not None:  # (a page no longer held takes its slot with it, as a stale heap entry would)
+                heapq.heappush(self._reusable.setdefault(cls, []), (no, *one))
+                self._cols.set_reusable(self.layer, self._row, cls, True)
+
     def alloc_slots(self, pool: PagePool, cls: Cls, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Slots for ``n`` tokens of ``cls``: reusable (evicted) slots first (oldest page, lowest slot), then
         the open page's tail, and only then new pages."""
+        self._absorb(cls)
         heap = self._reusable.get(cls)
         pages, slots = [], []
         if heap:
@@ -165,6 +182,7 @@ class BlockTable:
 
     def alloc_one(self, pool: PagePool, cls: Cls) -> tuple[int, int]:
         """``alloc_slots(pool, cls, 1)`` as two ints, without building arrays (a decode step's write)."""
+        self._absorb(cls)
         heap = self._reusable.get(cls)
         if heap:
             found = None
@@ -189,13 +207,26 @@ class BlockTable:
     def alloc_one_each(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
                        pool: PagePool, cls: Cls) -> tuple[np.ndarray, np.ndarray]:
         """``alloc_one`` for one token of each of ``rows`` (distinct requests, one layer; ``tables(i)``: the
-        table of ``rows[i]``), the same slots in the same state, by array operations: rows with no reusable
-        slot of ``cls`` and no open page get new pages in one pool call, then every row without reusable
-        slots takes its open page's next tail slot; the others take ``alloc_one``."""
+        table of ``rows[i]``), the same slots in the same state, by array operations: a row whose only reusable
+        slot is the one the columns keep outside the heap takes it back; rows with no reusable slot and no open
+        page get new pages in one pool call, then take their open page's next tail slot; rows with reuse heaps
+        take ``alloc_one``."""
         n = len(rows)
-        reuse = cols.reusable_rows(layer, rows, cls)
+        heaped = cols.reusable_rows(layer, rows, cls)
+        pages = np.full(n, -1, np.int64)
+        slots = np.zeros(n, np.int64)
+        done = np.zeros(n, bool)
+        single = cols.singles(layer, rows, cls)
+        kept = np.flatnonzero((single >= 0) & ~heaped)
+        if len(kept):
+            sp, ss = single[kept] >> 5, single[kept] & 31
+            free = (pool.valid[sp] >> ss.astype(np.int32)) & 1 == 0  # (else refilled: stale, as in the heap)
+            cols.set_singles(layer, rows[kept], cls, np.full(len(kept), -1, np.int64))
+            took = kept[free]
+            pages[took], slots[took] = sp[free], ss[free]
+            done[took] = True
         opens = cols.open_pages(layer, rows, cls)
-        need = np.flatnonzero((opens < 0) & ~reuse)
+        need = np.flatnonzero((opens < 0) & ~heaped & ~done)
         if len(need):
             fresh = pool.alloc_pages(len(need), cls[1])
             for j, i in enumerate(need.tolist()):  # a page every block_size steps per row
@@ -205,22 +236,22 @@ class BlockTable:
                 else:
                     t._adopt_open_page(pool, cls, int(fresh[j]))  # noqa: SLF001
             opens = cols.open_pages(layer, rows, cls)
-        fast = (opens >= 0) & ~reuse
-        pages = opens.copy()
-        slots = np.zeros(n, np.int64)
+        fast = (opens >= 0) & ~heaped & ~done
         if fast.any():
             start = pool.take_tails(opens[fast])
+            pages[fast] = opens[fast]
             slots[fast] = start
             closed = np.flatnonzero(fast)[start + 1 >= pool.B]
             if len(closed):  # a page's last tail slot: it is no longer the class's open page
                 cols.close_rows(layer, rows[closed], cls)
-        for i in np.flatnonzero(~fast).tolist():
+        for i in np.flatnonzero(~fast & ~done).tolist():
             pages[i], slots[i] = tables(i).alloc_one(pool, cls)
         return pages, slots
 
     def needs_fresh_pages(self, cls: Cls) -> bool:
         """No reusable slot and no open page of ``cls``: a write of whole pages takes fresh pages."""
-        return not self._reusable.get(cls) and self._open_of(cls) is None
+        return (not self._reusable.get(cls) and self._open_of(cls) is None
+                and self._cols.single(self.layer, self._row, cls) is None)
 
     def add_full_pages(self, pool: PagePool, cls: Cls, pages: Iterable[int]) -> None:
         """Pages just taken from ``pool`` and filled at once (a flush of whole pages): held, never open."""
@@ -260,13 +291,14 @@ class BlockTable:
 
     def forget(self, positions: Iterable[int]) -> list[Where]:
         """Drop ``positions`` from the map (evicted or moved away); returns where the held ones were."""
-        self._holes = True
+        self._cols.set_holes(self.layer, self._row)
         return self._cols.forget(self.layer, self._row, positions)
 
     # --- freed slots and pages -----------------------------------------------------------------------
     def free_slot(self, pool: PagePool, cls: Cls, p: int, s: int) -> None:
         """Slot ``s`` of page ``p`` (just evicted) joins its class's reuse heap; the page goes back to the
         pool when it is left empty and is not the open page."""
+        self._absorb(cls)
         heapq.heappush(self._reusable.setdefault(cls, []), (self._page_order[(cls[0], p)], p, s))
         self._cols.set_reusable(self.layer, self._row, cls, True)
         if pool.live[p] == 0 and self._open_of(cls) != p:
@@ -284,6 +316,7 @@ class BlockTable:
             for p, s in zip(pl, sl):
                 by_cls.setdefault(cls_of[p], []).append((order[p], p, s))
         for c, freed in by_cls.items():  # pops come out the same whichever way the heap is built (entries differ)
+            self._absorb((fmt, c))
             heap = self._reusable.setdefault((fmt, c), [])
             if len(freed) > len(heap):
                 heap.extend(freed)
@@ -311,6 +344,9 @@ class BlockTable:
         """Page ``p``'s order number and bytes go (the caller updates the page list)."""
         del self._page_order[(cls[0], p)]
         self._account.add(-held_page_bytes(pool))
+        one = self._cols.single(self.layer, self._row, cls)
+        if one is not None and one[0] == p:  # its reusable slot goes with it
+            self._cols.clear_single(self.layer, self._row, cls)
 
     # --- shared pages (cache/forks.py) ---------------------------------------------------------------
     def seal(self) -> None:
@@ -319,7 +355,8 @@ class BlockTable:
         self._cols.close_all(self.layer, self._row)
         self._reusable.clear()
         self._cols.clear_reusable(self.layer, self._row)
-        self._holes = True
+        self._cols.clear_singles(self.layer, self._row)
+        self._cols.set_holes(self.layer, self._row)
 
     def copy_from(self, parent: BlockTable) -> None:
         """Hold exactly ``parent``'s pages and tokens, by reference (a fork; the bytes are charged by the
@@ -327,7 +364,7 @@ class BlockTable:
         self._pages = {cls: list(pages) for cls, pages in parent.pages.items()}
         self._page_order = dict(parent.page_seq)
         self._cols.copy_row(self.layer, parent._row, self._row)  # noqa: SLF001
-        self._holes = True
+        self._cols.set_holes(self.layer, self._row)
         self._pages_changed()
 
     def replace_page(self, cls: Cls, old: int, new: int, slot_positions: np.ndarray) -> None:
@@ -362,6 +399,7 @@ class BlockTable:
             pool.release_page(p)
         self._pages[cls] = pages = pages[:keep]
         self._reusable[cls] = []
+        self._cols.clear_single(self.layer, self._row, cls)
         self._reuse_changed(cls)
         self._close(cls)
         if pages and not pool.tail_full(pages[-1]):

@@ -39,6 +39,10 @@ class TableColumns:
         self._live = np.zeros((num_layers, FIRST_ROWS), np.int64)
         self._open: list[dict[Cls, np.ndarray]] = [{} for _ in range(num_layers)]  # page, -1 none
         self._reuse: list[dict[Cls, np.ndarray]] = [{} for _ in range(num_layers)]  # reuse heap not empty
+        # one reusable slot kept outside the heap (page << 5 | slot, -1 none): a one-token eviction a step and the
+        # next write taking that slot back (a sliding window, a scorer's victim) stay array operations
+        self._single: list[dict[Cls, np.ndarray]] = [{} for _ in range(num_layers)]
+        self._holes = np.zeros((num_layers, FIRST_ROWS), bool)  # an eviction ever hit the table
         self._stamp = np.zeros((num_layers, FIRST_ROWS), np.int64)  # changes whenever a page list changes
         self._clock = 0
         self._free = list(range(FIRST_ROWS - 1, -1, -1))  # a stack: the lowest free row on top
@@ -59,7 +63,10 @@ class TableColumns:
                 col[row] = -1
             for col in self._reuse[layer].values():
                 col[row] = False
+            for col in self._single[layer].values():
+                col[row] = -1
         self._live[:, row] = 0
+        self._holes[:, row] = False
         self._clock += 1
         self._stamp[:, row] = self._clock
         self._free.append(row)
@@ -75,6 +82,9 @@ class TableColumns:
                 self._open[layer][cls] = np.concatenate([col, np.full(new - old, -1, np.int64)])
             for cls, col in self._reuse[layer].items():
                 self._reuse[layer][cls] = np.concatenate([col, np.zeros(new - old, bool)])
+            for cls, col in self._single[layer].items():
+                self._single[layer][cls] = np.concatenate([col, np.full(new - old, -1, np.int64)])
+        self._holes = np.concatenate([self._holes, np.zeros((self.num_layers, new - old), bool)], axis=1)
         self._live = np.concatenate([self._live, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
         self._stamp = np.concatenate([self._stamp, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
         self._free = list(range(new - 1, old - 1, -1)) + self._free
@@ -202,6 +212,26 @@ class TableColumns:
         names = self._fmt_names
         return [(names[f], p, s) for f, p, s in zip(fids.tolist(), pages.tolist(), slots.tolist())]
 
+    def forget_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``forget`` of one position in each of ``rows`` (distinct): ``(held, format ids, pages, slots)``, the
+        last three for the held ones."""
+        w = self._where[layer]
+        inside = (positions >= 0) & (positions < w.shape[1])
+        codes = np.full(len(rows), NOT_HELD, np.int64)
+        codes[inside] = w[rows[inside], positions[inside]]
+        held = codes >= 0
+        w[rows[held], positions[held]] = NOT_HELD
+        self._live[layer, rows[held]] -= 1
+        self._holes[layer, rows] = True
+        return (held, *self.decode_many(codes[held]))
+
+    def holes(self, layer: int, row: int) -> bool:
+        return bool(self._holes[layer, row])
+
+    def set_holes(self, layer: int, row: int) -> None:
+        self._holes[layer, row] = True
+
     def copy_row(self, layer: int, src: int, dst: int) -> None:
         w = self._where[layer]
         w[dst] = w[src]
@@ -250,6 +280,34 @@ class TableColumns:
     def reusable_rows(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray:
         col = self._reuse[layer].get(cls)
         return np.zeros(len(rows), bool) if col is None else col[rows]
+
+    def single(self, layer: int, row: int, cls: Cls) -> tuple[int, int] | None:
+        col = self._single[layer].get(cls)
+        v = -1 if col is None else col.item(row)
+        return None if v < 0 else (v >> 5, v & _SLOT_MASK)
+
+    def single_classes(self, layer: int) -> list[Cls]:
+        return list(self._single[layer])
+
+    def set_single(self, layer: int, row: int, cls: Cls, p: int, s: int) -> None:
+        self._col(self._single, layer, cls, -1, np.int64)[row] = p << 5 | s
+
+    def clear_single(self, layer: int, row: int, cls: Cls) -> None:
+        col = self._single[layer].get(cls)
+        if col is not None:
+            col[row] = -1
+
+    def clear_singles(self, layer: int, row: int) -> None:
+        for col in self._single[layer].values():
+            col[row] = -1
+
+    def singles(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray:
+        """``page << 5 | slot`` of each row's reusable slot kept outside the heap, -1 none."""
+        col = self._single[layer].get(cls)
+        return np.full(len(rows), -1, np.int64) if col is None else col[rows]
+
+    def set_singles(self, layer: int, rows: np.ndarray, cls: Cls, packed: np.ndarray) -> None:
+        self._col(self._single, layer, cls, -1, np.int64)[rows] = packed
 
     # --- page-list stamps (BlockTableCache: which rows' block tables changed) -------------------------
     def touch(self, layer: int, row: int) -> None:

@@ -11,6 +11,7 @@ from collections import Counter
 import numpy as np
 import torch
 
+from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool import PagePool
 from trtkv.cache.sequence import SeqKV
 
@@ -55,6 +56,45 @@ def evict_private_many(pools: dict[str, PagePool], layer: int, items: list[tuple
             if lo < hi:
                 seq.layers[layer].free_slots(pool, fmt, pl[lo:hi], sl[lo:hi])
     return counts
+
+
+def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int, seqs: list[SeqKV],
+                   positions: np.ndarray) -> np.ndarray:
+    """Evict ``positions[i]`` (-1: nothing) of ``seqs[i]`` (distinct requests, pages no other sequence holds) in
+    one layer by array operations: a sliding window's or a scorer's one victim a step for the whole batch.
+    The freed slot is kept in the columns outside the reuse heap (``TableColumns.single``) where the heap is
+    empty, the page keeps live tokens and no slot is kept already; other victims join their heaps through
+    ``BlockTable.free_slot``, request by request. Same end state as evicting each in turn. Returns 1/0 a
+    request."""
+    rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+    held, fids, pages, slots = columns.forget_rows(layer, rows, positions)
+    idx = np.flatnonzero(held)
+    slow: list[tuple[int, str, int, int, int]] = []
+    names = columns.fmt_names
+    for f in np.unique(fids).tolist():
+        fmt = names[f]
+        pool = pools[fmt]
+        sel = np.flatnonzero(fids == f)
+        pg, sl, who = pages[sel], slots[sel], idx[sel]
+        gids = None
+        if pool.group_specs:
+            kg = pool.k_group
+            gids = kg.numpy()[pg, sl] if kg.device.type == "cpu" else \
+                kg[torch.from_numpy(pg).to(kg.device), torch.from_numpy(sl).to(kg.device)].cpu().numpy()
+        pool.mark_evicted_many(pg, sl)
+        if gids is not None:
+            decref_groups_many([seqs[i] for i in who.tolist()], pool, gids, np.arange(len(sel) + 1))
+        classes = pool.page_class[pg]
+        for c in np.unique(classes).tolist():
+            cs = np.flatnonzero(classes == c)
+            cls, r = (fmt, c), rows[who[cs]]
+            keep = ~columns.reusable_rows(layer, r, cls) & (columns.singles(layer, r, cls) < 0) & (pool.live[pg[cs]] > 0)
+            columns.set_singles(layer, r[keep], cls, pg[cs[keep]] << 5 | sl[cs[keep]])
+            slow += [(i, fmt, c, p, s) for i, p, s in zip(who[cs[~keep]].tolist(), pg[cs[~keep]].tolist(),
+                                                          sl[cs[~keep]].tolist())]
+    for i, fmt, c, p, s in sorted(slow):  # in request order: pages released as evicting in turn releases them
+        seqs[i].layers[layer].free_slot(pools[fmt], (fmt, c), p, s)
+    return held.astype(np.int64)
 
 
 def decref_groups(seq: SeqKV, pool: PagePool, gids) -> None:

@@ -24,7 +24,7 @@ from trtkv.cache.block_table import ENTRY_BYTES, BlockTable, Cls, held_page_byte
 from trtkv.cache.budget import PoolPlan
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
-from trtkv.cache.eviction import decref_groups, evict_private, evict_private_many
+from trtkv.cache.eviction import decref_groups, evict_one_each, evict_private, evict_private_many
 from trtkv.cache.flush import flush_many
 from trtkv.cache.forks import FORK_MODES, PageRefs
 from trtkv.cache.pool import PagePool
@@ -277,12 +277,24 @@ class KVCacheManager:
         """``evict`` of several requests in one layer: in one pass over the batch (``evict_private_many``, the
         same end state as ``evict`` of each in turn, few victims or many) unless a request is forked."""
         items = [(s, p.tolist() if hasattr(p, "tolist") else list(p)) for s, p in items]
+        if (self.cfg.eviction != "compact" and max(map(len, (p for _, p in items)), default=0) <= 1
+                and all(s.fork_mode is None for s, _ in items) and len({id(s) for s, _ in items}) == len(items)):
+            return self.evict_one_each(layer, [s for s, _ in items], [p[0] if p else -1 for _, p in items])
         if any(s.fork_mode is not None for s, _ in items) or sum(map(len, (p for _, p in items))) < EVICT_BATCH_MIN:
             return [self.evict(s, layer, p) for s, p in items]
         counts = evict_private_many(self.pools[layer], layer, items)
         for (seq, _), n in zip(items, counts):
             self._evicted(seq, layer, n)
         return counts
+
+    def evict_one_each(self, layer: int, seqs: list[SeqKV], positions) -> list[int]:
+        """``evict`` of at most one position of each of ``seqs`` (distinct, unforked; -1: none) in one layer, by
+        array operations (``trtkv/cache/eviction.py``); in-place eviction only."""
+        counts = evict_one_each(self.pools[layer], self.columns, layer, seqs, np.asarray(positions, np.int64))
+        for seq in itertools.compress(seqs, counts.tolist()):
+            seq.count_evicted(1)
+        self.evictions_total += int(counts.sum())
+        return counts.tolist()
 
     def count_evicted(self, seq: SeqKV, n: int) -> None:
         """Count ``n`` tokens of ``seq`` as evicted (dropped from whichever tier held them)."""

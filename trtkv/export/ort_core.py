@@ -125,8 +125,7 @@ class OrtEngineCore(EngineCore):
         pol, cache, lay = self.policy, self.cache, self.layout
         ctxs = [r.ctx for r in reqs]
         seqs = [c.seq for c in ctxs]
-        for c in ctxs:
-            pol.on_decode_step_begin(c)
+        pol.on_decode_step_begin_batch(ctxs)
         classes = [pol.write_class(c) for c in ctxs]
         sreqs = [pol.stats_request(c, "decode") for c in ctxs]
         if any(sr is not None and sr.queries for sr in sreqs):

@@ -201,6 +201,12 @@ class KVPolicy:
     def on_decode_step_begin(self, req: PolicyRequest) -> None:
         pass
 
+    def on_decode_step_begin_batch(self, reqs: list[PolicyRequest]) -> None:
+        """``on_decode_step_begin`` for every request of a decode step (the runtime's call, once a step). A policy
+        that evicts a token or so per request each step overrides this to evict for the batch at once."""
+        for req in reqs:
+            self.on_decode_step_begin(req)
+
     def before_attention(self, req: PolicyRequest, layer: int) -> None:
         pass
 

@@ -22,16 +22,24 @@ class StreamingLLMPolicy(KVPolicy):
         if self.budget is None or self.budget <= self.n_sink:
             raise ValueError(f"streamingllm needs budget > n_sink ({self.n_sink})")
 
-    def _trim(self, req, room: int) -> None:
+    def _victims(self, req, room: int):
+        """The positions to drop so ``room`` more tokens fit: everything between the sinks and the window."""
         keep_recent = self.budget - self.n_sink - room
         live = req.live_positions(0)
         if len(live) + room <= self.budget:
-            return
-        evict = live[self.n_sink: len(live) - keep_recent] if keep_recent > 0 else live[self.n_sink:]
-        req.evict_all_layers(evict)
+            return live[:0]
+        return live[self.n_sink: len(live) - keep_recent] if keep_recent > 0 else live[self.n_sink:]
 
     def on_prefill_end(self, req, stats) -> None:
-        self._trim(req, 0)
+        req.evict_all_layers(self._victims(req, 0))
 
     def on_decode_step_begin(self, req) -> None:
-        self._trim(req, 1)
+        req.evict_all_layers(self._victims(req, 1))
+
+    def on_decode_step_begin_batch(self, reqs) -> None:
+        """The batch's window slides together: each layer's victims (one a request once the window is full) are
+        evicted in one call for the batch."""
+        jobs = [(req, v) for req in reqs if len(v := self._victims(req, 1))]
+        if jobs:
+            for layer in range(jobs[0][0].num_layers):
+                jobs[0][0].evict_many(layer, jobs)

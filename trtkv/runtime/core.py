@@ -219,8 +219,7 @@ class EngineCore:
             clk.start()
             clk.switch("policy")
         ctxs = [r.ctx for r in reqs]
-        for c in ctxs:
-            self.policy.on_decode_step_begin(c)
+        self.policy.on_decode_step_begin_batch(ctxs)
         classes = [self.policy.write_class(c) for c in ctxs]
         sreqs = [self.policy.stats_request(c, "decode") for c in ctxs]
         if clk is not None:
