@@ -109,6 +109,9 @@ class BlockTable:
     def pages_of_format(self) -> dict[str, np.ndarray]:
         """Pages per format in table order, as int32 arrays (a batch's block table is copied from them every
         layer of every step); rebuilt only when a page list changes."""
+        if self._flat is None and len(self._pages) == 1:  # one class (most tables): no merging
+            ((fmt, _), pages), = self._pages.items()
+            self._flat = {fmt: np.asarray(pages, np.int32)}
         if self._flat is None:
             flat: dict[str, list[int]] = {}
             for (fmt, _), pages in self._pages.items():
@@ -210,42 +213,51 @@ class BlockTable:
         table of ``rows[i]``), the same slots in the same state, by array operations: a row whose only reusable
         slot is the one the columns keep outside the heap takes it back; rows with no reusable slot and no open
         page get new pages in one pool call, then take their open page's next tail slot; rows with reuse heaps
-        take ``alloc_one``."""
+        take ``alloc_one``. (Each array operation costs microseconds inside a decode step: a layer of the common
+        case, no reuse anywhere, takes a handful.)"""
         n = len(rows)
-        heaped = cols.reusable_rows(layer, rows, cls)
+        heaped = cols.reusable_rows(layer, rows, cls)  # None: no row of the layer has a reuse heap of cls
+        single = cols.singles(layer, rows, cls)
         pages = np.full(n, -1, np.int64)
         slots = np.zeros(n, np.int64)
-        done = np.zeros(n, bool)
-        single = cols.singles(layer, rows, cls)
-        kept = np.flatnonzero((single >= 0) & ~heaped)
-        if len(kept):
-            sp, ss = single[kept] >> 5, single[kept] & 31
-            free = (pool.valid[sp] >> ss.astype(np.int32)) & 1 == 0  # (else refilled: stale, as in the heap)
-            cols.set_singles(layer, rows[kept], cls, np.full(len(kept), -1, np.int64))
-            took = kept[free]
-            pages[took], slots[took] = sp[free], ss[free]
-            done[took] = True
+        waiting = heaped if heaped is not None else np.zeros(n, bool)  # rows served elsewhere: heaps, kept slots
+        if single is not None:
+            kept = np.flatnonzero((single >= 0) & ~waiting)
+            if len(kept):
+                sp, ss = single[kept] >> 5, single[kept] & 31
+                free = (pool.valid[sp] >> ss.astype(np.int32)) & 1 == 0  # (else refilled: stale, as in the heap)
+                cols.set_singles(layer, rows[kept], cls, np.full(len(kept), -1, np.int64))
+                took = kept[free]
+                pages[took], slots[took] = sp[free], ss[free]
+                waiting = waiting.copy()
+                waiting[took] = True
         opens = cols.open_pages(layer, rows, cls)
-        need = np.flatnonzero((opens < 0) & ~heaped & ~done)
+        need = np.flatnonzero((opens < 0) & ~waiting)
         if len(need):
             fresh = pool.alloc_pages(len(need), cls[1])
-            for j, i in enumerate(need.tolist()):  # a page every block_size steps per row
-                t = tables(i)
-                if fresh is None:  # the pool lacks them (or grows): one by one, a full pool names its request
-                    t._new_page(pool, cls)  # noqa: SLF001
-                else:
-                    t._adopt_open_page(pool, cls, int(fresh[j]))  # noqa: SLF001
+            if fresh is None:  # the pool lacks them (or grows): one by one, a full pool names its request
+                for i in need.tolist():
+                    tables(i)._new_page(pool, cls)  # noqa: SLF001
+            else:
+                BlockTable._adopt_each([tables(i) for i in need.tolist()], cols, layer, rows[need], pool, cls, fresh)
             opens = cols.open_pages(layer, rows, cls)
-        fast = (opens >= 0) & ~heaped & ~done
+        fast = ~waiting
+        if fast.all():  # every row takes its open page's tail (the common step)
+            slots = pool.take_tails(opens)
+            closed = np.flatnonzero(slots + 1 >= pool.B)
+            if len(closed):  # a page's last tail slot: it is no longer the class's open page
+                cols.close_rows(layer, rows[closed], cls)
+            return opens, slots
         if fast.any():
             start = pool.take_tails(opens[fast])
             pages[fast] = opens[fast]
             slots[fast] = start
             closed = np.flatnonzero(fast)[start + 1 >= pool.B]
-            if len(closed):  # a page's last tail slot: it is no longer the class's open page
+            if len(closed):
                 cols.close_rows(layer, rows[closed], cls)
-        for i in np.flatnonzero(~fast & ~done).tolist():
-            pages[i], slots[i] = tables(i).alloc_one(pool, cls)
+        if heaped is not None:
+            for i in np.flatnonzero(heaped).tolist():
+                pages[i], slots[i] = tables(i).alloc_one(pool, cls)
         return pages, slots
 
     def needs_fresh_pages(self, cls: Cls) -> bool:
@@ -279,6 +291,24 @@ class BlockTable:
         self._cols.set_open(self.layer, self._row, cls, p)
         self._pages_changed()
         self._account.add(held_page_bytes(pool))
+
+    @staticmethod
+    def _adopt_each(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool,
+                    cls: Cls, pages: np.ndarray) -> None:
+        """``_adopt_open_page`` of ``pages[i]`` by ``tables[i]`` (distinct, rows ``rows``): the columns' open pages
+        and stamps set for all at once (every request of a batch crosses a page boundary on the same step)."""
+        fmt, cost = cls[0], held_page_bytes(pool)
+        for t, p in zip(tables, pages.tolist()):
+            t._page_order[(fmt, p)] = next(t._order)  # noqa: SLF001
+            held = t._pages.get(cls)  # noqa: SLF001
+            if held is None:
+                t._pages[cls] = [p]  # noqa: SLF001
+            else:
+                held.append(p)
+            t._flat = t._single_bt = None  # noqa: SLF001
+            t._account.add(cost)  # noqa: SLF001
+        cols.set_opens(layer, rows, cls, pages)
+        cols.touch_rows(layer, rows)
 
     # --- the position map ----------------------------------------------------------------------------
     def place(self, fmt: str, pages: Iterable[int], slots: Iterable[int], positions: Iterable[int]) -> None:

@@ -110,8 +110,7 @@ class TableColumns:
         return i
 
     def _codes(self, fmt: str, pages, slots) -> np.ndarray:
-        pages = np.asarray(pages, np.int64)
-        assert not len(pages) or pages.max() < MAX_PAGES, "a page id beyond what a position map entry holds"
+        pages = np.asarray(pages, np.int64)  # (< MAX_PAGES: PagePool never grows past it)
         return ((pages << _PAGE_SHIFT) | (np.asarray(slots, np.int64) << _SLOT_SHIFT)
                 | self.fmt_id(fmt)).astype(np.int32)
 
@@ -130,6 +129,9 @@ class TableColumns:
     # --- the position map of one row ----------------------------------------------------------------
     def live(self, layer: int, row: int) -> int:
         return int(self._live[layer, row])
+
+    def live_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
+        return self._live[layer, rows]
 
     def code(self, layer: int, row: int, pos: int) -> int:
         w = self._where[layer]
@@ -251,6 +253,9 @@ class TableColumns:
     def set_open(self, layer: int, row: int, cls: Cls, p: int) -> None:
         self._col(self._open, layer, cls, -1, np.int64)[row] = p
 
+    def set_opens(self, layer: int, rows: np.ndarray, cls: Cls, pages: np.ndarray) -> None:
+        self._col(self._open, layer, cls, -1, np.int64)[rows] = pages
+
     def open_pages_of(self, layer: int, row: int) -> dict[Cls, int]:
         return {cls: col.item(row) for cls, col in self._open[layer].items() if col.item(row) >= 0}
 
@@ -277,9 +282,13 @@ class TableColumns:
         for col in self._reuse[layer].values():
             col[row] = False
 
-    def reusable_rows(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray:
+    def reusable_rows(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray | None:
+        """Which rows have a non-empty reuse heap of ``cls``; None when none has."""
         col = self._reuse[layer].get(cls)
-        return np.zeros(len(rows), bool) if col is None else col[rows]
+        if col is None:
+            return None
+        got = col[rows]
+        return got if got.any() else None
 
     def single(self, layer: int, row: int, cls: Cls) -> tuple[int, int] | None:
         col = self._single[layer].get(cls)
@@ -301,10 +310,11 @@ class TableColumns:
         for col in self._single[layer].values():
             col[row] = -1
 
-    def singles(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray:
-        """``page << 5 | slot`` of each row's reusable slot kept outside the heap, -1 none."""
+    def singles(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray | None:
+        """``page << 5 | slot`` of each row's reusable slot kept outside the heap, -1 none; None when the layer
+        never kept one of ``cls``."""
         col = self._single[layer].get(cls)
-        return np.full(len(rows), -1, np.int64) if col is None else col[rows]
+        return None if col is None else col[rows]
 
     def set_singles(self, layer: int, rows: np.ndarray, cls: Cls, packed: np.ndarray) -> None:
         self._col(self._single, layer, cls, -1, np.int64)[rows] = packed
@@ -313,6 +323,10 @@ class TableColumns:
     def touch(self, layer: int, row: int) -> None:
         self._clock += 1
         self._stamp[layer, row] = self._clock
+
+    def touch_rows(self, layer: int, rows: np.ndarray) -> None:
+        self._stamp[layer, rows] = self._clock + 1 + np.arange(len(rows))
+        self._clock += len(rows)
 
     def stamps(self, layer: int, rows: np.ndarray) -> np.ndarray:
         return self._stamp[layer, rows]

@@ -88,8 +88,12 @@ def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int
         for c in np.unique(classes).tolist():
             cs = np.flatnonzero(classes == c)
             cls, r = (fmt, c), rows[who[cs]]
-            keep = (~columns.reusable_rows(layer, r, cls) & (columns.singles(layer, r, cls) < 0)
-                    & (pool.live[pg[cs]] > 0))
+            keep = pool.live[pg[cs]] > 0  # (an emptied page goes back to the pool: free_slot's path)
+            heaped, single = columns.reusable_rows(layer, r, cls), columns.singles(layer, r, cls)
+            if heaped is not None:
+                keep &= ~heaped
+            if single is not None:
+                keep &= single < 0
             columns.set_singles(layer, r[keep], cls, pg[cs[keep]] << 5 | sl[cs[keep]])
             slow += [(i, fmt, c, p, s) for i, p, s in zip(who[cs[~keep]].tolist(), pg[cs[~keep]].tolist(),
                                                           sl[cs[~keep]].tolist())]

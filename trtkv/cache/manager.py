@@ -53,6 +53,7 @@ class KVCacheManager:
         self._page_order = itertools.count(1)  # pages numbered as tables take them: "oldest page first"
         self.columns = TableColumns(cfg.num_layers)  # every request's position maps, open pages, ... (by row)
         self._rows_of: tuple[list | None, np.ndarray] = (None, np.empty(0, np.int64))  # last batch's rows
+        self._positions_of: tuple[list | None, np.ndarray] = (None, np.empty(0, np.int64))
         self._batch_tables = reads.BlockTableCache(cfg.num_layers)
         self.evictions_total = 0
         self.compaction_moves = 0  # tokens copied by gather compaction
@@ -204,22 +205,29 @@ class KVCacheManager:
         clk = self.clock
         prev = clk.switch("kv_write") if clk is not None else None
         plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
-                            torch.from_numpy(pages).to(pool.device), torch.from_numpy(slots).to(pool.device),
-                            -1, pool.fmt.code, sc.k, sc.v)
+                            _on(pool.device, pages), _on(pool.device, slots), -1, pool.fmt.code, sc.k, sc.v)
         if clk is not None:
             clk.switch(prev)
-        pos = np.asarray(positions, np.int64)
+        pos = self._array_of(positions)
         pool.mark_written_distinct(pages, slots, pos)  # one slot in each of distinct pages: one call for the batch
         self.columns.place_rows(layer, rows, cls[0], pages, slots, pos)
 
     def rows(self, seqs: list[SeqKV]) -> np.ndarray:
-        """The requests' rows in ``columns``, as an array (remembered for the same list: a decode step asks
-        once per layer)."""
+        """The requests' rows in ``columns``, as an array (remembered for the same list, which the caller does
+        not change: a decode step asks once per layer)."""
         last, rows = self._rows_of
         if last is not seqs or len(rows) != len(seqs):
             rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
             self._rows_of = (seqs, rows)
         return rows
+
+    def _array_of(self, positions: list[int]) -> np.ndarray:
+        """``positions`` as an int64 array, remembered for the same list like ``rows``."""
+        last, arr = self._positions_of
+        if last is not positions or len(arr) != len(positions):
+            arr = np.asarray(positions, np.int64)
+            self._positions_of = (positions, arr)
+        return arr
 
     def record_written(self, seq: SeqKV, layer: int, pool: PagePool, fmt: str, pages: np.ndarray,
                        slots: np.ndarray, positions: list[int], seg: int | np.ndarray = -1) -> None:
@@ -383,6 +391,13 @@ class KVCacheManager:
             total += sum(self.pools[layer][f].group_bytes for f, _ in groups)
         return total
 
+    def num_live_many(self, seqs: list[SeqKV], layer: int) -> np.ndarray:
+        """Tokens each of ``seqs`` holds in ``layer``, paged and buffered (one array read for the batch)."""
+        n = self.columns.live_rows(layer, self.rows(seqs))
+        if self.residual is not None:
+            n = n + np.fromiter((s.buffered(layer) for s in seqs), np.int64, len(seqs))
+        return n
+
     def live_tokens(self, seq: SeqKV) -> list[int]:
         return [t.live for t in seq.layers]
 
@@ -416,6 +431,12 @@ class KVCacheManager:
     def pool_peak_bytes(self) -> int:
         """Bytes of the most pages and groups each pool had in use at once (what the runs needed)."""
         return self.pools.peak_bytes()
+
+
+def _on(device: torch.device, a: np.ndarray) -> torch.Tensor:
+    """``a`` as a tensor on ``device`` (on CPU, a view of the array: no copy and no ``.to`` call)."""
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.to(device)
 
 
 def fp16_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:

@@ -20,6 +20,7 @@ from plugins.formats import KVFormat
 from trtkv.errors import OutOfKVMemory
 
 FIRST_CHUNK = 16  # pages (or groups) initialised at once the first time; later chunks double
+MAX_POOL_PAGES = 1 << 23  # page ids a position map entry can name (trtkv/cache/columns.py)
 MARK_MANY_MIN = 8  # slots written in one call from which mark_written uses array operations
 
 
@@ -40,7 +41,7 @@ class PagePool:
     def _setup(self, fmt: KVFormat, num_heads: int, head_dim: int, block_size: int, device: str,
                pages: int, groups: int = 0) -> None:
         assert block_size <= 31, "validity words are int32 bit masks"
-        assert pages >= 1, "a pool holds at least one page"
+        assert 1 <= pages < MAX_POOL_PAGES, "a pool holds at least one page, and fewer than a position map can name"
         self.fmt, self.H, self.D, self.B, self.device = fmt, num_heads, head_dim, block_size, torch.device(device)
         cap = pages
         self.slot_specs = fmt.slot_fields(num_heads, head_dim)
@@ -268,15 +269,13 @@ class PagePool:
     def mark_written_distinct(self, pages: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
         """``mark_written`` of one slot in each of ``pages`` (distinct; segment -1): plain fancy indexing (a
         decode step's write-through, one slot per request)."""
-        bits = np.left_shift(np.int32(1), slots.astype(np.int32))
+        bits = np.left_shift(1, slots)
         v = self.valid[pages]
         assert not (v & bits).any(), "writing into a live slot"
         self.valid[pages] = v | bits
         self.live[pages] += 1
-        self.hwm[pages] = np.maximum(self.hwm[pages], (slots + 1).astype(np.int32))
         self.slot_pos[pages, slots] = positions
-        self.slot_seg[pages, slots] = -1
-        self._valid_dirty = True
+        self._valid_dirty = True  # (hwm: the slots came from take_tail or reuse; slot_seg of a free slot is -1)
 
     def mark_evicted(self, p: int, s: int) -> None:
         bit, v = 1 << s, int(self.valid[p])  # Python ints: bit <= 30 (block_size <= 31)
@@ -396,6 +395,7 @@ class PagePool:
     def _grow_pages(self) -> None:
         """Double the pages; the new ones are initialised when first handed out. Copies host memory only."""
         pad = self.capacity
+        assert 2 * pad < MAX_POOL_PAGES, "a host tier pool past the page ids a position map can name"
         self.fields = [torch.cat([t, t.new_empty(pad, *t.shape[1:])]) for t in self.fields]
         self.k_group = torch.cat([self.k_group, self.k_group.new_empty((pad, self.B))])
         self.valid = np.concatenate([self.valid, np.zeros(pad, np.int32)])

@@ -124,8 +124,7 @@ class BlockTableCache:
             if width == 0:
                 continue
             bt = np.full((len(seqs), width + width // 4 + 1), -1, np.int32)  # spare columns: pages join rows often
-            for i, r in enumerate(rows_of):
-                bt[i, : len(r)] = r
+            _fill_rows(bt, np.arange(len(seqs)), rows_of, lens)
             host[fmt] = (pool, bt, lens)
             # a copy: the host table is patched in place later, a tensor handed out stays as it was
             out.append((pool, torch.from_numpy(bt[:, :width].copy()).to(pool.device)))
@@ -142,12 +141,22 @@ class BlockTableCache:
         if any(len(r) > host[fmt][1].shape[1] for fmt, rs in rows.items() for r in rs):
             return None
         out = []
+        idx = np.asarray(changed, np.int64)
         for fmt, (pool, bt, lens) in host.items():
-            for i, r in zip(changed, rows[fmt]):
-                bt[i, : len(r)] = r
-                bt[i, len(r): lens[i]] = -1
-                lens[i] = len(r)
+            bt[idx, : int(lens[idx].max(initial=0))] = -1
+            lens[idx] = np.fromiter(map(len, rows[fmt]), np.int64, len(idx))
+            _fill_rows(bt, idx, rows[fmt], lens[idx])
             width = int(lens.max(initial=0))
             if width:
                 out.append((pool, torch.from_numpy(bt[:, :width].copy()).to(pool.device)))
         return out
+
+
+def _fill_rows(bt: np.ndarray, at: np.ndarray, rows: list[np.ndarray], lens: np.ndarray) -> None:
+    """``bt[at[i], :lens[i]] = rows[i]`` for every i, in one scatter."""
+    total = int(lens.sum())
+    if not total:
+        return
+    starts = np.cumsum(lens) - lens
+    cols = np.arange(total) - np.repeat(starts, lens)
+    bt[np.repeat(at, lens), cols] = np.concatenate(rows)

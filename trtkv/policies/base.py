@@ -213,6 +213,8 @@ class KVPolicy:
     def before_attention_batch(self, reqs: list[PolicyRequest], layer: int) -> None:
         """``before_attention`` for every request of a decode step (the runtime's call). A policy whose
         per-request work is a kernel call (ThinKV's k-means) overrides this to make one call for the batch."""
+        if type(self).before_attention is KVPolicy.before_attention:
+            return  # nothing to do for any request (most policies): no call per request and layer
         for req in reqs:
             self.before_attention(req, layer)
 

@@ -237,7 +237,7 @@ class EngineCore:
             step.wants = self._wants(sreqs, 0)
         if self.small_ops_threads:  # only CPU narrows threads (decode_layer), so only CPU needs the size
             step.threads = torch.get_num_threads()
-            step.attn_slots = sum(c.num_live(0) for c in ctxs) * self.arch.num_key_value_heads
+            step.attn_slots = int(self.cache.num_live_many(step.seqs, 0).sum()) * self.arch.num_key_value_heads
         self.staging.begin_step(step.seqs)
         return step
 
@@ -335,19 +335,23 @@ class EngineCore:
         contexts = [r.prompt_ids + r.generated if r.params.repetition_penalty != 1.0 else [] for r in reqs]
         toks = sample_next(logits, [r.params for r in reqs], [r.generator for r in reqs], contexts)
         self.steps_total += 1
-        for i, (r, c, tok) in enumerate(zip(reqs, ctxs, toks)):
-            r.last_logits = logits[i]
+        seqs = [c.seq for c in ctxs]
+        attended = self.cache.num_live_many(seqs, 0).tolist()  # what this step attended
+        for r, c, tok, row, n in zip(reqs, ctxs, toks, logits.unbind(0), attended):
+            r.last_logits = row
             r.decode_steps += 1
             c.step += 1
             self._append_token(r, tok)
-            r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))  # what this step attended
+            if n > r.peak_live_tokens:
+                r.peak_live_tokens = n
         if clk is not None:
             clk.switch("policy")
         pol.on_decode_step_end_batch(ctxs, stats)  # one call: a policy may batch its evictions over requests
         if clk is not None:
             clk.switch("bookkeeping")
-        for r, c in zip(reqs, ctxs):
-            r.peak_live_tokens = max(r.peak_live_tokens, c.num_live(0))
+        for r, n in zip(reqs, self.cache.num_live_many(seqs, 0).tolist()):
+            if n > r.peak_live_tokens:
+                r.peak_live_tokens = n
         if self.cache.has_tiers:
             for c in ctxs:
                 self.cache.tiers.note_peaks(c.seq)
