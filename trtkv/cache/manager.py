@@ -54,6 +54,7 @@ class KVCacheManager:
         self.columns = TableColumns(cfg.num_layers)  # every request's position maps, open pages, ... (by row)
         self._rows_of: tuple[list | None, np.ndarray] = (None, np.empty(0, np.int64))  # last batch's rows
         self._positions_of: tuple[list | None, np.ndarray] = (None, np.empty(0, np.int64))
+        self._residual_rows_of: tuple[list | None, np.ndarray] = (None, np.empty(0, np.int64))
         self._batch_tables = reads.BlockTableCache(cfg.num_layers)
         self.evictions_total = 0
         self.compaction_moves = 0  # tokens copied by gather compaction
@@ -221,6 +222,20 @@ class KVCacheManager:
             self._rows_of = (seqs, rows)
         return rows
 
+    def residual_rows(self, seqs: list[SeqKV]) -> np.ndarray:
+        """The requests' residual-arena rows, remembered for the same list like ``rows``."""
+        last, rows = self._residual_rows_of
+        if last is not seqs or len(rows) != len(seqs):
+            rows = np.fromiter((s.residual.row for s in seqs), np.int64, len(seqs))
+            self._residual_rows_of = (seqs, rows)
+        return rows
+
+    def buffered_many(self, seqs: list[SeqKV], layer: int) -> np.ndarray:
+        """Tokens each of ``seqs`` holds in its residual buffer in ``layer`` (zeros without buffers)."""
+        if self.residual is None:
+            return np.zeros(len(seqs), np.int64)
+        return self.residual.fill[self.residual_rows(seqs), layer]
+
     def _array_of(self, positions: list[int]) -> np.ndarray:
         """``positions`` as an int64 array, remembered for the same list like ``rows``."""
         last, arr = self._positions_of
@@ -242,7 +257,7 @@ class KVCacheManager:
                       positions: list[int]) -> None:
         clk = self.clock
         prev = clk.switch("kv_write") if clk is not None else None
-        self.residual.append(layer, [s.residual for s in seqs], k, v, positions)  # one write for the batch
+        self.residual.append_rows(layer, self.residual_rows(seqs), k, v, self._array_of(positions))  # one write
         if clk is not None:
             clk.switch(prev)
 
@@ -394,9 +409,7 @@ class KVCacheManager:
     def num_live_many(self, seqs: list[SeqKV], layer: int) -> np.ndarray:
         """Tokens each of ``seqs`` holds in ``layer``, paged and buffered (one array read for the batch)."""
         n = self.columns.live_rows(layer, self.rows(seqs))
-        if self.residual is not None:
-            n = n + np.fromiter((s.buffered(layer) for s in seqs), np.int64, len(seqs))
-        return n
+        return n + self.buffered_many(seqs, layer) if self.residual is not None else n
 
     def live_tokens(self, seq: SeqKV) -> list[int]:
         return [t.live for t in seq.layers]

@@ -21,12 +21,12 @@ from trtkv.cache.config import CacheConfig
 
 
 class ResidualBuffer:
-    """One request's residual buffer: its arena row and the positions buffered in each layer."""
+    """One request's residual buffer: its arena row. The positions buffered in each layer live in the arena's
+    ``[rows, L, g]`` position and ``[rows, L]`` count arrays, so a batch's append is array operations."""
 
-    def __init__(self, arena: ResidualArena, row: int, num_layers: int) -> None:
+    def __init__(self, arena: ResidualArena, row: int) -> None:
         self._arena = arena
         self.row = row
-        self._pos: list[list[int]] = [[] for _ in range(num_layers)]
 
     @property
     def k(self) -> torch.Tensor:
@@ -42,32 +42,39 @@ class ResidualBuffer:
         return self._arena.row_bytes
 
     def positions(self, layer: int) -> list[int]:
-        """The buffered positions of ``layer``, in buffer order (read-only)."""
-        return self._pos[layer]
+        """The buffered positions of ``layer``, in buffer order (a copy)."""
+        return self._arena.pos[self.row, layer, : self._arena.fill[self.row, layer]].tolist()
 
     def count(self, layer: int) -> int:
-        return len(self._pos[layer])
+        return int(self._arena.fill[self.row, layer])
 
     def append(self, layer: int, pos: int) -> None:
-        self._pos[layer].append(pos)
+        n = self._arena.fill[self.row, layer]
+        self._arena.pos[self.row, layer, n] = pos
+        self._arena.fill[self.row, layer] = n + 1
 
     def take(self, layer: int) -> list[int]:
         """Empty ``layer``'s buffer (its tokens were written to pages); returns the positions it held."""
-        pos, self._pos[layer] = self._pos[layer], []
+        pos = self.positions(layer)
+        self._arena.fill[self.row, layer] = 0
         return pos
 
     def discard(self, layer: int, pos: int) -> bool:
         """Forget one buffered position (a rolled-back token); False when not buffered."""
-        if pos in self._pos[layer]:
-            self._pos[layer].remove(pos)
-            return True
-        return False
+        held = self.positions(layer)
+        if pos not in held:
+            return False
+        held.remove(pos)
+        self._arena.pos[self.row, layer, : len(held)] = held
+        self._arena.fill[self.row, layer] = len(held)
+        return True
 
     def copy_from(self, other: ResidualBuffer) -> None:
         """Hold ``other``'s buffered tokens (a fork: the buffer is copied, it is not paged)."""
         self.k.copy_(other.k)
         self.v.copy_(other.v)
-        self._pos = [list(other.positions(layer)) for layer in range(len(self._pos))]
+        self._arena.pos[self.row] = self._arena.pos[other.row]
+        self._arena.fill[self.row] = self._arena.fill[other.row]
 
 
 class ResidualArena:
@@ -77,6 +84,8 @@ class ResidualArena:
         with torch.inference_mode(False):  # a row is zeroed when it is handed out
             self.k = torch.empty(shape, dtype=cfg.residual_dtype, device=cfg.device)
             self.v = torch.empty_like(self.k)
+        self.pos = np.zeros((rows, cfg.num_layers, cfg.residual_group), np.int64)  # buffered positions
+        self.fill = np.zeros((rows, cfg.num_layers), np.int64)  # tokens buffered per row and layer
         self.free = list(range(rows - 1, -1, -1))  # pop() hands out the lowest row first
 
     @property
@@ -91,7 +100,8 @@ class ResidualArena:
         row = self.free.pop()
         self.k[row].zero_()
         self.v[row].zero_()
-        return ResidualBuffer(self, row, self.k.shape[1])
+        self.fill[row] = 0
+        return ResidualBuffer(self, row)
 
     def release(self, buf: ResidualBuffer) -> None:
         self.free.append(buf.row)
@@ -103,26 +113,36 @@ class ResidualArena:
             v = torch.zeros_like(k)
             k[:old], v[:old] = self.k, self.v
         self.k, self.v = k, v
+        self.pos = np.concatenate([self.pos, np.zeros_like(self.pos)])
+        self.fill = np.concatenate([self.fill, np.zeros_like(self.fill)])
         self.free = list(range(2 * old - 1, old - 1, -1))
 
     def append(self, layer: int, bufs: list[ResidualBuffer], k: torch.Tensor, v: torch.Tensor,
                positions: list[int]) -> None:
         """Token ``i`` of ``k, v [b, H, D]`` goes to the next free slot of ``bufs[i]`` in ``layer`` (a buffer
-        may appear several times: a prompt's tail fills consecutive slots). One ``residual_append`` over flat
-        row indices built in numpy (the CPU kernel converts and stores the rows in place)."""
+        may appear several times: a prompt's tail fills consecutive slots)."""
+        rows = np.fromiter((s.row for s in bufs), np.int64, len(bufs))
+        self.append_rows(layer, rows, k, v, np.asarray(positions, np.int64))
+
+    def append_rows(self, layer: int, rows: np.ndarray, k: torch.Tensor, v: torch.Tensor,
+                    positions: np.ndarray) -> None:
+        """``append`` by arena rows: one ``residual_append`` over flat row indices built in numpy (the CPU kernel
+        converts and stores the rows in place), positions and counts as array writes."""
         _, L, g = self.k.shape[:3]
-        b = len(bufs)
-        rows = np.fromiter((s.row for s in bufs), np.int64, b)
-        fill = np.fromiter((s.count(layer) for s in bufs), np.int64, b)
-        if len(set(rows.tolist())) < b:  # repeated requests: each repeat takes the slot after the previous one
+        fill = self.fill[rows, layer]
+        repeated = len(rows) > 1 and len(np.unique(rows)) < len(rows)
+        if repeated:  # repeated requests (a prompt's tail): each repeat takes the slot after the previous one
             nxt: dict[int, int] = {}
             for i, r in enumerate(rows.tolist()):
                 fill[i] = nxt.get(r, fill[i])
                 nxt[r] = fill[i] + 1
-        at = torch.from_numpy((rows * L + layer) * g + fill).to(self.k.device)
-        plugin_ops.residual_append(self.k, self.v, at, k, v)
-        for s, p in zip(bufs, positions):
-            s.append(layer, p)
+        at = torch.from_numpy((rows * L + layer) * g + fill)
+        plugin_ops.residual_append(self.k, self.v, at if self.k.device.type == "cpu" else at.to(self.k.device), k, v)
+        self.pos[rows, layer, fill] = positions
+        if repeated:
+            np.add.at(self.fill[:, layer], rows, 1)
+        else:
+            self.fill[rows, layer] = fill + 1
 
     def gather(self, layer: int, bufs: list[ResidualBuffer]) -> tuple[torch.Tensor, torch.Tensor]:
         """``bufs``' tokens of ``layer``: ``k, v [b, g, H, D]`` (a copy)."""
@@ -135,7 +155,12 @@ class ResidualArena:
 
     def counts(self, layer: int, bufs: list[ResidualBuffer]) -> torch.Tensor:
         """Buffered tokens of each of ``bufs`` in ``layer``, ``[b]`` int64."""
-        return _index([s.count(layer) for s in bufs], self.k.device)
+        return self.counts_of(layer, np.fromiter((s.row for s in bufs), np.int64, len(bufs)))
+
+    def counts_of(self, layer: int, rows: np.ndarray) -> torch.Tensor:
+        """``counts`` by arena rows."""
+        t = torch.from_numpy(self.fill[rows, layer])
+        return t if self.k.device.type == "cpu" else t.to(self.k.device)
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:

@@ -20,16 +20,16 @@ def buffer_partial(cache: KVCacheManager, seqs: list[SeqKV], layer: int, q: torc
                    want_positions: bool = True):
     """Attention of ``q [b, Hq, D]`` over each request's residual buffer: (out, lse, logits [b,Hq,g], pos);
     ``pos`` (the buffered positions, -1 padded) is None unless ``want_positions``."""
-    bufs = [s.residual for s in seqs]
-    kb, vb = cache.residual.gather(layer, bufs)  # [b, g, H, D]
+    arena, rows = cache.residual, cache.residual_rows(seqs)
+    idx = torch.from_numpy(rows).to(arena.k.device)
+    kb, vb = arena.k[idx, layer], arena.v[idx, layer]  # [b, g, H, D]
     g = kb.shape[1]
-    out, lse, logits = dense_partial(q, kb, vb, cache.residual.counts(layer, bufs), sm_scale)
+    counts = arena.counts_of(layer, rows)
+    out, lse, logits = dense_partial(q, kb, vb, counts, sm_scale)
     if not want_positions:
         return out, lse, logits, None
-    pos = np.full((len(seqs), g), -1, np.int64)
-    for i, s in enumerate(seqs):
-        buf = s.buffered_positions(layer)
-        pos[i, : len(buf)] = buf
+    pos = arena.pos[rows, layer].copy()
+    pos[np.arange(g) >= arena.fill[rows, layer][:, None]] = -1
     return out, lse, logits, pos
 
 
@@ -92,7 +92,7 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
             pos = pool.slot_pos[np.maximum(bt_np, 0)]  # [b, P, B]
             pos[bt_np < 0] = -1
             logit_parts.append((lg, pos.reshape(len(seqs), -1)))
-    buffered = cache.cfg.residual_group > 1 and any(s.buffered(layer) for s in seqs)
+    buffered = cache.cfg.residual_group > 1 and bool(cache.buffered_many(seqs, layer).any())
     if buffered and any_stats:  # the statistics need the buffer's logits: the torch path
         lap("attention")
         o, lse, lg, pos = buffer_partial(cache, seqs, layer, q, sm_scale, any_stats)
@@ -103,8 +103,9 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     if buffered and not any_stats:  # one call: the buffers' attention merged into the pages' partial in place
         out, lse = out.contiguous(), lse.contiguous()
         arena = cache.residual
-        bufs = [s.residual for s in seqs]
-        plugin_ops.buffer_attention(q, arena.k, arena.v, arena.rows(bufs), layer, arena.counts(layer, bufs),
+        rows = cache.residual_rows(seqs)
+        rows_t = torch.from_numpy(rows) if q.device.type == "cpu" else torch.from_numpy(rows).to(q.device)
+        plugin_ops.buffer_attention(q, arena.k, arena.v, rows_t, layer, arena.counts_of(layer, rows),
                                     sm_scale, out, lse)
     lap("policy" if any_stats else "bookkeeping")
     stats: list[LayerStats | None] = [None] * len(seqs)

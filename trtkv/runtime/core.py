@@ -271,7 +271,7 @@ class EngineCore:
                     cache.write(s, layer, k[i:i + 1], v[i:i + 1], [positions[i]], classes[i][:2], classes[i][2])
         else:
             cache.buffer_append(layer, seqs, k, v, positions)
-            full = [i for i, s in enumerate(seqs) if s.buffered(layer) >= self.g]
+            full = np.flatnonzero(cache.buffered_many(seqs, layer) >= self.g).tolist()
             if full:  # the batch's buffers fill on the same step: one batched flush, on every thread
                 if narrow:
                     torch.set_num_threads(step.threads)
