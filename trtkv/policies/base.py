@@ -57,9 +57,20 @@ class LayerStats:
 
 
 @dataclass
+class BatchLayerStats:
+    """A decode step's attention weights of one layer for the whole batch (``KVPolicy.batch_stats``): row ``i``
+    is the batch's request ``i``; its live columns come first."""
+    positions: np.ndarray  # [b, n] positions of the attended keys, -1 past the row's live ones
+    weights: torch.Tensor  # [b, Hq, n] softmax weights, 0 past the live ones
+    counts: np.ndarray  # [b] live columns of each row
+
+
+@dataclass
 class StepStats:
     step: int  # decode index i (token at position prompt_len + i); -1 for prefill
     layers: dict[int, LayerStats] = field(default_factory=dict)
+    batch: dict[int, BatchLayerStats] | None = None  # batch-form statistics instead of ``layers`` (shared)
+    row: int = -1  # this request's row in ``batch``
 
 
 class ReportColumn(NamedTuple):
@@ -206,6 +217,10 @@ class KVPolicy:
         that evicts a token or so per request each step overrides this to evict for the batch at once."""
         for req in reqs:
             self.on_decode_step_begin(req)
+
+    # Whether the policy takes a decode step's attention weights in batch form (``StepStats.batch``) when every
+    # request of the step asks for the weights alone in every layer (see ScorerPolicy).
+    batch_stats = False
 
     def before_attention(self, req: PolicyRequest, layer: int) -> None:
         pass

@@ -69,7 +69,6 @@ class H2OPolicy(ScorerPolicy):
         """The recent window includes the next token (``req.position``), so it protects ``recent - 1`` held."""
         return held[held >= req.position - self.recent + 1]
 
-    def protected_rows(self, reqs, layer: int, held: np.ndarray) -> np.ndarray:
+    def protected_rows_at(self, positions: np.ndarray, held: np.ndarray) -> np.ndarray:
         """``protected`` over a stack of requests' held positions: one comparison with each row's bound."""
-        first = np.fromiter((r.position - self.recent + 1 for r in reqs), np.int64, len(reqs))
-        return held >= first[:, None]
+        return held >= (positions - self.recent + 1)[:, None]

@@ -69,6 +69,12 @@ class PolicyRequest(Protocol):
     def evict_many(self, layer: int, jobs: list[tuple["PolicyRequest", Any]]) -> list[int]:
         """``evict`` of ``(request, positions)`` jobs of requests in this one's batch, in one pass (a batch
         hook's anneal evicts from every request at once); returns each job's count."""
+    def evict_each(self, layer: int, reqs: list["PolicyRequest"], positions: np.ndarray) -> None:
+        """``evict`` of ``positions[i]`` (one position each, -1 none) of ``reqs[i]`` (distinct requests of this
+        one's batch) in one layer, by array operations where the cache allows."""
+    def num_live_many(self, layer: int, reqs: list["PolicyRequest"]) -> np.ndarray:
+        """``num_live(layer)`` of each of ``reqs`` (requests of this one's batch), as one array read. Passing
+        the same list object for every layer of a step lets the cache reuse its row lookup."""
     def evict_all_layers(self, positions) -> int: ...
 
     # --- tiers (T0 device, T1 host, T2 host compressed, T3 evicted; trtkv/cache/tiers.py) ------------

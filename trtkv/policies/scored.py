@@ -131,9 +131,25 @@ class ScorerPolicy(KVPolicy):
         if self.cadence.is_event(req.step):
             self.event(req, stats)
 
+    @property
+    def batch_stats(self) -> bool:
+        """Statistics in batch form when the scorer takes them so and events may run together."""
+        return self.scorer.batches and self.batched_events and self.keeps_best_scores
+
+    def on_request_finish(self, req) -> None:
+        self.scorer.release(req.state.memo)
+
     def on_decode_step_end_batch(self, reqs, stats) -> None:
         """Every request observes its step, then the requests whose cadence fires have their events together
-        (``events``); with ``batched_events`` False, request by request."""
+        (``events``, or ``events_rows`` for statistics in batch form); with ``batched_events`` False, request by
+        request."""
+        if stats and stats[0].batch is not None:
+            rows = np.fromiter((st.row for st in stats), np.int64, len(stats))
+            self.scorer.observe_batch(reqs, [r.state.memo for r in reqs], stats[0].batch, rows)
+            due = [i for i, r in enumerate(reqs) if self.cadence.is_event(r.step)]
+            if due:
+                self.events_rows([reqs[i] for i in due], stats[0].batch, rows[due])
+            return
         if not (self.batched_events and self.keeps_best_scores):  # lone_victims assumes keep's best-score rule
             return super().on_decode_step_end_batch(reqs, stats)
         due = []
@@ -187,6 +203,58 @@ class ScorerPolicy(KVPolicy):
             req.state.events += int(a)
             self.scorer.reset(req.state.memo)
 
+    def events_rows(self, due: list, batch: dict, rows: np.ndarray) -> None:
+        """``events`` of a step whose statistics came in batch form (``rows[i]``: ``due[i]``'s row of them, and
+        nothing buffered). In each layer the requests one token over their target, whose attention saw
+        exactly their held tokens, have their victims chosen together — held positions sorted, protected ones
+        masked, the scorer's ``score_rows`` argmin'd (the first minimum: ties to the older token, as
+        ``evict_layer`` chooses) — and evicted in one ``evict_each``; the others go through ``evict_layer``."""
+        first = due[0]
+        position = np.fromiter((r.position for r in due), np.int64, len(due))
+        memos = [r.state.memo for r in due]
+        acted = np.zeros(len(due), bool)
+        same = type(self).layer_budget is ScorerPolicy.layer_budget  # one target for every request
+        for layer in range(first.num_layers):
+            live = first.num_live_many(layer, due)
+            target = np.full(len(due), self.target(first, layer), np.int64) if same else \
+                np.fromiter((self.target(r, layer) for r in due), np.int64, len(due))
+            over = np.flatnonzero(live > target)
+            if not len(over):
+                continue
+            acted[over] = True
+            bs = batch.get(layer)
+            done = np.zeros(len(due), bool)
+            if bs is not None:
+                lone = over[(live[over] == target[over] + 1) & (bs.counts[rows[over]] == live[over])]
+                for n in np.unique(live[lone]).tolist():  # one stack per held count
+                    at = lone[live[lone] == n]
+                    held = np.sort(bs.positions[rows[at], :n], axis=1)
+                    prot = self.protected_rows_at(position[at], held)
+                    scores = self.scorer.score_rows(layer, [memos[i] for i in at.tolist()], held).float()
+                    scores = scores.masked_fill(torch.from_numpy(prot).to(scores.device), float("inf"))
+                    best = torch.argmin(scores, dim=1)
+                    low = scores.gather(1, best[:, None])[:, 0]
+                    ok = (~torch.isinf(low)).cpu().numpy()  # (no candidate, or only infinite scores: evict_layer)
+                    best = best.cpu().numpy()
+                    if ok.any():
+                        first.evict_each(layer, [due[i] for i in at[ok].tolist()],
+                                         held[np.flatnonzero(ok), best[ok]])
+                        done[at[ok]] = True
+            for i in over[~done[over]].tolist():
+                self.evict_layer(due[i], layer, int(target[i]))
+        for r, a in zip(due, acted.tolist()):
+            r.state.events += int(a)
+            self.scorer.reset(r.state.memo)
+
+    def protected_rows_at(self, positions: np.ndarray, held: np.ndarray) -> np.ndarray:
+        """``protected_rows`` of requests whose next token is at ``positions``: sinks and the recent window as
+        columns."""
+        mask = np.zeros(held.shape, bool)
+        mask[:, :self.n_sink] = True
+        if self.recent:
+            mask[:, max(0, held.shape[1] - self.recent):] = True
+        return mask
+
     def lone_victims(self, layer: int, over: list) -> list[np.ndarray | None]:
         """Per ``(request, attended)`` over its target: the position ``[1]`` ``evict_layer`` would evict when
         its cut is one token (target = held - 1) and nothing is buffered; else None. Requests holding as many
@@ -213,13 +281,9 @@ class ScorerPolicy(KVPolicy):
         return out
 
     def protected_rows(self, reqs: list, layer: int, held: np.ndarray) -> np.ndarray:
-        """``protected`` of several requests as a mask over ``held [B, n]`` (rows ascending, nothing buffered):
-        sinks and the recent window as columns. A policy that overrides ``protected`` overrides this too."""
-        mask = np.zeros(held.shape, bool)
-        mask[:, :self.n_sink] = True
-        if self.recent:
-            mask[:, max(0, held.shape[1] - self.recent):] = True
-        return mask
+        """``protected`` of several requests as a mask over ``held [B, n]`` (rows ascending, nothing buffered).
+        A policy that overrides ``protected`` overrides ``protected_rows_at`` too."""
+        return self.protected_rows_at(np.fromiter((r.position for r in reqs), np.int64, len(reqs)), held)
 
     def protected(self, req, layer: int, held: np.ndarray) -> np.ndarray:
         """Positions never evicted at this event: sinks, the recent window and the residual buffer (any

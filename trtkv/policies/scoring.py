@@ -78,9 +78,10 @@ class PositionTable:
         self.data[layer][..., idx] = values
 
 
-def accumulate_attention(table: PositionTable | None, req, stats, phase: str) -> PositionTable | None:
+def accumulate_attention(table, req, stats, phase: str):
     """Add each observed layer's attention, summed over query heads (and the prefill window's queries),
-    to a ``[L, positions]`` table (created on first use): H2O's accumulated attention, SnapKV's votes."""
+    to a ``[L, positions]`` table (a ``PositionTable`` created on first use, or a ``RowView``): H2O's
+    accumulated attention, SnapKV's votes."""
     if not stats.layers:
         return table
     if table is None:

@@ -11,7 +11,7 @@ from plugins.buffer_attention.reference import dense_partial
 from plugins.paged_attention.reference import merge_partials
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.manager import KVCacheManager, SeqKV
-from trtkv.policies.base import LayerStats
+from trtkv.policies.base import BatchLayerStats, LayerStats
 
 LN_ONE_PERCENT = math.log(0.01)
 
@@ -67,11 +67,14 @@ def batch_row_stats(logits: torch.Tensor, lse: torch.Tensor, num_kv_heads: int, 
 
 def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: torch.Tensor, sm_scale: float,
                      want_stats: list[bool], want_sparsity: list[bool], staged: list | None = None,
-                     clock=None) -> tuple[torch.Tensor, list[LayerStats | None]]:
+                     clock=None, batch_form: bool = False
+                     ) -> tuple[torch.Tensor, list[LayerStats | None] | BatchLayerStats | None]:
     """``staged``: the host tiers' pages of this layer copied to the device (``runtime/staging.py``), as
     ``(pool, block_table, scales)``; attended by the same plugin and merged like another format.
     ``clock`` (``trtkv bench --profile``): kernels and merge are "attention", block tables and positions
-    "bookkeeping", the statistics the policy asked for "policy"."""
+    "bookkeeping", the statistics the policy asked for "policy". ``batch_form`` (every request wants the
+    weights alone): the statistics come back as one ``BatchLayerStats`` instead of one ``LayerStats`` a
+    request."""
     lap = clock.switch if clock is not None else _no_clock
     parts, logit_parts = [], []
     any_stats = any(want_stats) or any(want_sparsity)
@@ -119,6 +122,9 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         w, sh, u = batch_row_stats(lg_w, lse if rows is None else lse[rows], cache.cfg.num_kv_heads, sparse)
         u = u.tolist() if sparse else [None] * len(want)
         pos_w, w, lg_w, counts = live_first(positions if rows is None else positions[want], w, lg_w)
+        if batch_form and rows is None:
+            lap("bookkeeping")
+            return out, BatchLayerStats(positions=pos_w, weights=w, counts=np.asarray(counts, np.int64))
         w_rows, lg_rows = live_views(w, counts), live_views(lg_w, counts)
         sh_rows = sh.unbind(0) if sparse else [None] * len(want)
         for j, i in enumerate(want):  # each request's live columns: views, no per-request gather

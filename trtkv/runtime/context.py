@@ -26,6 +26,7 @@ class RequestContext:
         self._num_q_heads = num_q_heads or cache.cfg.num_kv_heads
         self.state: Any = None  # the policy's per-request State, owned by the policy base
         self.tree: Any = None  # the search tree this request is a node of (runtime/tree.py), else None
+        self._seqs_of: tuple[list | None, list[SeqKV]] = (None, [])  # num_live_many's last batch
 
     # --- geometry -----------------------------------------------------------------------------
     @property
@@ -142,6 +143,28 @@ class RequestContext:
         if clk is not None:
             clk.switch(prev)
         return counts
+
+    def evict_each(self, layer: int, reqs: list["RequestContext"], positions: np.ndarray) -> None:
+        """One position (-1: none) of each of ``reqs`` (distinct) in one layer: ``evict_many``'s array path."""
+        if any(req._cache is not self._cache for req in reqs):
+            raise ValueError("evict_each: every request must share this request's cache")
+        seqs = [req._seq for req in reqs]
+        if self._cache.cfg.demote != "none" or self._cache.cfg.eviction == "compact" or \
+                any(s.fork_mode is not None for s in seqs):
+            self.evict_many(layer, [(r, [] if p < 0 else [p]) for r, p in zip(reqs, positions.tolist())])
+            return
+        clk = self._cache.clock
+        prev = clk.switch("bookkeeping") if clk is not None else None
+        self._cache.evict_one_each(layer, seqs, positions)
+        if clk is not None:
+            clk.switch(prev)
+
+    def num_live_many(self, layer: int, reqs: list["RequestContext"]) -> np.ndarray:
+        last, seqs = self._seqs_of
+        if last is not reqs or len(seqs) != len(reqs):
+            seqs = [req._seq for req in reqs]
+            self._seqs_of = (reqs, seqs)
+        return self._cache.num_live_many(seqs, layer)
 
     def evict_all_layers(self, positions) -> int:
         return sum(self.evict(layer, positions) for layer in range(self._num_layers))

@@ -49,6 +49,7 @@ class DecodeStep:
     stats: list[StepStats]
     forced_req: StatsRequest | None
     forced: list[StepStats] | None
+    batch: dict | None = None  # the policy's statistics in batch form (layer -> BatchLayerStats), when it takes them
     write_cls: tuple | None = None  # the (format, thought) every request writes this step, None when they differ
     wants: tuple | None = None  # (weights, sparsity, queries) flags per request when no request names its layers
     threads: int = 1  # the caller's intra-op threads (decode_layer narrows them for the small ops)
@@ -235,6 +236,10 @@ class EngineCore:
         step.write_cls = first if all(cl[:2] == first for cl in classes) else None
         if not any(sr is not None and sr.layers is not None for sr in sreqs):  # the same flags in every layer
             step.wants = self._wants(sreqs, 0)
+            if self._batch_form(step):
+                step.batch = {}
+                for i, st in enumerate(step.stats):
+                    st.batch, st.row = step.batch, i
         if self.small_ops_threads:  # only CPU narrows threads (decode_layer), so only CPU needs the size
             step.threads = torch.get_num_threads()
             step.attn_slots = int(self.cache.num_live_many(step.seqs, 0).sum()) * self.arch.num_key_value_heads
@@ -294,9 +299,13 @@ class EngineCore:
         staged = self.staging.sources(layer, self.arch.num_hidden_layers)
         out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
                                        [True] * len(seqs) if force else want_w,
-                                       [True] * len(seqs) if force and fs.sparsity else want_s, staged, clk)
+                                       [True] * len(seqs) if force and fs.sparsity else want_s, staged, clk,
+                                       batch_form=step.batch is not None)
         if staged is not None:
             self.staging.release(layer)
+        if step.batch is not None:
+            step.batch[layer] = lstats
+            return out
         if not (any_want or force):
             return out
         for i, ls in enumerate(lstats):
@@ -309,6 +318,13 @@ class EngineCore:
                 st = step.stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
                 st.query = q[i].float()
         return out
+
+    def _batch_form(self, step: DecodeStep) -> bool:
+        """Whether this step's statistics go to the policy in batch form: it takes them so, every request asks for
+        the weights alone in every layer, nothing is buffered (g = 1) and no observer forces statistics."""
+        want_w, want_s, want_q, _ = step.wants
+        return (self.policy.batch_stats and self.g == 1 and step.forced_req is None and all(want_w)
+                and not any(want_s) and not any(want_q))
 
     @staticmethod
     def _wants(sreqs: list[StatsRequest | None], layer: int) -> tuple[list[bool], list[bool], list[bool], bool]:

@@ -48,6 +48,9 @@ class Scorer:
     name: ClassVar[str] = ""
     Memo: ClassVar[type] = NoMemo
     evidence_suffices: ClassVar[bool] = False  # a wrapper's Evidence is all it needs (no per-step observing)
+    # batches: defines observe_batch(reqs, memos, batch, rows) and score_rows(layer, memos, positions [k, n]) ->
+    # [k, n], so a decode step's statistics and one-victim events go through it for the batch (scorers/h2o.py)
+    batches: ClassVar[bool] = False
 
     def bind_model(self, arch: Any) -> None:
         """The model architecture, for scorers that need RoPE or head geometry (called once)."""
@@ -65,6 +68,9 @@ class Scorer:
 
     def reset(self, memo: Any) -> None:
         """After an event: forget a window's evidence (scorers that accumulate forever keep it)."""
+
+    def release(self, memo: Any) -> None:
+        """The request is gone: give back what its memo holds outside itself (a row of a shared table)."""
 
     def score(self, req: PolicyRequest, layer: int, positions: np.ndarray, memo: Any,
               ev: Evidence | None = None) -> torch.Tensor | np.ndarray:

@@ -4,22 +4,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trtkv.policies.base import StatsRequest
-from trtkv.policies.scoring import PositionTable, accumulate_attention
+import numpy as np
+import torch
+
+from trtkv.policies.base import BatchLayerStats, StatsRequest
+from trtkv.policies.score_rows import RowTable, RowView
+from trtkv.policies.scoring import accumulate_attention
 from trtkv.policies.scorers.base import Scorer
 
 
 @dataclass
 class H2OMemo:
-    acc: PositionTable | None = None  # [L, positions] accumulated attention
+    acc: RowView | None = None  # this request's row of the scorer's [L, rows, positions] accumulated attention
 
 
 class H2OScorer(Scorer):
+    """The accumulated scores of every request live in one ``RowTable`` (a row each), so a decode step adds the
+    batch's attention of a layer in one scatter and reads the batch's candidates in one gather."""
     name = "h2o"
     Memo = H2OMemo
+    batches = True  # observe_batch and score_rows
 
     def __init__(self, prefill_queries: int = 0):
         self.prefill_queries = prefill_queries  # 0: every prompt query seeds the scores; w: the last w
+        self._table: RowTable | None = None
+
+    def _row(self, req, memo, device) -> RowView:
+        if memo.acc is None:
+            if self._table is None:
+                self._table = RowTable(req.num_layers, device)
+            memo.acc = self._table.acquire()
+        return memo.acc
 
     def stats_request(self, req, phase, observing):
         if phase == "prefill":
@@ -28,7 +43,28 @@ class H2OScorer(Scorer):
         return StatsRequest(weights=True)  # accumulation needs every step's attention
 
     def observe(self, req, memo, stats, phase):
-        memo.acc = accumulate_attention(memo.acc, req, stats, phase)
+        if stats.layers:
+            row = self._row(req, memo, next(iter(stats.layers.values())).weights.device)
+            accumulate_attention(row, req, stats, phase)
+
+    def observe_batch(self, reqs, memos, batch: dict[int, BatchLayerStats], rows: np.ndarray) -> None:
+        """``observe`` of a decode step in batch form: row ``rows[i]`` of each layer's statistics is ``reqs[i]``'s."""
+        if not batch:
+            return
+        device = next(iter(batch.values())).weights.device
+        table_rows = np.fromiter((self._row(r, m, device).row for r, m in zip(reqs, memos)), np.int64, len(reqs))
+        for layer, bs in batch.items():
+            self._table.add_rows(layer, table_rows, bs.positions[rows], bs.weights[torch.from_numpy(rows)].sum(1))
+
+    def score_rows(self, layer: int, memos, positions: np.ndarray) -> torch.Tensor:
+        """``score`` of ``positions [k, n]`` for ``k`` requests at once: ``[k, n]``."""
+        rows = np.fromiter((m.acc.row for m in memos), np.int64, len(memos))
+        return self._table.get_rows(layer, rows, positions)
+
+    def release(self, memo) -> None:
+        if memo.acc is not None:
+            memo.acc.release()
+            memo.acc = None
 
     def score(self, req, layer, positions, memo, ev=None):
         return memo.acc.get(layer, positions)

@@ -1,0 +1,121 @@
+"""``RowTable``: per-position scores of many requests in one ``[L, rows, positions]`` tensor.
+
+A scorer that accumulates evidence per token (H2O's attention sums) keeps one such table for the whole
+engine and gives each request a row, so a decode step adds the batch's attention of a layer in one scatter
+and reads the batch's candidate scores in one gather instead of one call per request and layer.
+``RowView`` is one request's row with the ``PositionTable`` verbs (``get``, ``add``, ``add_layers``,
+``set``), so per-request paths (prefill, a lone event) read and write the same numbers. Copying a view
+(``copy.deepcopy``: a forked request's state) gives the copy a row of its own holding the same values.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FIRST_ROWS, FIRST_CAP = 8, 64
+
+
+class RowTable:
+    def __init__(self, num_layers: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.num_layers = num_layers
+        self.data = torch.zeros((num_layers, FIRST_ROWS, FIRST_CAP), dtype=dtype, device=device)
+        self._free = list(range(FIRST_ROWS - 1, -1, -1))
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def cap(self) -> int:
+        return self.data.shape[-1]
+
+    def acquire(self) -> RowView:
+        if not self._free:
+            rows = self.data.shape[1]
+            self.data = torch.cat([self.data, torch.zeros_like(self.data)], dim=1)
+            self._free = list(range(2 * rows - 1, rows - 1, -1))
+        row = self._free.pop()
+        self.data[:, row] = 0
+        return RowView(self, row)
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+
+    def ensure(self, max_pos: int) -> None:
+        cap = self.cap
+        if max_pos < cap:
+            return
+        grown = torch.zeros((*self.data.shape[:2], max(2 * cap, max_pos + 1)), dtype=self.data.dtype,
+                            device=self.device)
+        grown[..., :cap] = self.data
+        self.data = grown
+
+    def add_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor) -> None:
+        """``values [b, n]`` added at ``positions [b, n]`` (distinct per row; -1: skip) of ``rows [b]``."""
+        live = positions >= 0
+        if not live.any():
+            return
+        self.ensure(int(positions.max()))
+        flat = (rows[:, None] * self.cap + positions)[live]
+        mask = torch.from_numpy(live).to(self.device)
+        self.data[layer].view(-1).index_add_(0, torch.from_numpy(flat).to(self.device),
+                                             values.to(self.device, self.data.dtype)[mask])
+
+    def get_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """``[b, n]`` scores at ``positions [b, n]`` (>= 0) of ``rows [b]``."""
+        self.ensure(int(positions.max(initial=0)))
+        flat = torch.from_numpy(rows[:, None] * self.cap + positions).to(self.device)
+        return self.data[layer].view(-1)[flat]
+
+
+class RowView:
+    """One request's row of a ``RowTable``, with ``PositionTable``'s verbs."""
+
+    def __init__(self, table: RowTable, row: int) -> None:
+        self.table, self.row = table, row
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def _index(self, positions) -> torch.Tensor:
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        if len(pos):
+            self.table.ensure(int(pos.max()))
+        return torch.from_numpy(pos).to(self.device)
+
+    def get(self, layer: int, positions) -> torch.Tensor:
+        return self.table.data[layer, self.row].index_select(-1, self._index(positions))
+
+    def add(self, layer: int, positions, values: torch.Tensor) -> None:
+        idx = self._index(positions)
+        self.table.data[layer, self.row].index_add_(-1, idx, values.to(self.device, self.table.data.dtype))
+
+    def add_layers(self, items: list[tuple[int, np.ndarray, torch.Tensor]]) -> None:
+        """``add`` of several ``(layer, positions [n], values [n])`` in one scatter."""
+        pos = [np.asarray(p, np.int64) for _, p, _ in items]
+        lens = [len(p) for p in pos]
+        if not sum(lens):
+            return
+        flat = np.concatenate(pos)
+        self.table.ensure(int(flat.max()))
+        rows, cap = self.table.data.shape[1], self.table.cap
+        flat += np.repeat(np.fromiter(((layer * rows + self.row) * cap for layer, _, _ in items), np.int64,
+                                      len(items)), lens)
+        vals = torch.cat([v.to(self.device, self.table.data.dtype) for _, _, v in items])
+        self.table.data.view(-1).index_add_(0, torch.from_numpy(flat).to(self.device), vals)
+
+    def set(self, layer: int, positions, values) -> None:
+        idx = self._index(positions)
+        if isinstance(values, torch.Tensor):
+            values = values.to(self.device, self.table.data.dtype)
+        self.table.data[layer, self.row, idx] = values
+
+    def release(self) -> None:
+        self.table.release(self.row)
+        self.row = -1
+
+    def __deepcopy__(self, memo) -> RowView:
+        twin = self.table.acquire()
+        self.table.data[:, twin.row] = self.table.data[:, self.row]
+        return twin
