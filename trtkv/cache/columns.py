@@ -43,6 +43,7 @@ class TableColumns:
         # next write taking that slot back (a sliding window, a scorer's victim) stay array operations
         self._single: list[dict[Cls, np.ndarray]] = [{} for _ in range(num_layers)]
         self._holes = np.zeros((num_layers, FIRST_ROWS), bool)  # an eviction ever hit the table
+        self._evicted = np.zeros(FIRST_ROWS, np.int64)  # tokens evicted per request, summed over layers
         self._stamp = np.zeros((num_layers, FIRST_ROWS), np.int64)  # changes whenever a page list changes
         self._clock = 0
         self._free = list(range(FIRST_ROWS - 1, -1, -1))  # a stack: the lowest free row on top
@@ -67,6 +68,7 @@ class TableColumns:
                 col[row] = -1
         self._live[:, row] = 0
         self._holes[:, row] = False
+        self._evicted[row] = 0
         self._clock += 1
         self._stamp[:, row] = self._clock
         self._free.append(row)
@@ -85,6 +87,7 @@ class TableColumns:
             for cls, col in self._single[layer].items():
                 self._single[layer][cls] = np.concatenate([col, np.full(new - old, -1, np.int64)])
         self._holes = np.concatenate([self._holes, np.zeros((self.num_layers, new - old), bool)], axis=1)
+        self._evicted = np.concatenate([self._evicted, np.zeros(new - old, np.int64)])
         self._live = np.concatenate([self._live, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
         self._stamp = np.concatenate([self._stamp, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
         self._free = list(range(new - 1, old - 1, -1)) + self._free
@@ -227,6 +230,13 @@ class TableColumns:
         self._live[layer, rows[held]] -= 1
         self._holes[layer, rows] = True
         return (held, *self.decode_many(codes[held]))
+
+    def evicted(self, row: int) -> int:
+        return int(self._evicted[row])
+
+    def count_evicted(self, rows: np.ndarray, n) -> None:
+        """``n`` more tokens evicted from each of ``rows`` (distinct)."""
+        self._evicted[rows] += n
 
     def holes(self, layer: int, row: int) -> bool:
         return bool(self._holes[layer, row])

@@ -59,14 +59,14 @@ def evict_private_many(pools: dict[str, PagePool], layer: int, items: list[tuple
 
 
 def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int, seqs: list[SeqKV],
-                   positions: np.ndarray) -> np.ndarray:
-    """Evict ``positions[i]`` (-1: nothing) of ``seqs[i]`` (distinct requests, pages no other sequence holds) in
-    one layer by array operations: a sliding window's or a scorer's one victim a step for the whole batch.
+                   rows: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Evict ``positions[i]`` (-1: nothing) of ``seqs[i]`` (distinct requests at ``rows`` of the columns, pages no
+    other sequence holds) in one layer by array operations: a sliding window's or a scorer's one victim a step
+    for the whole batch.
     The freed slot is kept in the columns outside the reuse heap (``TableColumns.single``) where the heap is
     empty, the page keeps live tokens and no slot is kept already; other victims join their heaps through
-    ``BlockTable.free_slot``, request by request. Same end state as evicting each in turn. Returns 1/0 a
-    request."""
-    rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+    ``BlockTable.free_slot``, request by request. Same end state as evicting each in turn. Returns the
+    requests' rows and 1/0 a request (the caller counts the evictions)."""
     held, fids, pages, slots = columns.forget_rows(layer, rows, positions)
     idx = np.flatnonzero(held)
     slow: list[tuple[int, str, int, int, int]] = []
@@ -81,7 +81,7 @@ def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int
             kg = pool.k_group
             gids = kg.numpy()[pg, sl] if kg.device.type == "cpu" else \
                 kg[torch.from_numpy(pg).to(kg.device), torch.from_numpy(sl).to(kg.device)].cpu().numpy()
-        pool.mark_evicted_many(pg, sl)
+        pool.mark_evicted_distinct(pg, sl)  # one victim a request: distinct pages
         if gids is not None:
             decref_groups_many([seqs[i] for i in who.tolist()], pool, gids, np.arange(len(sel) + 1))
         classes = pool.page_class[pg]
@@ -99,7 +99,7 @@ def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int
                                                           sl[cs[~keep]].tolist())]
     for i, fmt, c, p, s in sorted(slow):  # in request order: pages released as evicting in turn releases them
         seqs[i].layers[layer].free_slot(pools[fmt], (fmt, c), p, s)
-    return held.astype(np.int64)
+    return rows, held.astype(np.int64)
 
 
 def decref_groups(seq: SeqKV, pool: PagePool, gids) -> None:

@@ -313,9 +313,9 @@ class KVCacheManager:
     def evict_one_each(self, layer: int, seqs: list[SeqKV], positions) -> list[int]:
         """``evict`` of at most one position of each of ``seqs`` (distinct, unforked; -1: none) in one layer, by
         array operations (``trtkv/cache/eviction.py``); in-place eviction only."""
-        counts = evict_one_each(self.pools[layer], self.columns, layer, seqs, np.asarray(positions, np.int64))
-        for seq in itertools.compress(seqs, counts.tolist()):
-            seq.count_evicted(1)
+        rows, counts = evict_one_each(self.pools[layer], self.columns, layer, seqs, self.rows(seqs),
+                                      np.asarray(positions, np.int64))
+        self.columns.count_evicted(rows, counts)
         self.evictions_total += int(counts.sum())
         return counts.tolist()
 

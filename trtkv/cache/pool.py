@@ -304,6 +304,17 @@ class PagePool:
         self.slot_seg[pages, slots] = -1
         self._valid_dirty = True
 
+    def mark_evicted_distinct(self, pages: np.ndarray, slots: np.ndarray) -> None:
+        """``mark_evicted_many`` of one slot in each of ``pages`` (distinct): plain fancy indexing."""
+        bits = np.left_shift(1, slots)
+        v = self.valid[pages]
+        assert (v & bits).all(), "evicting a slot that is not live"
+        self.valid[pages] = v & ~bits
+        self.live[pages] -= 1
+        self.slot_pos[pages, slots] = -1
+        self.slot_seg[pages, slots] = -1
+        self._valid_dirty = True
+
     def copy_page(self, p: int) -> int:
         """A new page of ``p``'s class holding a copy of ``p`` (codes, key-group ids, metadata); each live
         slot of the copy holds one more reference to its key-scale group (copy-on-write of a shared page)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from trtkv.cache.accounting import ByteAccount
@@ -22,10 +23,10 @@ class SeqKV:
                  residual: ResidualBuffer | None = None):
         self.seq_id = seq_id
         self.row = row  # this request's row in the cache's TableColumns
+        self._cols = cols
         self.account = ByteAccount()
         self.layers = [BlockTable(seq_id, layer, self.account, order, cols, row) for layer in range(num_layers)]
         self.residual = residual
-        self.evicted_tokens = 0  # summed over layers
         self.fork_mode: str | None = None  # set once the sequence shares pages: "cow" or "tree" (cache/forks.py)
         if residual is not None:
             self.account.add(residual.nbytes)
@@ -71,5 +72,10 @@ class SeqKV:
         return 0 if self.residual is None else self.residual.count(layer)
 
     # --- evictions -----------------------------------------------------------------------------------
+    @property
+    def evicted_tokens(self) -> int:
+        """Tokens evicted, summed over layers (a column of the cache's TableColumns)."""
+        return self._cols.evicted(self.row)
+
     def count_evicted(self, n: int) -> None:
-        self.evicted_tokens += n
+        self._cols.count_evicted(np.array([self.row]), n)

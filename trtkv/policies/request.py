@@ -71,7 +71,8 @@ class PolicyRequest(Protocol):
         hook's anneal evicts from every request at once); returns each job's count."""
     def evict_each(self, layer: int, reqs: list["PolicyRequest"], positions: np.ndarray) -> None:
         """``evict`` of ``positions[i]`` (one position each, -1 none) of ``reqs[i]`` (distinct requests of this
-        one's batch) in one layer, by array operations where the cache allows."""
+        one's batch) in one layer, by array operations where the cache allows; passing the same list object
+        for every layer of a step lets the cache reuse its row lookup."""
     def num_live_many(self, layer: int, reqs: list["PolicyRequest"]) -> np.ndarray:
         """``num_live(layer)`` of each of ``reqs`` (requests of this one's batch), as one array read. Passing
         the same list object for every layer of a step lets the cache reuse its row lookup."""

@@ -53,19 +53,23 @@ class RowTable:
     def add_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor) -> None:
         """``values [b, n]`` added at ``positions [b, n]`` (distinct per row; -1: skip) of ``rows [b]``."""
         live = positions >= 0
-        if not live.any():
-            return
-        self.ensure(int(positions.max()))
-        flat = (rows[:, None] * self.cap + positions)[live]
-        mask = torch.from_numpy(live).to(self.device)
+        if live.all():  # (every column live: a full batch's usual step) no masking
+            self.ensure(int(positions.max()))
+            flat, vals = (rows[:, None] * self.cap + positions).reshape(-1), values.reshape(-1)
+        else:
+            if not live.any():
+                return
+            self.ensure(int(positions.max()))
+            flat = (rows[:, None] * self.cap + positions)[live]
+            vals = values[torch.from_numpy(live).to(values.device)]
         self.data[layer].view(-1).index_add_(0, torch.from_numpy(flat).to(self.device),
-                                             values.to(self.device, self.data.dtype)[mask])
+                                             vals.to(self.device, self.data.dtype))
 
     def get_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """``[b, n]`` scores at ``positions [b, n]`` (>= 0) of ``rows [b]``."""
         self.ensure(int(positions.max(initial=0)))
-        flat = torch.from_numpy(rows[:, None] * self.cap + positions).to(self.device)
-        return self.data[layer].view(-1)[flat]
+        flat = torch.from_numpy((rows[:, None] * self.cap + positions).reshape(-1)).to(self.device)
+        return self.data[layer].view(-1).index_select(0, flat).view(positions.shape)
 
 
 class RowView:

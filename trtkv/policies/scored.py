@@ -211,7 +211,7 @@ class ScorerPolicy(KVPolicy):
         ``evict_layer`` chooses) — and evicted in one ``evict_each``; the others go through ``evict_layer``."""
         first = due[0]
         position = np.fromiter((r.position for r in due), np.int64, len(due))
-        memos = [r.state.memo for r in due]
+        handle = self.scorer.batch_rows([r.state.memo for r in due])
         acted = np.zeros(len(due), bool)
         same = type(self).layer_budget is ScorerPolicy.layer_budget  # one target for every request
         for layer in range(first.num_layers):
@@ -230,15 +230,16 @@ class ScorerPolicy(KVPolicy):
                     at = lone[live[lone] == n]
                     held = np.sort(bs.positions[rows[at], :n], axis=1)
                     prot = self.protected_rows_at(position[at], held)
-                    scores = self.scorer.score_rows(layer, [memos[i] for i in at.tolist()], held).float()
+                    scores = self.scorer.score_rows(layer, handle[at], held).float()
                     scores = scores.masked_fill(torch.from_numpy(prot).to(scores.device), float("inf"))
                     best = torch.argmin(scores, dim=1)
                     low = scores.gather(1, best[:, None])[:, 0]
                     ok = (~torch.isinf(low)).cpu().numpy()  # (no candidate, or only infinite scores: evict_layer)
                     best = best.cpu().numpy()
                     if ok.any():
-                        first.evict_each(layer, [due[i] for i in at[ok].tolist()],
-                                         held[np.flatnonzero(ok), best[ok]])
+                        victims = np.full(len(due), -1, np.int64)
+                        victims[at[ok]] = held[np.flatnonzero(ok), best[ok]]
+                        first.evict_each(layer, due, victims)  # (the same list every layer: rows looked up once)
                         done[at[ok]] = True
             for i in over[~done[over]].tolist():
                 self.evict_layer(due[i], layer, int(target[i]))

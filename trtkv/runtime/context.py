@@ -146,12 +146,10 @@ class RequestContext:
 
     def evict_each(self, layer: int, reqs: list["RequestContext"], positions: np.ndarray) -> None:
         """One position (-1: none) of each of ``reqs`` (distinct) in one layer: ``evict_many``'s array path."""
-        if any(req._cache is not self._cache for req in reqs):
-            raise ValueError("evict_each: every request must share this request's cache")
-        seqs = [req._seq for req in reqs]
-        if self._cache.cfg.demote != "none" or self._cache.cfg.eviction == "compact" or \
-                any(s.fork_mode is not None for s in seqs):
-            self.evict_many(layer, [(r, [] if p < 0 else [p]) for r, p in zip(reqs, positions.tolist())])
+        seqs = self._seqs(reqs)
+        cfg = self._cache.cfg
+        if cfg.demote != "none" or cfg.eviction == "compact" or any(s.fork_mode is not None for s in seqs):
+            self.evict_many(layer, [(r, [p]) for r, p in zip(reqs, positions.tolist()) if p >= 0])
             return
         clk = self._cache.clock
         prev = clk.switch("bookkeeping") if clk is not None else None
@@ -160,11 +158,17 @@ class RequestContext:
             clk.switch(prev)
 
     def num_live_many(self, layer: int, reqs: list["RequestContext"]) -> np.ndarray:
+        return self._cache.num_live_many(self._seqs(reqs), layer)
+
+    def _seqs(self, reqs: list["RequestContext"]) -> list[SeqKV]:
+        """The cache records of ``reqs``, remembered for the same list (a step's layers pass the same one)."""
         last, seqs = self._seqs_of
         if last is not reqs or len(seqs) != len(reqs):
+            if any(req._cache is not self._cache for req in reqs):
+                raise ValueError("every request must share this request's cache")
             seqs = [req._seq for req in reqs]
             self._seqs_of = (reqs, seqs)
-        return self._cache.num_live_many(seqs, layer)
+        return seqs
 
     def evict_all_layers(self, positions) -> int:
         return sum(self.evict(layer, positions) for layer in range(self._num_layers))

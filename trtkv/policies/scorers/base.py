@@ -48,8 +48,9 @@ class Scorer:
     name: ClassVar[str] = ""
     Memo: ClassVar[type] = NoMemo
     evidence_suffices: ClassVar[bool] = False  # a wrapper's Evidence is all it needs (no per-step observing)
-    # batches: defines observe_batch(reqs, memos, batch, rows) and score_rows(layer, memos, positions [k, n]) ->
-    # [k, n], so a decode step's statistics and one-victim events go through it for the batch (scorers/h2o.py)
+    # batches: defines observe_batch(reqs, memos, batch, rows), batch_rows(memos) -> handle and
+    # score_rows(layer, handle[sel], positions [k, n]) -> [k, n], so a decode step's statistics and one-victim
+    # events go through it for the batch (scorers/h2o.py)
     batches: ClassVar[bool] = False
 
     def bind_model(self, arch: Any) -> None:

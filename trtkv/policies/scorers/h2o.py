@@ -53,12 +53,17 @@ class H2OScorer(Scorer):
             return
         device = next(iter(batch.values())).weights.device
         table_rows = np.fromiter((self._row(r, m, device).row for r, m in zip(reqs, memos)), np.int64, len(reqs))
-        for layer, bs in batch.items():
-            self._table.add_rows(layer, table_rows, bs.positions[rows], bs.weights[torch.from_numpy(rows)].sum(1))
+        every = len(rows) == len(next(iter(batch.values())).counts) and bool((rows == np.arange(len(rows))).all())
+        for layer, bs in batch.items():  # (every row in order, the usual case: no gather)
+            pos, w = (bs.positions, bs.weights) if every else (bs.positions[rows], bs.weights[torch.from_numpy(rows)])
+            self._table.add_rows(layer, table_rows, pos, w.sum(1))
 
-    def score_rows(self, layer: int, memos, positions: np.ndarray) -> torch.Tensor:
-        """``score`` of ``positions [k, n]`` for ``k`` requests at once: ``[k, n]``."""
-        rows = np.fromiter((m.acc.row for m in memos), np.int64, len(memos))
+    def batch_rows(self, memos) -> np.ndarray:
+        """What ``score_rows`` takes for these requests (once a step): their table rows."""
+        return np.fromiter((m.acc.row for m in memos), np.int64, len(memos))
+
+    def score_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """``score`` of ``positions [k, n]`` for the ``k`` requests of ``rows`` (``batch_rows``): ``[k, n]``."""
         return self._table.get_rows(layer, rows, positions)
 
     def release(self, memo) -> None:
