@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from trtkv.policies.base import StatsRequest
@@ -15,6 +16,8 @@ from trtkv.policies.scorers.base import Scorer
 @dataclass
 class TOVAMemo:
     rows: dict = field(default_factory=dict)  # layer -> (positions [n], row [Hq, n]) of the latest observed step
+    batch: dict | None = None  # or that step's statistics in batch form (layer -> BatchLayerStats) ...
+    batch_row: int = -1  # ... and this request's row of them
 
 
 def tova_scores(last_row: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -29,6 +32,10 @@ class TOVAScorer(Scorer):
     evidence_suffices = True
     name = "tova"
     Memo = TOVAMemo
+    batches = True  # observe_batch, batch_rows and score_rows: the batch's step in one gather a layer
+
+    def __init__(self) -> None:
+        self._batch: dict | None = None  # the latest step's statistics in batch form
 
     def stats_request(self, req, phase, observing):
         if not observing:
@@ -36,11 +43,35 @@ class TOVAScorer(Scorer):
         return StatsRequest(weights=True, prefill_window=1) if phase == "prefill" else StatsRequest(weights=True)
 
     def observe(self, req, memo, stats, phase):
+        if stats.layers:
+            memo.batch = None
         for layer, ls in stats.layers.items():
             memo.rows[layer] = (ls.positions, ls.weights[-1] if phase == "prefill" else ls.weights)
+
+    def observe_batch(self, reqs, memos, batch: dict, rows: np.ndarray) -> None:
+        """A decode step's statistics in batch form: each request keeps a reference and its row."""
+        self._batch = batch
+        for memo, row in zip(memos, rows.tolist()):
+            memo.batch, memo.batch_row = batch, row
+
+    def batch_rows(self, memos) -> np.ndarray:
+        return np.fromiter((m.batch_row for m in memos), np.int64, len(memos))
+
+    def score_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """``score`` of ``positions [k, n]``: exactly the ``n`` positions each of ``rows`` attended this step,
+        ascending (what ``ScorerPolicy.events_rows`` asks) -> ``[k, n]``, the head-averaged weights in that order."""
+        bs = self._batch[layer]
+        n = positions.shape[1]
+        order = np.argsort(bs.positions[rows, :n], axis=1, kind="stable")
+        w = bs.weights[torch.from_numpy(rows), :, :n].float().mean(1)
+        return torch.gather(w, 1, torch.from_numpy(order).to(w.device))
 
     def score(self, req, layer, positions, memo, ev=None):
         if ev is not None and ev.rows is not None:
             return tova_scores(ev.rows[-1], req.num_kv_heads)
+        if memo.batch is not None and layer in memo.batch:
+            bs, i = memo.batch[layer], memo.batch_row
+            c = int(bs.counts[i])
+            return lookup(bs.positions[i, :c], bs.weights[i, :, :c].mean(0))(positions)
         pos, row = memo.rows[layer]
         return lookup(pos, row.mean(0))(positions)
