@@ -18,7 +18,8 @@ FIRST_ROWS, FIRST_CAP = 8, 64
 class RowTable:
     def __init__(self, num_layers: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.num_layers = num_layers
-        self.data = torch.zeros((num_layers, FIRST_ROWS, FIRST_CAP), dtype=dtype, device=device)
+        with torch.inference_mode(False):  # normal tensors: tree search updates them outside inference mode too
+            self.data = torch.zeros((num_layers, FIRST_ROWS, FIRST_CAP), dtype=dtype, device=device)
         self._free = list(range(FIRST_ROWS - 1, -1, -1))
 
     @property
@@ -32,7 +33,8 @@ class RowTable:
     def acquire(self) -> RowView:
         if not self._free:
             rows = self.data.shape[1]
-            self.data = torch.cat([self.data, torch.zeros_like(self.data)], dim=1)
+            with torch.inference_mode(False):
+                self.data = torch.cat([self.data, torch.zeros_like(self.data)], dim=1)
             self._free = list(range(2 * rows - 1, rows - 1, -1))
         row = self._free.pop()
         self.data[:, row] = 0
@@ -45,9 +47,10 @@ class RowTable:
         cap = self.cap
         if max_pos < cap:
             return
-        grown = torch.zeros((*self.data.shape[:2], max(2 * cap, max_pos + 1)), dtype=self.data.dtype,
-                            device=self.device)
-        grown[..., :cap] = self.data
+        with torch.inference_mode(False):
+            grown = torch.zeros((*self.data.shape[:2], max(2 * cap, max_pos + 1)), dtype=self.data.dtype,
+                                device=self.device)
+            grown[..., :cap] = self.data
         self.data = grown
 
     def add_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor) -> None:

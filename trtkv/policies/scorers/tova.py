@@ -3,6 +3,7 @@ query heads. Standalone it reads the decode kernel's row of the event step; unde
 row, where the current token (always kept by AMS) gets the maximum (spec ams.md §2.10)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +19,10 @@ class TOVAMemo:
     rows: dict = field(default_factory=dict)  # layer -> (positions [n], row [Hq, n]) of the latest observed step
     batch: dict | None = None  # or that step's statistics in batch form (layer -> BatchLayerStats) ...
     batch_row: int = -1  # ... and this request's row of them
+
+    def __deepcopy__(self, memo) -> TOVAMemo:
+        """A fork's copy: its own rows, the step's batch statistics shared (read-only, the whole batch's)."""
+        return TOVAMemo(copy.deepcopy(self.rows, memo), self.batch, self.batch_row)
 
 
 def tova_scores(last_row: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
