@@ -24,7 +24,6 @@ NOT_HELD = -1
 _SLOT_SHIFT, _PAGE_SHIFT = 3, 8
 _FMT_MASK, _SLOT_MASK = 7, 31
 MAX_FORMATS = 8
-MAX_PAGES = 1 << 23
 FIRST_ROWS, FIRST_WIDTH = 8, 64
 
 
@@ -113,7 +112,7 @@ class TableColumns:
         return i
 
     def _codes(self, fmt: str, pages, slots) -> np.ndarray:
-        pages = np.asarray(pages, np.int64)  # (< MAX_PAGES: PagePool never grows past it)
+        pages = np.asarray(pages, np.int64)  # (< 2**23: PagePool's MAX_POOL_PAGES)
         return ((pages << _PAGE_SHIFT) | (np.asarray(slots, np.int64) << _SLOT_SHIFT)
                 | self.fmt_id(fmt)).astype(np.int32)
 
@@ -307,9 +306,6 @@ class TableColumns:
 
     def single_classes(self, layer: int) -> list[Cls]:
         return list(self._single[layer])
-
-    def set_single(self, layer: int, row: int, cls: Cls, p: int, s: int) -> None:
-        self._col(self._single, layer, cls, -1, np.int64)[row] = p << 5 | s
 
     def clear_single(self, layer: int, row: int, cls: Cls) -> None:
         col = self._single[layer].get(cls)
