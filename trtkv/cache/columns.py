@@ -195,6 +195,15 @@ class TableColumns:
         w[rows, positions] = self._codes(fmt, pages, slots)
         self._live[layer, rows] += 1
 
+    def place_groups(self, layer: int, rows: np.ndarray, fmt: str, pages: np.ndarray, slots: np.ndarray,
+                     positions: np.ndarray) -> None:
+        """``place`` of ``positions [G, n]`` (distinct within a row) into ``(fmt, pages, slots) [G, n]`` for each
+        of ``rows`` (distinct): a batch's flush of one group a request."""
+        w = self._widen(layer, int(positions.max()))
+        at = (rows[:, None], positions)
+        self._live[layer, rows] += (w[at] < 0).sum(1)
+        w[at] = self._codes(fmt, pages, slots)
+
     def forget(self, layer: int, row: int, positions) -> list[Where]:
         """Drop ``positions`` from the map; returns where the held ones were, in the order given."""
         pos = np.fromiter(positions, np.int64) if not isinstance(positions, np.ndarray) else \

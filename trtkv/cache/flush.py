@@ -13,14 +13,15 @@ import torch
 
 from plugins import ops as plugin_ops
 from trtkv.cache.block_table import Cls
+from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool import PagePool
 from trtkv.cache.pool_set import PoolSet
 from trtkv.cache.residual import ResidualArena
 from trtkv.cache.sequence import SeqKV
 
 
-def flush_many(pools: PoolSet, arena: ResidualArena, layer: int, seqs: list[SeqKV], classes: list[Cls],
-               segs: list[int], clock=None) -> None:
+def flush_many(pools: PoolSet, arena: ResidualArena, columns: TableColumns, layer: int, seqs: list[SeqKV],
+               classes: list[Cls], segs: list[int], clock=None) -> None:
     """Write the buffered tokens of ``seqs`` in ``layer`` to pages, request ``i`` as one group of class
     ``classes[i]`` (segment ``segs[i]``); requests of one format with equal fill share a kernel call.
     ``clock``: the decode-step profile clock (the kernel's time is "kv_write")."""
@@ -30,12 +31,12 @@ def flush_many(pools: PoolSet, arena: ResidualArena, layer: int, seqs: list[SeqK
         if n:
             calls.setdefault((classes[i][0], n), []).append(i)
     for (fmt, n), idx in calls.items():
-        _flush_call(pools, arena, layer, fmt, n, [seqs[i] for i in idx], [classes[i] for i in idx],
+        _flush_call(pools, arena, columns, layer, fmt, n, [seqs[i] for i in idx], [classes[i] for i in idx],
                     [segs[i] for i in idx], clock)
 
 
-def _flush_call(pools: PoolSet, arena: ResidualArena, layer: int, fmt: str, n: int, seqs: list[SeqKV],
-                classes: list[Cls], segs: list[int], clock) -> None:
+def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, layer: int, fmt: str, n: int,
+                seqs: list[SeqKV], classes: list[Cls], segs: list[int], clock) -> None:
     pool = pools.pool(layer, fmt)
     pages, slots = _alloc(layer, pool, n, seqs, classes)
     gids = [s.alloc_group(layer, pool, n) for s in seqs]
@@ -51,11 +52,11 @@ def _flush_call(pools: PoolSet, arena: ResidualArena, layer: int, fmt: str, n: i
                                torch.tensor(gids, dtype=torch.int64), pool.fmt.code, sc.k, sc.v)
     if clk is not None:
         clk.switch(prev)
-    positions = [p for s in seqs for p in s.buffered_positions(layer)]
+    positions = arena.take_rows(layer, np.fromiter((s.residual.row for s in seqs), np.int64, G), n)  # [G, n]
     seg = segs[0] if all(x == segs[0] for x in segs) else np.repeat(np.asarray(segs, np.int64), n)
-    pool.mark_written(pg, sl, positions, seg)
-    for j, s in enumerate(seqs):
-        s.layers[layer].place(fmt, pages[j].tolist(), slots[j].tolist(), s.residual.take(layer))
+    pool.mark_written(pg, sl, positions.reshape(-1), seg)
+    columns.place_groups(layer, np.fromiter((s.row for s in seqs), np.int64, G), fmt, pg.reshape(G, n),
+                         sl.reshape(G, n), positions)
 
 
 def _buffers(arena: ResidualArena, seqs: list[SeqKV], layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

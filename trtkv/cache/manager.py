@@ -55,6 +55,7 @@ class KVCacheManager:
         self._rows_of: tuple[list | None, np.ndarray] = (None, np.empty(0, np.int64))  # last batch's rows
         self._positions_of: tuple[list | None, np.ndarray] = (None, np.empty(0, np.int64))
         self._residual_rows_of: tuple[list | None, np.ndarray] = (None, np.empty(0, np.int64))
+        self._residual_distinct = True  # whether those rows are distinct
         self._batch_tables = reads.BlockTableCache(cfg.num_layers)
         self.evictions_total = 0
         self.compaction_moves = 0  # tokens copied by gather compaction
@@ -228,6 +229,7 @@ class KVCacheManager:
         if last is not seqs or len(rows) != len(seqs):
             rows = np.fromiter((s.residual.row for s in seqs), np.int64, len(seqs))
             self._residual_rows_of = (seqs, rows)
+            self._residual_distinct = len(rows) < 2 or len(np.unique(rows)) == len(rows)  # (a prompt's tail repeats)
         return rows
 
     def buffered_many(self, seqs: list[SeqKV], layer: int) -> np.ndarray:
@@ -257,7 +259,8 @@ class KVCacheManager:
                       positions: list[int]) -> None:
         clk = self.clock
         prev = clk.switch("kv_write") if clk is not None else None
-        self.residual.append_rows(layer, self.residual_rows(seqs), k, v, self._array_of(positions))  # one write
+        rows = self.residual_rows(seqs)
+        self.residual.append_rows(layer, rows, k, v, self._array_of(positions), distinct=self._residual_distinct)
         if clk is not None:
             clk.switch(prev)
 
@@ -267,7 +270,7 @@ class KVCacheManager:
 
     def flush_many(self, layer: int, seqs: list[SeqKV], classes: list[Cls], segs: list[int]) -> None:
         """``flush`` of several requests in one layer, batched (``trtkv/cache/flush.py``)."""
-        flush_many(self.pools, self.residual, layer, seqs, classes, segs, self.clock)
+        flush_many(self.pools, self.residual, self.columns, layer, seqs, classes, segs, self.clock)
 
     def discard_buffered(self, seq: SeqKV, layer: int) -> list[int]:
         """Empty one layer's residual buffer without writing it (a runtime that wrote the group to pages

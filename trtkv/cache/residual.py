@@ -125,12 +125,13 @@ class ResidualArena:
         self.append_rows(layer, rows, k, v, np.asarray(positions, np.int64))
 
     def append_rows(self, layer: int, rows: np.ndarray, k: torch.Tensor, v: torch.Tensor,
-                    positions: np.ndarray) -> None:
+                    positions: np.ndarray, distinct: bool | None = None) -> None:
         """``append`` by arena rows: one ``residual_append`` over flat row indices built in numpy (the CPU kernel
-        converts and stores the rows in place), positions and counts as array writes."""
+        converts and stores the rows in place), positions and counts as array writes. ``distinct``: whether
+        ``rows`` repeat none (None: find out)."""
         _, L, g = self.k.shape[:3]
         fill = self.fill[rows, layer]
-        repeated = len(rows) > 1 and len(np.unique(rows)) < len(rows)
+        repeated = len(rows) > 1 and len(np.unique(rows)) < len(rows) if distinct is None else not distinct
         if repeated:  # repeated requests (a prompt's tail): each repeat takes the slot after the previous one
             nxt: dict[int, int] = {}
             for i, r in enumerate(rows.tolist()):
@@ -143,6 +144,13 @@ class ResidualArena:
             np.add.at(self.fill[:, layer], rows, 1)
         else:
             self.fill[rows, layer] = fill + 1
+
+    def take_rows(self, layer: int, rows: np.ndarray, n: int) -> np.ndarray:
+        """Empty ``layer``'s buffers of ``rows`` (each holding ``n`` tokens, written to pages): their positions
+        ``[len(rows), n]``."""
+        pos = self.pos[rows, layer, :n]
+        self.fill[rows, layer] = 0
+        return pos
 
     def gather(self, layer: int, bufs: list[ResidualBuffer]) -> tuple[torch.Tensor, torch.Tensor]:
         """``bufs``' tokens of ``layer``: ``k, v [b, g, H, D]`` (a copy)."""
