@@ -117,18 +117,11 @@ class ResidualArena:
         self.fill = np.concatenate([self.fill, np.zeros_like(self.fill)])
         self.free = list(range(2 * old - 1, old - 1, -1))
 
-    def append(self, layer: int, bufs: list[ResidualBuffer], k: torch.Tensor, v: torch.Tensor,
-               positions: list[int]) -> None:
-        """Token ``i`` of ``k, v [b, H, D]`` goes to the next free slot of ``bufs[i]`` in ``layer`` (a buffer
-        may appear several times: a prompt's tail fills consecutive slots)."""
-        rows = np.fromiter((s.row for s in bufs), np.int64, len(bufs))
-        self.append_rows(layer, rows, k, v, np.asarray(positions, np.int64))
-
     def append_rows(self, layer: int, rows: np.ndarray, k: torch.Tensor, v: torch.Tensor,
                     positions: np.ndarray, distinct: bool | None = None) -> None:
-        """``append`` by arena rows: one ``residual_append`` over flat row indices built in numpy (the CPU kernel
-        converts and stores the rows in place), positions and counts as array writes. ``distinct``: whether
-        ``rows`` repeat none (None: find out)."""
+        """Token ``i`` of ``k, v [b, H, D]`` goes to the next free slot of row ``rows[i]`` in ``layer`` (a row may
+        repeat: a prompt's tail fills consecutive slots): one ``residual_append`` over flat row indices built in
+        numpy, positions and counts as array writes. ``distinct``: whether ``rows`` repeat none (None: find out)."""
         _, L, g = self.k.shape[:3]
         fill = self.fill[rows, layer]
         repeated = len(rows) > 1 and len(np.unique(rows)) < len(rows) if distinct is None else not distinct
@@ -152,21 +145,12 @@ class ResidualArena:
         self.fill[rows, layer] = 0
         return pos
 
-    def gather(self, layer: int, bufs: list[ResidualBuffer]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``bufs``' tokens of ``layer``: ``k, v [b, g, H, D]`` (a copy)."""
-        rows = self.rows(bufs)
-        return self.k[rows, layer], self.v[rows, layer]
-
     def rows(self, bufs: list[ResidualBuffer]) -> torch.Tensor:
         """Arena row of each of ``bufs``, ``[b]`` int64."""
         return _index([s.row for s in bufs], self.k.device)
 
-    def counts(self, layer: int, bufs: list[ResidualBuffer]) -> torch.Tensor:
-        """Buffered tokens of each of ``bufs`` in ``layer``, ``[b]`` int64."""
-        return self.counts_of(layer, np.fromiter((s.row for s in bufs), np.int64, len(bufs)))
-
     def counts_of(self, layer: int, rows: np.ndarray) -> torch.Tensor:
-        """``counts`` by arena rows."""
+        """Buffered tokens of each of ``rows`` in ``layer``, ``[b]`` int64."""
         t = torch.from_numpy(self.fill[rows, layer])
         return t if self.k.device.type == "cpu" else t.to(self.k.device)
 
