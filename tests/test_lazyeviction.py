@@ -35,19 +35,21 @@ def step_log(eng):
     pol = eng.core.policy
     log: dict[int, list] = {}
 
-    def on_decode_step_end(req, stats):
-        before = [req.num_live(l) for l in range(req.num_layers)]
-        type(pol).on_decode_step_end(pol, req, stats)
-        after = [req.num_live(l) for l in range(req.num_layers)]
-        pos = [set(req.live_positions(l).tolist()) | set(req.buffered_positions(l)) for l in range(req.num_layers)]
-        pages = sum(len(p) for p in req.seq.layers[0].pages.values())
-        log.setdefault(req.req_id, []).append((req.step, before, after, pos, pages))
+    def on_decode_step_end_batch(reqs, stats):
+        before = [[req.num_live(l) for l in range(req.num_layers)] for req in reqs]
+        type(pol).on_decode_step_end_batch(pol, reqs, stats)
+        for req, b in zip(reqs, before):
+            after = [req.num_live(l) for l in range(req.num_layers)]
+            pos = [set(req.live_positions(l).tolist()) | set(req.buffered_positions(l))
+                   for l in range(req.num_layers)]
+            pages = sum(len(p) for p in req.seq.layers[0].pages.values())
+            log.setdefault(req.req_id, []).append((req.step, b, after, pos, pages))
 
-    pol.on_decode_step_end = on_decode_step_end
+    pol.on_decode_step_end_batch = on_decode_step_end_batch
     try:
         yield log
     finally:
-        del pol.on_decode_step_end
+        del pol.on_decode_step_end_batch
 
 
 # --- 1: no-op when the budget is large --------------------------------------------------------------

@@ -61,8 +61,16 @@ def test_batched_events_evict_what_one_by_one_does(engine_factory, load_engine, 
         rows_calls.append(len(due))
         return orig_rows(self, due, batch, rows)
 
+    orig_end = ScorerPolicy.on_decode_step_end_batch
+    batch_form = []  # per decode step: whether its statistics came in batch form
+
+    def spy_end(self, reqs, stats):
+        batch_form.append(bool(stats) and stats[0].batch is not None)
+        return orig_end(self, reqs, stats)
+
     monkeypatch.setattr(ScorerPolicy, "lone_victims", spy)  # undone by the first _run
     monkeypatch.setattr(ScorerPolicy, "events_rows", spy_rows)
+    monkeypatch.setattr(ScorerPolicy, "on_decode_step_end_batch", spy_end)
     tokens, sets, stats = _run(eng, True, monkeypatch)
     ref_tokens, ref_sets, ref_stats = _run(eng, False, monkeypatch)
     assert tokens == ref_tokens
@@ -72,6 +80,8 @@ def test_batched_events_evict_what_one_by_one_does(engine_factory, load_engine, 
         assert max(lone_batches) > 1  # the batch path ran with several requests at once
     if name in ("h2o", "tova") and params.get("evict_every", 1) == 1 and "kv_format" not in params:
         assert max(rows_calls) > 1  # statistics in batch form, events for several requests at once
+    if eng.policy.batch_stats and "kv_format" not in params:  # (a residual buffer: per-request statistics)
+        assert any(batch_form)  # the scorer's batch path ran
 
 
 @pytest.mark.parametrize("seed", range(20))

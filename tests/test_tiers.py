@@ -311,6 +311,39 @@ def test_cli_errors_one_line(tiny_ckpt, engine_factory, tmp_path):
         assert key in stats
 
 
+def test_tiered_batch_accumulation_equals_per_request(tiny, monkeypatch):
+    """A decode step's scores accumulated for the whole batch (statistics in batch form) are the per-request
+    sums: the same tokens, tiers and counts for requests of different lengths, and the batch path ran."""
+    from trtkv.api import SamplingParams
+    from trtkv.policies.tiered import TieredPolicy
+
+    prompts = [PROMPT, "Numbers: 1, 2, 3", PROMPT + " And then?"]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, chat=False) for n in (40, 28, 33)]
+    eng = tiny("tiered", beta=0.4, evict_ratio=0.1, interval=8, sinks=2, window=8)
+    calls = []
+    orig = TieredPolicy._accumulate_batch
+
+    def spy(self, reqs, batch, rows):
+        calls.append(len(reqs))
+        return orig(self, reqs, batch, rows)
+
+    finish = TieredPolicy.on_request_finish
+    scores = []  # each request's scores when it finished
+
+    def keep_scores(self, req):
+        scores.append(self.scores(req).copy())
+        return finish(self, req)
+
+    monkeypatch.setattr(TieredPolicy, "_accumulate_batch", spy)
+    monkeypatch.setattr(TieredPolicy, "on_request_finish", keep_scores)
+    got = [(r.token_ids, r.stats["tiered"], r.stats["tokens_host"]) for r in eng.generate(prompts, params)]
+    got_scores, scores[:] = scores[:], []
+    monkeypatch.setattr(TieredPolicy, "batch_stats", False)
+    want = [(r.token_ids, r.stats["tiered"], r.stats["tokens_host"]) for r in eng.generate(prompts, params)]
+    assert got == want and max(calls) == 3 and want[0][1]["evicted"] > 0
+    assert len(scores) == 3 and all(np.array_equal(a, b) for a, b in zip(got_scores, scores))
+
+
 def test_tiered_scores_conserve_mass_and_protect(tiny):
     """Spec §7: every decode step adds exactly 1 of score (softmax mass averaged over layers and heads);
     after every event the prompt, the sinks and the window are on the device, T3 only grows, and the device
@@ -325,7 +358,7 @@ def test_tiered_scores_conserve_mass_and_protect(tiny):
             ctx = reqs[0].ctx
             t = ctx.step - 1  # the step that just ended
             st = ctx.state
-            assert abs(st.score.sum() - (t + 1)) < 1e-6 * (t + 1) + 1e-9
+            assert abs(eng.core.policy.scores(ctx).sum() - (t + 1)) < 1e-6 * (t + 1) + 1e-9
             if t % 8 == 0:
                 P, now = ctx.prompt_len, ctx.prompt_len + t
                 prot = np.array([p for p in range(now + 1) if p < P + 2 or p > now - 8])

@@ -38,10 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trtkv.policies.base import StatsRequest
+from trtkv.policies.base import BatchLayerStats, StatsRequest
+from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scored import Cadence, ScorerPolicy
 from trtkv.policies.scorers import Scorer
-from trtkv.policies.scoring import PositionTable, check_choice, check_positive, head_reduce
+from trtkv.policies.scoring import check_choice, check_positive, head_reduce
 
 SCORES = ("sigmoid", "exp", "tanh", "inverse")
 
@@ -86,20 +87,41 @@ def track(t: int, ts: torch.Tensor, mri: torch.Tensor, activated: torch.Tensor) 
     return ts, mri
 
 
+def created_at(positions, prompt_len: int | np.ndarray):
+    """The step that created each position: 0 for prompt tokens, ``t`` for the token written at decode step
+    ``t`` (position ``P + t - 1``). Works on tensors and numpy arrays; ``prompt_len`` broadcasts."""
+    created = positions - prompt_len + 1
+    return created.clamp(min=0) if isinstance(created, torch.Tensor) else np.maximum(created, 0)
+
+
 @dataclass
 class MRIMemo:
-    ts: PositionTable | None = None  # [L, positions] step of the last activation (creation step initially)
-    mri: PositionTable | None = None  # [L, positions] maximum recurrence interval
+    # this request's rows of the scorer's [L, rows, positions] tables: TS minus the creation step (0 until
+    # the first activation, so a new row needs no initialisation) and the maximum recurrence interval
+    ts: RowView | None = None
+    mri: RowView | None = None
+    prompt_len: int = 0
 
 
 class MRIScorer(Scorer):
-    """LazyEviction's tracking (every step) and MRI-centric score (at events)."""
+    """LazyEviction's tracking (every step) and MRI-centric score (at events). Every request's TS and MRI live
+    in two ``RowTable``s (a row each), so a decode step's tracking runs for the whole batch a layer at once."""
 
     name = "mri"
     Memo = MRIMemo
+    batches = True  # observe_batch; its events run request by request (LazyEvictionPolicy.batched_events)
 
     def __init__(self, alpha: float, head_reduce: str, form: str, ablate: str):
         self.alpha, self.head_reduce, self.form, self.ablate = alpha, head_reduce, form, ablate
+        self._ts: RowTable | None = None
+        self._mri: RowTable | None = None
+
+    def _rows(self, req, memo: MRIMemo, device) -> None:
+        if memo.ts is None:
+            if self._ts is None:
+                self._ts = RowTable(req.num_layers, device, torch.int64)
+                self._mri = RowTable(req.num_layers, device, torch.int64)
+            memo.ts, memo.mri, memo.prompt_len = self._ts.acquire(), self._mri.acquire(), req.prompt_len
 
     def stats_request(self, req, phase, observing):
         return StatsRequest(weights=True) if phase == "decode" else None  # tracking runs every step
@@ -107,22 +129,54 @@ class MRIScorer(Scorer):
     def observe(self, req, memo, stats, phase):
         t = req.step
         for layer, ls in stats.layers.items():
-            if memo.ts is None:
-                # TS starts at the creation step: 0 for prompt tokens, t for the token written at decode step t
-                # (position P + t - 1); MRI starts at 0.
-                P = req.prompt_len
-                memo.ts = PositionTable(req.num_layers, dtype=torch.int64, device=ls.weights.device,
-                                        init=lambda pos: (pos - P + 1).clamp(min=0))
-                memo.mri = PositionTable(req.num_layers, dtype=torch.int64, device=ls.weights.device)
-            a = head_reduce(ls.weights, self.head_reduce)
-            idx = memo.ts.index(ls.positions)
-            memo.mri.index(ls.positions)  # grow both tables alike
-            ts, mri = track(t, memo.ts.data[layer, idx], memo.mri.data[layer, idx], a >= self.alpha)
-            memo.ts.data[layer, idx] = ts
-            memo.mri.data[layer, idx] = mri
+            self._rows(req, memo, ls.weights.device)
+            pos = ls.positions
+            created = created_at(torch.from_numpy(np.asarray(pos, np.int64)), memo.prompt_len).to(memo.ts.device)
+            ts, mri = track(t, memo.ts.get(layer, pos) + created, memo.mri.get(layer, pos),
+                            head_reduce(ls.weights, self.head_reduce) >= self.alpha)
+            memo.ts.set(layer, pos, ts - created)
+            memo.mri.set(layer, pos, mri)
+
+    def observe_batch(self, reqs, memos, batch: dict[int, BatchLayerStats], rows: np.ndarray) -> None:
+        """``observe`` of a decode step in batch form (row ``rows[i]`` of each layer's statistics is ``reqs[i]``'s):
+        per layer, the activated tokens of every request are found, read and updated in one pass."""
+        if not batch:
+            return
+        device = next(iter(batch.values())).weights.device
+        for r, m in zip(reqs, memos):
+            self._rows(r, m, device)
+        table_rows = np.fromiter((m.ts.row for m in memos), np.int64, len(memos))
+        prompt = np.fromiter((m.prompt_len for m in memos), np.int64, len(memos))[:, None]
+        step = np.fromiter((r.step for r in reqs), np.int64, len(reqs))[:, None]
+        every = len(rows) == len(next(iter(batch.values())).counts) and bool((rows == np.arange(len(rows))).all())
+        for layer, bs in batch.items():  # (every row in order, the usual case: no gather)
+            pos, w = (bs.positions, bs.weights) if every else (bs.positions[rows], bs.weights[torch.from_numpy(rows)])
+            a = w.amax(1) if self.head_reduce == "max" else w.mean(1)
+            act = ((a >= self.alpha).cpu().numpy()) & (pos >= 0)
+            if not act.any():
+                continue
+            at = pos[act]
+            flat_ts = self._ts.flat(np.broadcast_to(table_rows[:, None], pos.shape)[act], at)
+            flat_mri = self._mri.flat(np.broadcast_to(table_rows[:, None], pos.shape)[act], at)
+            t = torch.from_numpy(np.broadcast_to(step, pos.shape)[act]).to(device)
+            created = torch.from_numpy(created_at(at, np.broadcast_to(prompt, pos.shape)[act])).to(device)
+            ts = self._ts.take(layer, flat_ts) + created
+            self._mri.put(layer, flat_mri, torch.maximum(self._mri.take(layer, flat_mri), t - ts))
+            self._ts.put(layer, flat_ts, t - created)
+
+    def ts(self, memo: MRIMemo, layer: int, positions) -> torch.Tensor:
+        """TS of ``positions`` (the step of their last activation, or their creation step)."""
+        created = created_at(torch.from_numpy(np.asarray(positions, np.int64)), memo.prompt_len)
+        return memo.ts.get(layer, positions) + created.to(memo.ts.device)
+
+    def release(self, memo) -> None:
+        if memo.ts is not None:
+            memo.ts.release()
+            memo.mri.release()
+            memo.ts = memo.mri = None
 
     def score(self, req, layer, positions, memo, ev=None):
-        return mri_score(req.step, memo.ts.get(layer, positions), memo.mri.get(layer, positions), self.form,
+        return mri_score(req.step, self.ts(memo, layer, positions), memo.mri.get(layer, positions), self.form,
                          self.ablate)
 
 
@@ -171,4 +225,4 @@ class LazyEvictionPolicy(ScorerPolicy):
         """Lexicographic (I desc, MRI asc, TS desc, position desc), spec §3.9."""
         memo = req.state.memo
         return lexi_top(cand, np.asarray(scores.cpu().numpy()), memo.mri.get(layer, cand).cpu().numpy(),
-                        memo.ts.get(layer, cand).cpu().numpy(), k)
+                        self.scorer.ts(memo, layer, cand).cpu().numpy(), k)

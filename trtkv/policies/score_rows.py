@@ -68,6 +68,22 @@ class RowTable:
         self.data[layer].view(-1).index_add_(0, torch.from_numpy(flat).to(self.device),
                                              vals.to(self.device, self.data.dtype))
 
+    def flat(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Indices into a layer's flattened ``[rows, cap]`` data of ``positions`` (>= 0, any shape) of ``rows``
+        (one per leading row of ``positions``, or already broadcast to its shape); grows the table first."""
+        if positions.size:
+            self.ensure(int(positions.max()))
+        return (rows[:, None] if rows.ndim < positions.ndim else rows) * self.cap + positions
+
+    def take(self, layer: int, flat: np.ndarray) -> torch.Tensor:
+        """The values at ``flat`` (``flat``'s indices, 1-D)."""
+        return self.data[layer].view(-1).index_select(0, torch.from_numpy(flat).to(self.device))
+
+    def put(self, layer: int, flat: np.ndarray, values: torch.Tensor) -> None:
+        """Set the values at ``flat`` (distinct, 1-D)."""
+        self.data[layer].view(-1).index_copy_(0, torch.from_numpy(flat).to(self.device),
+                                              values.to(self.device, self.data.dtype))
+
     def get_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """``[b, n]`` scores at ``positions [b, n]`` (>= 0) of ``rows [b]``."""
         self.ensure(int(positions.max(initial=0)))
@@ -92,7 +108,12 @@ class RowView:
         return torch.from_numpy(pos).to(self.device)
 
     def get(self, layer: int, positions) -> torch.Tensor:
-        return self.table.data[layer, self.row].index_select(-1, self._index(positions))
+        idx = self._index(positions)  # (first: it may grow the table)
+        return self.table.data[layer, self.row].index_select(-1, idx)
+
+    def values(self, layer: int) -> torch.Tensor:
+        """Every position's value in ``layer`` (a view; positions past the table's width are 0)."""
+        return self.table.data[layer, self.row]
 
     def add(self, layer: int, positions, values: torch.Tensor) -> None:
         idx = self._index(positions)

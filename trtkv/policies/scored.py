@@ -133,8 +133,9 @@ class ScorerPolicy(KVPolicy):
 
     @property
     def batch_stats(self) -> bool:
-        """Statistics in batch form when the scorer takes them so and events may run together."""
-        return self.scorer.batches and self.batched_events and self.keeps_best_scores
+        """Statistics in batch form when the scorer takes them so (its events run together when they may,
+        else request by request)."""
+        return self.scorer.batches
 
     def on_request_finish(self, req) -> None:
         self.scorer.release(req.state.memo)
@@ -147,8 +148,10 @@ class ScorerPolicy(KVPolicy):
             rows = np.fromiter((st.row for st in stats), np.int64, len(stats))
             self.scorer.observe_batch(reqs, [r.state.memo for r in reqs], stats[0].batch, rows)
             due = [i for i, r in enumerate(reqs) if self.cadence.is_event(r.step)]
-            if due:
+            if due and self.batched_events and self.keeps_best_scores:
                 self.events_rows([reqs[i] for i in due], stats[0].batch, rows[due])
+            for i in due if not (self.batched_events and self.keeps_best_scores) else ():
+                self.event(reqs[i])  # (the positions attention saw are not split per request here)
             return
         if not (self.batched_events and self.keeps_best_scores):  # lone_victims assumes keep's best-score rule
             return super().on_decode_step_end_batch(reqs, stats)

@@ -36,7 +36,7 @@ Choices where the paper is silent or ambiguous (spec §6), all made as the spec 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,7 @@ import torch
 
 from trtkv.policies.base import KVPolicy, ReportColumn, StatsRequest, StepStats
 from trtkv.policies.request import PolicyRequest
+from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scoring import check_choice
 
 ACCOUNTING = ("per_event", "cumulative")
@@ -51,7 +52,7 @@ ACCOUNTING = ("per_event", "cumulative")
 
 @dataclass
 class TieredState:
-    score: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    score: RowView | None = None  # this request's row of the policy's [1, rows, positions] fp64 scores (Eq. 1)
     events: int = 0
     evicted: int = 0  # |T3|
     promoted: int = 0
@@ -85,6 +86,7 @@ class TieredPolicy(KVPolicy):
         check_choice("evict_accounting", self.evict_accounting, ACCOUNTING)
         fmt = parse_host_format(self.host_format, what="--set host_format")
         self._host_tier = "host" if fmt is None else f"host-{fmt}"
+        self._scores: RowTable | None = None  # every request's score row: a step accumulates the batch at once
 
     # --- engine-facing --------------------------------------------------------------------------
     def max_live_tokens(self, prompt_len: int, max_tokens: int) -> int:
@@ -101,6 +103,22 @@ class TieredPolicy(KVPolicy):
                 ReportColumn("T3 frac", "tiered.realised_eviction_fraction", ".3f"))
 
     # --- hooks ------------------------------------------------------------------------------------
+    batch_stats = True  # a decode step's accumulation for the whole batch (on_decode_step_end_batch)
+
+    def on_request_init(self, req: PolicyRequest) -> None:
+        if self._scores is None:
+            self._scores = RowTable(1, dtype=torch.float64)
+        req.state.score = self._scores.acquire()
+
+    def on_request_finish(self, req: PolicyRequest) -> None:
+        if req.state.score is not None:
+            req.state.score.release()
+            req.state.score = None
+
+    def scores(self, req: PolicyRequest) -> np.ndarray:
+        """The request's accumulated score of every position (0 past the last one scored)."""
+        return req.state.score.values(0).numpy()
+
     def stats_request(self, req: PolicyRequest, phase: str) -> StatsRequest | None:
         return StatsRequest(weights=True) if phase == "decode" else None
 
@@ -109,27 +127,54 @@ class TieredPolicy(KVPolicy):
         if stats.step % self.interval == 0:
             self._event(req, stats.step)
 
+    def on_decode_step_end_batch(self, reqs: list[PolicyRequest], stats: list[StepStats]) -> None:
+        if not (stats and stats[0].batch is not None):
+            return super().on_decode_step_end_batch(reqs, stats)
+        self._accumulate_batch(reqs, stats[0].batch, np.fromiter((st.row for st in stats), np.int64, len(stats)))
+        for req, st in zip(reqs, stats):
+            if st.step % self.interval == 0:
+                self._event(req, st.step)
+
     def _accumulate(self, req: PolicyRequest, stats: StepStats) -> None:
         """Eq. 1: s_i += mean over finite layers of (1/H) sum_h alpha_{l,h}[i]."""
         st = req.state
-        pos_parts, val_parts = [], []
+        parts = []
         for ls in stats.layers.values():
             if ls.weights is None or not len(ls.positions):
                 continue
             col = ls.weights.float().sum(0)
             if not bool(torch.isfinite(col).all()):
                 continue
-            pos_parts.append(np.asarray(ls.positions, np.int64))
-            val_parts.append(col.cpu().numpy().astype(np.float64))
-        if not pos_parts:
+            parts.append((np.asarray(ls.positions, np.int64), col.double()))
+        if not parts:
             st.skipped_steps += 1
             return
-        top = int(max(p.max() for p in pos_parts)) + 1
-        if len(st.score) < top:
-            st.score = np.concatenate([st.score, np.zeros(max(top, 2 * len(st.score)) - len(st.score))])
-        denom = len(pos_parts) * req.num_q_heads
-        for p, v in zip(pos_parts, val_parts):
-            np.add.at(st.score, p, v / denom)
+        denom = len(parts) * req.num_q_heads
+        for p, v in parts:  # (layer by layer, in fp64: the batch path adds in the same order)
+            st.score.add(0, p, v.cpu() / denom)
+
+    def _accumulate_batch(self, reqs: list[PolicyRequest], batch: dict, rows: np.ndarray) -> None:
+        """``_accumulate`` of every request of a decode step whose statistics came in batch form (``rows[i]``:
+        ``reqs[i]``'s row of them): the same sums, added layer by layer for the whole batch."""
+        cols, live = {}, {}
+        every = len(rows) == len(next(iter(batch.values())).counts) and bool((rows == np.arange(len(rows))).all())
+        for layer, bs in batch.items():  # (every row in order, the usual case: no gather)
+            w = bs.weights if every else bs.weights.index_select(0, torch.from_numpy(rows).to(bs.weights.device))
+            col = w.float().sum(1)
+            cols[layer] = col.double().cpu()
+            live[layer] = torch.isfinite(col).all(1).cpu().numpy() & (bs.counts[rows] > 0)
+        counted = np.sum(list(live.values()), axis=0) if live else np.zeros(len(reqs), np.int64)
+        for i in np.flatnonzero(counted == 0).tolist():
+            reqs[i].state.skipped_steps += 1
+        denom = torch.from_numpy(np.maximum(counted, 1) * reqs[0].num_q_heads).double()[:, None]
+        table_rows = np.fromiter((r.state.score.row for r in reqs), np.int64, len(reqs))
+        for layer, bs in batch.items():
+            pos = bs.positions if every else bs.positions[rows]
+            take = (pos >= 0) & live[layer][:, None]
+            if take.all():
+                self._scores.add_rows(0, table_rows, pos, cols[layer] / denom)
+            elif take.any():
+                self._scores.add_rows(0, table_rows, np.where(take, pos, -1), cols[layer] / denom)
 
     def _event(self, req: PolicyRequest, t: int) -> None:
         st = req.state
@@ -143,8 +188,7 @@ class TieredPolicy(KVPolicy):
         if len(cand) == 0:
             return
         st.events += 1
-        score = np.zeros(len(cand)) if len(st.score) == 0 else st.score[np.minimum(cand, len(st.score) - 1)]
-        score = np.where(cand < len(st.score), score, 0.0)
+        score = st.score.get(0, cand).numpy()
         order = np.lexsort((cand, score))  # ascending score, then older first
         if self.evict_accounting == "per_event":
             n_evict = math.floor(self.evict_ratio * len(cand))
