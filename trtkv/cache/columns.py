@@ -147,6 +147,10 @@ class TableColumns:
         """Held positions, ascending."""
         return np.flatnonzero(self._where[layer][row] >= 0)
 
+    def positions_rows(self, layer: int, rows: np.ndarray, n: int) -> np.ndarray:
+        """``[len(rows), n]`` held positions, ascending, of ``rows`` that each hold exactly ``n``."""
+        return np.nonzero(self._where[layer][rows] >= 0)[1].reshape(len(rows), n)
+
     def positions_in(self, layer: int, row: int, lo: int, hi: int) -> np.ndarray:
         """Held positions in ``[lo, hi)``, ascending."""
         w = self._where[layer]

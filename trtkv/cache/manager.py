@@ -368,6 +368,14 @@ class KVCacheManager:
         """Positions held in pages (not the residual buffer), ascending."""
         return seq.layers[layer].positions()
 
+    def live_positions_rows(self, seqs: list[SeqKV], layer: int, n: int) -> np.ndarray:
+        """``[len(seqs), n]`` paged positions, ascending, of ``seqs`` that each hold exactly ``n`` in pages."""
+        return self.columns.positions_rows(layer, np.fromiter((s.row for s in seqs), np.int64, len(seqs)), n)
+
+    def num_paged_many(self, seqs: list[SeqKV], layer: int) -> np.ndarray:
+        """Tokens each of ``seqs`` holds in pages in ``layer`` (one array read for the batch)."""
+        return self.columns.live_rows(layer, self.rows(seqs))
+
     def live_positions_in(self, seq: SeqKV, layer: int, lo: int, hi: int) -> np.ndarray:
         """Paged positions in ``[lo, hi)``, ascending."""
         return self.columns.positions_in(layer, seq.row, int(lo), int(hi))
@@ -411,7 +419,7 @@ class KVCacheManager:
 
     def num_live_many(self, seqs: list[SeqKV], layer: int) -> np.ndarray:
         """Tokens each of ``seqs`` holds in ``layer``, paged and buffered (one array read for the batch)."""
-        n = self.columns.live_rows(layer, self.rows(seqs))
+        n = self.num_paged_many(seqs, layer)
         return n + self.buffered_many(seqs, layer) if self.residual is not None else n
 
     def live_tokens(self, seq: SeqKV) -> list[int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from trtkv.policies.scored import Cadence, ScorerPolicy
@@ -28,13 +29,41 @@ class RandomScorer(Scorer):
 
     evidence_suffices = True
     name = "random"
+    batches = True  # batch_rows and score_rows (it observes nothing)
+    rows_any_step = True
 
     def __init__(self, seed: int = 0):
         self.seed = seed
 
+    def _draw(self, step: int, layer: int, n: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1009 + layer)
+        return torch.rand(n, generator=g)
+
     def score(self, req, layer, positions, memo, ev=None):
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + req.step) * 1009 + layer)
-        return torch.rand(len(positions), generator=g)
+        return self._draw(req.step, layer, len(positions))
+
+    def observe_batch(self, reqs, memos, batch, rows) -> None:
+        pass
+
+    def batch_rows(self, reqs, memos) -> np.ndarray:
+        """The requests' steps (their scores depend on nothing else)."""
+        return np.fromiter((r.step for r in reqs), np.int64, len(reqs))
+
+    def score_rows(self, layer: int, steps: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
+        """``score`` of each row's candidates (``free``), drawn once for the rows of one step and as many
+        candidates; the other columns get +inf (they are masked anyway)."""
+        out = torch.full(positions.shape, float("inf"))
+        counts = free.sum(1)
+        if (steps == steps[0]).all() and (free == free[:1]).all():  # one step, one mask (the usual case)
+            cols = np.flatnonzero(free[0])
+            out[:, torch.from_numpy(cols)] = self._draw(int(steps[0]), layer, len(cols))
+            return out
+        for step, n in set(zip(steps.tolist(), counts.tolist())):
+            at = np.flatnonzero((steps == step) & (counts == n))
+            sub = out[torch.from_numpy(at)]
+            sub[torch.from_numpy(free[at])] = self._draw(step, layer, n).repeat(len(at))
+            out[torch.from_numpy(at)] = sub
+        return out
 
 
 @dataclass

@@ -76,6 +76,11 @@ class PolicyRequest(Protocol):
     def num_live_many(self, layer: int, reqs: list["PolicyRequest"]) -> np.ndarray:
         """``num_live(layer)`` of each of ``reqs`` (requests of this one's batch), as one array read. Passing
         the same list object for every layer of a step lets the cache reuse its row lookup."""
+    def num_paged_many(self, layer: int, reqs: list["PolicyRequest"]) -> np.ndarray:
+        """``num_paged(layer)`` of each of ``reqs``, as one array read (like ``num_live_many``)."""
+    def live_positions_each(self, layer: int, reqs: list["PolicyRequest"], which: np.ndarray, n: int) -> np.ndarray:
+        """``[len(which), n]``: ``live_positions(layer)`` of ``reqs[which[i]]``, which each hold exactly ``n``
+        paged tokens, in one array read."""
     def evict_all_layers(self, positions) -> int: ...
 
     # --- tiers (T0 device, T1 host, T2 host compressed, T3 evicted; trtkv/cache/tiers.py) ------------

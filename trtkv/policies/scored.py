@@ -160,7 +160,9 @@ class ScorerPolicy(KVPolicy):
             self.scorer.observe(req, req.state.memo, st, "decode")
             if self.cadence.is_event(req.step):
                 due.append((req, st))
-        if len(due) > 1:
+        if len(due) > 1 and self.scorer.batches and self.scorer.rows_any_step:
+            self.events_rows([req for req, _ in due])
+        elif len(due) > 1:
             self.events(due)
         elif due:
             self.event(*due[0])
@@ -206,15 +208,16 @@ class ScorerPolicy(KVPolicy):
             req.state.events += int(a)
             self.scorer.reset(req.state.memo)
 
-    def events_rows(self, due: list, batch: dict, rows: np.ndarray) -> None:
-        """``events`` of a step whose statistics came in batch form (``rows[i]``: ``due[i]``'s row of them, and
-        nothing buffered). In each layer the requests one token over their target, whose attention saw
-        exactly their held tokens, have their victims chosen together — held positions sorted, protected ones
-        masked, the scorer's ``score_rows`` argmin'd (the first minimum: ties to the older token, as
-        ``evict_layer`` chooses) — and evicted in one ``evict_each``; the others go through ``evict_layer``."""
+    def events_rows(self, due: list, batch: dict | None = None, rows: np.ndarray | None = None) -> None:
+        """``events`` of ``due`` by array operations over the batch. In each layer the requests one token over
+        their target with nothing buffered have their victims chosen together — held positions (what this
+        step's statistics in batch form saw, ``rows[i]`` being ``due[i]``'s row of them, when they saw exactly
+        the held tokens; else the cache's), protected ones masked, the scorer's ``score_rows`` argmin'd (the
+        first minimum: ties to the older token, as ``evict_layer`` chooses) — and evicted in one
+        ``evict_each``; the others go through ``evict_layer``."""
         first = due[0]
         position = np.fromiter((r.position for r in due), np.int64, len(due))
-        handle = self.scorer.batch_rows([r.state.memo for r in due])
+        handle = self.scorer.batch_rows(due, [r.state.memo for r in due])
         acted = np.zeros(len(due), bool)
         same = type(self).layer_budget is ScorerPolicy.layer_budget  # one target for every request
         for layer in range(first.num_layers):
@@ -225,15 +228,17 @@ class ScorerPolicy(KVPolicy):
             if not len(over):
                 continue
             acted[over] = True
-            bs = batch.get(layer)
+            bs = batch.get(layer) if batch is not None else None
             done = np.zeros(len(due), bool)
-            if bs is not None:
-                lone = over[(live[over] == target[over] + 1) & (bs.counts[rows[over]] == live[over])]
+            if bs is not None or batch is None:
+                seen = bs.counts[rows[over]] if bs is not None else first.num_paged_many(layer, due)[over]
+                lone = over[(live[over] == target[over] + 1) & (seen == live[over])]
                 for n in np.unique(live[lone]).tolist():  # one stack per held count
                     at = lone[live[lone] == n]
-                    held = np.sort(bs.positions[rows[at], :n], axis=1)
+                    held = np.sort(bs.positions[rows[at], :n], axis=1) if bs is not None else \
+                        first.live_positions_each(layer, due, at, n)
                     prot = self.protected_rows_at(position[at], held)
-                    scores = self.scorer.score_rows(layer, handle[at], held).float()
+                    scores = self.scorer.score_rows(layer, handle[at], held, ~prot).float()
                     scores = scores.masked_fill(torch.from_numpy(prot).to(scores.device), float("inf"))
                     best = torch.argmin(scores, dim=1)
                     low = scores.gather(1, best[:, None])[:, 0]

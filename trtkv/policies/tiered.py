@@ -86,7 +86,8 @@ class TieredPolicy(KVPolicy):
         check_choice("evict_accounting", self.evict_accounting, ACCOUNTING)
         fmt = parse_host_format(self.host_format, what="--set host_format")
         self._host_tier = "host" if fmt is None else f"host-{fmt}"
-        self._scores: RowTable | None = None  # every request's score row: a step accumulates the batch at once
+        # every request's score row (host memory, as the spec's fp64 sums): a step accumulates the batch at once
+        self._scores = RowTable(1, dtype=torch.float64)
 
     # --- engine-facing --------------------------------------------------------------------------
     def max_live_tokens(self, prompt_len: int, max_tokens: int) -> int:
@@ -106,8 +107,6 @@ class TieredPolicy(KVPolicy):
     batch_stats = True  # a decode step's accumulation for the whole batch (on_decode_step_end_batch)
 
     def on_request_init(self, req: PolicyRequest) -> None:
-        if self._scores is None:
-            self._scores = RowTable(1, dtype=torch.float64)
         req.state.score = self._scores.acquire()
 
     def on_request_finish(self, req: PolicyRequest) -> None:

@@ -160,6 +160,13 @@ class RequestContext:
     def num_live_many(self, layer: int, reqs: list["RequestContext"]) -> np.ndarray:
         return self._cache.num_live_many(self._seqs(reqs), layer)
 
+    def num_paged_many(self, layer: int, reqs: list["RequestContext"]) -> np.ndarray:
+        return self._cache.num_paged_many(self._seqs(reqs), layer)
+
+    def live_positions_each(self, layer: int, reqs: list["RequestContext"], which: np.ndarray, n: int) -> np.ndarray:
+        seqs = self._seqs(reqs)
+        return self._cache.live_positions_rows([seqs[i] for i in which.tolist()], layer, n)
+
     def _seqs(self, reqs: list["RequestContext"]) -> list[SeqKV]:
         """The cache records of ``reqs``, remembered for the same list (a step's layers pass the same one)."""
         last, seqs = self._seqs_of

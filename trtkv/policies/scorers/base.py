@@ -48,10 +48,14 @@ class Scorer:
     name: ClassVar[str] = ""
     Memo: ClassVar[type] = NoMemo
     evidence_suffices: ClassVar[bool] = False  # a wrapper's Evidence is all it needs (no per-step observing)
-    # batches: defines observe_batch(reqs, memos, batch, rows), batch_rows(memos) -> handle and
-    # score_rows(layer, handle[sel], positions [k, n]) -> [k, n], so a decode step's statistics and one-victim
-    # events go through it for the batch (scorers/h2o.py)
+    # batches: defines observe_batch(reqs, memos, batch, rows), so a decode step's statistics go through it for
+    # the batch; and, unless the policy runs its events one by one, batch_rows(reqs, memos) -> handle and
+    # score_rows(layer, handle[sel], positions [k, n], free [k, n]) -> [k, n] (``free``: the candidates, the
+    # rest are masked after), so one-victim events go through it too (scorers/h2o.py)
     batches: ClassVar[bool] = False
+    # score_rows reads what the scorer keeps (not only a step's statistics in batch form): one-victim events
+    # may take the batch path whichever way the step's statistics came
+    rows_any_step: ClassVar[bool] = False
 
     def bind_model(self, arch: Any) -> None:
         """The model architecture, for scorers that need RoPE or head geometry (called once)."""

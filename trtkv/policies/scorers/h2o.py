@@ -24,6 +24,7 @@ class H2OScorer(Scorer):
     name = "h2o"
     Memo = H2OMemo
     batches = True  # observe_batch and score_rows
+    rows_any_step = True  # the scores are the table's
 
     def __init__(self, prefill_queries: int = 0):
         self.prefill_queries = prefill_queries  # 0: every prompt query seeds the scores; w: the last w
@@ -58,11 +59,11 @@ class H2OScorer(Scorer):
             pos, w = (bs.positions, bs.weights) if every else (bs.positions[rows], bs.weights[torch.from_numpy(rows)])
             self._table.add_rows(layer, table_rows, pos, w.sum(1))
 
-    def batch_rows(self, memos) -> np.ndarray:
+    def batch_rows(self, reqs, memos) -> np.ndarray:
         """What ``score_rows`` takes for these requests (once a step): their table rows."""
         return np.fromiter((m.acc.row for m in memos), np.int64, len(memos))
 
-    def score_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    def score_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
         """``score`` of ``positions [k, n]`` for the ``k`` requests of ``rows`` (``batch_rows``): ``[k, n]``."""
         return self._table.get_rows(layer, rows, positions)
 

@@ -59,10 +59,10 @@ class TOVAScorer(Scorer):
         for memo, row in zip(memos, rows.tolist()):
             memo.batch, memo.batch_row = batch, row
 
-    def batch_rows(self, memos) -> np.ndarray:
+    def batch_rows(self, reqs, memos) -> np.ndarray:
         return np.fromiter((m.batch_row for m in memos), np.int64, len(memos))
 
-    def score_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    def score_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
         """``score`` of ``positions [k, n]``: exactly the ``n`` positions each of ``rows`` attended this step,
         ascending (what ``ScorerPolicy.events_rows`` asks) -> ``[k, n]``, the head-averaged weights in that order."""
         bs = self._batch[layer]
