@@ -313,7 +313,8 @@ class BlockTable:
     # --- the position map ----------------------------------------------------------------------------
     def place(self, fmt: str, pages: Iterable[int], slots: Iterable[int], positions: Iterable[int]) -> None:
         """The tokens at ``positions`` (distinct) now live in ``(fmt, page, slot)``."""
-        self._cols.place(self.layer, self._row, fmt, list(pages), list(slots), list(positions))
+        arrays = [x if isinstance(x, np.ndarray) else list(x) for x in (pages, slots, positions)]
+        self._cols.place(self.layer, self._row, fmt, *arrays)
 
     def place_one(self, fmt: str, p: int, s: int, pos: int) -> None:
         """``place`` of one token."""

@@ -17,8 +17,8 @@ def compact(pools: dict[str, PagePool], refs: PageRefs, seq: SeqKV, layer: int) 
     moved = 0
     for cls, pages in list(table.pages.items()):
         pool = pools[cls[0]]
-        positions, dst, n = pool.compact_pages(list(pages))
+        positions, dst_pages, dst_slots, n = pool.compact_pages(list(pages))
         moved += n
-        table.place(cls[0], (p for p, _ in dst), (s for _, s in dst), positions)
+        table.place(cls[0], dst_pages, dst_slots, positions)
         table.compacted(pool, cls, -(-len(positions) // pool.B))
     return moved

@@ -333,35 +333,35 @@ class PagePool:
         self._valid_dirty = True
         return q
 
-    def compact_pages(self, pages: list[int]) -> tuple[list[int], list[tuple[int, int]], int]:
+    def compact_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """Move the live slots of ``pages`` (in page, then slot order) to the front of ``pages``; returns
-        their positions, their new ``(page, slot)`` and how many tokens' codes were copied. Pages past the
+        their positions, their new pages and slots, and how many tokens' codes were copied. Pages past the
         live ones end empty (the caller releases them)."""
         B = self.B
-        src = [(p, s) for p in pages for s in range(B) if self.valid[p] >> s & 1]
-        dst = [(pages[i // B], i % B) for i in range(len(src))]
-        moves = [(a, b) for a, b in zip(src, dst) if a != b]
-        if moves:
-            sp, ss, dp, ds = (torch.tensor(x, device=self.device) for x in zip(*(a + b for a, b in moves)))
+        pg = np.asarray(pages, np.int64)
+        at, ss = np.nonzero((self.valid[pg][:, None] >> np.arange(B, dtype=np.int32)) & 1)  # page, then slot order
+        sp = pg[at]
+        i = np.arange(len(sp))
+        dp, ds = pg[i // B], i % B
+        move = np.flatnonzero((sp != dp) | (ss != ds))
+        if len(move):
+            src_p, src_s, dst_p, dst_s = (torch.from_numpy(x[move]).to(self.device) for x in (sp, ss, dp, ds))
             for t in self.fields:
-                t[dp, ds] = t[sp, ss].clone()
-            self.k_group[dp, ds] = self.k_group[sp, ss].clone()
-        pos = [int(self.slot_pos[p, s]) for p, s in src]
-        segs = [int(self.slot_seg[p, s]) for p, s in src]
-        for p in pages:
-            self.valid[p] = 0
-            self.live[p] = 0
-            self.hwm[p] = 0
-            self.slot_pos[p] = -1
-            self.slot_seg[p] = -1
-        for (p, s), q, g in zip(dst, pos, segs):
-            self.valid[p] |= np.int32(1 << s)
-            self.live[p] += 1
-            self.hwm[p] = max(self.hwm[p], s + 1)
-            self.slot_pos[p, s] = q
-            self.slot_seg[p, s] = g
+                t[dst_p, dst_s] = t[src_p, src_s].clone()
+            self.k_group[dst_p, dst_s] = self.k_group[src_p, src_s].clone()
+        pos, segs = self.slot_pos[sp, ss], self.slot_seg[sp, ss]  # (copies: fancy indexing)
+        self.valid[pg] = 0
+        self.live[pg] = 0
+        self.hwm[pg] = 0
+        self.slot_pos[pg] = -1
+        self.slot_seg[pg] = -1
+        np.bitwise_or.at(self.valid, dp, (np.int64(1) << ds).astype(np.int32))
+        np.add.at(self.live, dp, 1)
+        np.maximum.at(self.hwm, dp, (ds + 1).astype(np.int32))
+        self.slot_pos[dp, ds] = pos
+        self.slot_seg[dp, ds] = segs
         self._valid_dirty = True
-        return pos, dst, len(moves)
+        return pos, dp, ds, len(move)
 
     def valid_bits(self) -> torch.Tensor:
         """Device int32 ``[capacity]`` validity words for the attention kernel (on a GPU, a preallocated
