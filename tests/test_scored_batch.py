@@ -71,6 +71,14 @@ def test_batched_events_evict_what_one_by_one_does(engine_factory, load_engine, 
     monkeypatch.setattr(ScorerPolicy, "lone_victims", spy)  # undone by the first _run
     monkeypatch.setattr(ScorerPolicy, "events_rows", spy_rows)
     monkeypatch.setattr(ScorerPolicy, "on_decode_step_end_batch", spy_end)
+    cls = type(eng.core.policy)
+    orig_each, each_calls = cls.events_each, []  # events run one by one, or together (LazyEviction's)
+
+    def spy_each(self, due):
+        each_calls.append(len(due))
+        return orig_each(self, due)
+
+    monkeypatch.setattr(cls, "events_each", spy_each)
     tokens, sets, stats = _run(eng, True, monkeypatch)
     ref_tokens, ref_sets, ref_stats = _run(eng, False, monkeypatch)
     assert tokens == ref_tokens
@@ -78,6 +86,8 @@ def test_batched_events_evict_what_one_by_one_does(engine_factory, load_engine, 
     assert sets == ref_sets  # per request, decode step and layer: the positions attended
     if name in ("h2o", "tova", "random") and params.get("evict_every", 1) == 1 and "kv_format" not in params:
         assert max(rows_calls) > 1  # statistics in batch form, events for several requests at once
+    if name == "lazyeviction":
+        assert max(each_calls) > 1  # several requests' events at one step: the stacked ranking ran
     # (a residual buffer: per-request statistics; random asks for none)
     if eng.policy.batch_stats and "kv_format" not in params and name != "random":
         assert any(batch_form)  # the scorer's batch path ran

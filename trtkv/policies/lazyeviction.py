@@ -59,7 +59,8 @@ def _decay(x: torch.Tensor, form: str) -> torch.Tensor:
 
 
 def mri_score(t: int, ts: torch.Tensor, mri: torch.Tensor, form: str = "sigmoid", ablate: str = "none") -> torch.Tensor:
-    """MRI-centric importance (spec §3.4), fp32. ``ts``/``mri`` are integer tensors of the same shape."""
+    """MRI-centric importance (spec §3.4), fp32. ``ts``/``mri`` are integer tensors of the same shape; ``t`` an int
+    or a tensor that broadcasts to them (one step per row)."""
     e = (t - ts).double()
     m = mri.double()
     h1 = torch.where(e == 0, torch.ones_like(e),
@@ -164,6 +165,15 @@ class MRIScorer(Scorer):
             self._mri.put(layer, flat_mri, torch.maximum(self._mri.take(layer, flat_mri), t - ts))
             self._ts.put(layer, flat_ts, t - created)
 
+    def rows_of(self, layer: int, memos: list[MRIMemo], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(TS, MRI)`` ``[k, n]`` of ``positions [k, n]`` of the ``k`` requests of ``memos``, in one read each."""
+        rows = np.fromiter((m.ts.row for m in memos), np.int64, len(memos))
+        prompt = np.fromiter((m.prompt_len for m in memos), np.int64, len(memos))[:, None]
+        flat_ts, flat_mri = self._ts.flat(rows, positions).reshape(-1), self._mri.flat(rows, positions).reshape(-1)
+        created = torch.from_numpy(created_at(positions, prompt)).to(self._ts.device)
+        return (self._ts.take(layer, flat_ts).view(positions.shape) + created,
+                self._mri.take(layer, flat_mri).view(positions.shape))
+
     def ts(self, memo: MRIMemo, layer: int, positions) -> torch.Tensor:
         """TS of ``positions`` (the step of their last activation, or their creation step)."""
         created = created_at(torch.from_numpy(np.asarray(positions, np.int64)), memo.prompt_len)
@@ -220,6 +230,46 @@ class LazyEvictionPolicy(ScorerPolicy):
         if req.state.memo.ts is None:  # nothing tracked yet (no decode step ran)
             return False
         return super().evict_layer(req, layer, target, attended)
+
+    def events_each(self, due: list) -> None:
+        """The events of several requests at one step, layer by layer: the requests over the budget with nothing
+        buffered and the same number of held tokens are scored and ranked as one stack (``lexi_top``'s order per
+        row, ``np.lexsort`` along rows) and evicted in one ``evict_many``; the others go through ``evict_layer``."""
+        if len(due) < 2 or any(r.state.memo.ts is None for r in due):
+            return super().events_each(due)
+        first = due[0]
+        memos = [r.state.memo for r in due]
+        step = torch.from_numpy(np.fromiter((r.step for r in due), np.int64, len(due)))[:, None]
+        acted = np.zeros(len(due), bool)
+        for layer in range(first.num_layers):
+            target = self.target(first, layer)
+            live = first.num_live_many(layer, due)
+            over = np.flatnonzero(live > target)
+            if not len(over):
+                continue
+            acted[over] = True
+            paged = first.num_paged_many(layer, due)
+            whole = over[paged[over] == live[over]]  # nothing buffered: the held tokens are the paged ones
+            jobs = []
+            for n in np.unique(live[whole]).tolist():
+                at = whole[live[whole] == n]
+                n_cand = n - min(self.recent, n)  # the newest `recent` held are protected (n_sink = 0)
+                n_keep = target - (n - n_cand)
+                if n_keep >= n_cand:
+                    continue
+                cand = first.live_positions_each(layer, due, at, n)[:, :n_cand]
+                ts, mri = self.scorer.rows_of(layer, [memos[i] for i in at.tolist()], cand)
+                score = mri_score(step[torch.from_numpy(at)].to(ts.device), ts, mri, self.score, self.ablate)
+                order = np.lexsort((-cand, -ts.cpu().numpy(), mri.cpu().numpy(), -score.cpu().numpy()), axis=-1)
+                victims = np.sort(np.take_along_axis(cand, order[:, max(n_keep, 0):], 1), axis=1)
+                jobs += [(due[i], v) for i, v in zip(at.tolist(), victims)]
+            if jobs:
+                first.evict_many(layer, jobs)
+            for i in np.setdiff1d(over, whole).tolist():
+                self.evict_layer(due[i], layer, target)
+        for r, a in zip(due, acted.tolist()):
+            r.state.events += int(a)
+            self.scorer.reset(r.state.memo)
 
     def keep(self, req, layer, cand, scores, k):
         """Lexicographic (I desc, MRI asc, TS desc, position desc), spec §3.9."""

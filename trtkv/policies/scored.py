@@ -150,8 +150,8 @@ class ScorerPolicy(KVPolicy):
             due = [i for i, r in enumerate(reqs) if self.cadence.is_event(r.step)]
             if due and self.batched_events and self.keeps_best_scores:
                 self.events_rows([reqs[i] for i in due], stats[0].batch, rows[due])
-            for i in due if not (self.batched_events and self.keeps_best_scores) else ():
-                self.event(reqs[i])  # (the positions attention saw are not split per request here)
+            elif due:
+                self.events_each([reqs[i] for i in due])
             return
         if not (self.batched_events and self.keeps_best_scores):  # lone_victims assumes keep's best-score rule
             return super().on_decode_step_end_batch(reqs, stats)
@@ -166,6 +166,12 @@ class ScorerPolicy(KVPolicy):
             self.events(due)
         elif due:
             self.event(*due[0])
+
+    def events_each(self, due: list) -> None:
+        """The events of ``due`` at one step, for a policy whose events run one by one (``batched_events``
+        False): ``event`` of each in request order. A policy may override this to run them together."""
+        for req in due:
+            self.event(req)  # (the positions attention saw are not split per request here)
 
     # --- one event ------------------------------------------------------------------------------
     def event(self, req, stats=None) -> None:
