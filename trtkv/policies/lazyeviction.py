@@ -120,8 +120,8 @@ class MRIScorer(Scorer):
     def _rows(self, req, memo: MRIMemo, device) -> None:
         if memo.ts is None:
             if self._ts is None:
-                self._ts = RowTable(req.num_layers, device, torch.int64)
-                self._mri = RowTable(req.num_layers, device, torch.int64)
+                self._ts = RowTable(req.num_layers, device, torch.int32)  # (steps and intervals < 2**31)
+                self._mri = RowTable(req.num_layers, device, torch.int32)
             memo.ts, memo.mri, memo.prompt_len = self._ts.acquire(), self._mri.acquire(), req.prompt_len
 
     def stats_request(self, req, phase, observing):
@@ -153,6 +153,9 @@ class MRIScorer(Scorer):
         for layer, bs in batch.items():  # (every row in order, the usual case: no gather)
             pos, w = (bs.positions, bs.weights) if every else (bs.positions[rows], bs.weights[torch.from_numpy(rows)])
             a = w.amax(1) if self.head_reduce == "max" else w.mean(1)
+            if pos.min(initial=0) >= 0:  # every column live (the usual step): no masking
+                self._track_all(layer, table_rows, pos, prompt, step, a >= self.alpha)
+                continue
             act = ((a >= self.alpha).cpu().numpy()) & (pos >= 0)
             if not act.any():
                 continue
@@ -164,6 +167,27 @@ class MRIScorer(Scorer):
             ts = self._ts.take(layer, flat_ts) + created
             self._mri.put(layer, flat_mri, torch.maximum(self._mri.take(layer, flat_mri), t - ts))
             self._ts.put(layer, flat_ts, t - created)
+
+    def _track_all(self, layer: int, rows: np.ndarray, pos: np.ndarray, prompt: np.ndarray, step: np.ndarray,
+                   act: torch.Tensor) -> None:
+        """``track`` of ``pos [b, n]`` (all held, distinct per row) of table ``rows`` in one layer: one read, one
+        update, one write of each table (unchanged values are written back as they were). A layer at a time:
+        its arrays stay in cache, where all layers' at once would not."""
+        dev = self._ts.device
+        flat_ts = self._ts.flat(rows, pos).reshape(-1)
+        self._mri.ensure(int(pos.max()))  # (the two tables grow alike: one index serves both)
+        flat_mri = flat_ts if self._mri.data.shape == self._ts.data.shape else self._mri.flat(rows, pos).reshape(-1)
+        created = torch.from_numpy(created_at(pos, prompt).reshape(-1).astype(np.int32)).to(dev)
+        t = torch.from_numpy(np.repeat(step[:, 0].astype(np.int32), pos.shape[1])).to(dev)
+        ts_rel, mri = self._ts.take(layer, flat_ts), self._mri.take(layer, flat_mri)
+        now = t - created  # TS minus the creation step of a token activated now
+        act = act.reshape(-1).to(dev)
+        if bool(act.all()):  # (alpha well under 1/n: every token is activated, the usual step)
+            self._mri.put(layer, flat_mri, torch.maximum(mri, now - ts_rel))
+            self._ts.put(layer, flat_ts, now)
+            return
+        self._mri.put(layer, flat_mri, torch.where(act, torch.maximum(mri, now - ts_rel), mri))
+        self._ts.put(layer, flat_ts, torch.where(act, now, ts_rel))
 
     def rows_of(self, layer: int, memos: list[MRIMemo], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """``(TS, MRI)`` ``[k, n]`` of ``positions [k, n]`` of the ``k`` requests of ``memos``, in one read each."""
