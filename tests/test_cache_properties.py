@@ -258,7 +258,7 @@ def test_batched_eviction_matches_one_by_one(ops):
     next_pos: dict[int, int] = {}
 
     def evict(sid, layer, victims):
-        a = evict_private(caches[0].pools[layer], layer, caches[0].seqs[sid], victims)
+        a = evict_private(caches[0].pools[layer], caches[0].columns, layer, caches[0].seqs[sid], victims)
         assert a == caches[1]._evict_each(caches[1].seqs[sid], layer, victims)
 
     for o in ops:

@@ -229,6 +229,32 @@ class TableColumns:
         names = self._fmt_names
         return [(names[f], p, s) for f, p, s in zip(fids.tolist(), pages.tolist(), slots.tolist())]
 
+    def forget_many(self, layer: int, rows: np.ndarray, positions: list[np.ndarray]
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``forget`` of ``positions[i]`` from row ``rows[i]`` for every i, in one pass (a row may be listed more
+        than once: a position is forgotten the first time it is listed): ``(item, format ids, pages, slots)``
+        of the held ones, items ascending, each item's in the order given."""
+        lens = np.fromiter(map(len, positions), np.int64, len(positions))
+        item = np.repeat(np.arange(len(positions)), lens)
+        pos = np.concatenate(positions) if len(positions) else np.empty(0, np.int64)
+        w = self._where[layer]
+        inside = (pos >= 0) & (pos < w.shape[1])
+        if not inside.all():
+            item, pos = item[inside], pos[inside]
+        row = rows[item]
+        if len(pos) > 1:  # a (row, position) listed twice is forgotten once
+            _, first = np.unique(row * w.shape[1] + pos, return_index=True)
+            if len(first) < len(pos):
+                first = np.sort(first)
+                item, pos, row = item[first], pos[first], row[first]
+        codes = w[row, pos]
+        held = codes >= 0
+        item, pos, row, codes = item[held], pos[held], row[held], codes[held]
+        w[row, pos] = NOT_HELD
+        np.subtract.at(self._live[layer], row, 1)
+        self._holes[layer, rows] = True
+        return (item, *self.decode_many(codes))
+
     def forget_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``forget`` of one position in each of ``rows`` (distinct): ``(held, format ids, pages, slots)``, the

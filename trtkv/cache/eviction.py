@@ -18,43 +18,53 @@ from trtkv.cache.sequence import SeqKV
 DECREF_ARRAY_MIN = 64  # victims from which decref_groups uses array operations (numpy costs ~20 us a call)
 
 
-def evict_private(pools: dict[str, PagePool], layer: int, seq: SeqKV, positions: list[int]) -> int:
+def evict_private(pools: dict[str, PagePool], columns: TableColumns, layer: int, seq: SeqKV, positions) -> int:
     """Eviction from pages no other sequence holds, per format as array operations over the victims
     (the same end state as evicting them one by one, which ``KVCacheManager._evict_each`` does)."""
-    return evict_private_many(pools, layer, [(seq, positions)])[0]
+    return evict_private_many(pools, columns, layer, [(seq, positions)])[0]
 
 
-def evict_private_many(pools: dict[str, PagePool], layer: int, items: list[tuple[SeqKV, list[int]]]) -> list[int]:
-    """``evict_private`` of several requests in one layer (``pools``: that layer's) — a batch's anneal: one
-    key-group read and one validity update per format for all of them; the per-request parts (position maps,
-    reference drops, reuse heaps, page releases) run request by request, in order, so the end state is that
-    of evicting each in turn."""
-    counts, merged = [], {}  # a request listed twice (two segments annealed at once) is one request here
-    for seq, positions in items:
-        found = seq.layers[layer].forget(positions)
-        counts.append(len(found))
-        merged.setdefault(id(seq), (seq, []))[1].extend(found)
-    seqs, found_of = [seq for seq, _ in merged.values()], [found for _, found in merged.values()]
-    fmts = {w[0] for found in found_of for w in found}
-    for fmt in sorted(fmts):
-        pool = pools[fmt]
-        mine = [[w for w in found if w[0] == fmt] for found in found_of] if len(fmts) > 1 else found_of
-        bounds = np.cumsum([0] + [len(m) for m in mine])
-        _, pages, slots = zip(*(w for m in mine for w in m))
-        pages, slots = np.asarray(pages, np.int64), np.asarray(slots, np.int64)
+def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer: int,
+                       items: list[tuple[SeqKV, np.ndarray]]) -> list[int]:
+    """``evict_private`` of several requests in one layer (``pools``: that layer's) — a batch's anneal: the
+    position maps, one key-group read and one validity update per format for all of them; the reuse heaps and
+    page releases request by request, in order, so the end state is that of evicting each in turn."""
+    slot = {}  # a request listed twice (two segments annealed at once) is one request here, at its first place
+    for seq, _ in items:
+        slot.setdefault(id(seq), (len(slot), seq))
+    seqs = [seq for _, seq in slot.values()]
+    owner_of_item = np.fromiter((slot[id(seq)][0] for seq, _ in items), np.int64, len(items))
+    rows = np.fromiter((seq.row for seq, _ in items), np.int64, len(items))
+    item, fids, pages, slots = columns.forget_many(layer, rows, [np.asarray(p, np.int64).reshape(-1)
+                                                                 for _, p in items])
+    counts = np.bincount(item, minlength=len(items)).tolist()
+    if not len(item):
+        return counts
+    owner = owner_of_item[item]
+    order = np.argsort(owner, kind="stable")  # request by request, each in the order its victims were listed
+    owner, fids, pages, slots = owner[order], fids[order], pages[order], slots[order]
+    names = columns.fmt_names
+    for f in sorted(np.unique(fids).tolist(), key=names.__getitem__):  # formats by name, as listed before
+        fmt, pool = names[f], pools[names[f]]
+        if len(names) > 1 and not (fids == f).all():
+            sel = np.flatnonzero(fids == f)
+            o, p, sl = owner[sel], pages[sel], slots[sel]
+        else:
+            o, p, sl = owner, pages, slots
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(o, minlength=len(seqs)))])
         gids = None
         if pool.group_specs:
             kg = pool.k_group
-            gids = kg.numpy()[pages, slots] if kg.device.type == "cpu" else \
-                kg[torch.from_numpy(pages).to(kg.device), torch.from_numpy(slots).to(kg.device)].cpu().numpy()
-        pool.mark_evicted_many(pages, slots)
+            gids = kg.numpy()[p, sl] if kg.device.type == "cpu" else \
+                kg[torch.from_numpy(p).to(kg.device), torch.from_numpy(sl).to(kg.device)].cpu().numpy()
+        pool.mark_evicted_many(p, sl)
         if gids is not None:
             decref_groups_many(seqs, pool, gids, bounds)
-        pl, sl = pages.tolist(), slots.tolist()
+        pl, sll = p.tolist(), sl.tolist()
         for i, seq in enumerate(seqs):
             lo, hi = bounds[i], bounds[i + 1]
             if lo < hi:
-                seq.layers[layer].free_slots(pool, fmt, pl[lo:hi], sl[lo:hi])
+                seq.layers[layer].free_slots(pool, fmt, pl[lo:hi], sll[lo:hi])
     return counts
 
 
@@ -71,7 +81,7 @@ def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int
     idx = np.flatnonzero(held)
     slow: list[tuple[int, str, int, int, int]] = []
     names = columns.fmt_names
-    for f in np.unique(fids).tolist():
+    for f in sorted(np.unique(fids).tolist(), key=names.__getitem__):  # formats by name, as listed before
         fmt = names[f]
         pool = pools[fmt]
         sel = np.flatnonzero(fids == f)
