@@ -124,7 +124,9 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         pos_w, w, lg_w, counts = live_first(positions if rows is None else positions[want], w, lg_w)
         if batch_form and rows is None:
             lap("bookkeeping")
-            return out, BatchLayerStats(positions=pos_w, weights=w, counts=np.asarray(counts, np.int64))
+            top = max(counts, default=0)  # (columns past every row's live ones dropped: equal rows have no -1)
+            return out, BatchLayerStats(positions=pos_w[:, :top], weights=w[..., :top],
+                                        counts=np.asarray(counts, np.int64))
         w_rows, lg_rows = live_views(w, counts), live_views(lg_w, counts)
         sh_rows = sh.unbind(0) if sparse else [None] * len(want)
         for j, i in enumerate(want):  # each request's live columns: views, no per-request gather
