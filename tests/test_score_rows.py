@@ -1,0 +1,51 @@
+"""``RowTable`` / ``RowView``: per-position values of many requests in one tensor, read and written by row
+(the per-request verbs) or for a batch (flat indices), growing on demand whichever verb comes first."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from trtkv.policies.score_rows import FIRST_CAP, RowTable
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32])
+def test_batch_verbs_equal_row_verbs(dtype):
+    rng = np.random.default_rng(0)
+    table = RowTable(3, dtype=dtype)
+    views = [table.acquire() for _ in range(5)]
+    rows = np.array([v.row for v in views])
+    pos = np.stack([rng.permutation(3 * FIRST_CAP)[:7] for _ in views])  # past the first width: grows
+    vals = torch.from_numpy(rng.integers(1, 9, pos.shape)).to(dtype)
+    flat = table.flat(rows, pos)
+    table.put(2, flat.reshape(-1), vals.reshape(-1))
+    for i, v in enumerate(views):
+        assert torch.equal(v.get(2, pos[i]), vals[i])
+        assert not v.get(1, pos[i]).any()  # other layers untouched
+    assert torch.equal(table.take(2, table.flat(rows, pos).reshape(-1)).view(pos.shape), vals)
+    assert torch.equal(table.get_rows(2, rows, pos), vals)
+
+
+def test_get_past_the_width_grows_first_and_reads_zero():
+    table = RowTable(2)
+    view = table.acquire()
+    view.add(0, [3], torch.tensor([1.5]))
+    far = np.array([5, 10 * FIRST_CAP])
+    assert view.get(0, far).tolist() == [0.0, 0.0] and table.cap > 10 * FIRST_CAP
+    assert view.get(0, [3]).tolist() == [1.5]
+
+
+def test_rows_are_reused_zeroed_and_copies_are_independent():
+    table = RowTable(1)
+    a = table.acquire()
+    a.set(0, [1, 2], torch.tensor([4.0, 5.0]))
+    twin = copy.deepcopy(a)
+    assert twin.row != a.row and twin.get(0, [1, 2]).tolist() == [4.0, 5.0]
+    twin.add(0, [1], torch.tensor([1.0]))
+    assert a.get(0, [1]).tolist() == [4.0]
+    row = a.row
+    a.release()
+    b = table.acquire()
+    assert b.row == row and not b.values(0).any()
