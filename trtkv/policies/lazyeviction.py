@@ -123,6 +123,8 @@ class MRIScorer(Scorer):
                 self._ts = RowTable(req.num_layers, device, torch.int32)  # (steps and intervals < 2**31)
                 self._mri = RowTable(req.num_layers, device, torch.int32)
             memo.ts, memo.mri, memo.prompt_len = self._ts.acquire(), self._mri.acquire(), req.prompt_len
+            # both tables acquire, release and copy rows in pairs, so a request's row is one index into both
+            assert memo.ts.row == memo.mri.row, "TS and MRI rows out of step"
 
     def stats_request(self, req, phase, observing):
         return StatsRequest(weights=True) if phase == "decode" else None  # tracking runs every step
