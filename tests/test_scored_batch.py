@@ -14,6 +14,7 @@ from policy_matrix import MATRIX, Probe, one_thread
 from trtkv.api import SamplingParams
 from trtkv.policies import POLICIES
 from trtkv.policies.base import KVPolicy
+from trtkv.policies.lazyeviction import MRIScorer
 from trtkv.policies.scored import ScorerPolicy, first_minima
 
 assert one_thread  # autouse: one intra-op thread for this module
@@ -37,11 +38,22 @@ def _run(eng, batched: bool, monkeypatch):
     if not batched:  # request by request: per-request statistics, one hook call each
         monkeypatch.setattr(ScorerPolicy, "on_decode_step_end_batch", KVPolicy.on_decode_step_end_batch)
         monkeypatch.setattr(ScorerPolicy, "batch_stats", False)
+    tracked = []  # LazyEviction: each request's TS and MRI of every layer and position when it finished
+    release = MRIScorer.release
+
+    def keep_tracked(self, memo):
+        if memo.ts is not None:
+            pos = np.arange(256)  # (past every request's length: the rest read 0)
+            tracked.append([(self.ts(memo, layer, pos).tolist(), memo.mri.get(layer, pos).tolist())
+                            for layer in range(memo.ts.table.num_layers)])
+        return release(self, memo)
+
+    monkeypatch.setattr(MRIScorer, "release", keep_tracked)
     with Probe(eng, record_sets=True) as probe:
         res = eng.generate(PROMPTS, PARAMS)
     monkeypatch.undo()
     stats = [{k: r.stats[k] for k in ("evicted_tokens", "eviction_events") if k in r.stats} for r in res]
-    return [r.token_ids for r in res], [probe.sets[i] for i in sorted(probe.sets)], stats
+    return [r.token_ids for r in res], [probe.sets[i] for i in sorted(probe.sets)], stats, tracked
 
 
 @pytest.mark.parametrize("name,params", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
@@ -79,10 +91,11 @@ def test_batched_events_evict_what_one_by_one_does(engine_factory, load_engine, 
         return orig_each(self, due)
 
     monkeypatch.setattr(cls, "events_each", spy_each)
-    tokens, sets, stats = _run(eng, True, monkeypatch)
-    ref_tokens, ref_sets, ref_stats = _run(eng, False, monkeypatch)
+    tokens, sets, stats, tracked = _run(eng, True, monkeypatch)
+    ref_tokens, ref_sets, ref_stats, ref_tracked = _run(eng, False, monkeypatch)
     assert tokens == ref_tokens
     assert stats == ref_stats
+    assert tracked == ref_tracked and (name != "lazyeviction" or len(tracked) == len(PROMPTS))
     assert sets == ref_sets  # per request, decode step and layer: the positions attended
     if name in ("h2o", "tova", "random") and params.get("evict_every", 1) == 1 and "kv_format" not in params:
         assert max(rows_calls) > 1  # statistics in batch form, events for several requests at once

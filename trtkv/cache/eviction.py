@@ -46,11 +46,8 @@ def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer:
     names = columns.fmt_names
     for f in sorted(np.unique(fids).tolist(), key=names.__getitem__):  # formats by name, as listed before
         fmt, pool = names[f], pools[names[f]]
-        if len(names) > 1 and not (fids == f).all():
-            sel = np.flatnonzero(fids == f)
-            o, p, sl = owner[sel], pages[sel], slots[sel]
-        else:
-            o, p, sl = owner, pages, slots
+        sel = fids == f
+        o, p, sl = (owner, pages, slots) if sel.all() else (owner[sel], pages[sel], slots[sel])
         bounds = np.concatenate([[0], np.cumsum(np.bincount(o, minlength=len(seqs)))])
         gids = None
         if pool.group_specs:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trtkv.policies.base import BatchLayerStats, StatsRequest
+from trtkv.policies.base import BatchLayerStats, StatsRequest, batch_rows_of
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scored import Cadence, ScorerPolicy
 from trtkv.policies.scorers import Scorer
@@ -142,48 +142,40 @@ class MRIScorer(Scorer):
 
     def observe_batch(self, reqs, memos, batch: dict[int, BatchLayerStats], rows: np.ndarray) -> None:
         """``observe`` of a decode step in batch form (row ``rows[i]`` of each layer's statistics is ``reqs[i]``'s):
-        per layer, the activated tokens of every request are found, read and updated in one pass."""
+        per layer, every request's held tokens are read, updated where activated and written back in one pass."""
         if not batch:
             return
         device = next(iter(batch.values())).weights.device
         for r, m in zip(reqs, memos):
             self._rows(r, m, device)
         table_rows = np.fromiter((m.ts.row for m in memos), np.int64, len(memos))
-        prompt = np.fromiter((m.prompt_len for m in memos), np.int64, len(memos))[:, None]
-        step = np.fromiter((r.step for r in reqs), np.int64, len(reqs))[:, None]
-        every = len(rows) == len(next(iter(batch.values())).counts) and bool((rows == np.arange(len(rows))).all())
-        for layer, bs in batch.items():  # (every row in order, the usual case: no gather)
-            pos, w = (bs.positions, bs.weights) if every else (bs.positions[rows], bs.weights[torch.from_numpy(rows)])
-            a = w.amax(1) if self.head_reduce == "max" else w.mean(1)
-            if pos.min(initial=0) >= 0:  # every column live (the usual step): no masking
-                self._track_all(layer, table_rows, pos, prompt, step, a >= self.alpha)
-                continue
-            act = ((a >= self.alpha).cpu().numpy()) & (pos >= 0)
-            if not act.any():
-                continue
-            at = pos[act]
-            flat_ts = self._ts.flat(np.broadcast_to(table_rows[:, None], pos.shape)[act], at)
-            flat_mri = self._mri.flat(np.broadcast_to(table_rows[:, None], pos.shape)[act], at)
-            t = torch.from_numpy(np.broadcast_to(step, pos.shape)[act]).to(device)
-            created = torch.from_numpy(created_at(at, np.broadcast_to(prompt, pos.shape)[act])).to(device)
-            ts = self._ts.take(layer, flat_ts) + created
-            self._mri.put(layer, flat_mri, torch.maximum(self._mri.take(layer, flat_mri), t - ts))
-            self._ts.put(layer, flat_ts, t - created)
+        prompt = np.fromiter((m.prompt_len for m in memos), np.int64, len(memos))
+        step = np.fromiter((r.step for r in reqs), np.int64, len(reqs))
+        for layer, pos, w, _ in batch_rows_of(batch, rows):
+            act = (w.amax(1) if self.head_reduce == "max" else w.mean(1)) >= self.alpha
+            live = pos >= 0
+            if live.all():  # (the usual step: no masking)
+                n = pos.shape[1]
+                self._track(layer, np.repeat(table_rows, n), pos.reshape(-1), np.repeat(prompt, n),
+                            np.repeat(step, n), act.reshape(-1))
+            elif live.any():
+                self._track(layer, np.broadcast_to(table_rows[:, None], pos.shape)[live], pos[live],
+                            np.broadcast_to(prompt[:, None], pos.shape)[live],
+                            np.broadcast_to(step[:, None], pos.shape)[live], act[torch.from_numpy(live).to(act.device)])
 
-    def _track_all(self, layer: int, rows: np.ndarray, pos: np.ndarray, prompt: np.ndarray, step: np.ndarray,
-                   act: torch.Tensor) -> None:
-        """``track`` of ``pos [b, n]`` (all held, distinct per row) of table ``rows`` in one layer: one read, one
-        update, one write of each table (unchanged values are written back as they were). A layer at a time:
-        its arrays stay in cache, where all layers' at once would not."""
+    def _track(self, layer: int, rows: np.ndarray, pos: np.ndarray, prompt: np.ndarray, step: np.ndarray,
+               act: torch.Tensor) -> None:
+        """``track`` of held tokens ``pos [m]`` (distinct per row) of table ``rows [m]`` (their requests' prompt
+        lengths and steps ``[m]``) in one layer: one read, one update where ``act``, one write of each table
+        (unchanged values are written back as they were). A layer at a time: its arrays stay in cache."""
         dev = self._ts.device
-        flat_ts = self._ts.flat(rows, pos).reshape(-1)
+        flat_ts = self._ts.flat(rows, pos)
         self._mri.ensure(int(pos.max()))  # (the two tables grow alike: one index serves both)
-        flat_mri = flat_ts if self._mri.data.shape == self._ts.data.shape else self._mri.flat(rows, pos).reshape(-1)
-        created = torch.from_numpy(created_at(pos, prompt).reshape(-1).astype(np.int32)).to(dev)
-        t = torch.from_numpy(np.repeat(step[:, 0].astype(np.int32), pos.shape[1])).to(dev)
+        flat_mri = flat_ts if self._mri.data.shape == self._ts.data.shape else self._mri.flat(rows, pos)
+        created = torch.from_numpy(created_at(pos, prompt).astype(np.int32)).to(dev)
+        now = torch.from_numpy(step.astype(np.int32)).to(dev) - created  # TS minus creation, if activated now
         ts_rel, mri = self._ts.take(layer, flat_ts), self._mri.take(layer, flat_mri)
-        now = t - created  # TS minus the creation step of a token activated now
-        act = act.reshape(-1).to(dev)
+        act = act.to(dev)
         if bool(act.all()):  # (alpha well under 1/n: every token is activated, the usual step)
             self._mri.put(layer, flat_mri, torch.maximum(mri, now - ts_rel))
             self._ts.put(layer, flat_ts, now)

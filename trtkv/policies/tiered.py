@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtkv.policies.base import KVPolicy, ReportColumn, StatsRequest, StepStats
+from trtkv.policies.base import KVPolicy, ReportColumn, StatsRequest, StepStats, batch_rows_of
 from trtkv.policies.request import PolicyRequest
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scoring import check_choice
@@ -155,25 +155,19 @@ class TieredPolicy(KVPolicy):
     def _accumulate_batch(self, reqs: list[PolicyRequest], batch: dict, rows: np.ndarray) -> None:
         """``_accumulate`` of every request of a decode step whose statistics came in batch form (``rows[i]``:
         ``reqs[i]``'s row of them): the same sums, added layer by layer for the whole batch."""
-        cols, live = {}, {}
-        every = len(rows) == len(next(iter(batch.values())).counts) and bool((rows == np.arange(len(rows))).all())
-        for layer, bs in batch.items():  # (every row in order, the usual case: no gather)
-            w = bs.weights if every else bs.weights.index_select(0, torch.from_numpy(rows).to(bs.weights.device))
+        layers = []  # (positions, column sums fp64, whether the layer counts for the row)
+        for _, pos, w, counts in batch_rows_of(batch, rows):
             col = w.float().sum(1)
-            cols[layer] = col.double().cpu()
-            live[layer] = torch.isfinite(col).all(1).cpu().numpy() & (bs.counts[rows] > 0)
-        counted = np.sum(list(live.values()), axis=0) if live else np.zeros(len(reqs), np.int64)
+            layers.append((pos, col.double().cpu(), torch.isfinite(col).all(1).cpu().numpy() & (counts > 0)))
+        counted = np.sum([live for _, _, live in layers], axis=0) if layers else np.zeros(len(reqs), np.int64)
         for i in np.flatnonzero(counted == 0).tolist():
             reqs[i].state.skipped_steps += 1
         denom = torch.from_numpy(np.maximum(counted, 1) * reqs[0].num_q_heads).double()[:, None]
         table_rows = np.fromiter((r.state.score.row for r in reqs), np.int64, len(reqs))
-        for layer, bs in batch.items():
-            pos = bs.positions if every else bs.positions[rows]
-            take = (pos >= 0) & live[layer][:, None]
-            if take.all():
-                self._scores.add_rows(0, table_rows, pos, cols[layer] / denom)
-            elif take.any():
-                self._scores.add_rows(0, table_rows, np.where(take, pos, -1), cols[layer] / denom)
+        for pos, col, live in layers:  # (add_rows skips the -1 columns)
+            if live.any():
+                self._scores.add_rows(0, table_rows, pos if live.all() else np.where(live[:, None], pos, -1),
+                                      col / denom)
 
     def _event(self, req: PolicyRequest, t: int) -> None:
         st = req.state

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trtkv.policies.base import BatchLayerStats, StatsRequest
+from trtkv.policies.base import BatchLayerStats, StatsRequest, batch_rows_of
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scoring import accumulate_attention
 from trtkv.policies.scorers.base import Scorer
@@ -54,9 +54,7 @@ class H2OScorer(Scorer):
             return
         device = next(iter(batch.values())).weights.device
         table_rows = np.fromiter((self._row(r, m, device).row for r, m in zip(reqs, memos)), np.int64, len(reqs))
-        every = len(rows) == len(next(iter(batch.values())).counts) and bool((rows == np.arange(len(rows))).all())
-        for layer, bs in batch.items():  # (every row in order, the usual case: no gather)
-            pos, w = (bs.positions, bs.weights) if every else (bs.positions[rows], bs.weights[torch.from_numpy(rows)])
+        for layer, pos, w, _ in batch_rows_of(batch, rows):
             self._table.add_rows(layer, table_rows, pos, w.sum(1))
 
     def batch_rows(self, reqs, memos) -> np.ndarray:
