@@ -532,3 +532,21 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs):
         for lo, hi in ((0, 5), (3, 40), (-2, 1000), (30, 10), (next_pos[sid] - 7, next_pos[sid] + 3)):
             want_in = live[(live >= lo) & (live < hi)]
             assert np.array_equal(caches[0].live_positions_in(seq, 1, lo, hi), want_in)
+
+
+def test_block_tables_follow_a_page_joining_the_middle_of_its_format():
+    """A batch's page boundary appends each request's new page to the cached block tables in place, except where
+    the page joins a class listed before another class of its format (then it lands mid-row: rewritten)."""
+    cache = make_cache(g=1)
+    for sid in range(3):
+        cache.add_sequence(sid)
+    seqs = [cache.seqs[s] for s in sorted(cache.seqs)]
+    k = v = torch.ones(len(seqs), H, D)
+    pos = 0
+    for cls, n in ((("fp32", 0), 4), (("fp32", 1), 4), (("fp32", 0), 6), (("fp32", 1), 6)):
+        for _ in range(n):  # a page of class 0, one of class 1, then class 0 again across a page boundary
+            cache.write_through(0, seqs, k, v, [pos] * len(seqs), cls)
+            pos += 1
+            _check_block_tables(cache)
+    (_, bt), = cache.block_tables(0, seqs)
+    assert bt[0].tolist() == [p for c in (("fp32", 0), ("fp32", 1)) for p in seqs[0].layers[0].pages[c]]

@@ -298,17 +298,20 @@ class BlockTable:
         """``_adopt_open_page`` of ``pages[i]`` by ``tables[i]`` (distinct, rows ``rows``): the columns' open pages
         and stamps set for all at once (every request of a batch crosses a page boundary on the same step)."""
         fmt, cost = cls[0], held_page_bytes(pool)
-        for t, p in zip(tables, pages.tolist()):
+        at_end = np.ones(len(tables), bool)  # the page ends its format's list (one class of the format: always)
+        for i, (t, p) in enumerate(zip(tables, pages.tolist())):
             t._page_order[(fmt, p)] = next(t._order)  # noqa: SLF001
             held = t._pages.get(cls)  # noqa: SLF001
             if held is None:
                 t._pages[cls] = [p]  # noqa: SLF001
             else:
                 held.append(p)
+            if len(t._pages) > 1:  # noqa: SLF001
+                at_end[i] = [c for c in t._pages if c[0] == fmt][-1] == cls  # noqa: SLF001
             t._flat = t._single_bt = None  # noqa: SLF001
             t._account.add(cost)  # noqa: SLF001
         cols.set_opens(layer, rows, cls, pages)
-        cols.touch_rows(layer, rows)
+        cols.append_rows(layer, rows, fmt, pages, at_end)
 
     # --- the position map ----------------------------------------------------------------------------
     def place(self, fmt: str, pages: Iterable[int], slots: Iterable[int], positions: Iterable[int]) -> None:

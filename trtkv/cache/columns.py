@@ -44,6 +44,11 @@ class TableColumns:
         self._holes = np.zeros((num_layers, FIRST_ROWS), bool)  # an eviction ever hit the table
         self._evicted = np.zeros(FIRST_ROWS, np.int64)  # tokens evicted per request, summed over layers
         self._stamp = np.zeros((num_layers, FIRST_ROWS), np.int64)  # changes whenever a page list changes
+        # when a row's last page-list change was one page joining the end of its format's list (a page boundary):
+        # that page (page << 3 | format id; -1 another change) and the stamp before it, so a batch's block tables
+        # take the page in place instead of being rebuilt from every request's lists
+        self._appended = np.full((num_layers, FIRST_ROWS), -1, np.int64)
+        self._stamp_before = np.zeros((num_layers, FIRST_ROWS), np.int64)
         self._clock = 0
         self._free = list(range(FIRST_ROWS - 1, -1, -1))  # a stack: the lowest free row on top
         self._fmt_ids: dict[str, int] = {}
@@ -70,6 +75,7 @@ class TableColumns:
         self._evicted[row] = 0
         self._clock += 1
         self._stamp[:, row] = self._clock
+        self._appended[:, row] = -1
         self._free.append(row)
         if len(self._free) > 1 and self._free[-1] > self._free[-2]:
             self._free.sort(reverse=True)
@@ -89,6 +95,9 @@ class TableColumns:
         self._evicted = np.concatenate([self._evicted, np.zeros(new - old, np.int64)])
         self._live = np.concatenate([self._live, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
         self._stamp = np.concatenate([self._stamp, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
+        self._appended = np.concatenate([self._appended, np.full((self.num_layers, new - old), -1, np.int64)], axis=1)
+        self._stamp_before = np.concatenate([self._stamp_before, np.zeros((self.num_layers, new - old), np.int64)],
+                                            axis=1)
         self._free = list(range(new - 1, old - 1, -1)) + self._free
         self._rows = new
 
@@ -368,13 +377,29 @@ class TableColumns:
     def touch(self, layer: int, row: int) -> None:
         self._clock += 1
         self._stamp[layer, row] = self._clock
+        self._appended[layer, row] = -1
 
     def touch_rows(self, layer: int, rows: np.ndarray) -> None:
         self._stamp[layer, rows] = self._clock + 1 + np.arange(len(rows))
         self._clock += len(rows)
+        self._appended[layer, rows] = -1
+
+    def append_rows(self, layer: int, rows: np.ndarray, fmt: str, pages: np.ndarray, at_end: np.ndarray) -> None:
+        """``touch_rows`` for page ``pages[i]`` joining row ``rows[i]``'s ``fmt`` pages, the last of that format's
+        list where ``at_end[i]`` (block tables may append it)."""
+        self._stamp_before[layer, rows] = self._stamp[layer, rows]
+        self.touch_rows(layer, rows)
+        code = (np.asarray(pages, np.int64) << _SLOT_SHIFT) | self.fmt_id(fmt)  # (a format id fits 3 bits)
+        self._appended[layer, rows] = np.where(at_end, code, -1)
 
     def stamps(self, layer: int, rows: np.ndarray) -> np.ndarray:
         return self._stamp[layer, rows]
+
+    def appended(self, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(stamps before, format ids, pages)`` of rows whose last page-list change was one page appended to
+        the end of a format's list; format id -1 for rows whose last change was another."""
+        code = self._appended[layer, rows]
+        return self._stamp_before[layer, rows], np.where(code >= 0, code & _FMT_MASK, -1), code >> _SLOT_SHIFT
 
 
 class PositionView(Mapping):

@@ -105,15 +105,22 @@ class BlockTableCache:
         stamps = columns.stamps(layer, rows)
         cached = self._last[layer]
         if cached is not None and len(cached.rows) == len(rows):
-            changed = np.flatnonzero((cached.rows != rows) | (cached.stamps != stamps))
+            same_row = cached.rows == rows
+            changed = np.flatnonzero(~same_row | (cached.stamps != stamps))
             if not len(changed):
                 return cached.out  # same requests, same page lists
-            if cached.formats == tuple(pools) and len(changed) * REWRITE_SHARE <= len(rows):
-                idx = changed.tolist()  # a few rows changed: rewrite those alone
-                out = self._update(cached.host, [seqs[i].layers[layer].pages_of_format() for i in idx], idx)
-                if out is not None:
-                    self._last[layer] = cached._replace(rows=rows, stamps=stamps, out=out)
-                    return out
+            if cached.formats == tuple(pools):
+                # rows that only took one page at the end of a format's list since (a page boundary) take it in
+                # place; a few others are rewritten from their page lists; otherwise everything is rebuilt
+                before, fids, pages = columns.appended(layer, rows[changed])
+                append = (fids >= 0) & same_row[changed] & (before == cached.stamps[changed])
+                rest = changed[~append].tolist()
+                if len(rest) * REWRITE_SHARE <= len(rows):
+                    out = self._update(cached.host, changed[append], fids[append], pages[append], columns.fmt_names,
+                                       [seqs[i].layers[layer].pages_of_format() for i in rest], rest)
+                    if out is not None:
+                        self._last[layer] = cached._replace(rows=rows, stamps=stamps, out=out)
+                        return out
         per_seq = [s.layers[layer].pages_of_format() for s in seqs]
         host = {}
         out = []
@@ -123,7 +130,7 @@ class BlockTableCache:
             width = int(lens.max(initial=0))
             if width == 0:
                 continue
-            bt = np.full((len(seqs), width + width // 4 + 1), -1, np.int32)  # spare columns: pages join rows often
+            bt = np.full((len(seqs), 2 * width + 4), -1, np.int32)  # spare columns: every row takes pages over time
             _fill_rows(bt, np.arange(len(seqs)), rows_of, lens)
             host[fmt] = (pool, bt, lens)
             # a copy: the host table is patched in place later, a tensor handed out stays as it was
@@ -132,20 +139,35 @@ class BlockTableCache:
         return out
 
     @staticmethod
-    def _update(host, new_rows: list[dict[str, np.ndarray]], changed: list[int]):
-        """The cached tables with rows ``changed`` rewritten in place (``new_rows``: their page arrays), or None
+    def _update(host, appended: np.ndarray, fids: np.ndarray, pages: np.ndarray, names: tuple[str, ...],
+                new_rows: list[dict[str, np.ndarray]], changed: list[int]):
+        """The cached tables patched in place: rows ``appended`` take page ``pages[i]`` of format ``fids[i]`` at the
+        end of that format's row, rows ``changed`` are rewritten from ``new_rows`` (their page arrays); or None
         (rebuild) when a row outgrows its table's spare columns or holds a format the tables lack."""
-        if any(f not in host for d in new_rows for f in d):
+        if any(names[f] not in host for f in np.unique(fids).tolist()) or \
+                any(f not in host for d in new_rows for f in d):
             return None
         rows = {fmt: [d.get(fmt, NO_PAGES) for d in new_rows] for fmt in host}
         if any(len(r) > host[fmt][1].shape[1] for fmt, rs in rows.items() for r in rs):
             return None
+        fid = {fmt: names.index(fmt) if fmt in names else -1 for fmt in host}
+        if len(appended):
+            for fmt, (_, bt, lens) in host.items():
+                sel = appended[fids == fid[fmt]]
+                if len(sel) and int(lens[sel].max()) >= bt.shape[1]:
+                    return None
         out = []
         idx = np.asarray(changed, np.int64)
         for fmt, (pool, bt, lens) in host.items():
-            bt[idx, : int(lens[idx].max(initial=0))] = -1
-            lens[idx] = np.fromiter(map(len, rows[fmt]), np.int64, len(idx))
-            _fill_rows(bt, idx, rows[fmt], lens[idx])
+            if len(appended):
+                mine = fids == fid[fmt]
+                sel = appended[mine]
+                bt[sel, lens[sel]] = pages[mine]
+                lens[sel] += 1
+            if len(idx):
+                bt[idx, : int(lens[idx].max(initial=0))] = -1
+                lens[idx] = np.fromiter(map(len, rows[fmt]), np.int64, len(idx))
+                _fill_rows(bt, idx, rows[fmt], lens[idx])
             width = int(lens.max(initial=0))
             if width:
                 out.append((pool, torch.from_numpy(bt[:, :width].copy()).to(pool.device)))
