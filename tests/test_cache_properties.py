@@ -457,7 +457,8 @@ flush_op = st.one_of(st.tuples(st.just("add")), _fstep, _fstep, _fstep, _fstep, 
 def test_batched_flush_matches_one_write_per_request(ops, block):
     """``flush_many`` (the batch's full buffers of one layer: fresh pages taken in one call, one kernel call per
     format, one slot mark) leaves exactly the state of writing each request's group with ``write`` in batch
-    order: slots (reused, open-page tails, fresh pages), key-scale groups, stored codes, bytes. Page ages
+    order: slots (reused, open-page tails, fresh pages), key-scale groups, stored codes, bytes, and the batch's
+    cached block tables (fresh pages appended in place) equal tables built anew. Page ages
     (``page_seq``, the reuse order) are compared as ranks within each table: the batched path numbers one
     format's pages before the next format's, which orders no table differently."""
     g = 4
@@ -496,6 +497,7 @@ def test_batched_flush_matches_one_write_per_request(ops, block):
             for c in (batched, each):
                 c.free_sequence(ids[o[1] % len(ids)])
         assert _ranked_state(batched) == _ranked_state(each)
+        _check_block_tables(batched)
         for layer in range(L):
             for fmt, pool in batched.pools[layer].items():
                 other = each.pools[layer][fmt]
@@ -550,3 +552,22 @@ def test_block_tables_follow_a_page_joining_the_middle_of_its_format():
             _check_block_tables(cache)
     (_, bt), = cache.block_tables(0, seqs)
     assert bt[0].tolist() == [p for c in (("fp32", 0), ("fp32", 1)) for p in seqs[0].layers[0].pages[c]]
+
+
+def test_block_tables_follow_a_flushed_page_joining_the_middle_of_its_format():
+    """The same for a batch's flush into fresh whole pages (one group a page)."""
+    g = 4
+    cache = make_cache(block=g, g=g)
+    for sid in range(3):
+        cache.add_sequence(sid)
+    seqs = [cache.seqs[s] for s in sorted(cache.seqs)]
+    pos = 0
+    for cls in (("nvfp4", 0), ("nvfp4", 1), ("nvfp4", 0), ("nvfp4", 1)):
+        for _ in range(g):
+            k = torch.randn(len(seqs), H, D, generator=torch.Generator().manual_seed(pos))
+            cache.buffer_append(0, seqs, k, k, [pos] * len(seqs))
+            pos += 1
+        cache.flush_many(0, seqs, [cls] * len(seqs), [-1] * len(seqs))
+        _check_block_tables(cache)
+    (_, bt), = cache.block_tables(0, seqs)
+    assert bt[0].tolist() == [p for c in (("nvfp4", 0), ("nvfp4", 1)) for p in seqs[0].layers[0].pages[c]]

@@ -265,16 +265,33 @@ class BlockTable:
         return (not self._reusable.get(cls) and self._open_of(cls) is None
                 and self._cols.single(self.layer, self._row, cls) is None)
 
-    def add_full_pages(self, pool: PagePool, cls: Cls, pages: Iterable[int]) -> None:
-        """Pages just taken from ``pool`` and filled at once (a flush of whole pages): held, never open."""
-        owned = self._pages.setdefault(cls, [])
-        n = 0
-        for p in pages:
-            self._page_order[(cls[0], p)] = next(self._order)
-            owned.append(p)
-            n += 1
-        self._pages_changed()
-        self._account.add(n * held_page_bytes(pool))
+    @staticmethod
+    def add_full_pages_each(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
+                            pool: PagePool, classes: list[Cls], pages: np.ndarray) -> None:
+        """Pages just taken from ``pool`` and filled at once (a batch's flush of whole pages): ``tables[i]``
+        (distinct, rows ``rows``) holds ``pages[i]`` (a row of ``[G, per]``), never open. With one page each, the
+        columns record it as appended, so the batch's block tables take it in place."""
+        per = pages.shape[1]
+        cost = per * held_page_bytes(pool)
+        at_end = np.ones(len(tables), bool)
+        for i, (t, cls, ps) in enumerate(zip(tables, classes, pages.tolist())):
+            order, fmt = t._page_order, cls[0]  # noqa: SLF001
+            for p in ps:
+                order[(fmt, p)] = next(t._order)  # noqa: SLF001
+            held = t._pages.get(cls)  # noqa: SLF001
+            if held is None:
+                t._pages[cls] = ps  # noqa: SLF001
+            else:
+                held.extend(ps)
+            if len(t._pages) > 1:  # noqa: SLF001
+                at_end[i] = [c for c in t._pages if c[0] == fmt][-1] == cls  # noqa: SLF001
+            t._flat = t._single_bt = None  # noqa: SLF001
+            t._account.add(cost)  # noqa: SLF001
+        fmts = {cls[0] for cls in classes}
+        if per == 1 and len(fmts) == 1:
+            cols.append_rows(layer, rows, fmts.pop(), pages[:, 0], at_end)
+        else:
+            cols.touch_rows(layer, rows)
 
     def _new_page(self, pool: PagePool, cls: Cls) -> int:
         try:

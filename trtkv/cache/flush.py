@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from plugins import ops as plugin_ops
-from trtkv.cache.block_table import Cls
+from trtkv.cache.block_table import BlockTable, Cls
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool import PagePool
 from trtkv.cache.pool_set import PoolSet
@@ -38,7 +38,7 @@ def flush_many(pools: PoolSet, arena: ResidualArena, columns: TableColumns, laye
 def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, layer: int, fmt: str, n: int,
                 seqs: list[SeqKV], classes: list[Cls], segs: list[int], clock) -> None:
     pool = pools.pool(layer, fmt)
-    pages, slots = _alloc(layer, pool, n, seqs, classes)
+    pages, slots = _alloc(columns, layer, pool, n, seqs, classes)
     gids = [s.alloc_group(layer, pool, n) for s in seqs]
     G = len(seqs)
     k, v = _buffers(arena, seqs, layer, n)
@@ -69,7 +69,7 @@ def _buffers(arena: ResidualArena, seqs: list[SeqKV], layer: int, n: int) -> tup
     return arena.k[rows, layer, :n], arena.v[rows, layer, :n]
 
 
-def _alloc(layer: int, pool: PagePool, n: int, seqs: list[SeqKV], classes: list[Cls]
+def _alloc(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs: list[SeqKV], classes: list[Cls]
            ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Slots for ``n`` tokens of each request, as ``BlockTable.alloc_slots`` of each in turn would choose
     them. The common case — a group exactly filling fresh pages (no reusable slot, no open page of the class)
@@ -89,7 +89,7 @@ def _alloc(layer: int, pool: PagePool, n: int, seqs: list[SeqKV], classes: list[
             for j in run:
                 pages[j], slots[j] = seqs[j].layers[layer].alloc_slots(pool, classes[j], n)
         else:
-            _give_pages(layer, pool, seqs, classes, run, got, per, pages, slots)
+            _give_pages(columns, layer, pool, seqs, classes, run, got, per, pages, slots)
         run.clear()
 
     for j in range(len(seqs)):
@@ -105,14 +105,16 @@ def _alloc(layer: int, pool: PagePool, n: int, seqs: list[SeqKV], classes: list[
     return pages, slots
 
 
-def _give_pages(layer: int, pool: PagePool, seqs: list[SeqKV], classes: list[Cls], run: list[int], got: np.ndarray,
-                per: int, pages: list, slots: list) -> None:
+def _give_pages(columns: TableColumns, layer: int, pool: PagePool, seqs: list[SeqKV], classes: list[Cls],
+                run: list[int], got: np.ndarray, per: int, pages: list, slots: list) -> None:
     """Record ``per`` fresh pages of ``got`` (whole, in order) in each of the ``run`` requests' tables."""
     B = pool.B
     pool.mark_full(got)
     every_slot = np.repeat(got, B)
     full_slots = np.tile(np.arange(B, dtype=np.int64), per)
+    rows = np.fromiter((seqs[j].row for j in run), np.int64, len(run))
+    BlockTable.add_full_pages_each([seqs[j].layers[layer] for j in run], columns, layer, rows, pool,
+                                   [classes[j] for j in run], got.reshape(len(run), per))
     for i, j in enumerate(run):
-        seqs[j].layers[layer].add_full_pages(pool, classes[j], got[i * per:(i + 1) * per].tolist())
         pages[j] = every_slot[i * per * B:(i + 1) * per * B]
         slots[j] = full_slots
