@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import plugins  # noqa: F401  (registers torch.ops.trtkv.*)
-from trtkv.artifacts.engine_dir import read_manifest, verify_weights
+from trtkv.artifacts.engine_dir import read_manifest, verify_int8_weights, verify_weights
 from trtkv.artifacts.manifest import EngineManifest
 from trtkv.cache.manager import CacheConfig
 from trtkv.errors import TrtkvError
@@ -63,6 +63,18 @@ class RequestHandle:
         raise TrtkvError("request ended without a result")
 
 
+def _int8_dense(path: Path, manifest: EngineManifest, model, runtime: str):
+    """The int8 decoder over ``model`` (``--weights int8``): the engine's stored codes, checked against the
+    manifest; synthetic weights are drawn at load, so they are quantized then."""
+    from trtkv.models.int8_weights import int8_decoder, load_int8, quantize_int8
+
+    mm = manifest.model
+    if mm.synthetic:
+        return int8_decoder(model, f"synthetic:{mm.synthetic_seed}", lambda: quantize_int8(model))
+    f = verify_int8_weights(path, manifest)
+    return int8_decoder(model, mm.int8_sha256, lambda: load_int8(f, model))
+
+
 class Engine:
     def __init__(self, path: Path, manifest: EngineManifest, model, tokenizer, policy, cache_cfg: CacheConfig,
                  max_batch: int, kv_amax=None, runtime: str = "torch", onnx_dir: str | Path | None = None,
@@ -81,7 +93,9 @@ class Engine:
         # the model the cores run: torch-compile compiles its dense layer pieces (trtkv/models/compiled.py);
         # torch on CPU multiplies oneDNN-packed copies of the weights (trtkv/models/packed.py)
         self._dense = model
-        if runtime == "torch-compile":
+        if manifest.model.weights == "int8":
+            self._dense = _int8_dense(path, manifest, model, runtime)
+        elif runtime == "torch-compile":
             from trtkv.models.compiled import CompiledDecoder
 
             self._dense = CompiledDecoder(model)
@@ -145,6 +159,9 @@ class Engine:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":
             dtype = cpu_compute_dtype(dtype, runtime)  # fp32 unless the CPU multiplies bf16 natively
+        if mm.weights == "int8" and (runtime != "torch" or device != "cpu"):
+            raise TrtkvError(f"{path} has int8 weights, which run on CPU with --runtime torch (not {runtime} on "
+                             f"{device}); build a --weights dense engine for that")
         if files is None and not mm.synthetic:
             from trtkv.models.loader import weight_files
 
@@ -190,10 +207,15 @@ class Engine:
         return EngineCore(self._dense, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax, observers)
 
     @property
+    def int8_weight_bytes(self) -> int | None:
+        """Bytes of the int8 codes and scales a decode step multiplies (``--weights int8``); None otherwise."""
+        return getattr(self._dense, "weight_bytes", None) if self.manifest.model.weights == "int8" else None
+
+    @property
     def info(self) -> dict[str, Any]:
         mm = self.manifest.model
         return {"path": str(self.path), "model": mm.alias, "architecture": mm.architecture,
-                "dtype": mm.dtype, "policy": self.manifest.policy.name,
+                "dtype": mm.dtype, "weights": mm.weights, "policy": self.manifest.policy.name,
                 "policy_params": self.policy.params(), "max_position_embeddings": self.arch.max_position_embeddings,
                 "block_size": self.core.cache.cfg.block_size, "max_batch": self.scheduler.max_batch,
                 "runtime": self.runtime}

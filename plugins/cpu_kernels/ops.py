@@ -63,3 +63,8 @@ def rotary_cpu(x, cos, sin):
 def residual_append_cpu(arena_k, arena_v, at, k, v) -> None:
     """Same contract as ``residual_append_ref`` for fp32 ``k, v [b, H, D]`` (heads contiguous)."""
     cpu_kernels().residual_append(arena_k, arena_v, at, k, v)
+
+
+def int8_linear_cpu(x, codes_b, scales):
+    """Same contract as ``int8_linear_ref`` for fp32 ``x [M, K]`` (contiguous)."""
+    return cpu_kernels().int8_linear(x, codes_b, scales)

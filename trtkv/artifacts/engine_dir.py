@@ -10,12 +10,13 @@ from pathlib import Path
 
 from trtkv.artifacts.manifest import ENGINE_FORMAT_VERSION, EngineManifest
 from trtkv.errors import TrtkvError
+from trtkv.models.int8_weights import INT8_FILE
 from trtkv.models.loader import sha256_files, weight_files
 
 MANIFEST = "engine.json"
 
-__all__ = ["ENGINE_FORMAT_VERSION", "MANIFEST", "EngineManifest", "read_manifest", "verify_weights",
-           "write_manifest"]
+__all__ = ["ENGINE_FORMAT_VERSION", "MANIFEST", "EngineManifest", "read_manifest", "verify_int8_weights",
+           "verify_weights", "write_manifest"]
 
 
 def read_manifest(path: str | Path) -> EngineManifest:
@@ -48,6 +49,18 @@ def verify_weights(path: Path, manifest: EngineManifest) -> list[Path]:
         raise TrtkvError(f"weights hash mismatch in {wdir} (expected {str(model.weights_sha256)[:12]}…, "
                          f"found {digest[:12]}…); the weights changed since the build — rebuild the engine")
     return files
+
+
+def verify_int8_weights(path: Path, manifest: EngineManifest) -> Path:
+    """The stored int8 weights' file (``--weights int8``), after checking its sha256 against the manifest."""
+    f = path / INT8_FILE
+    if not f.is_file():
+        raise TrtkvError(f"{path} was built with --weights int8 but has no {INT8_FILE}; rebuild the engine")
+    digest = sha256_files([f])
+    if digest != manifest.model.int8_sha256:
+        raise TrtkvError(f"int8 weights hash mismatch in {f} (expected {str(manifest.model.int8_sha256)[:12]}…, "
+                         f"found {digest[:12]}…); rebuild the engine")
+    return f
 
 
 def write_manifest(path: Path, manifest: EngineManifest) -> None:

@@ -20,6 +20,7 @@ from trtkv.artifacts.calibration import CalibrationArtifact, KVAmax
 from trtkv.cache.manager import CacheConfig
 from trtkv.errors import TrtkvError
 from trtkv.models.config import ModelArch
+from trtkv.models.int8_weights import WEIGHT_FORMATS
 from trtkv.models.loader import DTYPES
 
 ENGINE_FORMAT_VERSION = 1
@@ -86,6 +87,8 @@ class ModelSection:
     hf_id: str | None = None
     synthetic: bool = False
     synthetic_seed: int | None = None
+    weights: str = "dense"  # dense (the dtype's weights) | int8 (trtkv/models/int8_weights.py)
+    int8_sha256: str | None = None  # the stored int8 codes' digest (None: dense, or synthetic weights)
 
     @classmethod
     def from_dict(cls, s: dict[str, Any], bad: _Bad) -> ModelSection:
@@ -101,15 +104,23 @@ class ModelSection:
         sha = _opt(s, "weights_sha256", (str,), bad, "model", "a hex digest")
         if sha is None and not synthetic:
             raise bad("model.weights_sha256", "is missing")
+        weights = s.get("weights", "dense")
+        if weights not in WEIGHT_FORMATS:
+            raise bad("model.weights", f"must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+        int8_sha = _opt(s, "int8_sha256", (str,), bad, "model", "a hex digest")
+        if weights == "int8" and int8_sha is None and not synthetic:
+            raise bad("model.int8_sha256", "is missing")
         return cls(alias=s["alias"], architecture=s["architecture"], arch=arch, dtype=s["dtype"],
                    weights_sha256=sha, source=_opt(s, "source", (dict,), bad, "model", "an object") or {},
                    hf_id=_opt(s, "hf_id", (str,), bad, "model", "a string"), synthetic=synthetic,
-                   synthetic_seed=_opt(s, "synthetic_seed", (int,), bad, "model", "an integer"))
+                   synthetic_seed=_opt(s, "synthetic_seed", (int,), bad, "model", "an integer"), weights=weights,
+                   int8_sha256=int8_sha)
 
     def to_dict(self) -> dict[str, Any]:
         return {"alias": self.alias, "source": self.source, "hf_id": self.hf_id, "architecture": self.architecture,
                 "arch": self.arch.to_dict(), "dtype": self.dtype, "weights_sha256": self.weights_sha256,
-                "synthetic": self.synthetic, "synthetic_seed": self.synthetic_seed}
+                "synthetic": self.synthetic, "synthetic_seed": self.synthetic_seed,
+                **({} if self.weights == "dense" else {"weights": self.weights, "int8_sha256": self.int8_sha256})}
 
 
 @dataclass(frozen=True)

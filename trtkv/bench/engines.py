@@ -27,7 +27,7 @@ class BenchEngine:
         return {"label": self.label, "path": str(self.path), "model": mm.alias, "architecture": mm.architecture,
                 "dtype": str(e.core.dtype).replace("torch.", ""), "device": str(e.core.device),
                 "policy": e.manifest.policy.name, "policy_params": e.policy.params(),
-                "synthetic_weights": self.synthetic, "weight_bytes": weight_bytes(e.model),
+                "synthetic_weights": self.synthetic, "weights": mm.weights, "weight_bytes": step_weight_bytes(e),
                 "block_size": e.core.cache.cfg.block_size, "residual_group": e.core.cache.cfg.residual_group,
                 "runtime": e.runtime}
 
@@ -100,6 +100,11 @@ def _share_of_device(cache_ov: dict[str, Any], i: int, n: int) -> dict[str, Any]
 def _labels(paths: list[Path]) -> list[str]:
     names = [Path(p).resolve().name for p in paths]
     return [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+
+
+def step_weight_bytes(engine) -> int:
+    """Bytes of weights one decode step of ``engine`` reads, in the weight format it runs."""
+    return engine.int8_weight_bytes or weight_bytes(engine.model)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtkv.bench.engines import BenchEngine, weight_bytes
+from trtkv.bench.engines import BenchEngine, step_weight_bytes
 from trtkv.bench.records import BenchConfig, RunResult
 
 FIT_METHOD = (
@@ -80,7 +80,7 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
               command: str | None = None) -> dict[str, Any]:
     rows = []
     for be in engines:
-        wbytes = weight_bytes(be.engine.model)
+        wbytes = step_weight_bytes(be.engine)
         for b in dict.fromkeys(r.batch for r in runs if r.engine == be.label):  # batch sizes, or requests queued
             rs = [r for r in runs if r.engine == be.label and r.batch == b]
             steps = [s for r in rs for s in r.decode_s]

@@ -29,6 +29,9 @@ def check_exportable(engine) -> None:
     if bad:
         raise TrtkvError(f"KV format {bad[0]!r} has no ONNX functions yet; exportable formats: "
                          f"{', '.join(EXPORTABLE_FORMATS)}")
+    if engine.manifest.model.weights != "dense":
+        raise TrtkvError(f"{engine.manifest.model.weights} weights do not export to ONNX (dense weights do); export a "
+                         "--weights dense build of the same model")
     if engine.cache_cfg.demote != "none":
         raise TrtkvError(f"cache setting demote={engine.cache_cfg.demote} (host tiers) cannot run from the ONNX "
                          "graphs; use demote=none")

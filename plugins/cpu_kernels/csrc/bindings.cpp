@@ -24,6 +24,7 @@ at::Tensor kmeans_select_cpu(const at::Tensor& keys, const at::Tensor& counts, c
 void residual_append_cpu(at::Tensor& arena_k, at::Tensor& arena_v, const at::Tensor& at, const at::Tensor& k,
                          const at::Tensor& v);
 at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& codes_b, const at::Tensor& scales);
 }  // namespace trtkv
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -36,4 +37,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kmeans_select", &trtkv::kmeans_select_cpu, "batched k-means token selection (CPU)");
   m.def("residual_append", &trtkv::residual_append_cpu, "a decode step's K/V rows into the residual arena (CPU)");
   m.def("rotary", &trtkv::rotary_cpu, "rotary position embedding of fp32 heads (CPU)");
+  m.def("int8_linear", &trtkv::int8_linear_cpu, "x @ (int8 codes blocked by 64 output channels x per-channel scales).T, fp32 rows (CPU)");
 }
