@@ -26,9 +26,9 @@ H, D, L = 2, 16, 2
 CLASSES = [("fp32", 0), ("fp32", 1), ("nvfp4", 2), ("int2", 0)]
 
 
-def make_cache(eviction="inplace", block=4, g=4):
+def make_cache(eviction="inplace", block=4, g=4, max_pages=64):
     return KVCacheManager(CacheConfig(num_layers=L, num_kv_heads=H, head_dim=D, block_size=block, residual_group=g,
-                                      residual_dtype=torch.float32, eviction=eviction, max_pages=64))
+                                      residual_dtype=torch.float32, eviction=eviction, max_pages=max_pages))
 
 
 def check_invariants(cache: KVCacheManager) -> None:
@@ -462,7 +462,8 @@ def test_batched_flush_matches_one_write_per_request(ops, block):
     (``page_seq``, the reuse order) are compared as ranks within each table: the batched path numbers one
     format's pages before the next format's, which orders no table differently."""
     g = 4
-    batched, each = make_cache(block=block, g=g), make_cache(block=block, g=g)
+    # pages for the worst case (30 requests x 30 steps x one page per `block` tokens), so no pool runs out
+    batched, each = make_cache(block=block, g=g, max_pages=512), make_cache(block=block, g=g, max_pages=512)
     next_pos: dict[int, int] = {}
     tokens: dict[int, list] = {}  # per request, its buffered (k, v) rows: what ``each`` writes at a flush
     for o in ops:
