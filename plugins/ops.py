@@ -21,6 +21,7 @@ from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, dense_attention_cpu, paged_attention_ref
 from plugins.residual_append.reference import residual_append_ref
+from plugins.int4_linear.reference import Int4Weight, int4_linear_ref
 from plugins.int8_linear.reference import int8_linear_ref
 from plugins.rotary.reference import rotary_ref
 
@@ -57,19 +58,29 @@ def residual_append(arena_k: torch.Tensor, arena_v: torch.Tensor, at: torch.Tens
     residual_append_ref(arena_k, arena_v, at, k, v)
 
 
-INT8_GEMV_MAX_ROWS = 16  # more rows (a prefill) multiply faster as one dense GEMM over the widened codes
+GEMV_MAX_ROWS = 16  # more rows (a prefill) multiply faster as one dense GEMM over the widened codes
 
 
 def int8_linear(x: torch.Tensor, codes_b: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ (codes * scales[:, None]).T`` for codes blocked by ``block_codes`` (see
     int8_linear/reference.py): the compiled CPU kernel for the few rows of a decode step, else the reference
     (a dense GEMM over the widened codes)."""
-    if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= INT8_GEMV_MAX_ROWS
+    if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
             and codes_b.dtype == torch.int8 and codes_b.is_contiguous() and use_cpu_kernels(x)):
         from plugins.cpu_kernels.ops import int8_linear_cpu
 
         return int8_linear_cpu(x.contiguous(), codes_b, scales)
     return int8_linear_ref(x, codes_b, scales)
+
+
+def int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """``x [M, K] @ w.T`` for group-scaled int4 codes (see int4_linear/reference.py): the compiled CPU kernel for
+    the few rows of a decode step, else the reference (a dense GEMM over the widened codes)."""
+    if x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and use_cpu_kernels(x):
+        from plugins.cpu_kernels.ops import int4_linear_cpu
+
+        return int4_linear_cpu(x.contiguous(), w)
+    return int4_linear_ref(x, w)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

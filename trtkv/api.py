@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import plugins  # noqa: F401  (registers torch.ops.trtkv.*)
-from trtkv.artifacts.engine_dir import read_manifest, verify_int8_weights, verify_weights
+from trtkv.artifacts.engine_dir import read_manifest, verify_quantized_weights, verify_weights
 from trtkv.artifacts.manifest import EngineManifest
 from trtkv.cache.manager import CacheConfig
 from trtkv.errors import TrtkvError
@@ -63,16 +63,18 @@ class RequestHandle:
         raise TrtkvError("request ended without a result")
 
 
-def _int8_dense(path: Path, manifest: EngineManifest, model, runtime: str):
-    """The int8 decoder over ``model`` (``--weights int8``): the engine's stored codes, checked against the
-    manifest; synthetic weights are drawn at load, so they are quantized then."""
-    from trtkv.models.int8_weights import int8_decoder, load_int8, quantize_int8
+def _quantized_dense(path: Path, manifest: EngineManifest, model):
+    """The quantized decoder over ``model`` (``--weights int8|int4``): the engine's stored codes, checked against
+    the manifest; synthetic weights are drawn at load, so they are quantized then."""
+    from trtkv.models.quantized_weights import load_quantized, quantize, quantized_decoder
 
     mm = manifest.model
+    fmt, group = mm.weights, mm.group_size
     if mm.synthetic:
-        return int8_decoder(model, f"synthetic:{mm.synthetic_seed}", lambda: quantize_int8(model))
-    f = verify_int8_weights(path, manifest)
-    return int8_decoder(model, mm.int8_sha256, lambda: load_int8(f, model))
+        return quantized_decoder(model, fmt, f"synthetic:{mm.synthetic_seed}:{group}",
+                                 lambda: quantize(model, fmt, group))
+    f = verify_quantized_weights(path, manifest)
+    return quantized_decoder(model, fmt, mm.quantized_sha256, lambda: load_quantized(f, model, fmt, group))
 
 
 class Engine:
@@ -93,8 +95,8 @@ class Engine:
         # the model the cores run: torch-compile compiles its dense layer pieces (trtkv/models/compiled.py);
         # torch on CPU multiplies oneDNN-packed copies of the weights (trtkv/models/packed.py)
         self._dense = model
-        if manifest.model.weights == "int8":
-            self._dense = _int8_dense(path, manifest, model, runtime)
+        if manifest.model.weights != "dense":
+            self._dense = _quantized_dense(path, manifest, model)
         elif runtime == "torch-compile":
             from trtkv.models.compiled import CompiledDecoder
 
@@ -159,9 +161,9 @@ class Engine:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":
             dtype = cpu_compute_dtype(dtype, runtime)  # fp32 unless the CPU multiplies bf16 natively
-        if mm.weights == "int8" and (runtime != "torch" or device != "cpu"):
-            raise TrtkvError(f"{path} has int8 weights, which run on CPU with --runtime torch (not {runtime} on "
-                             f"{device}); build a --weights dense engine for that")
+        if mm.weights != "dense" and (runtime != "torch" or device != "cpu"):
+            raise TrtkvError(f"{path} has {mm.weights} weights, which run on CPU with --runtime torch (not {runtime} "
+                             f"on {device}); build a --weights dense engine for that")
         if files is None and not mm.synthetic:
             from trtkv.models.loader import weight_files
 
@@ -207,9 +209,10 @@ class Engine:
         return EngineCore(self._dense, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax, observers)
 
     @property
-    def int8_weight_bytes(self) -> int | None:
-        """Bytes of the int8 codes and scales a decode step multiplies (``--weights int8``); None otherwise."""
-        return getattr(self._dense, "weight_bytes", None) if self.manifest.model.weights == "int8" else None
+    def quantized_weight_bytes(self) -> int | None:
+        """Bytes of the quantized codes and scales a decode step multiplies (``--weights int8|int4``); None for
+        dense weights."""
+        return None if self.manifest.model.weights == "dense" else self._dense.weight_bytes
 
     @property
     def info(self) -> dict[str, Any]:

@@ -114,9 +114,10 @@ def policies_list(as_json: bool) -> None:
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Weight/compute dtype [fp32 on CPU, bf16 on GPU]; on CPU, bf16 computes in bf16 where the "
                    "CPU has AVX512-BF16 or AMX, else in fp32.")
-@click.option("--weights", type=click.Choice(["dense", "int8"]), default="dense", show_default=True,
-              help="Weight format: dense (the dtype's) or int8 (CPU: int8 codes per output channel, dynamic int8 "
-                   "activations; stored in the engine, fp32 dtype only).")
+@click.option("--weights", type=click.Choice(["dense", "int8", "int4"]), default="dense", show_default=True,
+              help="Weight format: dense (the dtype's), int8 (one scale per output channel) or int4 (one scale per "
+                   "output channel and --group-size inputs); weight-only, CPU, fp32 dtype; stored in the engine.")
+@click.option("--group-size", type=int, default=None, help="int4 weights: inputs sharing one scale [32].")
 @click.option("--synthetic-weights", is_flag=True, help="Random weights of the registry shape (speed/memory work).")
 @click.option("--seed", type=int, default=0, help="Seed of synthetic weights.")
 @click.option("--calibration", "calibration_file", type=click.Path(path_type=Path), default=None,
@@ -127,8 +128,8 @@ def policies_list(as_json: bool) -> None:
               help="ThinKV: tokens generated per calibration prompt [192 on CPU, 2048 on GPU].")
 @click.option("--kv-memory", default=None, metavar="SIZE",
               help="KV memory the cache pools may hold (e.g. 2GiB); same as --set kv_memory=SIZE.")
-def build(model, policy, budget, sets, out, dtype, weights, synthetic_weights, seed, calibration_file, calib_prompts,
-          calib_max_tokens, kv_memory) -> None:
+def build(model, policy, budget, sets, out, dtype, weights, group_size, synthetic_weights, seed, calibration_file,
+          calib_prompts, calib_max_tokens, kv_memory) -> None:
     """Build an engine directory for MODEL and POLICY.
 
     --set takes policy parameters and the cache settings block_size, eviction, max_batch, max_pages, kv_memory,
@@ -146,7 +147,8 @@ def build(model, policy, budget, sets, out, dtype, weights, synthetic_weights, s
     out = out or Path("engines") / f"{Path(model).name}-{policy}"
     path = build_engine(model, policy, out, budget=budget, settings=settings, dtype=dtype,
                         synthetic=synthetic_weights, seed=seed, calibration_file=calibration_file,
-                        calib_prompts=calib_prompts, calib_max_tokens=calib_max_tokens, weights=weights)
+                        calib_prompts=calib_prompts, calib_max_tokens=calib_max_tokens, weights=weights,
+                        group_size=group_size)
     click.echo(f"engine written to {path}")
 
 

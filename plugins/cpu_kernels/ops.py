@@ -68,3 +68,8 @@ def residual_append_cpu(arena_k, arena_v, at, k, v) -> None:
 def int8_linear_cpu(x, codes_b, scales):
     """Same contract as ``int8_linear_ref`` for fp32 ``x [M, K]`` (contiguous)."""
     return cpu_kernels().int8_linear(x, codes_b, scales)
+
+
+def int4_linear_cpu(x, w):
+    """Same contract as ``int4_linear_ref`` for fp32 ``x [M, K]`` (contiguous) and an ``Int4Weight``."""
+    return cpu_kernels().int4_linear(x, w.codes_b, w.scales_b, w.mins_b, int(w.n))

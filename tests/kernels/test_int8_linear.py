@@ -48,8 +48,8 @@ def test_dispatch_gives_many_rows_to_the_reference(monkeypatch):
     calls = []
     real = cpu_ops.int8_linear_cpu
     monkeypatch.setattr(cpu_ops, "int8_linear_cpu", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for M in (1, plugin_ops.INT8_GEMV_MAX_ROWS, plugin_ops.INT8_GEMV_MAX_ROWS + 1):
+    for M in (1, plugin_ops.GEMV_MAX_ROWS, plugin_ops.GEMV_MAX_ROWS + 1):
         x, w, codes, scales = case(M, 96, 80)
         torch.testing.assert_close(plugin_ops.int8_linear(x, w.codes_b, w.scales),
                                    x @ (codes.float() * scales[:, None]).t(), rtol=1e-5, atol=1e-4)
-    assert calls == [1, plugin_ops.INT8_GEMV_MAX_ROWS]
+    assert calls == [1, plugin_ops.GEMV_MAX_ROWS]

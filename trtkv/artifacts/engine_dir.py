@@ -10,12 +10,12 @@ from pathlib import Path
 
 from trtkv.artifacts.manifest import ENGINE_FORMAT_VERSION, EngineManifest
 from trtkv.errors import TrtkvError
-from trtkv.models.int8_weights import INT8_FILE
+from trtkv.models.quantized_weights import quantized_file
 from trtkv.models.loader import sha256_files, weight_files
 
 MANIFEST = "engine.json"
 
-__all__ = ["ENGINE_FORMAT_VERSION", "MANIFEST", "EngineManifest", "read_manifest", "verify_int8_weights",
+__all__ = ["ENGINE_FORMAT_VERSION", "MANIFEST", "EngineManifest", "read_manifest", "verify_quantized_weights",
            "verify_weights", "write_manifest"]
 
 
@@ -51,14 +51,16 @@ def verify_weights(path: Path, manifest: EngineManifest) -> list[Path]:
     return files
 
 
-def verify_int8_weights(path: Path, manifest: EngineManifest) -> Path:
-    """The stored int8 weights' file (``--weights int8``), after checking its sha256 against the manifest."""
-    f = path / INT8_FILE
+def verify_quantized_weights(path: Path, manifest: EngineManifest) -> Path:
+    """The stored quantized weights' file (``--weights int8|int4``), after checking its sha256 against the
+    manifest."""
+    fmt = manifest.model.weights
+    f = path / quantized_file(fmt)
     if not f.is_file():
-        raise TrtkvError(f"{path} was built with --weights int8 but has no {INT8_FILE}; rebuild the engine")
+        raise TrtkvError(f"{path} was built with --weights {fmt} but has no {quantized_file(fmt)}; rebuild the engine")
     digest = sha256_files([f])
-    if digest != manifest.model.int8_sha256:
-        raise TrtkvError(f"int8 weights hash mismatch in {f} (expected {str(manifest.model.int8_sha256)[:12]}…, "
+    if digest != manifest.model.quantized_sha256:
+        raise TrtkvError(f"{fmt} weights hash mismatch in {f} (expected {str(manifest.model.quantized_sha256)[:12]}…, "
                          f"found {digest[:12]}…); rebuild the engine")
     return f
 

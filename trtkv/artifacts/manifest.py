@@ -20,7 +20,7 @@ from trtkv.artifacts.calibration import CalibrationArtifact, KVAmax
 from trtkv.cache.manager import CacheConfig
 from trtkv.errors import TrtkvError
 from trtkv.models.config import ModelArch
-from trtkv.models.int8_weights import WEIGHT_FORMATS
+from trtkv.models.quantized_weights import WEIGHT_FORMATS
 from trtkv.models.loader import DTYPES
 
 ENGINE_FORMAT_VERSION = 1
@@ -87,8 +87,9 @@ class ModelSection:
     hf_id: str | None = None
     synthetic: bool = False
     synthetic_seed: int | None = None
-    weights: str = "dense"  # dense (the dtype's weights) | int8 (trtkv/models/int8_weights.py)
-    int8_sha256: str | None = None  # the stored int8 codes' digest (None: dense, or synthetic weights)
+    weights: str = "dense"  # dense (the dtype's weights) | int8 | int4 (trtkv/models/quantized_weights.py)
+    quantized_sha256: str | None = None  # the stored codes' digest (None: dense, or synthetic weights)
+    group_size: int | None = None  # int4: inputs sharing one scale
 
     @classmethod
     def from_dict(cls, s: dict[str, Any], bad: _Bad) -> ModelSection:
@@ -107,20 +108,24 @@ class ModelSection:
         weights = s.get("weights", "dense")
         if weights not in WEIGHT_FORMATS:
             raise bad("model.weights", f"must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
-        int8_sha = _opt(s, "int8_sha256", (str,), bad, "model", "a hex digest")
-        if weights == "int8" and int8_sha is None and not synthetic:
-            raise bad("model.int8_sha256", "is missing")
+        q_sha = _opt(s, "quantized_sha256", (str,), bad, "model", "a hex digest")
+        if weights != "dense" and q_sha is None and not synthetic:
+            raise bad("model.quantized_sha256", "is missing")
+        group = _opt(s, "group_size", (int,), bad, "model", "an integer")
+        if weights == "int4" and (group is None or group <= 0 or group % 2):
+            raise bad("model.group_size", f"must be a positive even integer for int4 weights, got {group!r}")
         return cls(alias=s["alias"], architecture=s["architecture"], arch=arch, dtype=s["dtype"],
                    weights_sha256=sha, source=_opt(s, "source", (dict,), bad, "model", "an object") or {},
                    hf_id=_opt(s, "hf_id", (str,), bad, "model", "a string"), synthetic=synthetic,
                    synthetic_seed=_opt(s, "synthetic_seed", (int,), bad, "model", "an integer"), weights=weights,
-                   int8_sha256=int8_sha)
+                   quantized_sha256=q_sha, group_size=group)
 
     def to_dict(self) -> dict[str, Any]:
         return {"alias": self.alias, "source": self.source, "hf_id": self.hf_id, "architecture": self.architecture,
                 "arch": self.arch.to_dict(), "dtype": self.dtype, "weights_sha256": self.weights_sha256,
                 "synthetic": self.synthetic, "synthetic_seed": self.synthetic_seed,
-                **({} if self.weights == "dense" else {"weights": self.weights, "int8_sha256": self.int8_sha256})}
+                **({} if self.weights == "dense" else {"weights": self.weights, "group_size": self.group_size,
+                                                       "quantized_sha256": self.quantized_sha256})}
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ def _labels(paths: list[Path]) -> list[str]:
 
 def step_weight_bytes(engine) -> int:
     """Bytes of weights one decode step of ``engine`` reads, in the weight format it runs."""
-    return engine.int8_weight_bytes or weight_bytes(engine.model)
+    return engine.quantized_weight_bytes or weight_bytes(engine.model)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

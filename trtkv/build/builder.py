@@ -16,7 +16,7 @@ from trtkv.cache.config import CacheConfig
 from trtkv.errors import TrtkvError
 from trtkv.models.config import ModelArch
 from trtkv.models.fetch import fetch
-from trtkv.models.int8_weights import WEIGHT_FORMATS, save_int8
+from trtkv.models.quantized_weights import DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, check_group_size, save_quantized
 from trtkv.models.loader import DTYPES, build_model, sha256_files, weight_files
 from trtkv.models.registry import resolve_model
 from trtkv.policies import make_policy
@@ -34,10 +34,13 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
                  dtype: str | None = None, synthetic: bool = False, calibration: CalibrationArtifact | None = None,
                  device: str = "cpu", force: bool = True, seed: int = 0, quiet: bool = False,
                  calibration_file: str | Path | None = None, calib_prompts: int | None = None,
-                 calib_max_tokens: int | None = None, weights: str = "dense") -> Path:
+                 calib_max_tokens: int | None = None, weights: str = "dense", group_size: int | None = None) -> Path:
     spec = resolve_model(model)
     if weights not in WEIGHT_FORMATS:
         raise TrtkvError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if group_size is not None and weights != "int4":
+        raise TrtkvError("--group-size sets int4 weights' groups; it needs --weights int4")
+    group_size = (group_size or DEFAULT_GROUP_SIZE) if weights == "int4" else None
     pol_params, cache = split_settings(settings or {})
     cache = CacheConfig.validate_settings(cache)
     if budget is not None:
@@ -51,8 +54,8 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
     dtype = dtype or default_dtype(device)
     if dtype not in DTYPES:
         raise TrtkvError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if weights == "int8" and (dtype != "fp32" or device != "cpu"):
-        raise TrtkvError("--weights int8 runs on CPU with fp32 activations: build it with --dtype fp32 (on CPU) "
+    if weights != "dense" and (dtype != "fp32" or device != "cpu"):
+        raise TrtkvError(f"--weights {weights} runs on CPU with fp32 activations: build it with --dtype fp32 (on CPU) "
                          "(GPU weight formats are not implemented yet)")
     pol.resolve_formats(dtype)
     from plugins.formats import get_format
@@ -88,12 +91,14 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
                 _link_or_copy(f, tmp / "weights" / f.name)
             shutil.copy2(src_dir / "config.json", tmp / "weights" / "config.json")
             sha = sha256_files(weight_files(tmp / "weights"))
-        int8_sha = None
-        if weights == "int8" and not synthetic:  # quantized once here; loading packs the stored codes
+        q_sha = None
+        if group_size is not None:
+            check_group_size(ModelArch.from_hf_config(arch_cfg), group_size)
+        if weights != "dense" and not synthetic:  # quantized once here; loading packs the stored codes
             dense = build_model(ModelArch.from_hf_config(arch_cfg), DTYPES["fp32"], "cpu",
                                 weight_files(tmp / "weights"))
-            int8_sha = sha256_files([save_int8(dense, tmp)])
-            del dense
+            q_sha = sha256_files([save_quantized(dense, tmp, weights, group_size)])
+            del dense  # (synthetic weights are drawn at load, and quantized then)
         tok_dir = tmp / "tokenizer"
         if src_dir is not None:
             tok_dir.mkdir()
@@ -113,7 +118,7 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
             model=ModelSection(alias=spec.name, source=spec.source, hf_id=spec.hf_id,
                                architecture=arch.architecture, arch=arch, dtype=dtype, weights_sha256=sha,
                                synthetic=synthetic, synthetic_seed=seed if synthetic else None,
-                               weights=weights, int8_sha256=int8_sha),
+                               weights=weights, quantized_sha256=q_sha, group_size=group_size),
             policy=PolicySection(pol.name, pol.params()),
             cache=CacheSection(residual_group=pol.residual_group(), **cache),
             calibration=calibration, kv_amax=kv_amax, trtkv_version=__version__,

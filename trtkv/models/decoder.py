@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugins import ops as plugin_ops
+from plugins.int4_linear.reference import Int4Weight
 from plugins.int8_linear.reference import Int8Weight
 from trtkv.models.config import ModelArch
 from trtkv.models.rope import Rotary
@@ -185,8 +186,9 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
     """``x @ w.T + b`` for ``w [out, in]``; an input-major ``w`` (a transposed view of ``[in, out]`` storage,
     see ``fuse_projections``) is multiplied as stored, without letting ``F.linear`` pick the slow layout; a
     oneDNN-packed ``w`` (trtkv/models/packed.py) runs oneDNN's inner product."""
-    if isinstance(w, Int8Weight):  # int8 codes and scales (trtkv/models/int8_weights.py)
-        y = plugin_ops.int8_linear(x, w.codes_b, w.scales)
+    if isinstance(w, (Int8Weight, Int4Weight)):  # quantized codes and scales (trtkv/models/quantized_weights.py)
+        y = plugin_ops.int8_linear(x, w.codes_b, w.scales) if isinstance(w, Int8Weight) else \
+            plugin_ops.int4_linear(x, w)
         return y if b is None else y + b
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")

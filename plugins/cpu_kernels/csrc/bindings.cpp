@@ -25,6 +25,8 @@ void residual_append_cpu(at::Tensor& arena_k, at::Tensor& arena_v, const at::Ten
                          const at::Tensor& v);
 at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& codes_b, const at::Tensor& scales);
+at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& codes_b, const at::Tensor& scales_b,
+                           const at::Tensor& mins_b, int64_t n);
 }  // namespace trtkv
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -37,5 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kmeans_select", &trtkv::kmeans_select_cpu, "batched k-means token selection (CPU)");
   m.def("residual_append", &trtkv::residual_append_cpu, "a decode step's K/V rows into the residual arena (CPU)");
   m.def("rotary", &trtkv::rotary_cpu, "rotary position embedding of fp32 heads (CPU)");
+  m.def("int4_linear", &trtkv::int4_linear_cpu,
+        "x @ (int4 codes, two a byte, blocked by 64 output channels, x group scales + mins).T, fp32 rows (CPU)");
   m.def("int8_linear", &trtkv::int8_linear_cpu, "x @ (int8 codes blocked by 64 output channels x per-channel scales).T, fp32 rows (CPU)");
 }

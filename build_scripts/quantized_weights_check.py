@@ -1,9 +1,10 @@
-"""int8 weights: one product of each SmolLM2 projection shape at decode row counts, trtkv's ``int8_linear``
-against fp32 (oneDNN-packed, what ``--weights dense`` runs) and the int8 kernels of the libraries (torch's
-``_weight_int8pack_mm``, torch's FBGEMM dynamic-quantized linear, torchao's int8 configs when installed); then,
-given two engines of one model (dense and ``--weights int8``), the teacher-forced fidelity over the traces.
+"""Quantized weights: one product of each SmolLM2 projection shape at decode row counts, trtkv's ``int8_linear``
+and ``int4_linear`` against fp32 (oneDNN-packed, what ``--weights dense`` runs) and the libraries' kernels
+(torch's ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``, torch's FBGEMM dynamic-quantized linear,
+torchao's int8 configs when installed); then, given a dense engine and quantized engines of the same model, the
+teacher-forced fidelity over the traces.
 
-    python build_scripts/int8_weights_check.py [--dense ENGINE --int8 ENGINE [--tokens 1024]]
+    python build_scripts/quantized_weights_check.py [--dense ENGINE --test ENGINE [--test ENGINE] [--tokens 1024]]
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import warnings
 import torch
 
 from plugins import ops
+from plugins.int4_linear.reference import Int4Weight
 from plugins.int8_linear.reference import Int8Weight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # qkv, o, gate_up, down, head
@@ -31,7 +33,8 @@ def us(fn, n: int = 200) -> float:
 def products(rows: list[int]) -> None:
     warnings.simplefilter("ignore")
     print(f"threads {torch.get_num_threads()}; us per product (x [M, K] @ w[N, K].T)")
-    print("N x K | M | fp32 oneDNN | trtkv int8 | torch int8pack_mm | torch FBGEMM dynamic | torchao wo | torchao dyn")
+    print("N x K | M | fp32 oneDNN | trtkv int8 | trtkv int4 g32 | torch int8pack_mm | torch int4pack_mm g32 | "
+          "torch FBGEMM dynamic | torchao wo | torchao dyn")
     try:
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
     except ImportError:
@@ -41,6 +44,12 @@ def products(rows: list[int]) -> None:
         scales = w.abs().amax(1) / 127
         codes = (w / scales[:, None]).round().to(torch.int8)
         packed = Int8Weight.pack(codes, scales)
+        g = w.view(n, k // 32, 32)
+        s4 = g.abs().amax(-1) / 7
+        c4 = ((g / s4[..., None]).round().clamp(-8, 7) + 8).to(torch.uint8).view(n, k)
+        packed4 = Int4Weight.pack(c4, s4, -8 * s4)
+        torch_int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c4.int().contiguous(), 1)
+        sz = torch.stack([s4.t(), torch.zeros_like(s4.t())], -1).contiguous()
         onednn = torch.ops.mkldnn._reorder_linear_weight(w, 16)
         qw = torch.quantize_per_channel(w, scales.double(), torch.zeros(n, dtype=torch.long), 0, torch.qint8)
         fbgemm = torch.ops.quantized.linear_prepack(qw, None)
@@ -48,7 +57,9 @@ def products(rows: list[int]) -> None:
             x = torch.randn(m, k)
             cells = [us(lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")),
                      us(lambda: ops.int8_linear(x, packed.codes_b, packed.scales)),
+                     us(lambda: ops.int4_linear(x, packed4)),
                      us(lambda: torch.ops.aten._weight_int8pack_mm(x, codes, scales)),
+                     us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, torch_int4, 32, sz)),
                      us(lambda: torch.ops.quantized.linear_dynamic(x, fbgemm))]
             for cfg in ((Int8WeightOnlyConfig(), Int8DynamicActivationInt8WeightConfig()) if quantize_ else ()):
                 lin = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False))
@@ -59,27 +70,30 @@ def products(rows: list[int]) -> None:
             print(f"{n} x {k} | {m} | " + " | ".join(f"{c:.1f}" for c in cells) + ("" if quantize_ else " | - | -"))
 
 
-def fidelity(dense_path: str, int8_path: str, tokens: int) -> None:
+def fidelity(dense_path: str, test_paths: list[str], tokens: int) -> None:
     from trtkv.api import Engine
     from trtkv.eval.datasets import load_traces
     from trtkv.eval.weights_fidelity import compare_weights
 
-    dense, int8 = Engine.load(dense_path), Engine.load(int8_path)
+    dense = Engine.load(dense_path)
     traces = load_traces()
     ids = [dense.tokenizer.encode(t.prompt + t.completion)[:tokens] for t in traces]
-    print(f"{len(ids)} traces, {sum(map(len, ids))} positions:", compare_weights(dense, int8, ids))
+    for path in test_paths:
+        test = Engine.load(path)
+        print(f"{path} ({test.manifest.model.weights}): {len(ids)} traces, {sum(map(len, ids))} positions:",
+              compare_weights(dense, test, ids))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--dense")
-    ap.add_argument("--int8")
+    ap.add_argument("--test", action="append", default=[])
     ap.add_argument("--tokens", type=int, default=1024)
     a = ap.parse_args()
     products([int(r) for r in a.rows.split(",")])
-    if a.dense and a.int8:
-        fidelity(a.dense, a.int8, a.tokens)
+    if a.dense and a.test:
+        fidelity(a.dense, a.test, a.tokens)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""int4 weight-only linear, the contract of the CPU kernel: ``y = x @ w.T`` with ``w[n, k] = codes[n, k] *
+scales[n, k // G] + mins[n, k // G]``.
+
+``codes [N, K]`` int4 values in [0, 15] (held as uint8), ``scales, mins [N, K / G]`` fp32: one scale and one
+minimum per output channel and group of ``G`` inputs (``G`` even, dividing ``K``). The kernel reads the codes
+blocked by 64 output channels and packed two a byte (``Int4Weight.pack``: ``[ceil(N / 64), K / 2, 64]`` uint8, low
+nibble ``k = 2i``, high nibble ``k = 2i + 1``), scales and mins blocked alike (``[ceil(N / 64), K / G, 64]``), so a
+decode step reads them in order. Activations stay fp32. The kernel sums in another order (vector lanes), so it
+matches to rounding.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+BLOCK = 64  # output channels a block
+
+
+def _blocked(t: torch.Tensor) -> torch.Tensor:
+    """``[N, C]`` -> ``[ceil(N / 64), C, 64]`` (contiguous, zero-padded rows)."""
+    N, C = t.shape
+    nb = -(-N // BLOCK)
+    padded = torch.zeros(nb * BLOCK, C, dtype=t.dtype, device=t.device)
+    padded[:N] = t
+    return padded.view(nb, BLOCK, C).transpose(1, 2).contiguous()
+
+
+def _unblocked(t: torch.Tensor, n: int) -> torch.Tensor:
+    nb, C, _ = t.shape
+    return t.transpose(1, 2).reshape(nb * BLOCK, C)[:n]
+
+
+class Int4Weight(NamedTuple):
+    """A projection's weight as the kernel reads it."""
+
+    codes_b: torch.Tensor  # [ceil(N / 64), K / 2, 64] uint8, two codes a byte
+    scales_b: torch.Tensor  # [ceil(N / 64), K / G, 64] fp32
+    mins_b: torch.Tensor  # [ceil(N / 64), K / G, 64] fp32
+    n: int  # output channels
+
+    @classmethod
+    def pack(cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Int4Weight:
+        c = codes.to(torch.uint8)
+        return cls(_blocked(c[:, 0::2] | (c[:, 1::2] << 4)), _blocked(scales.float()), _blocked(mins.float()),
+                   codes.shape[0])
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes [N, K] uint8, scales [N, K / G], mins [N, K / G])``."""
+        byte = _unblocked(self.codes_b, self.n)
+        codes = torch.stack([byte & 0xF, byte >> 4], dim=-1).flatten(1)
+        return codes, _unblocked(self.scales_b, self.n), _unblocked(self.mins_b, self.n)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` fp32 weights of codes ``[N, K]`` and their groups' ``scales, mins [N, K / G]``."""
+    N, K = codes.shape
+    G = K // scales.shape[1]
+    return (codes.float().view(N, K // G, G) * scales[..., None] + mins[..., None]).view(N, K)
+
+
+def int4_linear_ref(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    return x.float() @ dequantize(*w.unpack()).t()
