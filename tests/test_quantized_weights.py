@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,14 @@ from trtkv.models.quantized_weights import QuantizedDecoder, projection_weights,
 from trtkv.runtime.sampling import SamplingParams
 
 KIND = {"int8": Int8Weight, "int4": Int4Weight}
-SHARE = {"int8": (0.25, 0.3), "int4": (0.125, 0.2)}  # bytes a step reads / fp32's (codes + scales)
+
+
+def read_bytes(name: str, n: int, k: int, fmt: str, group: int | None) -> int:
+    """What a step reads of one projection: codes (rows padded to blocks of 64), scales (and int4 mins)."""
+    rows = -(-n // 64) * 64
+    if fmt == "int8" or name == "lm_head":  # (int4 engines keep the LM head in int8)
+        return rows * k + n * 4
+    return rows * k // 2 + 2 * rows * (k // group) * 4
 
 
 def trtkv(*args):
@@ -41,13 +49,13 @@ def test_quantized_engine_stores_codes_and_runs_them(tiny_engines, fmt):
     assert m["group_size"] == (16 if fmt == "int4" else None)
     dense, q = Engine.load(tiny_engines["dense"]), Engine.load(tiny_engines[fmt])
     assert q.info["weights"] == fmt and dense.quantized_weight_bytes is None
-    # every projection multiplies the codes: a quarter (int8) or about an eighth (int4) of the fp32 bytes
+    # every projection multiplies the codes, and the bench counts what they are
     assert isinstance(q.core.model, QuantizedDecoder)
     assert all(isinstance(w, KIND[fmt]) for qkv, fin in q.core.model._fused  # noqa: SLF001
                for w in (qkv[2], fin[0], fin[3], fin[5]))
-    fp32_bytes = sum(w.numel() * 4 for w in projection_weights(q.model).values())
-    lo, hi = SHARE[fmt]
-    assert lo * fp32_bytes < q.quantized_weight_bytes < hi * fp32_bytes
+    group = 16 if fmt == "int4" else None
+    assert q.quantized_weight_bytes == sum(read_bytes(name, *w.shape, fmt, group)
+                                           for name, w in projection_weights(q.model).items())
     out = q.generate("hello world", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 24
     fid = compare_weights(dense, q, [list(range(3, 200))])
@@ -88,15 +96,15 @@ def test_bad_quantized_engines_fail_in_one_line(tiny_engines, tmp_path):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("fmt,floor", [("int8", 0.95), ("int4", 0.75)])
+@pytest.mark.parametrize("fmt,floor", [("int8", 0.95), ("int4", 0.95)])
 def test_smollm2_quantized_agrees_with_fp32_on_traces(smol_ckpt, tmp_path, fmt, floor):
     """Teacher-forced over the packaged traces (4 x 512 tokens): top-1 agreement with fp32 measured 0.966 (int8)
-    and PLACEHOLDER (int4, groups of 32); over all 32 shipped traces in docs/benchmarks.md."""
+    and 0.980 (int4, groups of 32); over all 32 shipped traces in docs/benchmarks.md."""
     from trtkv.eval.datasets import load_traces
 
     dense = Engine.load(build_engine("smollm2-135m", "full", tmp_path / "d", quiet=True))
     q = Engine.load(build_engine("smollm2-135m", "full", tmp_path / "q", quiet=True, weights=fmt))
-    traces = load_traces("trtkv/data/traces_small.jsonl")[:4]
+    traces = load_traces(Path(__file__).parents[1] / "trtkv" / "data" / "traces_small.jsonl")[:4]
     ids = [dense.tokenizer.encode(t.prompt + t.completion)[:512] for t in traces]
     fid = compare_weights(dense, q, ids)
-    assert fid["top1_agreement"] >= floor and fid["kl_mean"] < 0.1, fid
+    assert fid["top1_agreement"] >= floor and fid["kl_mean"] < 0.01, fid

@@ -14,22 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-BLOCK = 64  # output channels a block
-
-
-def _blocked(t: torch.Tensor) -> torch.Tensor:
-    """``[N, C]`` -> ``[ceil(N / 64), C, 64]`` (contiguous, zero-padded rows)."""
-    N, C = t.shape
-    nb = -(-N // BLOCK)
-    padded = torch.zeros(nb * BLOCK, C, dtype=t.dtype, device=t.device)
-    padded[:N] = t
-    return padded.view(nb, BLOCK, C).transpose(1, 2).contiguous()
-
-
-def _unblocked(t: torch.Tensor, n: int) -> torch.Tensor:
-    nb, C, _ = t.shape
-    return t.transpose(1, 2).reshape(nb * BLOCK, C)[:n]
-
+from plugins.int8_linear.reference import block_codes, unblock_codes  # (the same blocking by 64 channels)
 
 class Int4Weight(NamedTuple):
     """A projection's weight as the kernel reads it."""
@@ -42,14 +27,14 @@ class Int4Weight(NamedTuple):
     @classmethod
     def pack(cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Int4Weight:
         c = codes.to(torch.uint8)
-        return cls(_blocked(c[:, 0::2] | (c[:, 1::2] << 4)), _blocked(scales.float()), _blocked(mins.float()),
+        return cls(block_codes(c[:, 0::2] | (c[:, 1::2] << 4)), block_codes(scales.float()), block_codes(mins.float()),
                    codes.shape[0])
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(codes [N, K] uint8, scales [N, K / G], mins [N, K / G])``."""
-        byte = _unblocked(self.codes_b, self.n)
+        byte = unblock_codes(self.codes_b, self.n)
         codes = torch.stack([byte & 0xF, byte >> 4], dim=-1).flatten(1)
-        return codes, _unblocked(self.scales_b, self.n), _unblocked(self.mins_b, self.n)
+        return codes, unblock_codes(self.scales_b, self.n), unblock_codes(self.mins_b, self.n)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:

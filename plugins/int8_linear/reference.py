@@ -16,7 +16,7 @@ BLOCK = 64  # output channels a block
 
 
 def block_codes(codes: torch.Tensor) -> torch.Tensor:
-    """``codes [N, K]`` -> ``[ceil(N / 64), K, 64]`` (contiguous, zero-padded)."""
+    """``codes [N, K]`` (or any per-channel rows ``[N, C]``) -> ``[ceil(N / 64), K, 64]`` (contiguous, zero-padded)."""
     N, K = codes.shape
     nb = -(-N // BLOCK)
     padded = torch.zeros(nb * BLOCK, K, dtype=codes.dtype, device=codes.device)

@@ -273,20 +273,8 @@ class BlockTable:
         columns record it as appended, so the batch's block tables take it in place."""
         per = pages.shape[1]
         cost = per * held_page_bytes(pool)
-        at_end = np.ones(len(tables), bool)
-        for i, (t, cls, ps) in enumerate(zip(tables, classes, pages.tolist())):
-            order, fmt = t._page_order, cls[0]  # noqa: SLF001
-            for p in ps:
-                order[(fmt, p)] = next(t._order)  # noqa: SLF001
-            held = t._pages.get(cls)  # noqa: SLF001
-            if held is None:
-                t._pages[cls] = ps  # noqa: SLF001
-            else:
-                held.extend(ps)
-            if len(t._pages) > 1:  # noqa: SLF001
-                at_end[i] = [c for c in t._pages if c[0] == fmt][-1] == cls  # noqa: SLF001
-            t._flat = t._single_bt = None  # noqa: SLF001
-            t._account.add(cost)  # noqa: SLF001
+        at_end = np.fromiter((t._hold_fresh(cls, ps, cost)  # noqa: SLF001
+                              for t, cls, ps in zip(tables, classes, pages.tolist())), bool, len(tables))
         fmts = {cls[0] for cls in classes}
         if per == 1 and len(fmts) == 1:
             cols.append_rows(layer, rows, fmts.pop(), pages[:, 0], at_end)
@@ -314,21 +302,26 @@ class BlockTable:
                     cls: Cls, pages: np.ndarray) -> None:
         """``_adopt_open_page`` of ``pages[i]`` by ``tables[i]`` (distinct, rows ``rows``): the columns' open pages
         and stamps set for all at once (every request of a batch crosses a page boundary on the same step)."""
-        fmt, cost = cls[0], held_page_bytes(pool)
-        at_end = np.ones(len(tables), bool)  # the page ends its format's list (one class of the format: always)
-        for i, (t, p) in enumerate(zip(tables, pages.tolist())):
-            t._page_order[(fmt, p)] = next(t._order)  # noqa: SLF001
-            held = t._pages.get(cls)  # noqa: SLF001
-            if held is None:
-                t._pages[cls] = [p]  # noqa: SLF001
-            else:
-                held.append(p)
-            if len(t._pages) > 1:  # noqa: SLF001
-                at_end[i] = [c for c in t._pages if c[0] == fmt][-1] == cls  # noqa: SLF001
-            t._flat = t._single_bt = None  # noqa: SLF001
-            t._account.add(cost)  # noqa: SLF001
+        cost = held_page_bytes(pool)
+        at_end = np.fromiter((t._hold_fresh(cls, [p], cost)  # noqa: SLF001
+                              for t, p in zip(tables, pages.tolist())), bool, len(tables))
         cols.set_opens(layer, rows, cls, pages)
-        cols.append_rows(layer, rows, fmt, pages, at_end)
+        cols.append_rows(layer, rows, cls[0], pages, at_end)
+
+    def _hold_fresh(self, cls: Cls, pages: list[int], cost: int) -> bool:
+        """Pages just taken from the pool join ``cls``'s list (``cost``: their bytes); True when they end their
+        format's list (the batch's block tables can append them)."""
+        fmt = cls[0]
+        for p in pages:
+            self._page_order[(fmt, p)] = next(self._order)
+        held = self._pages.get(cls)
+        if held is None:
+            self._pages[cls] = list(pages)
+        else:
+            held.extend(pages)
+        self._flat = self._single_bt = None
+        self._account.add(cost)
+        return len(self._pages) == 1 or [c for c in self._pages if c[0] == fmt][-1] == cls
 
     # --- the position map ----------------------------------------------------------------------------
     def place(self, fmt: str, pages: Iterable[int], slots: Iterable[int], positions: Iterable[int]) -> None:

@@ -10,11 +10,10 @@ copies cost one more copy of the projection weights in host memory; engines shar
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from trtkv.models.decoder import DecoderModel, head_logits, layer_finish, layer_qkv
+from trtkv.models.decoder import DecoderModel
+from trtkv.models.reweighted import ReweightedDecoder
 
 # the batch the oneDNN reorder is tuned for (the layout works for any row count; 16 measured best for
 # batches 1-64 on the AMD VM)
@@ -33,36 +32,16 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
 
 
-class PackedDecoder:
-    """Wraps a :class:`DecoderModel` (shared, unmodified); every attribute but the three dense steps reads
-    through to it. Build it with :func:`packed_decoder`, which packs a model's weights once."""
+class PackedDecoder(ReweightedDecoder):
+    """Wraps a :class:`DecoderModel` with oneDNN-packed copies of its projection weights. Build it with
+    :func:`packed_decoder`, which packs a model's weights once."""
 
     def __init__(self, model: DecoderModel) -> None:
-        self._model_ref = weakref.ref(model)  # the model owns this (packed_decoder): no cycle
-        self._fused = []
+        super().__init__(model)
         for (norm_w, eps, qkv_w, qkv_b, nq, nk, heads), (o_w, post_w, post_eps, gu_w, ni, down_w) in model._fused:
             self._fused.append(((norm_w, eps, pack_weight(qkv_w), qkv_b, nq, nk, heads),
                                 (pack_weight(o_w), post_w, post_eps, pack_weight(gu_w), ni, pack_weight(down_w))))
         self._head = pack_weight(model.lm_head.weight)
-
-    @property
-    def _model(self) -> DecoderModel:
-        return self._model_ref()
-
-    def __getattr__(self, name: str):
-        if name == "_model_ref":
-            raise AttributeError(name)
-        return getattr(self._model, name)
-
-    def qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        return layer_qkv(x, cos, sin, *self._fused[layer][0])
-
-    def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        return layer_finish(x, attn, *self._fused[layer][1])
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        norm = self._model.model.norm
-        return head_logits(x, norm.weight, norm.eps, self._head)
 
 
 def packed_decoder(model: DecoderModel) -> PackedDecoder:

@@ -21,7 +21,6 @@ tables are its own).
 from __future__ import annotations
 
 import warnings
-import weakref
 from pathlib import Path
 
 import torch
@@ -29,7 +28,8 @@ import torch
 from plugins.int4_linear.reference import Int4Weight
 from plugins.int8_linear.reference import Int8Weight
 from trtkv.errors import TrtkvError
-from trtkv.models.decoder import DecoderModel, head_logits, layer_finish, layer_qkv
+from trtkv.models.decoder import DecoderModel
+from trtkv.models.reweighted import ReweightedDecoder
 
 WEIGHT_FORMATS = ("dense", "int8", "int4")  # dense: the engine's dtype as is
 QUANTIZED = ("int8", "int4")
@@ -132,12 +132,12 @@ def load_quantized(path: Path, model: DecoderModel, fmt: str, group_size: int | 
     return tensors
 
 
-class QuantizedDecoder:
-    """Wraps a :class:`DecoderModel` (shared, unmodified) with quantized copies of its projection weights; every
-    attribute but the three dense steps reads through to the model."""
+class QuantizedDecoder(ReweightedDecoder):
+    """Wraps a :class:`DecoderModel` with quantized copies of its projection weights (``tensors``: their codes and
+    scales as stored)."""
 
     def __init__(self, model: DecoderModel, tensors: dict[str, torch.Tensor], fmt: str) -> None:
-        self._model_ref = weakref.ref(model)
+        super().__init__(model)
         packed = {}
         for name in projection_weights(model):
             if _format_of(name, fmt) == "int8":
@@ -147,30 +147,10 @@ class QuantizedDecoder:
                                                tensors[f"{name}.mins"])
         self.weight_bytes = sum(t.numel() * t.element_size() for w in packed.values() for t in w
                                 if isinstance(t, torch.Tensor))  # (what a step reads, block padding included)
-        self._fused = []
         for i, ((norm_w, eps, _, qkv_b, nq, nk, heads), (_, post_w, post_eps, _, ni, _)) in enumerate(model._fused):  # noqa: SLF001
             p = [packed[f"layers.{i}.{role}"] for role in _ROLES]
             self._fused.append(((norm_w, eps, p[0], qkv_b, nq, nk, heads), (p[1], post_w, post_eps, p[2], ni, p[3])))
         self._head = packed["lm_head"]
-
-    @property
-    def _model(self) -> DecoderModel:
-        return self._model_ref()
-
-    def __getattr__(self, name: str):
-        if name == "_model_ref":
-            raise AttributeError(name)
-        return getattr(self._model, name)
-
-    def qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        return layer_qkv(x, cos, sin, *self._fused[layer][0])
-
-    def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        return layer_finish(x, attn, *self._fused[layer][1])
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        norm = self._model.model.norm
-        return head_logits(x, norm.weight, norm.eps, self._head)
 
 
 def quantized_decoder(model: DecoderModel, fmt: str, key: str, load) -> QuantizedDecoder:
