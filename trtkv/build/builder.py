@@ -16,8 +16,8 @@ from trtkv.cache.config import CacheConfig
 from trtkv.errors import TrtkvError
 from trtkv.models.config import ModelArch
 from trtkv.models.fetch import fetch
-from trtkv.models.quantized_weights import DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, check_group_size, save_quantized
 from trtkv.models.loader import DTYPES, build_model, sha256_files, weight_files
+from trtkv.models.quantized_weights import DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, check_group_size, save_quantized
 from trtkv.models.registry import resolve_model
 from trtkv.policies import make_policy
 from trtkv.settings import split_settings
@@ -91,21 +91,21 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
                 _link_or_copy(f, tmp / "weights" / f.name)
             shutil.copy2(src_dir / "config.json", tmp / "weights" / "config.json")
             sha = sha256_files(weight_files(tmp / "weights"))
+        arch = ModelArch.from_hf_config(arch_cfg)
         q_sha = None
         if group_size is not None:
-            check_group_size(ModelArch.from_hf_config(arch_cfg), group_size)
-        if weights != "dense" and not synthetic:  # quantized once here; loading packs the stored codes
-            dense = build_model(ModelArch.from_hf_config(arch_cfg), DTYPES["fp32"], "cpu",
-                                weight_files(tmp / "weights"))
+            check_group_size(arch, group_size)
+        # quantized once here; loading packs the stored codes (synthetic weights are drawn and quantized at load)
+        if weights != "dense" and not synthetic:
+            dense = build_model(arch, DTYPES["fp32"], "cpu", weight_files(tmp / "weights"))
             q_sha = sha256_files([save_quantized(dense, tmp, weights, group_size)])
-            del dense  # (synthetic weights are drawn at load, and quantized then)
+            del dense
         tok_dir = tmp / "tokenizer"
         if src_dir is not None:
             tok_dir.mkdir()
             for name in TOKENIZER_FILES:
                 if (src_dir / name).is_file():
                     shutil.copy2(src_dir / name, tok_dir / name)
-        arch = ModelArch.from_hf_config(arch_cfg)
         if calibration is None and (calibration_file is not None or pol.needs_calibration()):
             calibration = _policy_calibration(model, pol, synthetic, calibration_file, calib_prompts,
                                               calib_max_tokens, device, arch, quiet)
