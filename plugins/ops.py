@@ -23,6 +23,7 @@ from plugins.paged_attention.reference import _FLOAT_CODES, dense_attention_cpu,
 from plugins.residual_append.reference import residual_append_ref
 from plugins.int4_linear.reference import Int4Weight, int4_linear_ref
 from plugins.int8_linear.reference import int8_linear_ref
+from plugins.rms_norm.reference import rms_norm_ref
 from plugins.rotary.reference import rotary_ref
 
 _lib = torch.library.Library("trtkv", "DEF")
@@ -81,6 +82,18 @@ def int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 
         return int4_linear_cpu(x.contiguous(), w)
     return int4_linear_ref(x, w)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalization of ``x [..., C]`` (see rms_norm/reference.py). The compiled CPU kernel takes plain fp32
+    CPU rows in eager mode; torch.compile and export trace the reference (fake or functional tensors)."""
+    if (type(x) is torch.Tensor and x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+            and weight.dim() == 1 and weight.is_contiguous() and not torch.compiler.is_compiling()
+            and use_cpu_kernels(x)):
+        from plugins.cpu_kernels.ops import rms_norm_cpu
+
+        return rms_norm_cpu(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

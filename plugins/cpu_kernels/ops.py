@@ -55,6 +55,11 @@ def buffer_attention_cpu(q, arena_k, arena_v, rows, layer, counts, sm_scale, out
     return out, lse
 
 
+def rms_norm_cpu(x, weight, eps):
+    """Same contract as ``rms_norm_ref`` for fp32 ``x [T, C]`` (channels contiguous), bit-identical."""
+    return cpu_kernels().rms_norm(x, weight, eps)
+
+
 def rotary_cpu(x, cos, sin):
     """Same contract as ``rotary_ref`` for fp32 ``x [T, heads, D]`` (heads contiguous), bit-identical."""
     return cpu_kernels().rotary(x, cos, sin)

@@ -28,11 +28,8 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:  # one fused op; same math as below
-        return F.rms_norm(x, weight.shape, weight, eps)
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    """The model's RMS normalization (plugins/rms_norm/reference.py); fp32 rows on CPU run the compiled kernel."""
+    return plugin_ops.rms_norm(x, weight, eps)
 
 
 class Attention(nn.Module):

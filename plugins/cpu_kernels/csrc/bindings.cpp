@@ -23,6 +23,7 @@ at::Tensor kmeans_select_cpu(const at::Tensor& keys, const at::Tensor& counts, c
                              int64_t iters);
 void residual_append_cpu(at::Tensor& arena_k, at::Tensor& arena_v, const at::Tensor& at, const at::Tensor& k,
                          const at::Tensor& v);
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& codes_b, const at::Tensor& scales);
 at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& codes_b, const at::Tensor& scales_b,
@@ -38,6 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention over the residual buffers, merged into the pages' (out, lse) in place (CPU)");
   m.def("kmeans_select", &trtkv::kmeans_select_cpu, "batched k-means token selection (CPU)");
   m.def("residual_append", &trtkv::residual_append_cpu, "a decode step's K/V rows into the residual arena (CPU)");
+  m.def("rms_norm", &trtkv::rms_norm_cpu, "RMS normalization of fp32 rows (CPU)");
   m.def("rotary", &trtkv::rotary_cpu, "rotary position embedding of fp32 heads (CPU)");
   m.def("int4_linear", &trtkv::int4_linear_cpu,
         "x @ (int4 codes, two a byte, blocked by 64 output channels, x group scales + mins).T, fp32 rows (CPU)");

@@ -2,8 +2,8 @@
 // int8 codes scaled per output channel, the codes blocked by 64 output channels (codes_b [N/64, K, 64], each
 // block one contiguous run). At decode (a few rows) the weights' bytes decide the time: each block walks down
 // K once, widening 64 codes to fp32 in registers and adding x[m, k] times them into every row's accumulators -
-// the weights are read once, in order, a quarter of fp32's bytes, with no horizontal sums. Many rows (a prefill) are a GEMM: the caller
-// multiplies the widened codes dense instead (plugins/ops.py).
+// the weights are read once, in order, a quarter of fp32's bytes, with no horizontal sums. Many rows (a
+// prefill) are a GEMM: the caller multiplies the widened codes dense instead (plugins/ops.py).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -16,6 +16,10 @@ namespace trtkv {
 namespace {
 
 constexpr int64_t NB = 64;  // output channels a block
+// Software prefetch this many bytes ahead of the read: a block is a fresh 4 KiB page every few k's, which the
+// hardware prefetcher does not cross, so a decode step's short calls otherwise wait on DRAM at every page
+// (measured on a Sapphire Rapids VM: 10 -> 15-18 GB/s over SmolLM2's projections at one row).
+constexpr int64_t PREFETCH_BYTES = 4096;
 
 #ifdef TRTKV_INT8_AVX512
 template <int R>
@@ -30,6 +34,7 @@ inline void block_avx512(const float* x, int64_t K, const int8_t* ct, int64_t N,
   }
   for (int64_t k = 0; k < K; ++k) {
     const int8_t* row = ct + k * NB;
+    _mm_prefetch(reinterpret_cast<const char*>(row) + PREFETCH_BYTES, _MM_HINT_T0);  // (a row: one cache line)
     __m512 w[4];
     for (int j = 0; j < 4; ++j)
       w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk[j], row + 16 * j)));

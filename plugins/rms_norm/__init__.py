@@ -1,0 +1,1 @@
+"""RMS normalization of the decoder's hidden states."""
