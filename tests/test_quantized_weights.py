@@ -72,6 +72,29 @@ def test_quantized_weights_compose_with_a_compressed_cache(tiny_ckpt, tmp_path):
     assert len(r.token_ids) == 64 and r.stats["evicted_tokens"] > 0
 
 
+def test_eval_compares_engines_that_differ_only_in_weights(tiny_engines, tmp_path):
+    """``trtkv eval --reference DENSE INT8 INT4``: the same full cache on other weights, so each quantized engine's
+    KL is its weights' alone; without ``--reference`` an engine is compared with a full cache on its own weights."""
+    from click.testing import CliRunner
+
+    from trtkv.cli import main
+    from trtkv.eval.datasets import PACKAGE_DATA_DIR
+
+    traces = str(PACKAGE_DATA_DIR / "traces_small.jsonl")
+    common = ["--task", "fidelity", "--data", traces, "--limit", "2", "--max-tokens", "12", "--recall-layers", "none"]
+    out = tmp_path / "vs-dense"
+    r = CliRunner().invoke(main, ["eval", str(tiny_engines["int8"]), str(tiny_engines["int4"]), *common,
+                                  "--reference", str(tiny_engines["dense"]), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    ref, i8, i4 = json.loads((out / "results.json").read_text())["records"]
+    assert ref["is_reference"] and i8["tokens"] == i4["tokens"] == 24
+    assert 0 < i8["mean_kl"] < i4["mean_kl"]  # int4 in groups of 16 moves a random model's logits more than int8
+    out = tmp_path / "own"
+    r = CliRunner().invoke(main, ["eval", str(tiny_engines["int4"]), *common, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "results.json").read_text())["records"][1]["mean_kl"] == 0.0
+
+
 def test_bad_quantized_engines_fail_in_one_line(tiny_engines, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_engines["int8"], broken)
