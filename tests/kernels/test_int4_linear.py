@@ -41,6 +41,17 @@ def test_kernel_matches_reference(M, N, K, G):
 
 
 @needs_kernels
+@pytest.mark.parametrize("N,K,G", [(100, 34, 2), (960, 576, 32), (130, 1536, 128), (64, 200, 8)])
+def test_a_row_does_not_depend_on_its_batch(N, K, G):
+    """Past 4 rows the kernel widens each chunk of codes once for every row; each row's result is still the
+    one-row kernel's, bit for bit (the same products, added over k in the same order)."""
+    x, w, _, _, _ = case(16, N, K, G, seed=N + K)
+    alone = torch.cat([int4_linear_cpu(x[i:i + 1].contiguous(), w) for i in range(16)])
+    for M in (5, 8, 13, 16):
+        assert torch.equal(int4_linear_cpu(x[:M].contiguous(), w), alone[:M])
+
+
+@needs_kernels
 def test_dispatch_gives_many_rows_to_the_reference(monkeypatch):
     monkeypatch.setenv("TRTKV_KERNELS", "auto")
     import plugins.cpu_kernels.ops as cpu_ops

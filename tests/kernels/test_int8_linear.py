@@ -41,6 +41,17 @@ def test_kernel_matches_reference(M, N, K):
 
 
 @needs_kernels
+@pytest.mark.parametrize("N,K", [(100, 33), (960, 576), (130, 1536), (64, 200)])
+def test_a_row_does_not_depend_on_its_batch(N, K):
+    """Past 4 rows the kernel widens each chunk of codes once for every row; each row's result is still the
+    one-row kernel's, bit for bit (the same products, added over k in the same order)."""
+    x, w, _, _ = case(16, N, K, seed=N + K)
+    alone = torch.cat([int8_linear_cpu(x[i:i + 1].contiguous(), w.codes_b, w.scales) for i in range(16)])
+    for M in (5, 8, 13, 16):
+        assert torch.equal(int8_linear_cpu(x[:M].contiguous(), w.codes_b, w.scales), alone[:M])
+
+
+@needs_kernels
 def test_dispatch_gives_many_rows_to_the_reference(monkeypatch):
     monkeypatch.setenv("TRTKV_KERNELS", "auto")
     import plugins.cpu_kernels.ops as cpu_ops

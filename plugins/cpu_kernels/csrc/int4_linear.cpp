@@ -9,6 +9,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+
+#include "blocked_rows.h"
 #define TRTKV_INT4_AVX512 1
 #endif
 
@@ -57,6 +59,37 @@ inline void block4_avx512(const float* x, int64_t K, int64_t G, const uint8_t* c
   }
   for (int j = 0; j < 4; ++j)
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + n0 + 16 * j, mk[j], acc[r][j]);
+}
+
+// More than 4 rows: each chunk of the block's codes widened once, every row run over it (blocked_rows.h)
+inline void block4_many_rows(const float* x, int64_t M, int64_t K, int64_t G, const uint8_t* cb, const float* sb,
+                             const float* mb, int64_t N, int64_t n0, int64_t nvalid, float* y) {
+  alignas(64) float buf[blocked::KC * NB];
+  __mmask16 mk[4];
+  for (int j = 0; j < 4; ++j) {
+    const int64_t v = nvalid - 16 * j;
+    mk[j] = v >= 16 ? static_cast<__mmask16>(0xFFFF) : v <= 0 ? 0 : static_cast<__mmask16>((1u << v) - 1);
+  }
+  const __m512i low4 = _mm512_set1_epi32(15);
+  for (int64_t k0 = 0; k0 < K; k0 += blocked::KC) {
+    const int64_t kn = std::min(blocked::KC, K - k0);  // (even: K and KC are)
+    for (int64_t kk = 0; kk < kn; kk += 2) {
+      const int64_t k = k0 + kk;
+      const uint8_t* row = cb + (k / 2) * NB;
+      const float* srow = sb + (k / G) * NB;
+      const float* mrow = mb + (k / G) * NB;
+      _mm_prefetch(reinterpret_cast<const char*>(row) + PREFETCH_BYTES, _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
+        const __m512 s = _mm512_loadu_ps(srow + 16 * j);
+        const __m512 mn = _mm512_loadu_ps(mrow + 16 * j);
+        _mm512_store_ps(buf + kk * NB + 16 * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s, mn));
+        _mm512_store_ps(buf + (kk + 1) * NB + 16 * j,
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, mn));
+      }
+    }
+    blocked::all_rows_over_chunk(x + k0, M, K, buf, kn, y + n0, N, mk, k0 == 0, nullptr);
+  }
 }
 #endif
 
@@ -124,6 +157,12 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& codes_b, const
       const uint8_t* cb = cp + b * (K / 2) * NB;
       const float* sb = sp + b * (K / G) * NB;
       const float* mb = mp + b * (K / G) * NB;
+#ifdef TRTKV_INT4_AVX512
+      if (M > 4) {
+        block4_many_rows(xp, M, K, G, cb, sb, mb, N, n0, nvalid, yp);
+        continue;
+      }
+#endif
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) block4<4>(xp + m * K, K, G, cb, sb, mb, N, n0, nvalid, yp + m * N);
       switch (M - m) {

@@ -9,6 +9,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+
+#include "blocked_rows.h"
 #define TRTKV_INT8_AVX512 1
 #endif
 
@@ -46,6 +48,29 @@ inline void block_avx512(const float* x, int64_t K, const int8_t* ct, int64_t N,
   for (int j = 0; j < 4; ++j) {
     const __m512 s = _mm512_maskz_loadu_ps(mk[j], scales + n0 + 16 * j);
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + n0 + 16 * j, mk[j], _mm512_mul_ps(acc[r][j], s));
+  }
+}
+
+// More than 4 rows: each chunk of the block's codes widened once, every row run over it (blocked_rows.h)
+inline void block_many_rows(const float* x, int64_t M, int64_t K, const int8_t* ct, int64_t N, int64_t n0,
+                            int64_t nvalid, const float* scales, float* y) {
+  alignas(64) float buf[blocked::KC * NB];
+  __mmask16 mk[4];
+  for (int j = 0; j < 4; ++j) {
+    const int64_t v = nvalid - 16 * j;
+    mk[j] = v >= 16 ? static_cast<__mmask16>(0xFFFF) : v <= 0 ? 0 : static_cast<__mmask16>((1u << v) - 1);
+  }
+  for (int64_t k0 = 0; k0 < K; k0 += blocked::KC) {
+    const int64_t kn = std::min(blocked::KC, K - k0);
+    for (int64_t kk = 0; kk < kn; ++kk) {
+      const int8_t* row = ct + (k0 + kk) * NB;
+      _mm_prefetch(reinterpret_cast<const char*>(row) + PREFETCH_BYTES, _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j)
+        _mm512_store_ps(buf + kk * NB + 16 * j,
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk[j], row + 16 * j))));
+    }
+    blocked::all_rows_over_chunk(x + k0, M, K, buf, kn, y + n0, N, mk, k0 == 0,
+                                 k0 + kn >= K ? scales + n0 : nullptr);
   }
 }
 #endif
@@ -100,6 +125,12 @@ at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& codes_b, const
     for (int64_t b = lo; b < hi; ++b) {
       const int64_t n0 = b * NB, nvalid = std::min(NB, N - n0);
       const int8_t* cb = cp + b * K * NB;
+#ifdef TRTKV_INT8_AVX512
+      if (M > 4) {
+        block_many_rows(xp, M, K, cb, N, n0, nvalid, sp, yp);
+        continue;
+      }
+#endif
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) block<4>(xp + m * K, K, cb, N, n0, nvalid, sp, yp + m * N);
       switch (M - m) {
