@@ -218,7 +218,7 @@ class BlockTable:
         n = len(rows)
         heaped = cols.reusable_rows(layer, rows, cls)  # None: no row of the layer has a reuse heap of cls
         single = cols.singles(layer, rows, cls)
-        if heaped is None and (single is None or single.max() < 0):
+        if n and heaped is None and (single is None or single.max() < 0):
             opens = cols.open_pages(layer, rows, cls)
             if opens.min() >= 0:  # the common step, as below with nothing waiting: every row takes its tail
                 slots = pool.take_tails(opens)
