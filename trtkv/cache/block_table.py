@@ -218,13 +218,6 @@ class BlockTable:
         n = len(rows)
         heaped = cols.reusable_rows(layer, rows, cls)  # None: no row of the layer has a reuse heap of cls
         single = cols.singles(layer, rows, cls)
-        if n and heaped is None and (single is None or single.max() < 0):
-            opens = cols.open_pages(layer, rows, cls)
-            if opens.min() >= 0:  # the common step, as below with nothing waiting: every row takes its tail
-                slots = pool.take_tails(opens)
-                if slots.max() + 1 >= pool.B:
-                    cols.close_rows(layer, rows[slots + 1 >= pool.B], cls)
-                return opens, slots
         pages = np.full(n, -1, np.int64)
         slots = np.zeros(n, np.int64)
         waiting = heaped if heaped is not None else np.zeros(n, bool)  # rows served elsewhere: heaps, kept slots

@@ -1,4 +1,4 @@
-// The many-row half of the int8 / int4 weight-only linears (int8_linear.cpp, int4_linear.cpp): a block's 64
+// Shared by the int8 / int4 weight-only linears: the lane masks of a block, and their many-row half (int8_linear.cpp, int4_linear.cpp): a block's 64
 // output channels over a chunk of KC inputs, already widened to fp32 in an L1-resident buffer, times every row.
 // With more than 4 rows the kernels widen each chunk once and run every group of 4 rows over it, instead of
 // widening the codes again for each group; a row's sums still add over k in order with one fused multiply-add
@@ -14,6 +14,14 @@ namespace blocked {
 
 constexpr int64_t NB = 64;  // output channels a block
 constexpr int64_t KC = 64;  // inputs a chunk: a 16 KiB fp32 buffer
+
+// the lanes of a block's four 16-channel vectors that hold one of its nvalid channels
+inline void channel_masks(int64_t nvalid, __mmask16* mk) {
+  for (int j = 0; j < 4; ++j) {
+    const int64_t v = nvalid - 16 * j;
+    mk[j] = v >= 16 ? static_cast<__mmask16>(0xFFFF) : v <= 0 ? 0 : static_cast<__mmask16>((1u << v) - 1);
+  }
+}
 
 // y[r, 0:64] = (first ? 0 : y[r, 0:64]) + sum over kk < kn of x[r, kk] * buf[kk, 0:64], for R rows of x (row
 // stride K) and y (row stride N), channels masked by mk; times scales[0:64] after the sums when given

@@ -22,35 +22,41 @@ constexpr int64_t NB = 64;
 constexpr int64_t PREFETCH_BYTES = 4096;
 
 #ifdef TRTKV_INT4_AVX512
+// The two k's that the 64 bytes of a block row hold (k = 2i, 2i + 1), widened for channels 16j..16j+15: code *
+// scale + min of its group, one fused multiply-add each
+inline void widen_pair(const uint8_t* row, const float* srow, const float* mrow, int j, __m512& lo, __m512& hi) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
+  const __m512 s = _mm512_loadu_ps(srow + 16 * j);
+  const __m512 mn = _mm512_loadu_ps(mrow + 16 * j);
+  lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), s, mn);
+  hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, mn);
+}
+
+// prefetch ahead of the codes at k, and at a group's start the next groups' scales and mins (256 bytes each)
+inline void prefetch_ahead(int64_t k, int64_t G, const uint8_t* row, const float* srow, const float* mrow) {
+  _mm_prefetch(reinterpret_cast<const char*>(row) + PREFETCH_BYTES, _MM_HINT_T0);
+  if (k % G == 0)
+    for (int64_t b = 0; b < 256; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(srow) + 1024 + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(mrow) + 1024 + b, _MM_HINT_T0);
+    }
+}
+
 template <int R>
 inline void block4_avx512(const float* x, int64_t K, int64_t G, const uint8_t* cb, const float* sb,
                           const float* mb, int64_t N, int64_t n0, int64_t nvalid, float* y) {
   __m512 acc[R][4];
   __mmask16 mk[4];
-  for (int j = 0; j < 4; ++j) {
-    const int64_t v = nvalid - 16 * j;
-    mk[j] = v >= 16 ? static_cast<__mmask16>(0xFFFF) : v <= 0 ? 0 : static_cast<__mmask16>((1u << v) - 1);
-    for (int r = 0; r < R; ++r) acc[r][j] = _mm512_setzero_ps();
-  }
+  blocked::channel_masks(nvalid, mk);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
     const uint8_t* row = cb + (k / 2) * NB;
     const float* srow = sb + (k / G) * NB;
     const float* mrow = mb + (k / G) * NB;
-    _mm_prefetch(reinterpret_cast<const char*>(row) + PREFETCH_BYTES, _MM_HINT_T0);
-    if (k % G == 0)  // the next groups' scales and mins, a group's 256 bytes each
-      for (int64_t b = 0; b < 256; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(srow) + 1024 + b, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(mrow) + 1024 + b, _MM_HINT_T0);
-      }
-    const __m512i low4 = _mm512_set1_epi32(15);
+    prefetch_ahead(k, G, row, srow, mrow);
     __m512 lo[4], hi[4];
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
-      const __m512 s = _mm512_loadu_ps(srow + 16 * j);
-      const __m512 mn = _mm512_loadu_ps(mrow + 16 * j);
-      lo[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s, mn);
-      hi[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, mn);
-    }
+    for (int j = 0; j < 4; ++j) widen_pair(row, srow, mrow, j, lo[j], hi[j]);
     for (int r = 0; r < R; ++r) {
       const __m512 x0 = _mm512_set1_ps(x[r * K + k]);
       const __m512 x1 = _mm512_set1_ps(x[r * K + k + 1]);
@@ -66,11 +72,7 @@ inline void block4_many_rows(const float* x, int64_t M, int64_t K, int64_t G, co
                              const float* mb, int64_t N, int64_t n0, int64_t nvalid, float* y) {
   alignas(64) float buf[blocked::KC * NB];
   __mmask16 mk[4];
-  for (int j = 0; j < 4; ++j) {
-    const int64_t v = nvalid - 16 * j;
-    mk[j] = v >= 16 ? static_cast<__mmask16>(0xFFFF) : v <= 0 ? 0 : static_cast<__mmask16>((1u << v) - 1);
-  }
-  const __m512i low4 = _mm512_set1_epi32(15);
+  blocked::channel_masks(nvalid, mk);
   for (int64_t k0 = 0; k0 < K; k0 += blocked::KC) {
     const int64_t kn = std::min(blocked::KC, K - k0);  // (even: K and KC are)
     for (int64_t kk = 0; kk < kn; kk += 2) {
@@ -78,14 +80,12 @@ inline void block4_many_rows(const float* x, int64_t M, int64_t K, int64_t G, co
       const uint8_t* row = cb + (k / 2) * NB;
       const float* srow = sb + (k / G) * NB;
       const float* mrow = mb + (k / G) * NB;
-      _mm_prefetch(reinterpret_cast<const char*>(row) + PREFETCH_BYTES, _MM_HINT_T0);
+      prefetch_ahead(k, G, row, srow, mrow);
+      __m512 lo, hi;
       for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
-        const __m512 s = _mm512_loadu_ps(srow + 16 * j);
-        const __m512 mn = _mm512_loadu_ps(mrow + 16 * j);
-        _mm512_store_ps(buf + kk * NB + 16 * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s, mn));
-        _mm512_store_ps(buf + (kk + 1) * NB + 16 * j,
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, mn));
+        widen_pair(row, srow, mrow, j, lo, hi);
+        _mm512_store_ps(buf + kk * NB + 16 * j, lo);
+        _mm512_store_ps(buf + (kk + 1) * NB + 16 * j, hi);
       }
     }
     blocked::all_rows_over_chunk(x + k0, M, K, buf, kn, y + n0, N, mk, k0 == 0, nullptr);

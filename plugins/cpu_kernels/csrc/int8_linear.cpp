@@ -24,22 +24,24 @@ constexpr int64_t NB = 64;  // output channels a block
 constexpr int64_t PREFETCH_BYTES = 4096;
 
 #ifdef TRTKV_INT8_AVX512
+// 16 codes of a block row widened to fp32 (lanes past the block's channels: 0)
+inline __m512 widen16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
 template <int R>
 inline void block_avx512(const float* x, int64_t K, const int8_t* ct, int64_t N, int64_t n0, int64_t nvalid,
                          const float* scales, float* y) {
   __m512 acc[R][4];
   __mmask16 mk[4];
-  for (int j = 0; j < 4; ++j) {
-    const int64_t v = nvalid - 16 * j;
-    mk[j] = v >= 16 ? static_cast<__mmask16>(0xFFFF) : v <= 0 ? 0 : static_cast<__mmask16>((1u << v) - 1);
-    for (int r = 0; r < R; ++r) acc[r][j] = _mm512_setzero_ps();
-  }
+  blocked::channel_masks(nvalid, mk);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const int8_t* row = ct + k * NB;
     _mm_prefetch(reinterpret_cast<const char*>(row) + PREFETCH_BYTES, _MM_HINT_T0);  // (a row: one cache line)
     __m512 w[4];
-    for (int j = 0; j < 4; ++j)
-      w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk[j], row + 16 * j)));
+    for (int j = 0; j < 4; ++j) w[j] = widen16(row + 16 * j, mk[j]);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * K + k]);
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
@@ -56,18 +58,13 @@ inline void block_many_rows(const float* x, int64_t M, int64_t K, const int8_t* 
                             int64_t nvalid, const float* scales, float* y) {
   alignas(64) float buf[blocked::KC * NB];
   __mmask16 mk[4];
-  for (int j = 0; j < 4; ++j) {
-    const int64_t v = nvalid - 16 * j;
-    mk[j] = v >= 16 ? static_cast<__mmask16>(0xFFFF) : v <= 0 ? 0 : static_cast<__mmask16>((1u << v) - 1);
-  }
+  blocked::channel_masks(nvalid, mk);
   for (int64_t k0 = 0; k0 < K; k0 += blocked::KC) {
     const int64_t kn = std::min(blocked::KC, K - k0);
     for (int64_t kk = 0; kk < kn; ++kk) {
       const int8_t* row = ct + (k0 + kk) * NB;
       _mm_prefetch(reinterpret_cast<const char*>(row) + PREFETCH_BYTES, _MM_HINT_T0);
-      for (int j = 0; j < 4; ++j)
-        _mm512_store_ps(buf + kk * NB + 16 * j,
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk[j], row + 16 * j))));
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(buf + kk * NB + 16 * j, widen16(row + 16 * j, mk[j]));
     }
     blocked::all_rows_over_chunk(x + k0, M, K, buf, kn, y + n0, N, mk, k0 == 0,
                                  k0 + kn >= K ? scales + n0 : nullptr);
