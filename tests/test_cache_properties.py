@@ -376,8 +376,9 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
     """``write_through`` (one slot per request from ``alloc_one``, one slot mark for the batch) leaves exactly
     the state of writing each request's token with ``write`` (``alloc_slots(.., 1)``): slots chosen, reuse
     heaps, open pages, stored values. ``evict_many`` of one victim per request (array operations, the freed
-    slot kept outside the reuse heap) leaves the state of evicting each in turn."""
-    caches = [make_cache(g=1), make_cache(g=1)]
+    slot kept outside the reuse heap) leaves the state of evicting each in turn. A third cache takes each step's
+    slots for every layer at once (``plan_write_through``, layer by layer where it does not apply): the same."""
+    caches = [make_cache(g=1), make_cache(g=1), make_cache(g=1)]
     next_pos: dict[int, int] = {}
     for o in ops:
         ids = sorted(caches[0].seqs)
@@ -390,10 +391,16 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
                 next_pos[sid] += 1
             gen = torch.Generator().manual_seed(sum(pos) + o[3])
             k, v = torch.randn(len(ids), H, D, generator=gen), torch.randn(len(ids), H, D, generator=gen)
+            planned = [caches[2].seqs[s] for s in ids]
+            plan = caches[2].plan_write_through(planned, pos, cls)
             for layer in range(L):
                 caches[0].write_through(layer, [caches[0].seqs[s] for s in ids], k, v, pos, cls)
                 for i, sid in enumerate(ids):
                     caches[1].write(caches[1].seqs[sid], layer, k[i:i + 1], v[i:i + 1], [pos[i]], cls)
+                if plan is not None:
+                    caches[2].write_planned(plan, layer, k, v)
+                else:
+                    caches[2].write_through(layer, planned, k, v, pos, cls)
         elif o[0] == "evict":
             sid = ids[o[1] % len(ids)]
             for c in caches:
@@ -401,19 +408,43 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
         elif o[0] == "evict_each":  # a window's or a scorer's step: at most one victim per request, one layer
             victims = [[] if v < 0 else [v % max(1, next_pos[sid])] for sid, v in zip(ids, o[2] * len(ids))]
             assert caches[0].evict_many(o[1], [(caches[0].seqs[sid], p) for sid, p in zip(ids, victims)]) == \
-                [caches[1].evict(caches[1].seqs[sid], o[1], p) for sid, p in zip(ids, victims)]
+                [caches[1].evict(caches[1].seqs[sid], o[1], p) for sid, p in zip(ids, victims)] == \
+                caches[2].evict_many(o[1], [(caches[2].seqs[sid], p) for sid, p in zip(ids, victims)])
         else:
             for c in caches:
                 c.free_sequence(ids[o[1] % len(ids)])
-        assert _state(caches[0]) == _state(caches[1])
-        assert caches[0].evictions_total == caches[1].evictions_total
-        for layer in range(L):
-            for fmt, pool in caches[0].pools[layer].items():
-                other = caches[1].pools[layer][fmt]
-                for a, b in zip(pool.fields, other.fields):
-                    assert torch.equal(a[:pool.fresh], b[:pool.fresh])
+        for other_cache in caches[1:]:
+            assert _state(caches[0]) == _state(other_cache)
+            assert caches[0].evictions_total == other_cache.evictions_total
+            for layer in range(L):
+                for fmt, pool in caches[0].pools[layer].items():
+                    other = other_cache.pools[layer][fmt]
+                    for a, b in zip(pool.fields, other.fields):
+                        assert torch.equal(a[:pool.fresh], b[:pool.fresh])
         _check_block_tables(caches[0])
+        _check_block_tables(caches[2])
     check_invariants(caches[0])
+
+
+def test_write_plan_takes_every_layers_slots_at_once_and_steps_aside_for_reuse():
+    """A step with no reusable slot anywhere is planned for every layer (page boundaries included), the same as
+    ``write_through`` layer by layer; once a request has an evicted slot in any layer, no plan is made."""
+    caches = [make_cache(g=1), make_cache(g=1)]
+    cls = WT_CLASSES[0]
+    for c in caches:
+        for sid in range(3):
+            c.add_sequence(sid)
+    for step in range(9):  # two page boundaries (blocks of 4)
+        k, v = torch.randn(3, H, D), torch.randn(3, H, D)
+        pos = [step] * 3
+        plan = caches[1].plan_write_through([caches[1].seqs[s] for s in range(3)], pos, cls)
+        assert plan is not None and tuple(plan.pages.shape) == (L, 3)
+        for layer in range(L):
+            caches[0].write_through(layer, [caches[0].seqs[s] for s in range(3)], k, v, pos, cls)
+            caches[1].write_planned(plan, layer, k, v)
+        assert _state(caches[0]) == _state(caches[1])
+    caches[1].evict(caches[1].seqs[2], L - 1, [3])
+    assert caches[1].plan_write_through([caches[1].seqs[s] for s in range(3)], [9] * 3, cls) is None
 
 
 def _check_block_tables(cache: KVCacheManager) -> None:

@@ -234,12 +234,7 @@ class BlockTable:
         opens = cols.open_pages(layer, rows, cls)
         need = np.flatnonzero((opens < 0) & ~waiting)
         if len(need):
-            fresh = pool.alloc_pages(len(need), cls[1])
-            if fresh is None:  # the pool lacks them (or grows): one by one, a full pool names its request
-                for i in need.tolist():
-                    tables(i)._new_page(pool, cls)  # noqa: SLF001
-            else:
-                BlockTable._adopt_each([tables(i) for i in need.tolist()], cols, layer, rows[need], pool, cls, fresh)
+            BlockTable.open_fresh_pages(tables, cols, layer, rows, need, pool, cls)
             opens = cols.open_pages(layer, rows, cls)
         fast = ~waiting
         if fast.all():  # every row takes its open page's tail (the common step)
@@ -259,6 +254,18 @@ class BlockTable:
             for i in np.flatnonzero(heaped).tolist():
                 pages[i], slots[i] = tables(i).alloc_one(pool, cls)
         return pages, slots
+
+    @staticmethod
+    def open_fresh_pages(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
+                         need: np.ndarray, pool: PagePool, cls: Cls) -> None:
+        """A fresh open page of ``cls`` for each of ``rows[need]`` (``tables(i)``: the table of ``rows[i]``), taken
+        from ``pool`` in one call when it has them all."""
+        fresh = pool.alloc_pages(len(need), cls[1])
+        if fresh is None:  # the pool lacks them (or grows): one by one, a full pool names its request
+            for i in need.tolist():
+                tables(i)._new_page(pool, cls)  # noqa: SLF001
+        else:
+            BlockTable._adopt_each([tables(i) for i in need.tolist()], cols, layer, rows[need], pool, cls, fresh)
 
     def needs_fresh_pages(self, cls: Cls) -> bool:
         """No reusable slot and no open page of ``cls``: a write of whole pages takes fresh pages."""

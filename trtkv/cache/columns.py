@@ -34,13 +34,16 @@ class TableColumns:
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self._rows = FIRST_ROWS
-        self._where = [np.full((FIRST_ROWS, FIRST_WIDTH), NOT_HELD, np.int32) for _ in range(num_layers)]
+        # every layer's position map in one array [layers, rows, width], so a step's write of every layer is one
+        # array operation (``place_rows_all``); ``_where[layer]`` is a view of one layer's map
+        self._where = np.full((num_layers, FIRST_ROWS, FIRST_WIDTH), NOT_HELD, np.int32)
         self._live = np.zeros((num_layers, FIRST_ROWS), np.int64)
-        self._open: list[dict[Cls, np.ndarray]] = [{} for _ in range(num_layers)]  # page, -1 none
-        self._reuse: list[dict[Cls, np.ndarray]] = [{} for _ in range(num_layers)]  # reuse heap not empty
+        # per class, [layers, rows] like ``_live``:
+        self._open: dict[Cls, np.ndarray] = {}  # open page, -1 none
+        self._reuse: dict[Cls, np.ndarray] = {}  # reuse heap not empty
         # one reusable slot kept outside the heap (page << 5 | slot, -1 none): a one-token eviction a step and the
         # next write taking that slot back (a sliding window, a scorer's victim) stay array operations
-        self._single: list[dict[Cls, np.ndarray]] = [{} for _ in range(num_layers)]
+        self._single: dict[Cls, np.ndarray] = {}
         self._holes = np.zeros((num_layers, FIRST_ROWS), bool)  # an eviction ever hit the table
         self._evicted = np.zeros(FIRST_ROWS, np.int64)  # tokens evicted per request, summed over layers
         self._stamp = np.zeros((num_layers, FIRST_ROWS), np.int64)  # changes whenever a page list changes
@@ -62,14 +65,13 @@ class TableColumns:
 
     def release(self, row: int) -> None:
         """Row ``row`` holds nothing again (its request is freed)."""
-        for layer in range(self.num_layers):
-            self._where[layer][row] = NOT_HELD
-            for col in self._open[layer].values():
-                col[row] = -1
-            for col in self._reuse[layer].values():
-                col[row] = False
-            for col in self._single[layer].values():
-                col[row] = -1
+        self._where[:, row] = NOT_HELD
+        for col in self._open.values():
+            col[:, row] = -1
+        for col in self._reuse.values():
+            col[:, row] = False
+        for col in self._single.values():
+            col[:, row] = -1
         self._live[:, row] = 0
         self._holes[:, row] = False
         self._evicted[row] = 0
@@ -82,15 +84,11 @@ class TableColumns:
 
     def _grow_rows(self) -> None:
         old, new = self._rows, 2 * self._rows
-        for layer in range(self.num_layers):
-            w = self._where[layer]
-            self._where[layer] = np.concatenate([w, np.full((new - old, w.shape[1]), NOT_HELD, np.int32)])
-            for cls, col in self._open[layer].items():
-                self._open[layer][cls] = np.concatenate([col, np.full(new - old, -1, np.int64)])
-            for cls, col in self._reuse[layer].items():
-                self._reuse[layer][cls] = np.concatenate([col, np.zeros(new - old, bool)])
-            for cls, col in self._single[layer].items():
-                self._single[layer][cls] = np.concatenate([col, np.full(new - old, -1, np.int64)])
+        L, width = self.num_layers, self._where.shape[2]
+        self._where = np.concatenate([self._where, np.full((L, new - old, width), NOT_HELD, np.int32)], axis=1)
+        for table, fill in ((self._open, -1), (self._reuse, False), (self._single, -1)):
+            for cls, col in table.items():
+                table[cls] = np.concatenate([col, np.full((L, new - old), fill, col.dtype)], axis=1)
         self._holes = np.concatenate([self._holes, np.zeros((self.num_layers, new - old), bool)], axis=1)
         self._evicted = np.concatenate([self._evicted, np.zeros(new - old, np.int64)])
         self._live = np.concatenate([self._live, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
@@ -102,13 +100,17 @@ class TableColumns:
         self._rows = new
 
     def _widen(self, layer: int, top: int) -> np.ndarray:
-        """Layer ``layer``'s position map, at least ``top + 1`` positions wide."""
-        w = self._where[layer]
-        if top >= w.shape[1]:
-            width = max(2 * w.shape[1], top + 1)
-            grown = np.full((w.shape[0], width), NOT_HELD, np.int32)
-            grown[:, : w.shape[1]] = w
-            self._where[layer] = w = grown
+        """Layer ``layer``'s position map, at least ``top + 1`` positions wide (every layer's map widens)."""
+        self._widen_all(top)
+        return self._where[layer]
+
+    def _widen_all(self, top: int) -> np.ndarray:
+        w = self._where
+        if top >= w.shape[2]:
+            width = max(2 * w.shape[2], top + 1)
+            grown = np.full((w.shape[0], w.shape[1], width), NOT_HELD, np.int32)
+            grown[:, :, : w.shape[2]] = w
+            self._where = w = grown
         return w
 
     # --- formats ----------------------------------------------------------------------------------
@@ -208,6 +210,13 @@ class TableColumns:
         w[rows, positions] = self._codes(fmt, pages, slots)
         self._live[layer, rows] += 1
 
+    def place_rows_all(self, rows: np.ndarray, fmt: str, pages: np.ndarray, slots: np.ndarray,
+                       positions: np.ndarray) -> None:
+        """``place_rows`` in every layer at once: ``pages, slots [layers, len(rows)]``."""
+        w = self._widen_all(int(positions.max()))
+        w[:, rows, positions] = self._codes(fmt, pages, slots)
+        self._live[:, rows] += 1
+
     def place_groups(self, layer: int, rows: np.ndarray, fmt: str, pages: np.ndarray, slots: np.ndarray,
                      positions: np.ndarray) -> None:
         """``place`` of ``positions [G, n]`` (distinct within a row) into ``(fmt, pages, slots) [G, n]`` for each
@@ -297,15 +306,16 @@ class TableColumns:
         self._live[layer, dst] = self._live[layer, src]
 
     # --- open pages and reusable slots --------------------------------------------------------------
-    def _col(self, table: list[dict[Cls, np.ndarray]], layer: int, cls: Cls, fill, dtype) -> np.ndarray:
-        col = table[layer].get(cls)
+    def _col(self, table: dict[Cls, np.ndarray], layer: int, cls: Cls, fill, dtype) -> np.ndarray:
+        """Layer ``layer``'s column of ``cls`` (a view), made for every layer at its first use."""
+        col = table.get(cls)
         if col is None:
-            col = table[layer][cls] = np.full(self._rows, fill, dtype)
-        return col
+            col = table[cls] = np.full((self.num_layers, self._rows), fill, dtype)
+        return col[layer]
 
     def open_page(self, layer: int, row: int, cls: Cls) -> int:
-        col = self._open[layer].get(cls)
-        return -1 if col is None else col.item(row)
+        col = self._open.get(cls)
+        return -1 if col is None else col.item(layer, row)
 
     def set_open(self, layer: int, row: int, cls: Cls, p: int) -> None:
         self._col(self._open, layer, cls, -1, np.int64)[row] = p
@@ -314,61 +324,79 @@ class TableColumns:
         self._col(self._open, layer, cls, -1, np.int64)[rows] = pages
 
     def open_pages_of(self, layer: int, row: int) -> dict[Cls, int]:
-        return {cls: col.item(row) for cls, col in self._open[layer].items() if col.item(row) >= 0}
+        return {cls: col.item(layer, row) for cls, col in self._open.items() if col.item(layer, row) >= 0}
 
     def close_all(self, layer: int, row: int) -> None:
-        for col in self._open[layer].values():
-            col[row] = -1
+        for col in self._open.values():
+            col[layer, row] = -1
 
     def open_pages(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray:
-        col = self._open[layer].get(cls)
-        return np.full(len(rows), -1, np.int64) if col is None else col[rows]
+        col = self._open.get(cls)
+        return np.full(len(rows), -1, np.int64) if col is None else col[layer, rows]
+
+    def open_pages_all(self, rows: np.ndarray, cls: Cls) -> np.ndarray:
+        """``open_pages`` of every layer: ``[layers, len(rows)]``."""
+        col = self._open.get(cls)
+        return np.full((self.num_layers, len(rows)), -1, np.int64) if col is None else col[:, rows]
 
     def close_rows(self, layer: int, rows: np.ndarray, cls: Cls) -> None:
-        self._open[layer][cls][rows] = -1
+        self._open[cls][layer, rows] = -1
+
+    def close_rows_all(self, rows: np.ndarray, cls: Cls, closed: np.ndarray) -> None:
+        """``close_rows`` in every layer: ``rows[j]`` closes its open page of ``cls`` in layer l where
+        ``closed[l, j]``."""
+        layer, j = np.nonzero(closed)
+        self._open[cls][layer, rows[j]] = -1
 
     def set_reusable(self, layer: int, row: int, cls: Cls, any_left: bool) -> None:
-        col = self._reuse[layer].get(cls)
+        col = self._reuse.get(cls)
         if col is None:
             if not any_left:
                 return
             col = self._col(self._reuse, layer, cls, False, bool)
-        col[row] = any_left
+            col[row] = any_left
+            return
+        col[layer, row] = any_left
 
     def clear_reusable(self, layer: int, row: int) -> None:
-        for col in self._reuse[layer].values():
-            col[row] = False
+        for col in self._reuse.values():
+            col[layer, row] = False
 
     def reusable_rows(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray | None:
         """Which rows have a non-empty reuse heap of ``cls``; None when none has."""
-        col = self._reuse[layer].get(cls)
+        col = self._reuse.get(cls)
         if col is None:
             return None
-        got = col[rows]
+        got = col[layer, rows]
         return got if got.any() else None
 
+    def reuse_anywhere(self, rows: np.ndarray, cls: Cls) -> bool:
+        """Whether any of ``rows`` has a reusable slot of ``cls`` (in its heap or kept outside it) in any layer."""
+        heap, one = self._reuse.get(cls), self._single.get(cls)
+        return bool((heap is not None and heap[:, rows].any()) or (one is not None and (one[:, rows] >= 0).any()))
+
     def single(self, layer: int, row: int, cls: Cls) -> tuple[int, int] | None:
-        col = self._single[layer].get(cls)
-        v = -1 if col is None else col.item(row)
+        col = self._single.get(cls)
+        v = -1 if col is None else col.item(layer, row)
         return None if v < 0 else (v >> 5, v & _SLOT_MASK)
 
     def single_classes(self, layer: int) -> list[Cls]:
-        return list(self._single[layer])
+        return list(self._single)
 
     def clear_single(self, layer: int, row: int, cls: Cls) -> None:
-        col = self._single[layer].get(cls)
+        col = self._single.get(cls)
         if col is not None:
-            col[row] = -1
+            col[layer, row] = -1
 
     def clear_singles(self, layer: int, row: int) -> None:
-        for col in self._single[layer].values():
-            col[row] = -1
+        for col in self._single.values():
+            col[layer, row] = -1
 
     def singles(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray | None:
-        """``page << 5 | slot`` of each row's reusable slot kept outside the heap, -1 none; None when the layer
-        never kept one of ``cls``."""
-        col = self._single[layer].get(cls)
-        return None if col is None else col[rows]
+        """``page << 5 | slot`` of each row's reusable slot kept outside the heap, -1 none; None when no layer
+        ever kept one of ``cls``."""
+        col = self._single.get(cls)
+        return None if col is None else col[layer, rows]
 
     def set_singles(self, layer: int, rows: np.ndarray, cls: Cls, packed: np.ndarray) -> None:
         self._col(self._single, layer, cls, -1, np.int64)[rows] = packed

@@ -31,6 +31,7 @@ from trtkv.cache.pool import PagePool
 from trtkv.cache.pool_set import PoolSet
 from trtkv.cache.residual import ResidualArena
 from trtkv.cache.sequence import SeqKV
+from trtkv.cache.write_plan import WritePlan, plan_write_through
 
 EVICT_BATCH_MIN = 8  # evictions of fewer tokens go one by one (same end state; see KVCacheManager.evict)
 
@@ -213,6 +214,24 @@ class KVCacheManager:
         pos = self._array_of(positions)
         pool.mark_written_distinct(pages, slots, pos)  # one slot in each of distinct pages: one call for the batch
         self.columns.place_rows(layer, rows, cls[0], pages, slots, pos)
+
+    def plan_write_through(self, seqs: list[SeqKV], positions: list[int], cls: Cls) -> WritePlan | None:
+        """The slots of one token of each of ``seqs`` at ``positions`` in every layer, allocated and recorded at
+        once (``trtkv/cache/write_plan.py``); each layer's ``write_planned`` then writes the codes. None when the
+        plan does not apply (then ``write_through`` layer by layer)."""
+        return plan_write_through(self.pools, self.columns, seqs, self.rows(seqs), self._array_of(positions), cls)
+
+    def write_planned(self, plan: WritePlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write_through`` of layer ``layer`` into the slots ``plan`` recorded: the kernel call alone."""
+        fmt = plan.cls[0]
+        pool = self.pool(layer, fmt)
+        sc = self.layer_scales(layer, fmt)
+        clk = self.clock
+        prev = clk.switch("kv_write") if clk is not None else None
+        plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group, plan.pages[layer],
+                            plan.slots[layer], -1, pool.fmt.code, sc.k, sc.v)
+        if clk is not None:
+            clk.switch(prev)
 
     def rows(self, seqs: list[SeqKV]) -> np.ndarray:
         """The requests' rows in ``columns``, as an array (remembered for the same list, which the caller does

@@ -30,16 +30,19 @@ class PagePool:
     tensors in pinned host memory (asynchronous copies to a GPU)."""
 
     def __init__(self, fmt: KVFormat, num_heads: int, head_dim: int, block_size: int, device: str,
-                 pages: int, groups: int = 0, growable: bool = False, pin: bool = False):
+                 pages: int, groups: int = 0, growable: bool = False, pin: bool = False, slot_state=None):
         # Pools are made lazily, sometimes inside a decode step's inference mode; their tensors must stay
         # normal tensors so cache writes outside inference mode (tree search, tools) may update them.
+        assert not (growable and slot_state is not None), "a growable pool owns its slot state"
         with torch.inference_mode(False):
-            self._setup(fmt, num_heads, head_dim, block_size, device, pages, groups)
+            self._setup(fmt, num_heads, head_dim, block_size, device, pages, groups, slot_state)
         self.growable, self.pin = growable, pin
         self._pin_all()
 
     def _setup(self, fmt: KVFormat, num_heads: int, head_dim: int, block_size: int, device: str,
-               pages: int, groups: int = 0) -> None:
+               pages: int, groups: int = 0, slot_state=None) -> None:
+        """``slot_state``: views ``(valid, live, hwm, slot_pos)`` of this layer's row of a ``SlotStack`` (zeroed),
+        when the pool's slot state is stacked with the other layers' (``trtkv/cache/pool_stack.py``)."""
         assert block_size <= 31, "validity words are int32 bit masks"
         assert 1 <= pages < MAX_POOL_PAGES, "a pool holds at least one page, and fewer than a position map can name"
         self.fmt, self.H, self.D, self.B, self.device = fmt, num_heads, head_dim, block_size, torch.device(device)
@@ -49,10 +52,14 @@ class PagePool:
         self.fields = [torch.empty(cap, block_size, *f.shape, dtype=f.dtype, device=self.device)
                        for f in self.slot_specs]
         self.k_group = torch.empty((cap, block_size), dtype=torch.int32, device=self.device)
-        self.valid = np.zeros(cap, np.int32)  # bit s set = slot s holds a live token
-        self.live = np.zeros(cap, np.int32)  # popcount(valid)
-        self.hwm = np.zeros(cap, np.int32)  # slots [0, hwm) were written at least once
-        self.slot_pos = np.empty((cap, block_size), np.int64)  # token position in each slot (-1 free)
+        if slot_state is not None:
+            self.valid, self.live, self.hwm, self.slot_pos = slot_state
+            assert self.valid.shape == (cap,) and self.slot_pos.shape == (cap, block_size)
+        else:
+            self.valid = np.zeros(cap, np.int32)  # bit s set = slot s holds a live token
+            self.live = np.zeros(cap, np.int32)  # popcount(valid)
+            self.hwm = np.zeros(cap, np.int32)  # slots [0, hwm) were written at least once
+            self.slot_pos = np.empty((cap, block_size), np.int64)  # token position in each slot (-1 free)
         self.slot_seg = np.empty((cap, block_size), np.int32)  # policy segment id (ThinKV), -1 free
         self.page_class = np.zeros(cap, np.int32)  # thought type the page is dedicated to
         self.free: list[int] = []  # min-heap of released pages; pages >= fresh were never handed out
@@ -276,6 +283,10 @@ class PagePool:
         self.live[pages] += 1
         self.slot_pos[pages, slots] = positions
         self._valid_dirty = True  # (hwm: the slots came from take_tail or reuse; slot_seg of a free slot is -1)
+
+    def note_valid_changed(self) -> None:
+        """Validity words changed outside this pool's verbs (its ``SlotStack``'s): the device mirror is stale."""
+        self._valid_dirty = True
 
     def mark_evicted(self, p: int, s: int) -> None:
         bit, v = 1 << s, int(self.valid[p])  # Python ints: bit <= 30 (block_size <= 31)

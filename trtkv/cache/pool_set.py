@@ -11,6 +11,7 @@ from plugins.formats import LayerScales, get_format
 from trtkv.cache.budget import PoolPlan, plan_pools
 from trtkv.cache.config import CacheConfig
 from trtkv.cache.pool import PagePool
+from trtkv.cache.pool_stack import SlotStack
 from trtkv.errors import OutOfKVMemory, TrtkvError
 
 
@@ -30,6 +31,7 @@ class PoolSet:
         self._plan: PoolPlan | None = None
         self._scales: dict[tuple[int, str], LayerScales] = {}
         self._layers: list[dict[str, PagePool]] = [{} for _ in range(cfg.num_layers)]
+        self._stacks: dict[str, SlotStack] = {}  # device pools: each format's slot state, every layer in one array
 
     def __getitem__(self, layer: int) -> dict[str, PagePool]:
         """The pools of one layer that exist so far, by format (read-only)."""
@@ -54,17 +56,17 @@ class PoolSet:
     def allocate(self) -> None:
         """Allocate every planned pool, all at once (the first write does this)."""
         plan = self.plan
-        for pools in self._layers:
+        for layer, pools in enumerate(self._layers):
             for fmt in plan.formats or ():
                 if fmt not in pools:
-                    pools[fmt] = self._new_pool(fmt)
+                    pools[fmt] = self._new_pool(fmt, layer)
 
     def pool(self, layer: int, fmt: str) -> PagePool:
         """The pool of ``fmt`` in ``layer``, allocating the planned pools on first use."""
         pools = self._layers[layer]
         if fmt not in pools:
             if self.growable:
-                pools[fmt] = self._new_pool(fmt)
+                pools[fmt] = self._new_pool(fmt, layer)
                 return pools[fmt]
             self.allocate()
             plan = self.plan
@@ -72,18 +74,28 @@ class PoolSet:
                 if plan.formats is not None:
                     raise TrtkvError(f"the KV cache has no {fmt} pool (its pools: {', '.join(plan.formats)}); "
                                      f"the policy must list every format it stores in pool_formats()")
-                pools[fmt] = self._new_pool(fmt)
+                pools[fmt] = self._new_pool(fmt, layer)
         return pools[fmt]
 
-    def _new_pool(self, fmt: str) -> PagePool:
+    def stack(self, fmt: str) -> SlotStack | None:
+        """The slot state of ``fmt``'s pools in every layer, when every layer's pool exists and is stacked."""
+        st = self._stacks.get(fmt)
+        return st if st is not None and st.complete else None
+
+    def _new_pool(self, fmt: str, layer: int) -> PagePool:
         c = self.cfg
         if self.growable:
             return PagePool(get_format(fmt), c.num_kv_heads, c.head_dim, c.block_size, "cpu", c.initial_pages,
                             c.initial_pages, growable=True, pin=self.pin)
         plan = self.plan
         try:
-            return PagePool(get_format(fmt), c.num_kv_heads, c.head_dim, c.block_size, c.device, plan.pages,
-                            plan.groups(fmt, c))
+            stack = self._stacks.get(fmt)
+            if stack is None:
+                stack = self._stacks[fmt] = SlotStack(c.num_layers, plan.pages, c.block_size)
+            pool = PagePool(get_format(fmt), c.num_kv_heads, c.head_dim, c.block_size, c.device, plan.pages,
+                            plan.groups(fmt, c), slot_state=stack.rows(layer))
+            stack.attach(layer, pool)
+            return pool
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise OutOfKVMemory(f"could not allocate the {fmt} KV pools ({plan.pages} pages per layer) on "
                                 f"{c.device}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; lower "

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from trtkv.cache.manager import CacheConfig, KVCacheManager, fp16_bytes_per_token
 from trtkv.cache.budget import useful_pages
+from trtkv.cache.write_plan import WritePlan
 from trtkv.models.decoder import DecoderModel
 from trtkv.policies.base import KVPolicy, LayerStats, StatsRequest, StepStats
 from trtkv.runtime.attention import decode_attention, row_stats
@@ -54,6 +55,7 @@ class DecodeStep:
     wants: tuple | None = None  # (weights, sparsity, queries) flags per request when no request names its layers
     threads: int = 1  # the caller's intra-op threads (decode_layer narrows them for the small ops)
     attn_slots: int = 0  # live (token, KV head) pairs the step's attention reads, per layer (layer 0's)
+    plan: WritePlan | None = None  # every layer's write-through slots, allocated when layer 0 writes
 
 
 class EngineCore:
@@ -81,6 +83,11 @@ class EngineCore:
         self.observers: tuple[EngineObserver, ...] = ()
         self._forced: dict[str, StatsRequest | None] = {"decode": None}
         self.clock: PhaseClock | None = None  # an observer's decode-step profile clock (trtkv bench --profile)
+        # a step's write-through slots may be allocated for every layer at once when nothing the policy does
+        # between two layers' writes changes another layer's tables (trtkv/cache/write_plan.py)
+        self._policy_acts_between_layers = (type(policy).before_attention is not KVPolicy.before_attention
+                                            or type(policy).before_attention_batch
+                                            is not KVPolicy.before_attention_batch)
         for o in observers:
             self.attach(o)
 
@@ -270,7 +277,12 @@ class EngineCore:
                                                      step.classes, self.clock)
         if self.g == 1:
             if step.write_cls is not None:
-                cache.write_through(layer, seqs, k, v, positions, step.write_cls)
+                if layer == 0 and not (self._policy_acts_between_layers or cache.has_tiers):
+                    step.plan = cache.plan_write_through(seqs, positions, step.write_cls)
+                if step.plan is not None:
+                    cache.write_planned(step.plan, layer, k, v)
+                else:
+                    cache.write_through(layer, seqs, k, v, positions, step.write_cls)
             else:
                 for i, s in enumerate(seqs):
                     cache.write(s, layer, k[i:i + 1], v[i:i + 1], [positions[i]], classes[i][:2], classes[i][2])
