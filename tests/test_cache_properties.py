@@ -378,10 +378,12 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
     heaps, open pages, stored values. ``evict_many`` of one victim per request (array operations, the freed
     slot kept outside the reuse heap) leaves the state of evicting each in turn. A third cache takes each step's
     slots for every layer at once (``plan_write_through``, layer by layer where it does not apply): the same."""
-    caches = [make_cache(g=1), make_cache(g=1), make_cache(g=1)]
+    caches = [make_cache(g=1, max_pages=256) for _ in range(3)]  # (16 requests never fill the pools)
     next_pos: dict[int, int] = {}
     for o in ops:
         ids = sorted(caches[0].seqs)
+        if o[0] == "add" and len(ids) >= 16:
+            continue
         if o[0] == "add" or not ids:
             add_everywhere(caches, next_pos)
         elif o[0] == "write":  # one decode step: a token for every request, in one class
@@ -443,7 +445,7 @@ def test_write_plan_takes_every_layers_slots_at_once_and_steps_aside_for_reuse()
             caches[0].write_through(layer, [caches[0].seqs[s] for s in range(3)], k, v, pos, cls)
             caches[1].write_planned(plan, layer, k, v)
         assert _state(caches[0]) == _state(caches[1])
-    caches[1].evict(caches[1].seqs[2], L - 1, [3])
+    caches[1].evict(caches[1].seqs[2], L - 1, [3, 5])  # two slots: a reuse heap
     assert caches[1].plan_write_through([caches[1].seqs[s] for s in range(3)], [9] * 3, cls) is None
 
 

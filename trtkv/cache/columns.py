@@ -370,10 +370,10 @@ class TableColumns:
         got = col[layer, rows]
         return got if got.any() else None
 
-    def reuse_anywhere(self, rows: np.ndarray, cls: Cls) -> bool:
-        """Whether any of ``rows`` has a reusable slot of ``cls`` (in its heap or kept outside it) in any layer."""
-        heap, one = self._reuse.get(cls), self._single.get(cls)
-        return bool((heap is not None and heap[:, rows].any()) or (one is not None and (one[:, rows] >= 0).any()))
+    def heaps_anywhere(self, rows: np.ndarray, cls: Cls) -> bool:
+        """Whether any of ``rows`` has a non-empty reuse heap of ``cls`` in any layer."""
+        heap = self._reuse.get(cls)
+        return heap is not None and bool(heap[:, rows].any())
 
     def single(self, layer: int, row: int, cls: Cls) -> tuple[int, int] | None:
         col = self._single.get(cls)
@@ -398,8 +398,17 @@ class TableColumns:
         col = self._single.get(cls)
         return None if col is None else col[layer, rows]
 
+    def singles_all(self, rows: np.ndarray, cls: Cls) -> np.ndarray | None:
+        """``singles`` of every layer: ``[layers, len(rows)]``."""
+        col = self._single.get(cls)
+        return None if col is None else col[:, rows]
+
     def set_singles(self, layer: int, rows: np.ndarray, cls: Cls, packed: np.ndarray) -> None:
         self._col(self._single, layer, cls, -1, np.int64)[rows] = packed
+
+    def clear_singles_at(self, layers: np.ndarray, rows: np.ndarray, cls: Cls) -> None:
+        """No kept reusable slot of ``cls`` for row ``rows[i]`` in layer ``layers[i]`` any more."""
+        self._single[cls][layers, rows] = -1
 
     # --- page-list stamps (BlockTableCache: which rows' block tables changed) -------------------------
     def touch(self, layer: int, row: int) -> None:

@@ -37,13 +37,18 @@ class SlotStack:
         """Every layer's pool exists."""
         return all(p is not None for p in self._pools)
 
-    def take_tails(self, pages: np.ndarray) -> np.ndarray:
+    def take_tails(self, pages: np.ndarray, layers: np.ndarray | None = None) -> np.ndarray:
         """``PagePool.take_tails`` in every layer: ``pages [layers, n]`` (distinct within a layer, each with a
-        free tail slot) -> their first tail slots."""
-        start = self.hwm[self._layer, pages]
+        free tail slot) -> their first tail slots; with ``layers``, page ``pages[i]`` of layer ``layers[i]``."""
+        at = (self._layer if layers is None else layers, pages)
+        start = self.hwm[at]
         assert (start < self.B).all(), "an open page without a tail slot"
-        self.hwm[self._layer, pages] = start + 1
+        self.hwm[at] = start + 1
         return start.astype(np.int64)
+
+    def slots_free(self, layers: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Whether slot ``slots[i]`` of page ``pages[i]`` in layer ``layers[i]`` holds no live token."""
+        return (self.valid[layers, pages] >> slots.astype(np.int32)) & 1 == 0
 
     def mark_written_distinct(self, pages: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
         """``PagePool.mark_written_distinct`` in every layer: one slot in each of ``pages [layers, n]`` now holds the

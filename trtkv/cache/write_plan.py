@@ -1,15 +1,16 @@
 """A decode step's write-through slots for every layer, allocated at once.
 
 A write-through step stores one token of every request in every layer. Layer by layer, the slot bookkeeping
-(open pages, tail slots, validity, position maps) costs a few array operations per layer; with each format's
-slot state stacked over the layers (``SlotStack``) and the tables' columns ``[layers, rows]``, the step does
-them once for every layer, and each layer's write is then its kernel call alone.
+(kept reusable slots, open pages, tail slots, validity, position maps) costs a few array operations per layer;
+with each format's slot state stacked over the layers (``SlotStack``) and the tables' columns
+``[layers, rows]``, the step does them once for every layer, and each layer's write is then its kernel call.
 
-Same slots, same state as ``write_through`` layer after layer: the plan is made when the step's first layer
-writes, and is only made when nothing between two layers' writes changes another layer's tables (the policy
-has no ``before_attention``, there are no host tiers) and no request of the batch has a reusable (evicted) slot
-of the class in any layer (those go through the heaps, request by request). Pages are opened layer by layer in
-layer order, as the per-layer writes open them.
+The same slots and state as ``write_through`` layer after layer (``BlockTable.alloc_one_each``): a request's
+one reusable slot kept outside its heap is taken back (a sliding window's or a scorer's one eviction a step),
+else its open page's next tail slot, opening fresh pages layer by layer in layer order. The plan is made when
+the step's first layer writes, and only when nothing between two layers' writes changes another layer's
+tables (the policy has no ``before_attention``, there are no host tiers) and no request of the batch has a
+reuse heap of the class in any layer (heaps pop request by request: ``write_through``).
 """
 from __future__ import annotations
 
@@ -37,26 +38,57 @@ def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV],
     """Allocate and record the slots of one token of each of ``seqs`` (rows ``rows``, distinct) at ``positions``
     in every layer; None (nothing done) when the plan does not apply (see the module docstring)."""
     fmt = cls[0]
-    num_layers = columns.num_layers
-    layer_pools = [pools.pool(layer, fmt) for layer in range(num_layers)]
+    layer_pools = [pools.pool(layer, fmt) for layer in range(columns.num_layers)]
     stack = pools.stack(fmt)
-    if stack is None or columns.reuse_anywhere(rows, cls):
+    if stack is None or columns.heaps_anywhere(rows, cls):
         return None
+    took = _take_kept_slots(stack, columns, rows, cls)
     opens = columns.open_pages_all(rows, cls)
-    short = opens < 0
+    short = (opens < 0) if took is None else (opens < 0) & ~took[0]
     if short.any():  # page boundaries: fresh pages, layer by layer
         for layer in np.flatnonzero(short.any(1)).tolist():
             BlockTable.open_fresh_pages(lambda i, layer=layer: seqs[i].layers[layer], columns, layer, rows,
                                         np.flatnonzero(short[layer]), layer_pools[layer], cls)
         opens = columns.open_pages_all(rows, cls)
-    slots = stack.take_tails(opens)
-    closed = slots + 1 >= stack.B
+    if took is None:  # every request takes its open page's tail in every layer (the common step)
+        pages, slots = opens, stack.take_tails(opens)
+        closed = slots + 1 >= stack.B
+    else:
+        kept, pages, slots = took
+        li, j = np.nonzero(~kept)
+        pages[li, j] = opens[li, j]
+        slots[li, j] = start = stack.take_tails(opens[li, j], li)
+        closed = np.zeros(kept.shape, bool)
+        closed[li, j] = start + 1 >= stack.B
     if closed.any():  # a page's last tail slot: it is no longer the class's open page
         columns.close_rows_all(rows, cls, closed)
-    stack.mark_written_distinct(opens, slots, positions)
-    columns.place_rows_all(rows, fmt, opens, slots, positions)
+    stack.mark_written_distinct(pages, slots, positions)
+    columns.place_rows_all(rows, fmt, pages, slots, positions)
     device = layer_pools[0].device
-    pages_t, slots_t = torch.from_numpy(opens), torch.from_numpy(slots)
+    pages_t, slots_t = torch.from_numpy(pages), torch.from_numpy(slots)
     if device.type != "cpu":
         pages_t, slots_t = pages_t.to(device), slots_t.to(device)
     return WritePlan(cls, pages_t, slots_t)
+
+
+def _take_kept_slots(stack, columns: TableColumns, rows: np.ndarray, cls: Cls
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Each request's reusable slot kept outside its heap, in every layer, taken back where still free (a stale
+    one, refilled since, is dropped): ``(taken [layers, n], pages, slots)`` with the taken entries filled; None
+    when no request keeps one in any layer."""
+    single = columns.singles_all(rows, cls)
+    if single is None:
+        return None
+    li, j = np.nonzero(single >= 0)
+    if not len(li):
+        return None
+    sp, ss = single[li, j] >> 5, single[li, j] & 31
+    free = stack.slots_free(li, sp, ss)
+    columns.clear_singles_at(li, rows[j], cls)
+    taken = np.zeros(single.shape, bool)
+    pages = np.full(single.shape, -1, np.int64)
+    slots = np.zeros(single.shape, np.int64)
+    li, j = li[free], j[free]
+    taken[li, j] = True
+    pages[li, j], slots[li, j] = sp[free], ss[free]
+    return taken, pages, slots
