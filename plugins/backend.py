@@ -60,5 +60,11 @@ def _cpu_build():
 
 
 def kernel_impl(t: torch.Tensor) -> str:
-    """``triton``, ``cpu`` or ``reference``: what a plugin call on ``t`` runs (for reports and engine.json)."""
-    return "triton" if use_triton(t) else "cpu" if use_cpu_kernels(t) else "reference"
+    """``triton``, ``cpu`` or ``reference``: what a plugin call on ``t`` runs (``use_triton``, else
+    ``use_cpu_kernels``, with the environment read once: a decode step asks a few hundred times)."""
+    mode = _mode()
+    if (mode == "triton" or (mode == "auto" and t.is_cuda)) and triton_available():
+        return "triton"
+    if t.is_cpu and mode in ("auto", "cpu") and _cpu_build().cpu_kernels_available():
+        return "cpu"
+    return "reference"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.backend import use_cpu_kernels, use_triton
+from plugins.backend import kernel_impl, use_cpu_kernels
 from plugins.buffer_attention.reference import buffer_attention_ref
 from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
@@ -112,11 +112,12 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def kv_write(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_code, scale_k, scale_v) -> None:
     """Quantize, pack and scatter ``k, v [n, H, D]`` into ``(pages, slots)`` (see kv_write/reference.py)."""
-    if use_triton(k):
+    impl = kernel_impl(k)
+    if impl == "triton":
         from plugins.kv_write.triton_kernel import kv_write_triton
 
         kv_write_triton(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_code, scale_k, scale_v)
-    elif use_cpu_kernels(k):
+    elif impl == "cpu":
         from plugins.cpu_kernels.ops import kv_write_cpu
 
         kv_write_cpu(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_code, scale_k, scale_v)
@@ -147,11 +148,12 @@ def paged_attention(q, slot_fields, group_fields, k_group, valid_bits, block_tab
     place anyway (measured faster at 128 tokens; longer contexts: see docs/benchmarks.md, "CPU kernels")."""
     args = (q, slot_fields, group_fields, k_group, valid_bits, block_table, fmt_code, sm_scale, scale_k, scale_v,
             return_logits)
-    if use_triton(q):
+    impl = kernel_impl(q)
+    if impl == "triton":
         from plugins.paged_attention.triton_kernel import paged_attention_triton
 
         return paged_attention_triton(*args)
-    if use_cpu_kernels(q):
+    if impl == "cpu":
         from plugins.cpu_kernels.ops import paged_attention_cpu
 
         return paged_attention_cpu(*args)
@@ -162,11 +164,12 @@ def paged_attention(q, slot_fields, group_fields, k_group, valid_bits, block_tab
 
 def kmeans_select(keys, counts, k_keep, iters):
     """Per job, the rows k-means keeps (see kmeans_select/reference.py)."""
-    if use_triton(keys):
+    impl = kernel_impl(keys)
+    if impl == "triton":
         from plugins.kmeans_select.triton_kernel import kmeans_select_triton
 
         return kmeans_select_triton(keys, counts, k_keep, iters)
-    if use_cpu_kernels(keys):
+    if impl == "cpu":
         from plugins.cpu_kernels.ops import kmeans_select_cpu
 
         return kmeans_select_cpu(keys, counts, k_keep, iters)

@@ -79,6 +79,7 @@ class PagePool:
             self._init_groups(1)  # padding slots (k_group -1) read group 0: keep it finite
         self._init_pages(1)  # padded block-table entries (-1) read page 0, even before any page is handed out
         self._valid_dev: torch.Tensor | None = None
+        self._valid_src: np.ndarray | None = None  # (CPU) the array _valid_dev views
         if self.device.type != "cpu":
             self._valid_dev = torch.zeros(cap, dtype=torch.int32, device=self.device)
         self._valid_dirty = True
@@ -378,8 +379,8 @@ class PagePool:
         """Device int32 ``[capacity]`` validity words for the attention kernel (on a GPU, a preallocated
         mirror refreshed over the pages handed out so far)."""
         if self.device.type == "cpu":  # a view of the host array (rebuilt if a host pool grew)
-            if self._valid_dev is None or self._valid_dev.data_ptr() != self.valid.ctypes.data:
-                self._valid_dev = torch.from_numpy(self.valid)
+            if self._valid_src is not self.valid:
+                self._valid_dev, self._valid_src = torch.from_numpy(self.valid), self.valid
             return self._valid_dev
         if self._valid_dirty:
             n = self.fresh
