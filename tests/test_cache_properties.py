@@ -208,7 +208,8 @@ def _state(cache: KVCacheManager):
                             sorted(pool.free), pool.in_use, pool.fresh, pool.group_ref.tolist(), list(pool.group_free))
              for layer, pools in enumerate(cache.pools) for fmt, pool in pools.items()}
     seqs = {sid: (s.kv_bytes, [(dict(t.loc), {c: list(p) for c, p in t.pages.items()},
-                                {c: sorted(h) for c, h in t.reusable.items()}, dict(t.open_page)) for t in s.layers])
+                                {c: sorted(h) for c, h in t.reusable.items()}, dict(t.open_page), t.live)
+                               for t in s.layers])
             for sid, s in cache.seqs.items()}
     return pools, seqs
 
@@ -367,6 +368,7 @@ wt_op = st.one_of(st.tuples(st.just("add")), _step, _step, _step, _step,  # most
                                                                                 max_size=4)),
                   st.tuples(st.just("evict_each"), st.integers(0, 1), st.lists(st.integers(-1, 200), min_size=4,
                                                                                 max_size=4)),
+                  st.tuples(st.just("evict_layers"), st.lists(st.integers(-1, 200), min_size=5, max_size=5)),
                   st.tuples(st.just("free"), st.integers(0, 3)))
 
 
@@ -377,7 +379,8 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
     the state of writing each request's token with ``write`` (``alloc_slots(.., 1)``): slots chosen, reuse
     heaps, open pages, stored values. ``evict_many`` of one victim per request (array operations, the freed
     slot kept outside the reuse heap) leaves the state of evicting each in turn. A third cache takes each step's
-    slots for every layer at once (``plan_write_through``, layer by layer where it does not apply): the same."""
+    slots for every layer at once (``plan_write_through``, layer by layer where it does not apply) and evicts one
+    victim a request in every layer at once (``evict_one_each_layers``): the same."""
     caches = [make_cache(g=1, max_pages=256) for _ in range(3)]  # (16 requests never fill the pools)
     next_pos: dict[int, int] = {}
     for o in ops:
@@ -412,6 +415,15 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
             assert caches[0].evict_many(o[1], [(caches[0].seqs[sid], p) for sid, p in zip(ids, victims)]) == \
                 [caches[1].evict(caches[1].seqs[sid], o[1], p) for sid, p in zip(ids, victims)] == \
                 caches[2].evict_many(o[1], [(caches[2].seqs[sid], p) for sid, p in zip(ids, victims)])
+        elif o[0] == "evict_layers":  # one victim a request (or none) in every layer, all layers in one call
+            victims = np.array([[-1 if v < 0 else v % max(1, next_pos[sid]) for sid, v in zip(ids, o[1][layer:] * len(ids))]
+                                for layer in range(L)], np.int64)
+            for layer in range(L):
+                caches[0].evict_many(layer, [(caches[0].seqs[sid], [] if p < 0 else [p])
+                                             for sid, p in zip(ids, victims[layer].tolist())])
+                for sid, p in zip(ids, victims[layer].tolist()):
+                    caches[1].evict(caches[1].seqs[sid], layer, [] if p < 0 else [p])
+            caches[2].evict_one_each_layers(np.arange(L), [caches[2].seqs[sid] for sid in ids], victims)
         else:
             for c in caches:
                 c.free_sequence(ids[o[1] % len(ids)])
@@ -471,9 +483,9 @@ def _ranked_state(cache: KVCacheManager):
     for sid, s in cache.seqs.items():
         for li, t in enumerate(s.layers):
             rank = {no: r for r, no in enumerate(sorted(t.page_seq.values()))}
-            loc, pages, heaps, open_page = seqs[sid][1][li]
+            loc, pages, heaps, open_page, live = seqs[sid][1][li]
             heaps = {c: sorted((rank.get(no, -1), p, sl) for no, p, sl in h) for c, h in heaps.items()}
-            seqs[sid][1][li] = (loc, pages, heaps, open_page)
+            seqs[sid][1][li] = (loc, pages, heaps, open_page, live)
     return pools, seqs
 
 

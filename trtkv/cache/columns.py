@@ -287,6 +287,36 @@ class TableColumns:
         self._holes[layer, rows] = True
         return (held, *self.decode_many(codes[held]))
 
+    def forget_rows_all(self, layers: np.ndarray, rows: np.ndarray, positions: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``forget_rows`` in each of ``layers`` (distinct) at once: ``positions [len(layers), len(rows)]`` (-1:
+        none) -> ``(layer, item, format ids, pages, slots)`` of the held ones, in layer then item order."""
+        w = self._where
+        inside = (positions >= 0) & (positions < w.shape[2])
+        li, j = np.nonzero(inside)
+        layer = layers[li]
+        codes = w[layer, rows[j], positions[li, j]].astype(np.int64)
+        held = codes >= 0
+        layer, j, codes = layer[held], j[held], codes[held]
+        w[layer, rows[j], positions[li[held], j]] = NOT_HELD
+        self._live[layer, rows[j]] -= 1
+        self._holes[layers[:, None], rows[None, :]] = True
+        return (layer, j, *self.decode_many(codes))
+
+    def reusable_at(self, layers: np.ndarray, rows: np.ndarray, cls: Cls) -> np.ndarray:
+        """Whether row ``rows[i]`` has a non-empty reuse heap of ``cls`` in layer ``layers[i]``."""
+        col = self._reuse.get(cls)
+        return np.zeros(len(rows), bool) if col is None else col[layers, rows]
+
+    def singles_at(self, layers: np.ndarray, rows: np.ndarray, cls: Cls) -> np.ndarray:
+        """``singles`` of row ``rows[i]`` in layer ``layers[i]`` (-1 none)."""
+        col = self._single.get(cls)
+        return np.full(len(rows), -1, np.int64) if col is None else col[layers, rows]
+
+    def set_singles_at(self, layers: np.ndarray, rows: np.ndarray, cls: Cls, packed: np.ndarray) -> None:
+        self._col(self._single, 0, cls, -1, np.int64)
+        self._single[cls][layers, rows] = packed
+
     def evicted(self, row: int) -> int:
         return int(self._evicted[row])
 

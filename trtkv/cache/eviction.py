@@ -13,6 +13,7 @@ import torch
 
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool import PagePool
+from trtkv.cache.pool_set import PoolSet
 from trtkv.cache.sequence import SeqKV
 
 DECREF_ARRAY_MIN = 64  # victims from which decref_groups uses array operations (numpy costs ~20 us a call)
@@ -107,6 +108,36 @@ def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int
     for i, fmt, c, p, s in sorted(slow):  # in request order: pages released as evicting in turn releases them
         seqs[i].layers[layer].free_slot(pools[fmt], (fmt, c), p, s)
     return rows, held.astype(np.int64)
+
+
+def evict_one_each_layers(pools: PoolSet, columns: TableColumns, layers: np.ndarray, seqs: list[SeqKV],
+                          rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """``evict_one_each`` in each of ``layers`` (ascending, distinct) at once: ``positions [len(layers), n]`` (-1:
+    nothing) of ``seqs`` (distinct, unforked requests at ``rows``), every format stacked (``PoolSet.stack``) and
+    without a key-scale arena. Layer by layer, the same end state (layers share nothing). Returns the evictions
+    of each request, summed over the layers."""
+    layer, item, fids, pages, slots = columns.forget_rows_all(layers, rows, positions)
+    slow: list[tuple[int, int, str, int, int, int]] = []
+    names = columns.fmt_names
+    for f in sorted(np.unique(fids).tolist(), key=names.__getitem__):
+        fmt = names[f]
+        stack = pools.stack(fmt)
+        sel = np.flatnonzero(fids == f)
+        li, who, pg, sl = layer[sel], item[sel], pages[sel], slots[sel]
+        stack.mark_evicted_distinct(li, pg, sl)
+        classes = stack.page_class[li, pg]
+        for c in np.unique(classes).tolist():
+            cs = np.flatnonzero(classes == c)
+            cls, lc, r = (fmt, c), li[cs], rows[who[cs]]
+            keep = (stack.live[lc, pg[cs]] > 0) & ~columns.reusable_at(lc, r, cls) & \
+                (columns.singles_at(lc, r, cls) < 0)
+            columns.set_singles_at(lc[keep], r[keep], cls, pg[cs[keep]] << 5 | sl[cs[keep]])
+            out = cs[~keep]
+            slow += zip(li[out].tolist(), who[out].tolist(), [fmt] * len(out), [c] * len(out), pg[out].tolist(),
+                        sl[out].tolist())
+    for lyr, i, fmt, c, p, s in sorted(slow):  # layer by layer, in request order (evict_one_each's order)
+        seqs[i].layers[lyr].free_slot(pools.pool(lyr, fmt), (fmt, c), p, s)
+    return np.bincount(item, minlength=len(seqs))
 
 
 def decref_groups(seq: SeqKV, pool: PagePool, gids) -> None:

@@ -24,7 +24,8 @@ from trtkv.cache.block_table import ENTRY_BYTES, BlockTable, Cls, held_page_byte
 from trtkv.cache.budget import PoolPlan
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
-from trtkv.cache.eviction import decref_groups, evict_one_each, evict_private, evict_private_many
+from trtkv.cache.eviction import (decref_groups, evict_one_each, evict_one_each_layers, evict_private,
+                                  evict_private_many)
 from trtkv.cache.flush import flush_many
 from trtkv.cache.forks import FORK_MODES, PageRefs
 from trtkv.cache.pool import PagePool
@@ -340,6 +341,18 @@ class KVCacheManager:
         self.columns.count_evicted(rows, counts)
         self.evictions_total += int(counts.sum())
         return counts.tolist()
+
+    def evict_one_each_layers(self, layers: np.ndarray, seqs: list[SeqKV], positions: np.ndarray) -> None:
+        """``evict_one_each`` in each of ``layers`` (ascending) with ``positions [len(layers), len(seqs)]``, at once
+        where every format's slot state is stacked and has no key-scale arena, else layer by layer."""
+        fmts = self.pools[0]
+        if all(self.pools.stack(f) is not None and not p.group_specs for f, p in fmts.items()) and len(fmts):
+            counts = evict_one_each_layers(self.pools, self.columns, layers, seqs, self.rows(seqs), positions)
+            self.columns.count_evicted(self.rows(seqs), counts)
+            self.evictions_total += int(counts.sum())
+            return
+        for layer, victims in zip(layers.tolist(), positions):
+            self.evict_one_each(layer, seqs, victims)
 
     def count_evicted(self, seq: SeqKV, n: int) -> None:
         """Count ``n`` tokens of ``seq`` as evicted (dropped from whichever tier held them)."""

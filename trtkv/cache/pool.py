@@ -41,8 +41,9 @@ class PagePool:
 
     def _setup(self, fmt: KVFormat, num_heads: int, head_dim: int, block_size: int, device: str,
                pages: int, groups: int = 0, slot_state=None) -> None:
-        """``slot_state``: views ``(valid, live, hwm, slot_pos)`` of this layer's row of a ``SlotStack`` (zeroed),
-        when the pool's slot state is stacked with the other layers' (``trtkv/cache/pool_stack.py``)."""
+        """``slot_state``: views ``(valid, live, hwm, slot_pos, slot_seg, page_class)`` of this layer's row of a
+        ``SlotStack`` (zeroed), when the pool's slot state is stacked with the other layers'
+        (``trtkv/cache/pool_stack.py``)."""
         assert block_size <= 31, "validity words are int32 bit masks"
         assert 1 <= pages < MAX_POOL_PAGES, "a pool holds at least one page, and fewer than a position map can name"
         self.fmt, self.H, self.D, self.B, self.device = fmt, num_heads, head_dim, block_size, torch.device(device)
@@ -53,15 +54,15 @@ class PagePool:
                        for f in self.slot_specs]
         self.k_group = torch.empty((cap, block_size), dtype=torch.int32, device=self.device)
         if slot_state is not None:
-            self.valid, self.live, self.hwm, self.slot_pos = slot_state
+            self.valid, self.live, self.hwm, self.slot_pos, self.slot_seg, self.page_class = slot_state
             assert self.valid.shape == (cap,) and self.slot_pos.shape == (cap, block_size)
         else:
             self.valid = np.zeros(cap, np.int32)  # bit s set = slot s holds a live token
             self.live = np.zeros(cap, np.int32)  # popcount(valid)
             self.hwm = np.zeros(cap, np.int32)  # slots [0, hwm) were written at least once
             self.slot_pos = np.empty((cap, block_size), np.int64)  # token position in each slot (-1 free)
-        self.slot_seg = np.empty((cap, block_size), np.int32)  # policy segment id (ThinKV), -1 free
-        self.page_class = np.zeros(cap, np.int32)  # thought type the page is dedicated to
+            self.slot_seg = np.empty((cap, block_size), np.int32)  # policy segment id (ThinKV), -1 free
+            self.page_class = np.zeros(cap, np.int32)  # thought type the page is dedicated to
         self.free: list[int] = []  # min-heap of released pages; pages >= fresh were never handed out
         self.fresh = 0
         self.ready = 0  # pages [0, ready) are initialised (zero codes, k_group -1, no positions)

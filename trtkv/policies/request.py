@@ -73,6 +73,9 @@ class PolicyRequest(Protocol):
         """``evict`` of ``positions[i]`` (one position each, -1 none) of ``reqs[i]`` (distinct requests of this
         one's batch) in one layer, by array operations where the cache allows; passing the same list object
         for every layer of a step lets the cache reuse its row lookup."""
+    def evict_each_layers(self, layers: np.ndarray, reqs: list["PolicyRequest"], positions: np.ndarray) -> None:
+        """``evict_each`` in each of ``layers`` (ascending, distinct) with ``positions [len(layers), len(reqs)]``:
+        the same as calling it layer by layer, in one pass over every layer where the cache allows."""
     def num_live_many(self, layer: int, reqs: list["PolicyRequest"]) -> np.ndarray:
         """``num_live(layer)`` of each of ``reqs`` (requests of this one's batch), as one array read. Passing
         the same list object for every layer of a step lets the cache reuse its row lookup."""

@@ -219,13 +219,15 @@ class ScorerPolicy(KVPolicy):
         their target with nothing buffered have their victims chosen together — held positions (what this
         step's statistics in batch form saw, ``rows[i]`` being ``due[i]``'s row of them, when they saw exactly
         the held tokens; else the cache's), protected ones masked, the scorer's ``score_rows`` argmin'd (the
-        first minimum: ties to the older token, as ``evict_layer`` chooses) — and evicted in one
-        ``evict_each``; the others go through ``evict_layer``."""
+        first minimum: ties to the older token, as ``evict_layer`` chooses); the others go through
+        ``evict_layer``. The chosen victims are evicted by one ``evict_each`` in a layer that has others, else by
+        one ``evict_each_layers`` for all such layers after the last (layers share no state)."""
         first = due[0]
         position = np.fromiter((r.position for r in due), np.int64, len(due))
         handle = self.scorer.batch_rows(due, [r.state.memo for r in due])
         acted = np.zeros(len(due), bool)
         same = type(self).layer_budget is ScorerPolicy.layer_budget  # one target for every request
+        later_layers, later = [], []  # layers whose only evictions are one victim a request: all at the end
         for layer in range(first.num_layers):
             live = first.num_live_many(layer, due)
             target = np.full(len(due), self.target(first, layer), np.int64) if same else \
@@ -236,6 +238,7 @@ class ScorerPolicy(KVPolicy):
             acted[over] = True
             bs = batch.get(layer) if batch is not None else None
             done = np.zeros(len(due), bool)
+            victims = None
             if bs is not None or batch is None:
                 seen = bs.counts[rows[over]] if bs is not None else first.num_paged_many(layer, due)[over]
                 lone = over[(live[over] == target[over] + 1) & (seen == live[over])]
@@ -251,12 +254,20 @@ class ScorerPolicy(KVPolicy):
                     ok = (~torch.isinf(low)).cpu().numpy()  # (no candidate, or only infinite scores: evict_layer)
                     best = best.cpu().numpy()
                     if ok.any():
-                        victims = np.full(len(due), -1, np.int64)
+                        if victims is None:
+                            victims = np.full(len(due), -1, np.int64)
                         victims[at[ok]] = held[np.flatnonzero(ok), best[ok]]
-                        first.evict_each(layer, due, victims)  # (the same list every layer: rows looked up once)
                         done[at[ok]] = True
-            for i in over[~done[over]].tolist():
+            rest = over[~done[over]].tolist()
+            if victims is not None and rest:  # the one-victim requests first, then the others, in this layer
+                first.evict_each(layer, due, victims)  # (the same list every layer: rows looked up once)
+            elif victims is not None:  # (layers share no state: evicting them later changes nothing in between)
+                later_layers.append(layer)
+                later.append(victims)
+            for i in rest:
                 self.evict_layer(due[i], layer, int(target[i]))
+        if later:
+            first.evict_each_layers(np.asarray(later_layers, np.int64), due, np.stack(later))
         for r, a in zip(due, acted.tolist()):
             r.state.events += int(a)
             self.scorer.reset(r.state.memo)

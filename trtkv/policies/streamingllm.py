@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from trtkv.policies.base import KVPolicy
 
 
@@ -40,6 +42,13 @@ class StreamingLLMPolicy(KVPolicy):
         """The batch's window slides together: each layer's victims (one a request once the window is full) are
         evicted in one call for the batch."""
         jobs = [(req, v) for req in reqs if len(v := self._victims(req, 1))]
-        if jobs:
-            for layer in range(jobs[0][0].num_layers):
-                jobs[0][0].evict_many(layer, jobs)
+        if not jobs:
+            return
+        first, layers = jobs[0][0], np.arange(jobs[0][0].num_layers)
+        if all(len(v) == 1 for _, v in jobs):  # the steady window: one victim a request, every layer at once
+            victims = np.fromiter((int(v[0]) for _, v in jobs), np.int64, len(jobs))
+            at = np.broadcast_to(victims, (len(layers), len(victims)))
+            first.evict_each_layers(layers, [req for req, _ in jobs], at)
+            return
+        for layer in layers.tolist():
+            first.evict_many(layer, jobs)

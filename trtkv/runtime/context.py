@@ -157,6 +157,21 @@ class RequestContext:
         if clk is not None:
             clk.switch(prev)
 
+    def evict_each_layers(self, layers: np.ndarray, reqs: list["RequestContext"], positions: np.ndarray) -> None:
+        """``evict_each`` in each of ``layers`` (ascending): ``positions [len(layers), len(reqs)]``, all layers in one
+        pass where the cache allows."""
+        seqs = self._seqs(reqs)
+        cfg = self._cache.cfg
+        if cfg.demote != "none" or cfg.eviction == "compact" or any(s.fork_mode is not None for s in seqs):
+            for layer, victims in zip(layers.tolist(), positions):
+                self.evict_each(layer, reqs, victims)
+            return
+        clk = self._cache.clock
+        prev = clk.switch("bookkeeping") if clk is not None else None
+        self._cache.evict_one_each_layers(layers, seqs, positions)
+        if clk is not None:
+            clk.switch(prev)
+
     def num_live_many(self, layer: int, reqs: list["RequestContext"]) -> np.ndarray:
         return self._cache.num_live_many(self._seqs(reqs), layer)
 
