@@ -459,6 +459,11 @@ class TableColumns:
         code = (np.asarray(pages, np.int64) << _SLOT_SHIFT) | self.fmt_id(fmt)  # (a format id fits 3 bits)
         self._appended[layer, rows] = np.where(at_end, code, -1)
 
+    @property
+    def clock(self) -> int:
+        """Changes whenever any row's page list changes (the latest stamp handed out)."""
+        return self._clock
+
     def stamps(self, layer: int, rows: np.ndarray) -> np.ndarray:
         return self._stamp[layer, rows]
 

@@ -84,6 +84,7 @@ class _LayerTables(NamedTuple):
     out: list[tuple[PagePool, torch.Tensor]]  # what ``get`` returned
     formats: tuple[str, ...]  # the layer's pools then
     host: dict[str, tuple[PagePool, np.ndarray, np.ndarray]]  # per format: pool, table (spare columns), row lengths
+    clock: int  # the columns' page-list clock then (unchanged: no page list of any request changed since)
 
 
 class BlockTableCache:
@@ -102,12 +103,16 @@ class BlockTableCache:
             return seqs[0].layers[layer].single_block_tables(lambda flat: [
                 (pools[fmt], torch.from_numpy(pages[None]).to(pools[fmt].device))
                 for fmt, pages in flat.items() if len(pages)])  # (a format whose pages were all released has none)
-        stamps = columns.stamps(layer, rows)
         cached = self._last[layer]
+        clock = columns.clock
+        if cached is not None and cached.clock == clock and (cached.rows is rows or np.array_equal(cached.rows, rows)):
+            return cached.out  # no page list changed anywhere since, the same requests: no stamps to compare
+        stamps = columns.stamps(layer, rows)
         if cached is not None and len(cached.rows) == len(rows):
             same_row = cached.rows == rows
             changed = np.flatnonzero(~same_row | (cached.stamps != stamps))
             if not len(changed):
+                self._last[layer] = cached._replace(rows=rows, clock=clock)
                 return cached.out  # same requests, same page lists
             if cached.formats == tuple(pools):
                 # rows that only took one page at the end of a format's list since (a page boundary) take it in
@@ -119,7 +124,7 @@ class BlockTableCache:
                     out = self._update(cached.host, changed[append], fids[append], pages[append], columns.fmt_names,
                                        [seqs[i].layers[layer].pages_of_format() for i in rest], rest)
                     if out is not None:
-                        self._last[layer] = cached._replace(rows=rows, stamps=stamps, out=out)
+                        self._last[layer] = cached._replace(rows=rows, stamps=stamps, out=out, clock=clock)
                         return out
         per_seq = [s.layers[layer].pages_of_format() for s in seqs]
         host = {}
@@ -135,7 +140,7 @@ class BlockTableCache:
             host[fmt] = (pool, bt, lens)
             # a copy: the host table is patched in place later, a tensor handed out stays as it was
             out.append((pool, torch.from_numpy(bt[:, :width].copy()).to(pool.device)))
-        self._last[layer] = _LayerTables(rows, stamps, out, tuple(pools), host)
+        self._last[layer] = _LayerTables(rows, stamps, out, tuple(pools), host, clock)
         return out
 
     @staticmethod
