@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Iterator
+from itertools import repeat
 from types import MappingProxyType
 
 import numpy as np
@@ -310,10 +311,22 @@ class BlockTable:
         """``_adopt_open_page`` of ``pages[i]`` by ``tables[i]`` (distinct, rows ``rows``): the columns' open pages
         and stamps set for all at once (every request of a batch crosses a page boundary on the same step)."""
         cost = held_page_bytes(pool)
-        at_end = np.fromiter((t._hold_fresh(cls, [p], cost)  # noqa: SLF001
-                              for t, p in zip(tables, pages.tolist())), bool, len(tables))
+        at_end = np.fromiter(map(BlockTable._hold_fresh_page, tables, repeat(cls), pages.tolist(), repeat(cost)), bool,
+                             len(tables))
         cols.set_opens(layer, rows, cls, pages)
         cols.append_rows(layer, rows, cls[0], pages, at_end)
+
+    def _hold_fresh_page(self, cls: Cls, p: int, cost: int) -> bool:
+        """``_hold_fresh`` of one page (a batch's page boundary: thousands of tables a step, so no loop or list)."""
+        self._page_order[(cls[0], p)] = next(self._order)
+        held = self._pages.get(cls)
+        if held is None:
+            self._pages[cls] = [p]
+        else:
+            held.append(p)
+        self._flat = self._single_bt = None
+        self._account.add(cost)
+        return len(self._pages) == 1 or [c for c in self._pages if c[0] == cls[0]][-1] == cls
 
     def _hold_fresh(self, cls: Cls, pages: list[int], cost: int) -> bool:
         """Pages just taken from the pool join ``cls``'s list (``cost``: their bytes); True when they end their
