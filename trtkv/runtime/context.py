@@ -120,16 +120,21 @@ class RequestContext:
             out[j] = k
         return out
 
-    def evict(self, layer: int, positions) -> int:
-        clk = self._cache.clock  # the policy decided; executing it is the cache's bookkeeping (bench --profile)
+    def _bookkeeping(self, run, *args):
+        """``run(*args)`` timed as the cache's bookkeeping: the policy decided, executing it is the cache's work
+        (``trtkv bench --profile``)."""
+        clk = self._cache.clock
         prev = clk.switch("bookkeeping") if clk is not None else None
+        try:
+            return run(*args)
+        finally:
+            if clk is not None:
+                clk.switch(prev)
+
+    def evict(self, layer: int, positions) -> int:
         if self._cache.cfg.demote != "none":  # demote instead of drop: the victims stay attended from host
-            n = self._cache.tiers.demote_evicted(self._seq, layer, positions)
-        else:
-            n = self._cache.evict(self._seq, layer, positions)
-        if clk is not None:
-            clk.switch(prev)
-        return n
+            return self._bookkeeping(self._cache.tiers.demote_evicted, self._seq, layer, positions)
+        return self._bookkeeping(self._cache.evict, self._seq, layer, positions)
 
     def evict_many(self, layer: int, jobs: list[tuple["RequestContext", Any]]) -> list[int]:
         """``evict`` of several requests of this one's batch in one layer, in one pass over the batch."""
@@ -137,12 +142,7 @@ class RequestContext:
             raise ValueError("evict_many: every request must share this request's cache")
         if self._cache.cfg.demote != "none":
             return [req.evict(layer, positions) for req, positions in jobs]
-        clk = self._cache.clock
-        prev = clk.switch("bookkeeping") if clk is not None else None
-        counts = self._cache.evict_many(layer, [(req._seq, positions) for req, positions in jobs])
-        if clk is not None:
-            clk.switch(prev)
-        return counts
+        return self._bookkeeping(self._cache.evict_many, layer, [(req._seq, positions) for req, positions in jobs])
 
     def evict_each(self, layer: int, reqs: list["RequestContext"], positions: np.ndarray) -> None:
         """One position (-1: none) of each of ``reqs`` (distinct) in one layer: ``evict_many``'s array path."""
@@ -151,11 +151,7 @@ class RequestContext:
         if cfg.demote != "none" or cfg.eviction == "compact" or any(s.fork_mode is not None for s in seqs):
             self.evict_many(layer, [(r, [p]) for r, p in zip(reqs, positions.tolist()) if p >= 0])
             return
-        clk = self._cache.clock
-        prev = clk.switch("bookkeeping") if clk is not None else None
-        self._cache.evict_one_each(layer, seqs, positions)
-        if clk is not None:
-            clk.switch(prev)
+        self._bookkeeping(self._cache.evict_one_each, layer, seqs, positions)
 
     def evict_each_layers(self, layers: np.ndarray, reqs: list["RequestContext"], positions: np.ndarray) -> None:
         """``evict_each`` in each of ``layers`` (ascending): ``positions [len(layers), len(reqs)]``, all layers in one
@@ -166,11 +162,7 @@ class RequestContext:
             for layer, victims in zip(layers.tolist(), positions):
                 self.evict_each(layer, reqs, victims)
             return
-        clk = self._cache.clock
-        prev = clk.switch("bookkeeping") if clk is not None else None
-        self._cache.evict_one_each_layers(layers, seqs, positions)
-        if clk is not None:
-            clk.switch(prev)
+        self._bookkeeping(self._cache.evict_one_each_layers, layers, seqs, positions)
 
     def num_live_many(self, layer: int, reqs: list["RequestContext"]) -> np.ndarray:
         return self._cache.num_live_many(self._seqs(reqs), layer)
