@@ -35,21 +35,12 @@ def _mode() -> str:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    mode = _mode()
-    if mode == "reference" or mode == "cpu":
-        return False
-    if mode == "triton":
-        return triton_available()
-    return t.is_cuda and triton_available()
+    return kernel_impl(t) == "triton"
 
 
 def use_cpu_kernels(t: torch.Tensor) -> bool:
-    """The compiled CPU kernels: on CPU tensors unless the reference or Triton is forced, and if they built.
-    Asked before every plugin call (~150 a decode step): ``is_cpu`` and a module looked up once, not a
-    ``torch.device`` and an import statement per call (7 -> ~1.5 us)."""
-    if not t.is_cpu or _mode() not in ("auto", "cpu"):
-        return False
-    return _cpu_build().cpu_kernels_available()
+    """The compiled CPU kernels: on CPU tensors unless the reference or Triton is forced, and if they built."""
+    return kernel_impl(t) == "cpu"
 
 
 @functools.cache
@@ -60,8 +51,9 @@ def _cpu_build():
 
 
 def kernel_impl(t: torch.Tensor) -> str:
-    """``triton``, ``cpu`` or ``reference``: what a plugin call on ``t`` runs (``use_triton``, else
-    ``use_cpu_kernels``, with the environment read once: a decode step asks a few hundred times)."""
+    """``triton``, ``cpu`` or ``reference``: what a plugin call on ``t`` runs. Asked before every plugin call (a
+    few hundred a decode step): the environment read once, ``is_cpu`` / ``is_cuda`` and a module looked up once,
+    not a ``torch.device`` and an import statement per call."""
     mode = _mode()
     if (mode == "triton" or (mode == "auto" and t.is_cuda)) and triton_available():
         return "triton"

@@ -324,9 +324,7 @@ class BlockTable:
             self._pages[cls] = [p]
         else:
             held.append(p)
-        self._flat = self._single_bt = None
-        self._account.add(cost)
-        return len(self._pages) == 1 or [c for c in self._pages if c[0] == cls[0]][-1] == cls
+        return self._held_fresh(cls, cost)
 
     def _hold_fresh(self, cls: Cls, pages: list[int], cost: int) -> bool:
         """Pages just taken from the pool join ``cls``'s list (``cost``: their bytes); True when they end their
@@ -339,9 +337,14 @@ class BlockTable:
             self._pages[cls] = list(pages)
         else:
             held.extend(pages)
+        return self._held_fresh(cls, cost)
+
+    def _held_fresh(self, cls: Cls, cost: int) -> bool:
+        """After fresh pages joined ``cls``'s list: cached views dropped, ``cost`` charged; whether that list ends
+        its format's pages."""
         self._flat = self._single_bt = None
         self._account.add(cost)
-        return len(self._pages) == 1 or [c for c in self._pages if c[0] == fmt][-1] == cls
+        return len(self._pages) == 1 or [c for c in self._pages if c[0] == cls[0]][-1] == cls
 
     # --- the position map ----------------------------------------------------------------------------
     def place(self, fmt: str, pages: Iterable[int], slots: Iterable[int], positions: Iterable[int]) -> None:

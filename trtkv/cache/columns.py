@@ -314,8 +314,7 @@ class TableColumns:
         return np.full(len(rows), -1, np.int64) if col is None else col[layers, rows]
 
     def set_singles_at(self, layers: np.ndarray, rows: np.ndarray, cls: Cls, packed: np.ndarray) -> None:
-        self._col(self._single, 0, cls, -1, np.int64)
-        self._single[cls][layers, rows] = packed
+        self._class_col(self._single, cls, -1, np.int64)[layers, rows] = packed
 
     def evicted(self, row: int) -> int:
         return int(self._evicted[row])
@@ -337,11 +336,15 @@ class TableColumns:
 
     # --- open pages and reusable slots --------------------------------------------------------------
     def _col(self, table: dict[Cls, np.ndarray], layer: int, cls: Cls, fill, dtype) -> np.ndarray:
-        """Layer ``layer``'s column of ``cls`` (a view), made for every layer at its first use."""
+        """Layer ``layer``'s column of ``cls`` (a view)."""
+        return self._class_col(table, cls, fill, dtype)[layer]
+
+    def _class_col(self, table: dict[Cls, np.ndarray], cls: Cls, fill, dtype) -> np.ndarray:
+        """The ``[layers, rows]`` column of ``cls``, made for every layer at its first use."""
         col = table.get(cls)
         if col is None:
             col = table[cls] = np.full((self.num_layers, self._rows), fill, dtype)
-        return col[layer]
+        return col
 
     def open_page(self, layer: int, row: int, cls: Cls) -> int:
         col = self._open.get(cls)

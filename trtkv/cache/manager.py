@@ -205,13 +205,7 @@ class KVCacheManager:
         pool = self.pool(layer, cls[0])
         rows = self.rows(seqs)
         pages, slots = BlockTable.alloc_one_each(lambda i: seqs[i].layers[layer], self.columns, layer, rows, pool, cls)
-        sc = self.layer_scales(layer, cls[0])
-        clk = self.clock
-        prev = clk.switch("kv_write") if clk is not None else None
-        plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group,
-                            _on(pool.device, pages), _on(pool.device, slots), -1, pool.fmt.code, sc.k, sc.v)
-        if clk is not None:
-            clk.switch(prev)
+        self._write_codes(layer, pool, k, v, _on(pool.device, pages), _on(pool.device, slots))
         pos = self._array_of(positions)
         pool.mark_written_distinct(pages, slots, pos)  # one slot in each of distinct pages: one call for the batch
         self.columns.place_rows(layer, rows, cls[0], pages, slots, pos)
@@ -224,13 +218,16 @@ class KVCacheManager:
 
     def write_planned(self, plan: WritePlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``write_through`` of layer ``layer`` into the slots ``plan`` recorded: the kernel call alone."""
-        fmt = plan.cls[0]
-        pool = self.pool(layer, fmt)
-        sc = self.layer_scales(layer, fmt)
+        self._write_codes(layer, self.pool(layer, plan.cls[0]), k, v, plan.pages[layer], plan.slots[layer])
+
+    def _write_codes(self, layer: int, pool: PagePool, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+        """One token a request into slots already allocated (no flush group), timed as "kv_write"."""
+        sc = self.layer_scales(layer, pool.fmt.name)
         clk = self.clock
         prev = clk.switch("kv_write") if clk is not None else None
-        plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group, plan.pages[layer],
-                            plan.slots[layer], -1, pool.fmt.code, sc.k, sc.v)
+        plugin_ops.kv_write(k, v, pool.fields, pool.group_fields, pool.k_group, pages, slots, -1, pool.fmt.code,
+                            sc.k, sc.v)
         if clk is not None:
             clk.switch(prev)
 
@@ -346,9 +343,10 @@ class KVCacheManager:
         """``evict_one_each`` in each of ``layers`` (ascending) with ``positions [len(layers), len(seqs)]``, at once
         where every format's slot state is stacked and has no key-scale arena, else layer by layer."""
         fmts = self.pools[0]
-        if all(self.pools.stack(f) is not None and not p.group_specs for f, p in fmts.items()) and len(fmts):
-            counts = evict_one_each_layers(self.pools, self.columns, layers, seqs, self.rows(seqs), positions)
-            self.columns.count_evicted(self.rows(seqs), counts)
+        if fmts and all(self.pools.stack(f) is not None and not p.group_specs for f, p in fmts.items()):
+            rows = self.rows(seqs)
+            counts = evict_one_each_layers(self.pools, self.columns, layers, seqs, rows, positions)
+            self.columns.count_evicted(rows, counts)
             self.evictions_total += int(counts.sum())
             return
         for layer, victims in zip(layers.tolist(), positions):

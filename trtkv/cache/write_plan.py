@@ -38,17 +38,21 @@ def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV],
     """Allocate and record the slots of one token of each of ``seqs`` (rows ``rows``, distinct) at ``positions``
     in every layer; None (nothing done) when the plan does not apply (see the module docstring)."""
     fmt = cls[0]
-    layer_pools = [pools.pool(layer, fmt) for layer in range(columns.num_layers)]
     stack = pools.stack(fmt)
+    if stack is None:  # the format's first write: every layer's pool made now
+        for layer in range(columns.num_layers):
+            pools.pool(layer, fmt)
+        stack = pools.stack(fmt)
     if stack is None or columns.heaps_anywhere(rows, cls):
         return None
+    device = pools.pool(0, fmt).device
     took = _take_kept_slots(stack, columns, rows, cls)
     opens = columns.open_pages_all(rows, cls)
     short = (opens < 0) if took is None else (opens < 0) & ~took[0]
     if short.any():  # page boundaries: fresh pages, layer by layer
         for layer in np.flatnonzero(short.any(1)).tolist():
             BlockTable.open_fresh_pages(lambda i, layer=layer: seqs[i].layers[layer], columns, layer, rows,
-                                        np.flatnonzero(short[layer]), layer_pools[layer], cls)
+                                        np.flatnonzero(short[layer]), pools.pool(layer, fmt), cls)
         opens = columns.open_pages_all(rows, cls)
     if took is None:  # every request takes its open page's tail in every layer (the common step)
         pages, slots = opens, stack.take_tails(opens)
@@ -64,7 +68,6 @@ def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV],
         columns.close_rows_all(rows, cls, closed)
     stack.mark_written_distinct(pages, slots, positions)
     columns.place_rows_all(rows, fmt, pages, slots, positions)
-    device = layer_pools[0].device
     pages_t, slots_t = torch.from_numpy(pages), torch.from_numpy(slots)
     if device.type != "cpu":
         pages_t, slots_t = pages_t.to(device), slots_t.to(device)
