@@ -19,7 +19,7 @@ from plugins.backend import kernel_impl, use_cpu_kernels
 from plugins.buffer_attention.reference import buffer_attention_ref
 from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
-from plugins.paged_attention.reference import _FLOAT_CODES, dense_attention_cpu, paged_attention_ref
+from plugins.paged_attention.reference import _FLOAT_CODES, PagedFormat, dense_attention_cpu, paged_attention_ref
 from plugins.residual_append.reference import residual_append_ref
 from plugins.int4_linear.reference import Int4Weight, int4_linear_ref
 from plugins.int8_linear.reference import int8_linear_ref
@@ -160,6 +160,26 @@ def paged_attention(q, slot_fields, group_fields, k_group, valid_bits, block_tab
     if dense_run is not None and not return_logits and q.device.type == "cpu" and fmt_code in _FLOAT_CODES:
         return dense_attention_cpu(q, slot_fields, dense_run, sm_scale)
     return paged_attention_ref(*args)
+
+
+def paged_attention_formats(q: torch.Tensor, sources: list[PagedFormat], sm_scale: float, return_logits: bool,
+                            dense_run=None) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """Decode attention over a layer's pages in one or more formats: ``(parts, logits)``, partials
+    ``(out, lse)`` to merge by log-sum-exp and their logits (side by side in the sources' order). Triton: one
+    launch for up to three formats, merged inside it (one part); elsewhere one ``paged_attention`` call a format
+    (one part each, merged by the caller in the order it always has been)."""
+    if kernel_impl(q) == "triton":
+        from plugins.paged_attention.triton_kernel import paged_attention_formats_triton
+
+        out, lse, logits = paged_attention_formats_triton(q, sources, sm_scale, return_logits)
+        return [(out, lse)], [logits]
+    parts, logits = [], []
+    for s in sources:
+        out, lse, lg = paged_attention(q, s.slot_fields, s.group_fields, s.k_group, s.valid_bits, s.block_table,
+                                       s.fmt_code, sm_scale, s.scale_k, s.scale_v, return_logits, dense_run)
+        parts.append((out, lse))
+        logits.append(lg)
+    return parts, logits
 
 
 def kmeans_select(keys, counts, k_keep, iters):

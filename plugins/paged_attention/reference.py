@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -61,6 +62,20 @@ def gather_dequant(
             group = {n: t[gid] for n, t in zip(gnames, group_fields)}
         k, v = format_by_code(fmt_code).decode(slot, group, LayerScales(scale_k, scale_v))
     return k.reshape(b, -1, *k.shape[-2:]), v.reshape(b, -1, *v.shape[-2:])
+
+
+@dataclass(frozen=True)
+class PagedFormat:
+    """One format's pages of a layer as an attention call reads them (``paged_attention_ref``'s arguments)."""
+
+    slot_fields: list[torch.Tensor]
+    group_fields: list[torch.Tensor]
+    k_group: torch.Tensor
+    valid_bits: torch.Tensor
+    block_table: torch.Tensor
+    fmt_code: int
+    scale_k: float
+    scale_v: float
 
 
 _FLOAT_CODES = (0, 1, 2)  # fp32, fp16, bf16 (plugins/formats/floating.py)

@@ -1,157 +1,69 @@
-"""Triton paged decode attention over one format's pages (spec §5.6); oracle: ``reference.py``.
+"""Triton paged decode attention over a layer's pages in one launch, up to three storage formats at once (spec
+§5.6); oracle: ``reference.py`` per format, merged by ``merge_partials``.
 
-One program handles one (sequence, KV head, KV split) and all G query heads that share the KV head, so
-each page is read and dequantized once per KV head. The format is a constexpr: one specialization per
-format, no per-element branching. Each iteration covers ``PAGES`` pages (``PAGES * B`` slots) so the tiles
-stay useful at ``B = 8``; page ids, validity words and group ids are gathered per slot lane (each page's
-int32 word is read once per page from memory, the duplicate lanes hit cache). Dead slots are never loaded
-(masked loads) and get ``-inf`` logits, so stale codes in evicted slots cannot leak into the output.
+One program handles one (sequence, KV head, KV split) and all G query heads that share the KV head (the M
+axis of the products), so each page is read and dequantized once per KV head. Each format is a constexpr: one
+specialization per format (set), no per-element branching; a layer whose pages are in several formats
+(ThinKV's R/E/T) gives each format its own splits of the program grid. K/V tiles are dequantized in registers
+(``triton_tiles.py``) to fp16 (bf16 for bf16 pages), and both products are fp16/bf16 MMAs with fp32
+accumulation; fp32 pages and ``TRTKV_TRITON_PRECISION=tf32x3`` keep fp32 tiles and three TF32 products.
+Each loop step covers ``PAGES`` pages (``PAGES * B`` slots); dead slots are never loaded (masked loads) and
+get ``-inf`` logits, so stale codes in evicted slots cannot leak into the output.
+
+KV splits merge inside the launch: each program stores its partial (output, log-sum-exp), takes a ticket
+from a per-(sequence, head) counter, and the last one merges all partials and resets the counter to 0, so the
+counters (one persistent zeroed buffer per device) stay zero between calls and nothing else runs after the
+kernel. Calls on one device must not overlap (trtkv runs one stream).
 """
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from plugins.paged_attention.reference import merge_splits
+from plugins.paged_attention.reference import PagedFormat, merge_partials
+from plugins.paged_attention.triton_tiles import FP32, BF16, fold_k, fold_v, load_kv
 
-# format codes (plugins.formats), as constexprs so the jit functions can branch on them
-FP32, FP16, BF16, FP8, NVFP4, TERNARY, INT4, INT2, NVFP4O, TERNARYO = (tl.constexpr(c) for c in range(10))
-
-
-@triton.jit
-def _e4m3(b):
-    """E4M3fn bits (int32 0..255) to fp32 by building the fp32 bit pattern; 0x7F/0xFF are NaN."""
-    sign = (b >> 7) & 1
-    e = (b >> 3) & 15
-    m = b & 7
-    normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125  # m * 2^-9
-    sub = tl.where(sign == 1, -sub, sub)
-    val = tl.where(e == 0, sub, normal)
-    return tl.where((e == 15) & (m == 7), float("nan"), val)
+MAX_FORMATS = 3  # formats per launch; a layer with more (host tiers staged beside ThinKV's) launches again
 
 
 @triton.jit
-def _e2m1(nib):
-    """E2M1 nibble (bit 3 sign, bits 2..0 index into [0, .5, 1, 1.5, 2, 3, 4, 6]) to fp32."""
-    e = (nib >> 1) & 3
-    m = nib & 1
-    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
-    return tl.where((nib & 8) != 0, -mag, mag)
-
-
-@triton.jit
-def _tern(c):
-    """2-bit sign-magnitude crumb: 01 -> +1, 11 -> -1, 00 and 10 (-0) -> 0."""
-    return tl.where(c == 1, 1.0, tl.where(c == 3, -1.0, 0.0))
-
-
-@triton.jit
-def _codes(ptr, row, live, offs_d, m2, BITS: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
-           PACKED: tl.constexpr):
-    """``BITS``-bit codes ``[N, DP]`` int32 of the rows ``row``, element ``d`` in bits ``(d % per) * BITS`` of
-    byte ``d // per``. Packed: each row's bytes are one contiguous (vectorizable) load, split into fields in
-    registers and interleaved back (join + reshape); else one byte load per element."""
-    PER: tl.constexpr = 8 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    if PACKED:
-        offs_b = tl.arange(0, D // PER)
-        x = tl.load(ptr + row[:, None] * (D // PER) + offs_b[None, :], mask=live[:, None], other=0).to(tl.int32)
-        if BITS == 4:
-            c = tl.join(x & 15, (x >> 4) & 15)
-        else:
-            # join stacks on a new last axis: [(c0, c2), (c1, c3)] pairs flatten to c0 c1 c2 c3
-            c = tl.join(tl.join(x & 3, (x >> 4) & 3), tl.join((x >> 2) & 3, (x >> 6) & 3))
-        return tl.reshape(c, (N, D))
+def _mma(a, b, acc, PRECISION: tl.constexpr, BF16_AS_F32: tl.constexpr):
+    """``a @ b (+ acc)`` with fp32 accumulation: one fp16/bf16 MMA (``f16``), else TF32 products of fp32 tiles.
+    ``BF16_AS_F32`` (the interpreter, whose bf16 dot is wrong): bf16 operands multiplied as the fp32 values
+    they are, which is what the MMA computes (their products are exact in fp32)."""
+    if PRECISION != "f16":
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+    elif BF16_AS_F32 and a.dtype == tl.bfloat16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        d = offs_d[None, :]
-        x = tl.load(ptr + row[:, None] * (D // PER) + d // PER, mask=m2, other=0).to(tl.int32)
-        return (x >> ((d % PER) * BITS)) & MASK
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _per16(ptr, row, live, offs_d, m2, D: tl.constexpr, N: tl.constexpr, PACKED: tl.constexpr):
-    """A per-16-channel field ``[rows, D // 16]`` (value scales, zero points) expanded to ``[N, DP]``: packed,
-    one load of ``D // 16`` values a row broadcast over their 16 channels; else one load per element."""
-    if PACKED:
-        offs_s = tl.arange(0, D // 16)
-        x = tl.load(ptr + row[:, None] * (D // 16) + offs_s[None, :], mask=live[:, None], other=0)
-        return tl.reshape(tl.broadcast_to(x[:, :, None], (N, D // 16, 16)), (N, D))
+def _attend(q, qh, gmask, offs_d, dmask, bi, h, sp, logits_ptr, LC, col0,
+            f0, f1, f2, f3, g0, g1, kgrp_ptr, bits_ptr, bt_ptr, P, per_split, qk_scale, scale_k,
+            FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, B: tl.constexpr, GP: tl.constexpr,
+            DP: tl.constexpr, PAGES: tl.constexpr, RETURN_LOGITS: tl.constexpr, PRECISION: tl.constexpr,
+            PACKED: tl.constexpr, BF16_AS_F32: tl.constexpr):
+    """Online softmax of one format's split ``sp`` of the block table: running max, sum and output ``[GP, DP]``."""
+    if FMT == FP32 or PRECISION != "f16":
+        TD: tl.constexpr = tl.float32
+    elif FMT == BF16:
+        TD: tl.constexpr = tl.bfloat16
     else:
-        return tl.load(ptr + row[:, None] * (D // 16) + offs_d[None, :] // 16, mask=m2, other=0)
-
-
-@triton.jit
-def _load_kv(f0, f1, f2, f3, g0, g1, kgrp_ptr, page, slot, live, h, offs_d, dmask, scale_k, scale_v,
-             FMT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, B: tl.constexpr, N: tl.constexpr,
-             PACKED: tl.constexpr):
-    """Dequantized K, V tiles ``[N, DP]`` fp32 of head ``h`` for the slot lanes ``(page, slot)``."""
-    row = (page.to(tl.int64) * B + slot) * H + h  # [N] slot-row index into [pages, B, H, ...]
-    m2 = live[:, None] & dmask[None, :]
-    d = offs_d[None, :]
-    if FMT <= BF16:
-        k = tl.load(f0 + row[:, None] * D + d, mask=m2, other=0.0).to(tl.float32)
-        v = tl.load(f1 + row[:, None] * D + d, mask=m2, other=0.0).to(tl.float32)
-    elif FMT == FP8:
-        k = _e4m3(tl.load(f0 + row[:, None] * D + d, mask=m2, other=0).to(tl.int32)) * scale_k
-        v = _e4m3(tl.load(f1 + row[:, None] * D + d, mask=m2, other=0).to(tl.int32)) * scale_v
-    else:
-        BITS: tl.constexpr = 4 if (FMT == NVFP4 or FMT == INT4 or FMT == NVFP4O) else 2
-        kc = _codes(f0, row, live, offs_d, m2, BITS, D, N, PACKED)
-        vc = _codes(f1, row, live, offs_d, m2, BITS, D, N, PACKED)
-        gid = tl.load(kgrp_ptr + page.to(tl.int64) * B + slot, mask=live, other=0)
-        grow = (tl.maximum(gid, 0).to(tl.int64) * H + h)[:, None] * D + d  # group field [gid, h, d]
-        if FMT == INT4 or FMT == INT2:
-            k = kc.to(tl.float32) * tl.load(g0 + grow, mask=m2, other=0.0).to(tl.float32) \
-                + tl.load(g1 + grow, mask=m2, other=0.0).to(tl.float32)
-            v = vc.to(tl.float32) * _per16(f2, row, live, offs_d, m2, D, N, PACKED).to(tl.float32) \
-                + _per16(f3, row, live, offs_d, m2, D, N, PACKED).to(tl.float32)
-        else:
-            if FMT == NVFP4 or FMT == NVFP4O:
-                ke = _e2m1(kc)
-                ve = _e2m1(vc)
-            else:
-                ke = _tern(kc)
-                ve = _tern(vc)
-            k = ke * _e4m3(tl.load(g0 + grow, mask=m2, other=0).to(tl.int32)) * scale_k
-            v = ve * _e4m3(_per16(f2, row, live, offs_d, m2, D, N, PACKED).to(tl.int32)) * scale_v
-            if FMT == NVFP4O or FMT == TERNARYO:
-                k = k + tl.load(g1 + grow, mask=m2, other=0.0).to(tl.float32)
-    # a live slot may hold any finite code; dead lanes are already 0, keep NaN-free for the p @ V product
-    return k, tl.where(m2, v, 0.0)
-
-
-@triton.jit
-def _paged_attn_kernel(
-    q_ptr, f0, f1, f2, f3, g0, g1, kgrp_ptr, bits_ptr, bt_ptr, out_ptr, lse_ptr, logits_ptr,
-    sm_scale, scale_k, scale_v, P, pages_per_split,
-    FMT: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-    GP: tl.constexpr, DP: tl.constexpr, PAGES: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    RETURN_LOGITS: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr,
-):
-    bi = tl.program_id(0)
-    h = tl.program_id(1)
-    sp = tl.program_id(2)
-    offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, DP)
+        TD: tl.constexpr = tl.float16
+    qt = q.to(TD)
     offs_n = tl.arange(0, PAGES * B)
-    gmask = offs_g < G
-    dmask = offs_d < D
-    qh = bi * H * G + h * G + offs_g  # query-head rows [GP] of q [b, H*G, D]
-    q = tl.load(q_ptr + qh[:, None] * D + offs_d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
-    q = q.to(tl.float32)
-
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
-    p_lo = sp * pages_per_split
-    p_hi = tl.minimum(p_lo + pages_per_split, P)
+    p_lo = sp * per_split
+    p_hi = tl.minimum(p_lo + per_split, P)
     for p0 in range(p_lo, p_hi, PAGES):
         pidx = p0 + offs_n // B
         slot = offs_n % B
@@ -159,29 +71,110 @@ def _paged_attn_kernel(
         page = tl.load(bt_ptr + bi * P + pidx, mask=in_tab, other=-1)
         word = tl.load(bits_ptr + tl.maximum(page, 0), mask=page >= 0, other=0)
         live = (page >= 0) & (((word >> slot) & 1) != 0)
-        k, v = _load_kv(f0, f1, f2, f3, g0, g1, kgrp_ptr, tl.maximum(page, 0), slot, live, h, offs_d, dmask,
-                        scale_k, scale_v, FMT, H, D, B, PAGES * B, PACKED)
-        # the G query heads of this KV head against the tile: a [GP, DP] x [DP, N] product on the tensor
-        # cores; tf32x3 (three TF32 products: hi*hi + hi*lo + lo*hi) keeps fp32 accuracy
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [GP, N]
-        s = tl.where(live[None, :], s, float("-inf"))
+        k, v = load_kv(f0, f1, f2, f3, g0, g1, kgrp_ptr, tl.maximum(page, 0), slot, live, h, offs_d, dmask,
+                       scale_k, FMT, H, D, B, PAGES * B, PACKED, TD)
+        # the G query heads of this KV head against the tile: a [GP, DP] x [DP, N] tensor-core product
+        s = _mma(qt, tl.trans(k), None, PRECISION, BF16_AS_F32)
+        s = tl.where(live[None, :], s * qk_scale, float("-inf"))  # [GP, N]
         if RETURN_LOGITS:
             lmask = gmask[:, None] & in_tab[None, :]
-            tl.store(logits_ptr + qh[:, None] * (P * B) + (pidx * B + slot)[None, :], s, mask=lmask)
+            tl.store(logits_ptr + qh[:, None] * LC + (col0 + pidx * B + slot)[None, :], s, mask=lmask)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all dead so far: keep exp() finite
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+        acc = _mma(p.to(TD), v, acc * alpha[:, None], PRECISION, BF16_AS_F32)
         m_i = m_new
+    return m_i, l_i, acc
 
+
+@triton.jit
+def _merge_partials(part_out, part_lse, qh, gmask, offs_d, dmask, S, D: tl.constexpr, GP: tl.constexpr,
+                    DP: tl.constexpr):
+    """Log-sum-exp merge of the ``S`` partials of rows ``qh`` (volatile loads: other programs wrote them)."""
+    m = tl.full([GP], float("-inf"), tl.float32)
+    for s in range(0, S):
+        m = tl.maximum(m, tl.load(part_lse + qh * S + s, mask=gmask, other=float("-inf"), volatile=True))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tot = tl.zeros([GP], tl.float32)
+    o = tl.zeros([GP, DP], tl.float32)
+    for s in range(0, S):
+        w = tl.exp(tl.load(part_lse + qh * S + s, mask=gmask, other=float("-inf"), volatile=True) - m_safe)
+        o += w[:, None] * tl.load(part_out + (qh * S + s)[:, None] * D + offs_d[None, :],
+                                  mask=gmask[:, None] & dmask[None, :], other=0.0, volatile=True)
+        tot += w
+    empty = tot == 0.0
+    out = o / tl.where(empty, 1.0, tot)[:, None]
+    return out, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, tot)))
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, out_ptr, lse_ptr, logits_ptr, part_out, part_lse, count_ptr, sm_scale, S, LC,
+    a_f0, a_f1, a_f2, a_f3, a_g0, a_g1, a_kgrp, a_bits, a_bt, a_P, a_pps, a_qk, a_sk, a_ov, a_S, a_col,
+    b_f0, b_f1, b_f2, b_f3, b_g0, b_g1, b_kgrp, b_bits, b_bt, b_P, b_pps, b_qk, b_sk, b_ov, b_S, b_col,
+    c_f0, c_f1, c_f2, c_f3, c_g0, c_g1, c_kgrp, c_bits, c_bt, c_P, c_pps, c_qk, c_sk, c_ov, c_col,
+    NF: tl.constexpr, FMT_A: tl.constexpr, FMT_B: tl.constexpr, FMT_C: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, B: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
+    PAGES: tl.constexpr, RETURN_LOGITS: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr,
+    BF16_AS_F32: tl.constexpr = False,
+):
+    """Program (bi, h, sp): split ``sp`` of the grid's third axis, format A's ``a_S`` splits first, then B's,
+    then C's (``NF`` formats). ``x_qk``: the score scale (``sm_scale``, times the K scale where it folds),
+    ``x_sk``: the K scale where the tile applies it, ``x_ov``: the V scale folded into the output."""
+    bi = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, DP)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    qh = bi * H * G + h * G + offs_g  # query-head rows [GP] of q [b, H*G, D]
+    q = tl.load(q_ptr + qh[:, None] * D + offs_d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if sp < a_S:
+        m_i, l_i, acc = _attend(q, qh, gmask, offs_d, dmask, bi, h, sp, logits_ptr, LC, a_col,
+                                a_f0, a_f1, a_f2, a_f3, a_g0, a_g1, a_kgrp, a_bits, a_bt, a_P, a_pps, a_qk, a_sk,
+                                FMT_A, H, D, B, GP, DP, PAGES, RETURN_LOGITS, PRECISION, PACKED, BF16_AS_F32)
+        ov = a_ov
+    else:  # (static branches: a launch compiles only the formats it has)
+        if NF == 1:  # no program lands here
+            m_i, l_i, acc = tl.full([GP], float("-inf"), tl.float32), tl.zeros([GP], tl.float32), \
+                tl.zeros([GP, DP], tl.float32)
+            ov = a_ov
+        elif NF == 2:
+            m_i, l_i, acc = _attend(q, qh, gmask, offs_d, dmask, bi, h, sp - a_S, logits_ptr, LC, b_col,
+                                    b_f0, b_f1, b_f2, b_f3, b_g0, b_g1, b_kgrp, b_bits, b_bt, b_P, b_pps, b_qk, b_sk,
+                                    FMT_B, H, D, B, GP, DP, PAGES, RETURN_LOGITS, PRECISION, PACKED, BF16_AS_F32)
+            ov = b_ov
+        elif sp < a_S + b_S:
+            m_i, l_i, acc = _attend(q, qh, gmask, offs_d, dmask, bi, h, sp - a_S, logits_ptr, LC, b_col,
+                                    b_f0, b_f1, b_f2, b_f3, b_g0, b_g1, b_kgrp, b_bits, b_bt, b_P, b_pps, b_qk, b_sk,
+                                    FMT_B, H, D, B, GP, DP, PAGES, RETURN_LOGITS, PRECISION, PACKED, BF16_AS_F32)
+            ov = b_ov
+        else:
+            m_i, l_i, acc = _attend(q, qh, gmask, offs_d, dmask, bi, h, sp - a_S - b_S, logits_ptr, LC, c_col,
+                                    c_f0, c_f1, c_f2, c_f3, c_g0, c_g1, c_kgrp, c_bits, c_bt, c_P, c_pps, c_qk, c_sk,
+                                    FMT_C, H, D, B, GP, DP, PAGES, RETURN_LOGITS, PRECISION, PACKED, BF16_AS_F32)
+            ov = c_ov
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = acc * (ov / tl.where(empty, 1.0, l_i))[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    orow = qh * NUM_SPLITS + sp  # out [b, Hq, S, D], lse [b, Hq, S]
-    tl.store(out_ptr + orow[:, None] * D + offs_d[None, :], out, mask=gmask[:, None] & dmask[None, :])
-    tl.store(lse_ptr + orow, lse, mask=gmask)
+    omask = gmask[:, None] & dmask[None, :]
+    if S == 1:
+        tl.store(out_ptr + qh[:, None] * D + offs_d[None, :], out, mask=omask)
+        tl.store(lse_ptr + qh, lse, mask=gmask)
+    else:
+        prow = qh * S + sp  # partials [b, Hq, S, D] / [b, Hq, S]
+        tl.store(part_out + prow[:, None] * D + offs_d[None, :], out, mask=omask)
+        tl.store(part_lse + prow, lse, mask=gmask)
+        tl.debug_barrier()  # every thread's partial stored before the ticket releases them
+        ticket = tl.atomic_add(count_ptr + bi * H + h, 1, sem="acq_rel")
+        if ticket == S - 1:  # the last split of this (sequence, KV head): merge, then zero the counter
+            o, lse_all = _merge_partials(part_out, part_lse, qh, gmask, offs_d, dmask, S, D, GP, DP)
+            tl.store(out_ptr + qh[:, None] * D + offs_d[None, :], o, mask=omask)
+            tl.store(lse_ptr + qh, lse_all, mask=gmask)
+            tl.atomic_xchg(count_ptr + bi * H + h, 0)
 
 
 def packed_rows(D: int) -> bool:
@@ -192,15 +185,16 @@ def packed_rows(D: int) -> bool:
     return D >= 32 and D & (D - 1) == 0
 
 
-PRECISIONS = ("tf32x3", "tf32")
+PRECISIONS = ("f16", "tf32x3", "tf32")
 
 
 def default_precision() -> str:
-    """``tf32x3`` (default): three TF32 products per ``tl.dot`` (hi*hi + hi*lo + lo*hi), fp32-accurate: the
-    reference's 3e-5 holds. ``TRTKV_TRITON_PRECISION=tf32``: one product, P and non-exact dequantized
-    values rounded to TF32's 10-bit mantissa (as FlashAttention rounds P to fp16), measured faster on an
-    H200 (docs/benchmarks.md, GPU)."""
-    p = os.environ.get("TRTKV_TRITON_PRECISION", "tf32x3")
+    """``f16`` (default): K/V tiles, q and P in fp16 (bf16 for bf16 pages), one MMA per product, fp32
+    accumulation; exact tiles for the float and E2M1/E4M3/ternary formats, one fp16 rounding of int4/int2 and
+    offset keys, P rounded as FlashAttention rounds it. ``tf32x3``: fp32 tiles and three TF32 products per dot
+    (hi*hi + hi*lo + lo*hi), fp32-accurate (the reference's 3e-5 holds; fp32 pages always use it).
+    ``tf32``: one TF32 product on fp32 tiles."""
+    p = os.environ.get("TRTKV_TRITON_PRECISION", "f16")
     if p not in PRECISIONS:
         from trtkv.errors import TrtkvError
 
@@ -211,7 +205,7 @@ def default_precision() -> str:
 @dataclass(frozen=True)
 class LaunchConfig:
     """How one call is tiled: slots per loop step (``pages * B``), warps and pipeline stages per program,
-    and KV splits (``None``: the heuristic in ``_num_splits``)."""
+    KV splits per format (``None``: the heuristic in ``split_counts``) and the products' precision."""
 
     pages: int
     warps: int
@@ -223,29 +217,28 @@ class LaunchConfig:
 TILE_SLOTS = 32  # slots per loop step (>= 16: the K extent of the P @ V product on the tensor cores)
 
 
-@functools.lru_cache(maxsize=None)  # per call on the decode path: read the environment once
 def launch_config(B: int, G: int, D: int, P: int, fmt_code: int, cc: int = 90) -> LaunchConfig:
-    """The default tiling. The scores and P@V are ``tl.dot`` products, so a step's registers are the K and V
-    tiles ``[PAGES*B, DP]`` (fp32 after dequantization) rather than the ``[GP, PAGES*B, DP]`` broadcast
-    product the first kernel reduced (255 registers and spills at one 8-slot page, D=128). ``TILE_SLOTS``
-    slots a step; 4 warps, one stage at D=128 (fastest of the tilings timed on an H200, docs/benchmarks.md).
-    Warps and stages elsewhere, per target ``cc`` (``target_cc``), are what ptxas allocates without spills
-    (tests/kernels/test_triton_aot.py compiles every default specialization for sm_80, sm_90 and sm_100):
-    on sm_90 fp32 pages at D=128 spill 8 bytes on 4 warps, D=64 on one stage, D=16 on 8 warps; sm_80 spills
-    8-16 bytes at D=64 on 8 warps (128 registers), sm_100 at D=128 on one stage and int4 at D=64 on 8 warps.
-    The sm_80/sm_100 choices are spill-free, not timed (no such GPU was lent). ``P`` does not cap the tile:
-    lanes past the block table are masked, and the tile must stay >= 16 slots."""
+    """The default tiling at the precision ``TRTKV_TRITON_PRECISION`` asks for (see ``tiling``)."""
+    return tiling(B, G, D, P, fmt_code, cc, default_precision())
+
+
+@functools.lru_cache(maxsize=None)
+def tiling(B: int, G: int, D: int, P: int, fmt_code: int, cc: int, precision: str) -> LaunchConfig:
+    """The default tiling: ``TILE_SLOTS`` slots a loop step, the warps and (>= 2) pipeline stages per head size,
+    format and target ``cc`` (``target_cc``) that ptxas allocates without spills (tests/kernels/test_triton_aot.py
+    compiles every default specialization for sm_80, sm_90 and sm_100; docs/kernels.md has the table). fp32
+    pages keep fp32 tiles and ``tf32x3`` products under the default ``f16``. ``P`` does not cap the tile: lanes
+    past the block table are masked, and the tile must stay >= 16 slots."""
+    if fmt_code == FP32.value and precision == "f16":
+        precision = "tf32x3"
     DP = triton.next_power_of_2(D)
     if DP >= 128:
-        if fmt_code == FP32:
-            warps, stages = 8, 1
-        else:
-            warps, stages = (4, 2) if cc >= 100 else (4, 1)
+        warps, stages = (8, 2) if fmt_code == FP32.value else (4, 2)
     elif DP > 16:
-        warps, stages = (4, 2) if cc < 90 or (cc >= 100 and fmt_code == INT4) else (8, 2)
+        warps, stages = (4, 2) if cc < 90 else (8, 2)
     else:  # the tiny test model's head size
-        warps, stages = 4, 1
-    return LaunchConfig(pages=max(1, TILE_SLOTS // B), warps=warps, stages=stages, precision=default_precision())
+        warps, stages = 4, 2
+    return LaunchConfig(pages=max(1, TILE_SLOTS // B), warps=warps, stages=stages, precision=precision)
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,64 +251,105 @@ def target_cc(device: torch.device) -> int:
     return 80 if major < 9 else 90 if major == 9 else 100
 
 
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 4  # programs the grid keeps on every SM, at every batch and length the table allows
+MIN_STEPS_PER_SPLIT = 2  # loop steps of pages a split keeps at least
+MAX_SPLITS = 128
 
 
-def _num_splits(b: int, H: int, P: int, pages: int, device: torch.device) -> int:
-    """Flash-decoding split of the KV axis: enough programs to keep every SM busy with a few programs each
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_counts(b: int, H: int, pages_per_format: tuple[int, ...], pages: int, device: torch.device,
+                 override: int | None = None) -> list[int]:
+    """Flash-decoding splits of each format's KV axis: ``PROGRAMS_PER_SM`` programs per SM across the grid
     (a program is one (sequence, KV head) otherwise: 256 for a batch of 32 on 8 KV heads, two per SM of an
-    H200, too few to hide the page loads' latency), while each split keeps >= 4 loop steps of pages."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(PROGRAMS_PER_SM * sms, b * H)
-    return max(1, min(want, triton.cdiv(P, 4 * pages), 32))
+    H200, too few to hide the page loads' latency), shared among the formats by their pages, each split keeping
+    ``MIN_STEPS_PER_SPLIT`` loop steps; one split a format off CUDA; none for a format without pages."""
+    total = sum(pages_per_format)
+    if override:
+        return [min(override, P) for P in pages_per_format]
+    if device.type != "cuda" or not total:
+        return [1 if P else 0 for P in pages_per_format]
+    want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), b * H)
+    return [max(1, min(round(want * P / total), triton.cdiv(P, MIN_STEPS_PER_SPLIT * pages), MAX_SPLITS)) if P else 0
+            for P in pages_per_format]
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
-def paged_attention_triton(
-    q: torch.Tensor,
-    slot_fields: list[torch.Tensor],
-    group_fields: list[torch.Tensor],
-    k_group: torch.Tensor,
-    valid_bits: torch.Tensor,
-    block_table: torch.Tensor,
-    fmt_code: int,
-    sm_scale: float,
-    scale_k: float,
-    scale_v: float,
-    return_logits: bool,
-    num_splits: int | None = None,
-    config: LaunchConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as ``paged_attention_ref``; ``num_splits`` / ``config`` override the heuristics."""
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The device's split-merge tickets, zero between calls (the merging program resets its own)."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
+
+
+def _format_args(src: PagedFormat, splits: int, col: int, sm_scale: float, with_splits: bool = True) -> tuple:
+    f = list(src.slot_fields) + [src.slot_fields[0]] * (4 - len(src.slot_fields))
+    g = list(src.group_fields) + [src.slot_fields[0]] * (2 - len(src.group_fields))
+    P = src.block_table.shape[1]
+    qk = sm_scale * (src.scale_k if fold_k(src.fmt_code) else 1.0)
+    ov = src.scale_v if fold_v(src.fmt_code) else 1.0
+    head = (*f, *g, src.k_group, src.valid_bits, src.block_table, P, triton.cdiv(P, splits) if splits else 0,
+            float(qk), float(src.scale_k), float(ov))
+    return (*head, splits, col) if with_splits else (*head, col)
+
+
+def paged_attention_formats_triton(q: torch.Tensor, sources: list[PagedFormat], sm_scale: float,
+                                   return_logits: bool, num_splits: int | None = None,
+                                   config: LaunchConfig | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of ``q [b, Hq, D]`` over every source's pages, merged: ``(out, lse, logits)`` with the
+    sources' logits side by side in their order (``[b, Hq, sum(P * B)]``). One launch for up to
+    ``MAX_FORMATS`` sources; ``num_splits`` (per format) / ``config`` override the heuristics."""
+    if len(sources) > MAX_FORMATS:
+        parts = [paged_attention_formats_triton(q, sources[i:i + MAX_FORMATS], sm_scale, return_logits, num_splits,
+                                                config) for i in range(0, len(sources), MAX_FORMATS)]
+        out, lse = merge_partials([(o, s) for o, s, _ in parts])
+        return out, lse, torch.cat([lg for _, _, lg in parts], dim=-1) if return_logits else parts[0][2]
     b, Hq, D = q.shape
-    B, H = slot_fields[0].shape[1], slot_fields[0].shape[2]
+    B, H = sources[0].slot_fields[0].shape[1], sources[0].slot_fields[0].shape[2]
     G = Hq // H
-    P = block_table.shape[1]
-    assert Hq == H * G and block_table.dtype == torch.int32 and valid_bits.dtype == torch.int32
-    assert all(t.is_contiguous() for t in [*slot_fields, *group_fields, valid_bits, k_group])
-    q, block_table = q.contiguous(), block_table.contiguous()
-    cfg = config or launch_config(B, G, D, P, fmt_code, target_cc(q.device))
-    S = num_splits or cfg.splits or _num_splits(b, H, P, cfg.pages, q.device)
-    S = max(1, min(S, P)) if P else 1
-    per_split = triton.cdiv(P, S) if P else 0
+    Ps = tuple(s.block_table.shape[1] for s in sources)
+    assert Hq == H * G and all(s.block_table.dtype == torch.int32 and s.valid_bits.dtype == torch.int32
+                               for s in sources)
+    assert all(t.is_contiguous() for s in sources for t in [*s.slot_fields, *s.group_fields, s.valid_bits, s.k_group])
+    sources = [replace(s, block_table=s.block_table.contiguous()) for s in sources]
+    q = q.contiguous()
+    main = max(range(len(sources)), key=lambda i: Ps[i])
+    cfg = config or launch_config(B, G, D, Ps[main], sources[main].fmt_code, target_cc(q.device))
+    Ss = split_counts(b, H, Ps, cfg.pages, q.device, num_splits or cfg.splits)
+    S = sum(Ss)
     dev = q.device
-    out = torch.empty((b, Hq, S, D), device=dev, dtype=torch.float32)
-    lse = torch.empty((b, Hq, S), device=dev, dtype=torch.float32)
-    logits = torch.empty((b, Hq, P * B) if return_logits else (0,), device=dev, dtype=torch.float32)
-    if b == 0:
-        return out.sum(2), lse.sum(2), logits
-    f = list(slot_fields) + [slot_fields[0]] * (4 - len(slot_fields))
-    g = list(group_fields) + [slot_fields[0]] * (2 - len(group_fields))
+    out = torch.empty((b, Hq, D), device=dev, dtype=torch.float32)
+    lse = torch.empty((b, Hq), device=dev, dtype=torch.float32)
+    logits = torch.empty((b, Hq, sum(Ps) * B) if return_logits else (0,), device=dev, dtype=torch.float32)
+    if b == 0 or S == 0:  # nothing live anywhere
+        return out.zero_(), lse.fill_(float("-inf")), logits
+    part_out = torch.empty((b, Hq, S, D), device=dev, dtype=torch.float32) if S > 1 else out
+    part_lse = torch.empty((b, Hq, S), device=dev, dtype=torch.float32) if S > 1 else lse
+    cols = [B * sum(Ps[:i]) for i in range(len(sources))]
+    fa = [_format_args(s, n, c, sm_scale, i < 2) for i, (s, n, c) in enumerate(zip(sources, Ss, cols))]
+    fa += [fa[0] if i < 2 else fa[0][:-2] + fa[0][-1:] for i in range(len(fa), MAX_FORMATS)]
+    codes = [s.fmt_code for s in sources] + [sources[0].fmt_code] * (MAX_FORMATS - len(sources))
     _paged_attn_kernel[(b, H, S)](
-        q, *f, *g, k_group, valid_bits, block_table, out, lse, logits,
-        float(sm_scale), float(scale_k), float(scale_v), P, per_split,
-        FMT=fmt_code, H=H, G=G, D=D, B=B, GP=triton.next_power_of_2(G), DP=triton.next_power_of_2(D),
-        PAGES=cfg.pages, NUM_SPLITS=S, RETURN_LOGITS=return_logits, PRECISION=cfg.precision, PACKED=packed_rows(D),
-        num_warps=cfg.warps, num_stages=cfg.stages,
+        q, out, lse, logits, part_out, part_lse, _counters(dev, b * H), float(sm_scale), S, logits.shape[-1],
+        *fa[0], *fa[1], *fa[2],
+        NF=len(sources), FMT_A=codes[0], FMT_B=codes[1], FMT_C=codes[2], H=H, G=G, D=D, B=B,
+        GP=triton.next_power_of_2(G), DP=triton.next_power_of_2(D), PAGES=cfg.pages, RETURN_LOGITS=return_logits,
+        PRECISION=cfg.precision, PACKED=packed_rows(D), BF16_AS_F32=dev.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages,
     )
-    if S == 1:
-        return out[:, :, 0], lse[:, :, 0], logits
-    o, l = merge_splits(out, lse)
-    return o, l, logits
+    return out, lse, logits
+
+
+def paged_attention_triton(q, slot_fields, group_fields, k_group, valid_bits, block_table, fmt_code, sm_scale,
+                           scale_k, scale_v, return_logits, num_splits: int | None = None,
+                           config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as ``paged_attention_ref`` (one format); ``num_splits`` / ``config`` override the heuristics."""
+    src = PagedFormat(list(slot_fields), list(group_fields), k_group, valid_bits, block_table, fmt_code, scale_k,
+                      scale_v)
+    return paged_attention_formats_triton(q, [src], sm_scale, return_logits, num_splits, config)

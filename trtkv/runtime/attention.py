@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from plugins.buffer_attention.reference import dense_partial
-from plugins.paged_attention.reference import merge_partials
+from plugins.paged_attention.reference import PagedFormat, merge_partials
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.manager import KVCacheManager, SeqKV
 from trtkv.policies.base import BatchLayerStats, LayerStats
@@ -79,22 +79,26 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     parts, logit_parts = [], []
     any_stats = any(want_stats) or any(want_sparsity)
     run = None if any_stats else cache.dense_run(layer, seqs)
-    sources = [(pool, bt, cache.layer_scales(layer, pool.fmt.name), run)
+    sources = [(pool, bt, cache.layer_scales(layer, pool.fmt.name))
                for pool, bt in cache.block_tables(layer, seqs) if bt.shape[1]]  # (all pages moved to host)
-    sources += [(pool, bt, sc, None) for pool, bt, sc in staged or ()]
-    for pool, bt, sc, dense in sources:
-        valid = pool.valid_bits()
+    sources += list(staged or ())
+    if sources:
+        valid = [pool.valid_bits() for pool, _, _ in sources]
         lap("attention")
-        o, lse, lg = plugin_ops.paged_attention(q, pool.fields, pool.group_fields, pool.k_group,
-                                                valid, bt, pool.fmt.code, sm_scale, sc.k, sc.v,
-                                                any_stats, dense_run=dense)
+        parts, logit_parts = plugin_ops.paged_attention_formats(
+            q, [PagedFormat(pool.fields, pool.group_fields, pool.k_group, bits, bt, pool.fmt.code, sc.k, sc.v)
+                for (pool, bt, sc), bits in zip(sources, valid)], sm_scale, any_stats, dense_run=run)
         lap("bookkeeping")
-        parts.append((o, lse))
-        if any_stats:
+    if any_stats:
+        positions = []
+        for pool, bt, _ in sources:
             bt_np = bt.cpu().numpy()
             pos = pool.slot_pos[np.maximum(bt_np, 0)]  # [b, P, B]
             pos[bt_np < 0] = -1
-            logit_parts.append((lg, pos.reshape(len(seqs), -1)))
+            positions.append(pos.reshape(len(seqs), -1))
+        if len(logit_parts) < len(positions):  # one launch's logits hold every source's columns, side by side
+            positions = [np.concatenate(positions, axis=1)]
+        logit_parts = list(zip(logit_parts, positions))
     buffered = cache.cfg.residual_group > 1 and bool(cache.buffered_many(seqs, layer).any())
     if buffered and any_stats:  # the statistics need the buffer's logits: the torch path
         lap("attention")
