@@ -71,33 +71,48 @@ def _sig(fn, types: dict[str, str]) -> dict[str, str]:
     return {n: types.get(n, "constexpr") for n in fn.arg_names}
 
 
-def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64, opt_in: bool = False) -> list[Spec]:
-    """Each format x geometry x with/without logits at the default precision; ``opt_in`` adds the
-    ``TRTKV_TRITON_PRECISION=tf32`` variants (in the report, not in the spill test: some spill, docs/kernels.md)."""
-    from plugins.formats import FORMATS
-    from plugins.paged_attention.triton_kernel import PRECISIONS, _paged_attn_kernel, launch_config, packed_rows
+# ThinKV's preset page-format sets (R4E4T2, R4aE4aT2a, R4oE4oT2o, R8E4T2), attended in one launch a layer
+FORMAT_SETS = (("nvfp4", "ternary"), ("int4", "int2"), ("nvfp4o", "ternaryo"), ("fp8", "nvfp4", "ternary"))
 
+
+def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64, opt_in: bool = False) -> list[Spec]:
+    """Each format x geometry x with/without logits at the default precision, and ThinKV's format sets
+    (``FORMAT_SETS``) in one launch at the real models' head sizes (D >= 64); ``opt_in`` adds the other
+    precisions' single-format variants (in the report, not in the spill test, docs/kernels.md)."""
+    from plugins.formats import FORMATS
+    from plugins.paged_attention.triton_kernel import PRECISIONS, MAX_FORMATS, _paged_attn_kernel, packed_rows, tiling
+
+    sets = [(name,) for name in FORMATS] + [s for s in FORMAT_SETS]
+    precisions = PRECISIONS if opt_in else PRECISIONS[:1]
     specs = []
     for G, D in geometries:
-        for name, fmt in FORMATS.items():
-            cfg = launch_config(B, G, D, P, fmt.code)  # PAGES is the same on every target
-            slot = [_ptr(f.dtype) for f in fmt.slot_fields(1, D)]
-            group = [_ptr(f.dtype) for f in fmt.group_fields(1, D)]
-            f = slot + [slot[0]] * (4 - len(slot))
-            g = group + [slot[0]] * (2 - len(group))
-            types = dict(q_ptr=Q_DTYPE, f0=f[0], f1=f[1], f2=f[2], f3=f[3], g0=g[0], g1=g[1], kgrp_ptr="*i32",
-                         bits_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32", lse_ptr="*fp32", logits_ptr="*fp32",
-                         sm_scale="fp32", scale_k="fp32", scale_v="fp32", P="i32", pages_per_split="i32")
-            for precision, logits in product(PRECISIONS if opt_in else PRECISIONS[:1], (False, True)):
-                const = dict(FMT=fmt.code, H=8, G=G, D=D, B=B, GP=triton.next_power_of_2(G),
-                             DP=triton.next_power_of_2(D), PAGES=cfg.pages, NUM_SPLITS=1, RETURN_LOGITS=logits,
-                             PRECISION=precision, PACKED=packed_rows(D))
-                label = f"paged_attention {name} G={G} D={D}{' logits' if logits else ''}"
-                per_target = {cc: (c.warps, c.stages) for cc in TARGETS
-                              for c in [launch_config(B, G, D, P, fmt.code, cc)]}
-                specs.append(Spec("plugins.paged_attention.triton_kernel:_paged_attn_kernel",
-                                  label + ("" if precision == PRECISIONS[0] else f" {precision}"),
-                                  _sig(_paged_attn_kernel, types), const, cfg.warps, cfg.stages, per_target))
+        for names, precision, logits in product(sets, precisions, (False, True)):
+            if (len(names) > 1 and (D < 64 or precision != PRECISIONS[0])) or (names == ("fp32",) and
+                                                                                 precision != PRECISIONS[0]):
+                continue
+            fmts = [FORMATS[n] for n in names]
+            cfgs = {cc: tiling(B, G, D, P, fmts[0].code, cc, precision) for cc in TARGETS}
+            types = dict(q_ptr=Q_DTYPE, out_ptr="*fp32", lse_ptr="*fp32", logits_ptr="*fp32", part_out="*fp32",
+                         part_lse="*fp32", count_ptr="*i32", sm_scale="fp32", S="i32", LC="i32")
+            for i, x in enumerate("abc"):
+                fmt = fmts[i] if i < len(fmts) else fmts[0]
+                slot = [_ptr(f.dtype) for f in fmt.slot_fields(1, D)]
+                group = [_ptr(f.dtype) for f in fmt.group_fields(1, D)]
+                f = slot + [slot[0]] * (4 - len(slot))
+                g = group + [slot[0]] * (2 - len(group))
+                types.update({f"{x}_f{j}": f[j] for j in range(4)} | {f"{x}_g{j}": g[j] for j in range(2)})
+                types.update({f"{x}_kgrp": "*i32", f"{x}_bits": "*i32", f"{x}_bt": "*i32", f"{x}_P": "i32",
+                              f"{x}_pps": "i32", f"{x}_qk": "fp32", f"{x}_sk": "fp32", f"{x}_ov": "fp32",
+                              f"{x}_S": "i32", f"{x}_col": "i32"})
+            codes = [f.code for f in fmts] + [fmts[0].code] * (MAX_FORMATS - len(fmts))
+            const = dict(NF=len(fmts), FMT_A=codes[0], FMT_B=codes[1], FMT_C=codes[2], H=8, G=G, D=D, B=B,
+                         GP=triton.next_power_of_2(G), DP=triton.next_power_of_2(D), PAGES=cfgs[90].pages,
+                         RETURN_LOGITS=logits, PRECISION=cfgs[90].precision, PACKED=packed_rows(D), BF16_AS_F32=False)
+            label = f"paged_attention {'+'.join(names)} G={G} D={D}{' logits' if logits else ''}"
+            label += "" if precision == PRECISIONS[0] else f" {precision}"
+            per_target = {cc: (c.warps, c.stages) for cc, c in cfgs.items()}
+            specs.append(Spec("plugins.paged_attention.triton_kernel:_paged_attn_kernel", label,
+                              _sig(_paged_attn_kernel, types), const, cfgs[90].warps, cfgs[90].stages, per_target))
     return specs
 
 

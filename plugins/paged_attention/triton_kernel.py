@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from plugins.paged_attention.reference import PagedFormat, merge_partials
-from plugins.paged_attention.triton_tiles import FP32, BF16, fold_k, fold_v, load_kv
+from plugins.paged_attention.triton_tiles import BF16, FP16, FP32, fold_k, fold_v, load_kv
 
 MAX_FORMATS = 3  # formats per launch; a layer with more (host tiers staged beside ThinKV's) launches again
 
@@ -232,9 +232,14 @@ def tiling(B: int, G: int, D: int, P: int, fmt_code: int, cc: int, precision: st
     if fmt_code == FP32.value and precision == "f16":
         precision = "tf32x3"
     DP = triton.next_power_of_2(D)
-    if DP >= 128:
-        warps, stages = (8, 2) if fmt_code == FP32.value else (4, 2)
-    elif DP > 16:
+    if DP >= 64:
+        if fmt_code == FP32.value and DP == 64 and cc == 90:
+            warps, stages = 8, 1  # 8 x 2 and 4 x 2 spill 8 B
+        elif fmt_code in (FP16.value, BF16.value) and DP >= 128 and cc < 90:
+            warps, stages = 4, 2  # 8 x 2 spills 8 B
+        else:
+            warps, stages = 8, 2  # 4 x 2 spills at D = 128 (8-96 B: nvfp4o, ThinKV's sets with logits)
+    elif DP > 16:  # (no registry model; the tests' D = 32)
         warps, stages = (4, 2) if cc < 90 else (8, 2)
     else:  # the tiny test model's head size
         warps, stages = 4, 2
@@ -341,7 +346,8 @@ def paged_attention_formats_triton(q: torch.Tensor, sources: list[PagedFormat], 
         *fa[0], *fa[1], *fa[2],
         NF=len(sources), FMT_A=codes[0], FMT_B=codes[1], FMT_C=codes[2], H=H, G=G, D=D, B=B,
         GP=triton.next_power_of_2(G), DP=triton.next_power_of_2(D), PAGES=cfg.pages, RETURN_LOGITS=return_logits,
-        PRECISION=cfg.precision, PACKED=packed_rows(D), BF16_AS_F32=dev.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages,
+        PRECISION=cfg.precision, PACKED=packed_rows(D), BF16_AS_F32=dev.type != "cuda",
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return out, lse, logits
 

@@ -124,7 +124,8 @@ def load_kv(f0, f1, f2, f3, g0, g1, kgrp_ptr, page, slot, live, h, offs_d, dmask
         gid = tl.load(kgrp_ptr + page.to(tl.int64) * B + slot, mask=live, other=0)
         grow = (tl.maximum(gid, 0).to(tl.int64) * H + h)[:, None] * D + d  # group field [gid, h, d]
         if FMT == INT4 or FMT == INT2:
-            k = kc.to(TD) * tl.load(g0 + grow, mask=m2, other=0.0).to(TD) + tl.load(g1 + grow, mask=m2, other=0.0).to(TD)
+            k = kc.to(TD) * tl.load(g0 + grow, mask=m2, other=0.0).to(TD) \
+                + tl.load(g1 + grow, mask=m2, other=0.0).to(TD)
             v = vc.to(TD) * _per16(f2, row, live, offs_d, m2, D, N, PACKED).to(TD) \
                 + _per16(f3, row, live, offs_d, m2, D, N, PACKED).to(TD)
         else:
