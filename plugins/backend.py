@@ -8,6 +8,7 @@ line says so and the reference runs instead).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -25,7 +26,25 @@ def triton_available() -> bool:
     return True
 
 
+_pinned: str | None = None  # TRTKV_KERNELS as read at the start of the enclosing ``pinned_mode`` block
+
+
+@contextlib.contextmanager
+def pinned_mode():
+    """Read ``TRTKV_KERNELS`` once for a block of plugin calls (a decode step makes a few hundred; each read of
+    the environment costs microseconds). A change to the variable inside the block applies from the next one."""
+    global _pinned
+    outer = _pinned
+    _pinned = outer or _mode()
+    try:
+        yield
+    finally:
+        _pinned = outer
+
+
 def _mode() -> str:
+    if _pinned is not None:
+        return _pinned
     mode = os.environ.get("TRTKV_KERNELS", "auto")
     if mode not in MODES:
         from trtkv.errors import TrtkvError

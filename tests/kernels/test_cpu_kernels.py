@@ -413,3 +413,21 @@ def test_missing_compiler_falls_back_with_one_warning_line(tmp_path):
     assert r.stdout.strip() == "reference (1, 2, 16)"
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "CPU kernels could not be built" in lines[0], r.stderr
+
+
+def test_kernel_mode_is_read_once_per_pinned_block(monkeypatch):
+    """A decode step pins ``TRTKV_KERNELS`` (plugins.backend.pinned_mode): a change inside the block applies from
+    the next block on; blocks nest; outside one the variable is read on every call."""
+    from plugins import backend
+
+    t = torch.zeros(1)
+    monkeypatch.setenv("TRTKV_KERNELS", "reference")
+    with backend.pinned_mode():
+        monkeypatch.setenv("TRTKV_KERNELS", "cpu")
+        assert backend.kernel_impl(t) == "reference"
+        with backend.pinned_mode():
+            assert backend.kernel_impl(t) == "reference"
+        assert backend.kernel_impl(t) == "reference"
+    assert backend.kernel_impl(t) == ("cpu" if backend._cpu_build().cpu_kernels_available() else "reference")
+    monkeypatch.setenv("TRTKV_KERNELS", "reference")
+    assert backend.kernel_impl(t) == "reference"

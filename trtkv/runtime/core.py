@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from plugins import backend as plugin_backend
 from trtkv.cache.manager import CacheConfig, KVCacheManager, fp16_bytes_per_token
 from trtkv.cache.budget import useful_pages
 from trtkv.cache.write_plan import WritePlan
@@ -191,6 +192,10 @@ class EngineCore:
         """One batched decode step: the dense layers and the attention of this core's own model. ``clk``
         (``trtkv bench --profile``, else None) is told where model, attention, kv_write and policy work begin
         and end; with no profiler each site is one ``is None``."""
+        with plugin_backend.pinned_mode():
+            self._decode_step(reqs)
+
+    def _decode_step(self, reqs: list[Request]) -> None:
         clk = self.clock
         step = self.begin_decode(reqs)
         try:
