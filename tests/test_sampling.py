@@ -38,3 +38,34 @@ def test_seeded_draws_repeat_and_filters_apply():
     top = torch.sort(logits[2].softmax(-1), descending=True)
     kept = int((top.values.cumsum(0) < 0.05).sum()) + 1  # the smallest prefix reaching 5%
     assert first[2] in top.indices[:kept].tolist()
+
+
+def _params(rng: torch.Generator) -> SamplingParams:
+    pick = lambda *xs: xs[int(torch.randint(len(xs), (1,), generator=rng))]  # noqa: E731
+    return SamplingParams(temperature=pick(0.0, 0.3, 0.7, 1.0, 1.7), top_k=pick(0, 0, 1, 5, 40, 2000),
+                          top_p=pick(1.0, 1.0, 0.05, 0.5, 0.9, 0.999), repetition_penalty=pick(1.0, 1.0, 1.3, 0.8))
+
+
+def test_the_batch_draws_what_each_row_draws_alone():
+    """``sample_next`` filters and draws a batch's rows together; row by row it equals ``sample_row`` (the
+    per-row reference) for drawn parameter mixes (greedy and sampled rows, top-k, top-p, penalties), logits
+    with ties and -inf, and generators that advance over several steps. The two consume the same uniform
+    numbers, so the tokens are equal, not just alike."""
+    from trtkv.runtime.sampling import sample_row
+
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        b, V = int(torch.randint(1, 9, (1,), generator=rng)), int(torch.randint(2, 3000, (1,), generator=rng))
+        params = [_params(rng) for _ in range(b)]
+        contexts = [torch.randint(V, (int(torch.randint(0, 30, (1,), generator=rng)),), generator=rng).tolist()
+                    for _ in range(b)]
+        g_batch = [make_generator(100 * trial + i) for i in range(b)]
+        g_rows = [make_generator(100 * trial + i) for i in range(b)]
+        for _ in range(3):
+            logits = torch.randn(b, V, generator=rng) * 4
+            logits[:, : V // 3] = torch.round(logits[:, : V // 3])  # ties
+            if trial % 4 == 0:
+                logits[0, V // 2:] = float("-inf")
+            got = sample_next(logits, params, g_batch, contexts)
+            want = [sample_row(logits[i], params[i], g_rows[i], contexts[i]) for i in range(b)]
+            assert got == want, (trial, params)

@@ -74,32 +74,78 @@ def penalize_repeats(row: torch.Tensor, seen: list[int], penalty: float) -> torc
 
 def sample_next(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator],
                 contexts: list[list[int]] | None = None) -> list[int]:
-    """One next token per row of ``logits [b, V]`` (fp32). ``contexts`` (prompt + generated ids per row)
-    is needed only by rows with a repetition penalty."""
+    """One next token per row of ``logits [b, V]`` (fp32), the batch's rows filtered and drawn together (a few
+    tensor operations, not a few per row). ``contexts`` (prompt + generated ids per row) is needed only by rows
+    with a repetition penalty. Equal, row by row, to ``sample_row`` (tests/test_sampling.py): the same
+    operations along each row, one uniform number from each sampled row's generator."""
     if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
         return logits.argmax(-1).tolist()
-    out = []
-    for i, (row, p, g) in enumerate(zip(logits, params, gens)):
-        if p.repetition_penalty != 1.0 and contexts is not None and contexts[i]:
-            row = penalize_repeats(row, contexts[i], p.repetition_penalty)
-        if p.greedy:
-            out.append(int(row.argmax()))
-            continue
-        scores = row / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_scores, idx = torch.sort(scores, descending=False)
-            cum = sorted_scores.softmax(-1).cumsum(-1)
-            drop = cum <= (1 - p.top_p)
-            drop[-1] = False  # always keep the most likely token
-            scores = scores.scatter(0, idx, sorted_scores.masked_fill(drop, float("-inf")))
-        probs = scores.softmax(-1)
-        if probs.device != g.device:  # a request's generator is made on the CPU (api.make_request): on a GPU
-            probs = probs.to(g.device)  # engine its draw runs there too (measured on an H200: it raised before)
-        out.append(draw(probs, g))
+    if len(params) == 1:  # one row: the row's own operations, without the batch's gathers
+        return [sample_row(logits[0], params[0], gens[0], contexts[0] if contexts is not None else None)]
+    pen = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and contexts is not None and contexts[i]]
+    if pen:
+        logits = logits.clone()
+        for i in pen:
+            logits[i] = penalize_repeats(logits[i], contexts[i], params[i].repetition_penalty)
+    out = logits.argmax(-1).tolist()
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return out
+    ps = [params[i] for i in sampled]
+    rows = torch.tensor(sampled, device=logits.device) if len(sampled) < len(params) else None
+    scores = (logits if rows is None else logits[rows]) / torch.tensor(
+        [p.temperature for p in ps], dtype=logits.dtype, device=logits.device)[:, None]
+    if any(p.top_k > 0 for p in ps):
+        ks = torch.tensor([min(p.top_k, scores.shape[1]) for p in ps], device=scores.device)
+        top = torch.topk(scores, int(ks.max())).values
+        kth = top.gather(1, (ks - 1).clamp_min(0)[:, None])
+        scores = torch.where((ks[:, None] > 0) & (scores < kth), float("-inf"), scores)
+    if any(p.top_p < 1.0 for p in ps):
+        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float64, device=scores.device)[:, None]
+        sorted_scores, idx = torch.sort(scores, dim=1, descending=False, stable=True)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop = (cum <= (1 - top_p).to(cum.dtype)) & (top_p < 1.0)
+        drop[:, -1] = False  # always keep the most likely token
+        scores = scores.scatter(1, idx, sorted_scores.masked_fill(drop, float("-inf")))
+    probs = scores.softmax(-1)
+    cum = probs.to(torch.float64).cumsum(-1)
+    # one uniform number a sampled row, from its own generator (wherever it lives), as ``draw`` takes it
+    u = torch.cat([torch.rand(1, generator=gens[i], device=gens[i].device, dtype=torch.float64).to(cum.device)
+                   for i in sampled])
+    picks = torch.searchsorted(cum, (u[:, None] * cum[:, -1:]).contiguous(), right=True)[:, 0]
+    picks = torch.where(picks >= cum.shape[1], _last_live(probs), picks)  # u * total rounded up to the total
+    for i, tok in zip(sampled, picks.tolist()):
+        out[i] = tok
     return out
+
+
+def _last_live(probs: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs [s, V]``, the last token with any probability (``draw``'s rounding edge)."""
+    pos = torch.arange(probs.shape[1], device=probs.device).expand_as(probs)
+    return torch.where(probs > 0, pos, -1).amax(1)
+
+
+def sample_row(row: torch.Tensor, p: SamplingParams, g: torch.Generator, context: list[int] | None = None) -> int:
+    """The reference for ``sample_next``: one row's next token, filters applied one after another, then
+    ``draw``."""
+    if p.repetition_penalty != 1.0 and context:
+        row = penalize_repeats(row, context, p.repetition_penalty)
+    if p.greedy:
+        return int(row.argmax())
+    scores = row / p.temperature
+    if p.top_k > 0:
+        kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_scores, idx = torch.sort(scores, descending=False, stable=True)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cum <= (1 - p.top_p)
+        drop[-1] = False  # always keep the most likely token
+        scores = scores.scatter(0, idx, sorted_scores.masked_fill(drop, float("-inf")))
+    probs = scores.softmax(-1)
+    if probs.device != g.device:  # a request's generator is made on the CPU (api.make_request)
+        probs = probs.to(g.device)
+    return draw(probs, g)
 
 
 def draw(probs: torch.Tensor, g: torch.Generator) -> int:
