@@ -233,10 +233,13 @@ class KVCacheManager:
 
     def rows(self, seqs: list[SeqKV]) -> np.ndarray:
         """The requests' rows in ``columns``, as an array (remembered for the same list, which the caller does
-        not change: a decode step asks once per layer)."""
+        not change: a decode step asks once per layer; the same rows in the same order give the same array object,
+        step after step, and nobody writes into it)."""
         last, rows = self._rows_of
         if last is not seqs or len(rows) != len(seqs):
-            rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+            new = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+            if not np.array_equal(new, rows):  # the same rows keep the same array: later checks are identity tests
+                rows = new
             self._rows_of = (seqs, rows)
         return rows
 
