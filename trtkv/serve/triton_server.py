@@ -418,6 +418,9 @@ def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
+        # also SIGINT: a server started in the background by a non-interactive shell inherits SIGINT ignored, and
+        # Python then installs no handler of its own (measured: `trtkv serve ... &` from a script never stopped)
+        signal.signal(signal.SIGINT, _interrupt)
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     engine = Engine.load(engine_path)
     status = 0
