@@ -167,16 +167,18 @@ def paged_attention_formats(q: torch.Tensor, sources: list[PagedFormat], sm_scal
     """Decode attention over a layer's pages in one or more formats: ``(parts, logits)``, partials
     ``(out, lse)`` to merge by log-sum-exp and their logits (side by side in the sources' order). Triton: one
     launch for up to three formats, merged inside it (one part); elsewhere one ``paged_attention`` call a format
-    (one part each, merged by the caller in the order it always has been)."""
+    (one part each, merged by the caller in the order it always has been). ``dense_run`` is a promise about
+    the first source only (see ``paged_attention``)."""
     if kernel_impl(q) == "triton":
         from plugins.paged_attention.triton_kernel import paged_attention_formats_triton
 
         out, lse, logits = paged_attention_formats_triton(q, sources, sm_scale, return_logits)
         return [(out, lse)], [logits]
     parts, logits = [], []
-    for s in sources:
+    for i, s in enumerate(sources):
         out, lse, lg = paged_attention(q, s.slot_fields, s.group_fields, s.k_group, s.valid_bits, s.block_table,
-                                       s.fmt_code, sm_scale, s.scale_k, s.scale_v, return_logits, dense_run)
+                                       s.fmt_code, sm_scale, s.scale_k, s.scale_v, return_logits,
+                                       dense_run if i == 0 else None)
         parts.append((out, lse))
         logits.append(lg)
     return parts, logits

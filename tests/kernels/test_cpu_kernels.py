@@ -431,3 +431,28 @@ def test_kernel_mode_is_read_once_per_pinned_block(monkeypatch):
     assert backend.kernel_impl(t) == ("cpu" if backend._cpu_build().cpu_kernels_available() else "reference")
     monkeypatch.setenv("TRTKV_KERNELS", "reference")
     assert backend.kernel_impl(t) == "reference"
+
+
+def test_a_dense_run_applies_to_the_first_source_only(monkeypatch):
+    """``plugins.ops.paged_attention_formats`` off Triton: a lone request's dense page run (the reference then
+    reads a view of the pool) is the first source's; a second source (host-tier pages staged beside them)
+    is read through its own block table."""
+    from plugins import ops
+    from plugins.paged_attention.reference import PagedFormat, paged_attention_ref
+
+    monkeypatch.setenv("TRTKV_KERNELS", "reference")
+    g = torch.Generator().manual_seed(0)
+    B, H, D = 8, 2, 16
+    srcs = []
+    for pages in ([0, 1], [2, 3]):  # the second pool's pages are not at 0: a run read from it would be wrong
+        k, v = (torch.randn(4, B, H, D, generator=g).half() for _ in range(2))
+        bits = torch.full((4,), (1 << B) - 1, dtype=torch.int32)
+        srcs.append(PagedFormat([k, v], [], torch.full((4, B), -1, dtype=torch.int32), bits,
+                                torch.tensor([pages], dtype=torch.int32), 1, 1.0, 1.0))
+    q = torch.randn(1, 4, D, generator=g)
+    parts, _ = ops.paged_attention_formats(q, srcs, 0.25, False, dense_run=(0, 2 * B))
+    for (out, lse), s in zip(parts, srcs):
+        want = paged_attention_ref(q, s.slot_fields, [], s.k_group, s.valid_bits, s.block_table, 1, 0.25, 1.0, 1.0,
+                                   False)
+        torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, want[1], atol=1e-5, rtol=1e-5)
