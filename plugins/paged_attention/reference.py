@@ -170,7 +170,8 @@ def _mask_table(block_size: int, device) -> torch.Tensor:
 def merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``merge_partials`` over a split axis held in one tensor (``out [b,Hq,S,D]``, ``lse [b,Hq,S]``): a fixed
     handful of ops whatever ``S``, not two per split (on a GPU the per-split ops' launches, not the kernel,
-    were most of a batch-1 decode attention call: docs/benchmarks.md, GPU)."""
+    were most of a batch-1 decode attention call: docs/benchmarks.md, GPU). Today's kernel merges inside its
+    launch; the 2026-11-27 kernel that ``gpu_check.sh`` times beside it still calls this."""
     total = torch.logsumexp(lse, dim=2)
     w = torch.nan_to_num(torch.exp(lse - total.clamp_min(-1e30).unsqueeze(-1)), nan=0.0)
     return (w.unsqueeze(-1) * out).sum(2), total

@@ -323,7 +323,8 @@ def paged_attention_formats_triton(q: torch.Tensor, sources: list[PagedFormat], 
     assert Hq == H * G and all(s.block_table.dtype == torch.int32 and s.valid_bits.dtype == torch.int32
                                for s in sources)
     assert all(t.is_contiguous() for s in sources for t in [*s.slot_fields, *s.group_fields, s.valid_bits, s.k_group])
-    sources = [replace(s, block_table=s.block_table.contiguous()) for s in sources]
+    sources = [s if s.block_table.is_contiguous() else replace(s, block_table=s.block_table.contiguous())
+               for s in sources]
     q = q.contiguous()
     main = max(range(len(sources)), key=lambda i: Ps[i])
     cfg = config or launch_config(B, G, D, Ps[main], sources[main].fmt_code, target_cc(q.device))
