@@ -16,6 +16,7 @@ import plugins  # noqa: F401  (registers torch.ops.trtkv.*)
 from trtkv.artifacts.engine_dir import read_manifest, verify_quantized_weights, verify_weights
 from trtkv.artifacts.manifest import EngineManifest
 from trtkv.cache.manager import CacheConfig
+from trtkv.distributed.group import HeadShards, group_for
 from trtkv.errors import TrtkvError
 from trtkv.models.config import ModelArch
 from trtkv.models.cpu_dtype import cpu_compute_dtype
@@ -80,13 +81,15 @@ def _quantized_dense(path: Path, manifest: EngineManifest, model):
 class Engine:
     def __init__(self, path: Path, manifest: EngineManifest, model, tokenizer, policy, cache_cfg: CacheConfig,
                  max_batch: int, kv_amax=None, runtime: str = "torch", onnx_dir: str | Path | None = None,
-                 pack_weights: bool | None = None):
+                 pack_weights: bool | None = None, shard=None):
+        """``shard`` (tensor parallelism): ``(plan, group)``, ``model`` being this rank's slice of the model
+        (trtkv/models/sharding.py)."""
         self.path = path
         self.manifest = manifest
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
-        self.arch: ModelArch = model.arch
+        self.arch: ModelArch = manifest.model.arch if shard is not None else model.arch
         self.eos_ids = list(self.arch.eos_token_id) + (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self.cache_cfg = cache_cfg
@@ -108,7 +111,16 @@ class Engine:
                 pack_weights = os.environ.get("TRTKV_PLAIN_WEIGHTS", "") in ("", "0")
             if pack_weights and packing_available(model):
                 self._dense = packed_decoder(model)
-        self.core = EngineCore(self._dense, policy, cache_cfg, self.eos_ids, tokenizer.decode, kv_amax)
+        self.shards: HeadShards | None = None
+        if shard is not None:
+            from trtkv.models.sharding import TensorParallelDecoder
+
+            plan, group = shard
+            self._dense = TensorParallelDecoder(self._dense, self.arch, plan, group)
+            self.shards = HeadShards(group, plan.heads_sharded, self.arch.num_key_value_heads,
+                                     cache_cfg.num_kv_heads)
+        self.core = EngineCore(self._dense, policy, cache_cfg, self.eos_ids, tokenizer.decode, kv_amax,
+                               shards=self.shards)
         self._sessions = None
         if runtime == "onnxruntime":  # the ONNX export of this engine, run by ONNX Runtime (trtkv/export)
             from trtkv.export import require_onnx
@@ -132,7 +144,8 @@ class Engine:
     def load(cls, path: str | Path, device: str | None = None, verify: bool = True,
              policy_overrides: dict[str, Any] | None = None, cache_overrides: dict[str, Any] | None = None,
              model_cache: dict | None = None, runtime: str = "torch",
-             onnx_dir: str | Path | None = None, pack_weights: bool | None = None) -> "Engine":
+             onnx_dir: str | Path | None = None, pack_weights: bool | None = None, tp: int | None = None
+             ) -> "Engine":
         """Load an engine directory. ``policy_overrides`` replace policy parameters; ``cache_overrides`` the
         load-time cache settings (``max_batch``, ``max_pages``, ``kv_memory``, ``kv_memory_fraction``...; sizes
         like ``"2GiB"`` work).
@@ -141,7 +154,10 @@ class Engine:
         steps from the engine's ONNX export in ``onnx_dir`` (default ``ENGINE/onnx``, exported there when
         missing or stale) with ONNX Runtime; the KV cache then lives in host memory (device ``cpu``).
         ``pack_weights`` (default: yes unless ``TRTKV_PLAIN_WEIGHTS=1``) runs the ``torch`` runtime's fp32 CPU
-        projections on oneDNN-packed copies of the weights (trtkv/models/packed.py)."""
+        projections on oneDNN-packed copies of the weights (trtkv/models/packed.py). ``tp`` (default: the
+        engine's ``--tp``) runs the model on that many tensor-parallel ranks: every rank runs the same program
+        (the ``trtkv`` command starts them; in a script, ``torchrun``) and holds a slice of the weights and of
+        the KV heads (trtkv/models/sharding.py)."""
         if runtime not in RUNTIMES:
             raise TrtkvError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
         if runtime == "onnxruntime":
@@ -157,6 +173,10 @@ class Engine:
             m = m.replace(cache=m.cache.with_settings(cache_overrides))
         files = verify_weights(path, m) if verify else None
         mm = m.model
+        tp = mm.tp if tp is None else tp
+        if tp != 1 and (runtime != "torch" or mm.weights != "dense"):
+            raise TrtkvError(f"--tp {tp} runs dense weights with --runtime torch (not {mm.weights} weights with "
+                             f"--runtime {runtime}); use --tp 1 for that")
         arch, dtype = mm.arch, parse_dtype(mm.dtype)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":
@@ -169,10 +189,20 @@ class Engine:
 
             files = weight_files(path / "weights")
         weights_id = ("synthetic", mm.synthetic_seed) if mm.synthetic else mm.weights_sha256
-        key = (mm.alias, weights_id, str(dtype), str(device), json.dumps(mm.arch.to_dict(), sort_keys=True))
+        group = group_for(tp, str(device))
+        plan = None
+        if group is not None:
+            from trtkv.models.sharding import ShardPlan
+
+            plan = ShardPlan.for_arch(arch, group.rank, group.size)
+        key = (mm.alias, weights_id, str(dtype), str(device), json.dumps(mm.arch.to_dict(), sort_keys=True), plan)
         model = (model_cache or {}).get(key)
         if model is None:
             model = build_model(arch, dtype, device, None if mm.synthetic else files, seed=mm.synthetic_seed or 0)
+            if plan is not None:
+                from trtkv.models.sharding import shard_model
+
+                model = shard_model(model, plan)
             if model_cache is not None:
                 model_cache[key] = model
         tokenizer = load_tokenizer(path / "tokenizer", arch)
@@ -183,7 +213,7 @@ class Engine:
         policy.load_calibration(m.calibration)
         c = m.cache
         cache_cfg = CacheConfig(
-            num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+            num_layers=arch.num_hidden_layers, num_kv_heads=model.arch.num_key_value_heads, head_dim=arch.head_dim,
             block_size=c.block_size, residual_group=policy.residual_group(),
             residual_dtype=torch.float16 if dtype == torch.float32 else dtype, eviction=c.eviction,
             max_pages=c.max_pages, kv_memory=c.kv_memory, kv_memory_fraction=c.kv_memory_fraction,
@@ -191,7 +221,7 @@ class Engine:
         )
         kv_amax = m.kv_amax.to_dict() if m.kv_amax is not None else None
         return cls(path, m, model, tokenizer, policy, cache_cfg, c.max_batch, kv_amax, runtime, onnx_dir,
-                   pack_weights)
+                   pack_weights, None if plan is None else (plan, group))
 
     def make_core(self, policy=None, observers=(), **cache_overrides) -> EngineCore:
         """A new core on this engine's model object (shared weights, its own KV cache): what a tool that
@@ -206,7 +236,8 @@ class Engine:
 
             return OrtEngineCore(self.model, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax,
                                  observers, sessions=self._sessions)
-        return EngineCore(self._dense, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax, observers)
+        return EngineCore(self._dense, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax, observers,
+                          shards=self.shards)
 
     @property
     def quantized_weight_bytes(self) -> int | None:

@@ -90,6 +90,7 @@ class ModelSection:
     weights: str = "dense"  # dense (the dtype's weights) | int8 | int4 (trtkv/models/quantized_weights.py)
     quantized_sha256: str | None = None  # the stored codes' digest (None: dense, or synthetic weights)
     group_size: int | None = None  # int4: inputs sharing one scale
+    tp: int = 1  # tensor-parallel ranks the model runs on by default (trtkv/models/sharding.py)
 
     @classmethod
     def from_dict(cls, s: dict[str, Any], bad: _Bad) -> ModelSection:
@@ -114,18 +115,22 @@ class ModelSection:
         group = _opt(s, "group_size", (int,), bad, "model", "an integer")
         if weights == "int4" and (group is None or group <= 0 or group % 2):
             raise bad("model.group_size", f"must be a positive even integer for int4 weights, got {group!r}")
+        tp = s.get("tp", 1)
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise bad("model.tp", f"must be a positive integer, got {tp!r}")
         return cls(alias=s["alias"], architecture=s["architecture"], arch=arch, dtype=s["dtype"],
                    weights_sha256=sha, source=_opt(s, "source", (dict,), bad, "model", "an object") or {},
                    hf_id=_opt(s, "hf_id", (str,), bad, "model", "a string"), synthetic=synthetic,
                    synthetic_seed=_opt(s, "synthetic_seed", (int,), bad, "model", "an integer"), weights=weights,
-                   quantized_sha256=q_sha, group_size=group)
+                   quantized_sha256=q_sha, group_size=group, tp=tp)
 
     def to_dict(self) -> dict[str, Any]:
         return {"alias": self.alias, "source": self.source, "hf_id": self.hf_id, "architecture": self.architecture,
                 "arch": self.arch.to_dict(), "dtype": self.dtype, "weights_sha256": self.weights_sha256,
                 "synthetic": self.synthetic, "synthetic_seed": self.synthetic_seed,
                 **({} if self.weights == "dense" else {"weights": self.weights, "group_size": self.group_size,
-                                                       "quantized_sha256": self.quantized_sha256})}
+                                                       "quantized_sha256": self.quantized_sha256}),
+                **({} if self.tp == 1 else {"tp": self.tp})}
 
 
 @dataclass(frozen=True)

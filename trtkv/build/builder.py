@@ -34,8 +34,10 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
                  dtype: str | None = None, synthetic: bool = False, calibration: CalibrationArtifact | None = None,
                  device: str = "cpu", force: bool = True, seed: int = 0, quiet: bool = False,
                  calibration_file: str | Path | None = None, calib_prompts: int | None = None,
-                 calib_max_tokens: int | None = None, weights: str = "dense", group_size: int | None = None) -> Path:
+                 calib_max_tokens: int | None = None, weights: str = "dense", group_size: int | None = None,
+                 tp: int = 1) -> Path:
     spec = resolve_model(model)
+    check_tp(tp, weights)
     if weights not in WEIGHT_FORMATS:
         raise TrtkvError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if group_size is not None and weights != "int4":
@@ -118,7 +120,7 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
             model=ModelSection(alias=spec.name, source=spec.source, hf_id=spec.hf_id,
                                architecture=arch.architecture, arch=arch, dtype=dtype, weights_sha256=sha,
                                synthetic=synthetic, synthetic_seed=seed if synthetic else None,
-                               weights=weights, quantized_sha256=q_sha, group_size=group_size),
+                               weights=weights, quantized_sha256=q_sha, group_size=group_size, tp=tp),
             policy=PolicySection(pol.name, pol.params()),
             cache=CacheSection(residual_group=pol.residual_group(), **cache),
             calibration=calibration, kv_amax=kv_amax, trtkv_version=__version__,
@@ -133,6 +135,14 @@ def build_engine(model: str, policy: str, out: Path, budget: int | None = None, 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_tp(tp: int, weights: str) -> None:
+    """``--tp N``: a positive rank count, over dense weights (the quantized decoders are not sharded)."""
+    if not isinstance(tp, int) or tp < 1:
+        raise TrtkvError(f"--tp must be a positive number of ranks, got {tp}")
+    if tp > 1 and weights != "dense":
+        raise TrtkvError(f"--tp {tp} shards dense weights; --weights {weights} runs on one rank (use --tp 1)")
 
 
 def _policy_calibration(model, pol, synthetic, calibration_file, calib_prompts, calib_max_tokens, device, arch,

@@ -147,9 +147,11 @@ class DecoderModel(nn.Module):
         """``x [T, hidden]`` -> post-RoPE ``q [T, Hq, D]``, ``k, v [T, H, D]``."""
         return layer_qkv(x, cos, sin, *self._fused[layer][0])
 
-    def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual + o_proj + MLP. ``attn [T, Hq, D]``."""
-        return layer_finish(x, attn, *self._fused[layer][1])
+    def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor, attn_sum=None, mlp_sum=None
+                     ) -> torch.Tensor:
+        """Residual + o_proj + MLP. ``attn [T, Hq, D]``; ``attn_sum`` / ``mlp_sum`` (tensor parallelism, see
+        trtkv/models/sharding.py) sum the row-parallel o_proj / down_proj partial products across ranks."""
+        return layer_finish(x, attn, *self._fused[layer][1], attn_sum=attn_sum, mlp_sum=mlp_sum)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return head_logits(x, self.model.norm.weight, self.model.norm.eps, self.lm_head.weight)
@@ -169,10 +171,12 @@ def layer_qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_w: tor
 
 
 def layer_finish(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, post_w: torch.Tensor, eps: float,
-                 gu_w: torch.Tensor, ni: int, down_w: torch.Tensor) -> torch.Tensor:
-    x = x + _linear(attn.reshape(attn.shape[0], -1).to(x.dtype), o_w)
+                 gu_w: torch.Tensor, ni: int, down_w: torch.Tensor, attn_sum=None, mlp_sum=None) -> torch.Tensor:
+    o = _linear(attn.reshape(attn.shape[0], -1).to(x.dtype), o_w)
+    x = x + (o if attn_sum is None else attn_sum(o))
     gu = _linear(rms_norm(x, post_w, eps), gu_w)
-    return x + _linear(F.silu(gu[:, :ni]) * gu[:, ni:], down_w)
+    d = _linear(F.silu(gu[:, :ni]) * gu[:, ni:], down_w)
+    return x + (d if mlp_sum is None else mlp_sum(d))
 
 
 def head_logits(x: torch.Tensor, norm_w: torch.Tensor, eps: float, head_w: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,9 @@ class ReweightedDecoder:
     def qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return layer_qkv(x, cos, sin, *self._fused[layer][0])
 
-    def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        return layer_finish(x, attn, *self._fused[layer][1])
+    def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor, attn_sum=None, mlp_sum=None
+                     ) -> torch.Tensor:
+        return layer_finish(x, attn, *self._fused[layer][1], attn_sum=attn_sum, mlp_sum=mlp_sum)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         norm = self._model.model.norm

@@ -11,6 +11,7 @@ from plugins.buffer_attention.reference import dense_partial
 from plugins.paged_attention.reference import PagedFormat, merge_partials
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.manager import KVCacheManager, SeqKV
+from trtkv.distributed.group import HeadShards
 from trtkv.policies.base import BatchLayerStats, LayerStats
 
 LN_ONE_PERCENT = math.log(0.01)
@@ -67,14 +68,15 @@ def batch_row_stats(logits: torch.Tensor, lse: torch.Tensor, num_kv_heads: int, 
 
 def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: torch.Tensor, sm_scale: float,
                      want_stats: list[bool], want_sparsity: list[bool], staged: list | None = None,
-                     clock=None, batch_form: bool = False
+                     clock=None, batch_form: bool = False, shards: HeadShards | None = None
                      ) -> tuple[torch.Tensor, list[LayerStats | None] | BatchLayerStats | None]:
     """``staged``: the host tiers' pages of this layer copied to the device (``runtime/staging.py``), as
     ``(pool, block_table, scales)``; attended by the same plugin and merged like another format.
     ``clock`` (``trtkv bench --profile``): kernels and merge are "attention", block tables and positions
     "bookkeeping", the statistics the policy asked for "policy". ``batch_form`` (every request wants the
     weights alone): the statistics come back as one ``BatchLayerStats`` instead of one ``LayerStats`` a
-    request."""
+    request. ``shards`` (tensor parallelism): the statistics cover every rank's heads (one gather of the logits
+    and log-sum-exps), so every rank's policy sees what one rank would."""
     lap = clock.switch if clock is not None else _no_clock
     parts, logit_parts = [], []
     any_stats = any(want_stats) or any(want_sparsity)
@@ -119,11 +121,15 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     if any_stats:
         logits = torch.cat([lg for lg, _ in logit_parts], dim=-1)
         positions = np.concatenate([p for _, p in logit_parts], axis=1)
+        lse_all, num_kv_heads = lse, cache.cfg.num_kv_heads
+        if shards is not None:
+            logits = shards.gather(logits, 1)
+            lse_all, num_kv_heads = shards.gather(lse, 1), shards.num_kv_heads
         want = [i for i in range(len(seqs)) if want_stats[i] or want_sparsity[i]]
         rows = torch.tensor(want) if len(want) < len(seqs) else None
         lg_w = logits if rows is None else logits[rows]
         sparse = any(want_sparsity[i] for i in want)
-        w, sh, u = batch_row_stats(lg_w, lse if rows is None else lse[rows], cache.cfg.num_kv_heads, sparse)
+        w, sh, u = batch_row_stats(lg_w, lse_all if rows is None else lse_all[rows], num_kv_heads, sparse)
         u = u.tolist() if sparse else [None] * len(want)
         pos_w, w, lg_w, counts = live_first(positions if rows is None else positions[want], w, lg_w)
         if batch_form and rows is None:

@@ -12,11 +12,13 @@ import numpy as np
 import torch
 
 from trtkv.cache.manager import KVCacheManager, SeqKV
+from trtkv.distributed.group import HeadShards
 
 
 class RequestContext:
     def __init__(self, req_id: int, prompt_len: int, cache: KVCacheManager, seq: SeqKV, num_layers: int,
-                 num_q_heads: int | None = None):
+                 num_q_heads: int | None = None, shards: HeadShards | None = None):
+        """``shards`` (tensor parallelism): the cache holds this rank's KV heads; reads give every head."""
         self.req_id = req_id
         self.prompt_len = prompt_len
         self.step = -1  # decode index of the token being processed (-1 during prefill)
@@ -24,6 +26,7 @@ class RequestContext:
         self._seq = seq
         self._num_layers = num_layers
         self._num_q_heads = num_q_heads or cache.cfg.num_kv_heads
+        self._shards = shards
         self.state: Any = None  # the policy's per-request State, owned by the policy base
         self.tree: Any = None  # the search tree this request is a node of (runtime/tree.py), else None
         self._seqs_of: tuple[list | None, list[SeqKV]] = (None, [])  # num_live_many's last batch
@@ -35,7 +38,7 @@ class RequestContext:
 
     @property
     def num_kv_heads(self) -> int:
-        return self._cache.cfg.num_kv_heads
+        return self._cache.cfg.num_kv_heads if self._shards is None else self._shards.num_kv_heads
 
     @property
     def num_q_heads(self) -> int:
@@ -82,6 +85,14 @@ class RequestContext:
 
     # --- reads and actions --------------------------------------------------------------------
     def kv(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self._local_kv(layer, positions)
+        if self._shards is None:
+            return k, v
+        kv = self._shards.gather(torch.stack([k, v]), 2)  # one collective for both
+        return kv[0], kv[1]
+
+    def _local_kv(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv`` of this rank's heads."""
         positions = np.asarray(positions, dtype=np.int64)
         seq = self._seq
         buf = seq.buffered_positions(layer)
@@ -100,7 +111,8 @@ class RequestContext:
         return out_k, out_v
 
     def keys(self, layer: int, positions) -> torch.Tensor:
-        return self.kv(layer, positions)[0]
+        k = self._local_kv(layer, positions)[0]
+        return k if self._shards is None else self._shards.gather(k, 1)
 
     def keys_many(self, layer: int, jobs: list[tuple["RequestContext", Any]]) -> list[torch.Tensor]:
         """``keys`` of several requests of this one's batch (same cache), one read per format for all the
@@ -112,13 +124,16 @@ class RequestContext:
             positions = np.asarray(positions, dtype=np.int64)
             buf = req._seq.buffered_positions(layer)
             if len(buf) and not set(buf).isdisjoint(positions.tolist()):  # (np.isin: ~50 us a call)
-                out[j] = req.keys(layer, positions)
+                out[j] = req._local_kv(layer, positions)[0]
             else:
                 paged.append((j, req._seq, positions))
         read = self._cache.gather_kv_many(layer, [(seq, pos) for _, seq, pos in paged], keys_only=True)
         for (j, _, _), (k, _) in zip(paged, read):
             out[j] = k
-        return out
+        if self._shards is None or not out:
+            return out
+        every = self._shards.gather(torch.cat(out), 1)  # one collective for every job's keys
+        return list(every.split([len(k) for k in out]))
 
     def _bookkeeping(self, run, *args):
         """``run(*args)`` timed as the cache's bookkeeping: the policy decided, executing it is the cache's work

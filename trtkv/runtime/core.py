@@ -19,6 +19,7 @@ from plugins import backend as plugin_backend
 from trtkv.cache.manager import CacheConfig, KVCacheManager, fp16_bytes_per_token
 from trtkv.cache.budget import useful_pages
 from trtkv.cache.write_plan import WritePlan
+from trtkv.distributed.group import HeadShards
 from trtkv.models.decoder import DecoderModel
 from trtkv.policies.base import KVPolicy, LayerStats, StatsRequest, StepStats
 from trtkv.runtime.attention import decode_attention, row_stats
@@ -63,8 +64,12 @@ class EngineCore:
     """One model, one policy, one KV cache. Tools watch it through ``observers`` (see runtime/observers.py)."""
 
     def __init__(self, model: DecoderModel, policy: KVPolicy, cache_cfg: CacheConfig, eos_ids: list[int],
-                 decode_text, kv_amax=None, observers: Sequence[EngineObserver] = ()):
+                 decode_text, kv_amax=None, observers: Sequence[EngineObserver] = (),
+                 shards: HeadShards | None = None):
+        """``shards`` (tensor parallelism): this rank's KV heads of the model's; ``model`` then computes this
+        rank's slice and ``cache_cfg`` holds its heads (trtkv/models/sharding.py)."""
         self.model = model
+        self.shards = shards
         self.arch = model.arch
         self.policy = policy
         policy.bind_model(self.arch)
@@ -112,11 +117,20 @@ class EngineCore:
     def _begin_prefill(self, req: Request) -> tuple[RequestContext, StatsRequest]:
         """The request's cache sequence and context, the policy's ``begin``, its prefill statistics request."""
         seq = self.cache.add_sequence(req.req_id)
-        ctx = RequestContext(req.req_id, req.prompt_len, self.cache, seq, self.arch.num_hidden_layers,
-                             self.arch.num_attention_heads)
+        ctx = self.new_context(req.req_id, req.prompt_len, seq)
         req.ctx = ctx
         self.policy.begin(ctx)
         return ctx, self.policy.stats_request(ctx, "prefill") or StatsRequest()
+
+    def new_context(self, req_id: int, prompt_len: int, seq) -> RequestContext:
+        """The request API over ``seq`` (a request's, or a fork's, cache sequence)."""
+        return RequestContext(req_id, prompt_len, self.cache, seq, self.arch.num_hidden_layers,
+                              self.arch.num_attention_heads, self.shards)
+
+    def sample(self, logits: torch.Tensor, params, gens, contexts) -> list[int]:
+        """``sample_next`` of the batch; under tensor parallelism rank 0's draws, so every rank decodes alike."""
+        toks = sample_next(logits, params, gens, contexts)
+        return toks if self.shards is None else self.shards.agree(toks)
 
     def _end_prefill(self, req: Request, logits: torch.Tensor, stats: StepStats) -> None:
         """After the prompt is in the cache: observers, the first sampled token, the policy's prefill end."""
@@ -124,7 +138,7 @@ class EngineCore:
         req.last_logits = logits[0]  # what a fork of this request samples its first token from
         for o in self.observers:
             o.on_prefill(req, logits, stats)
-        tok = sample_next(logits, [req.params], [req.generator], [req.prompt_ids])[0]
+        tok = self.sample(logits, [req.params], [req.generator], [req.prompt_ids])[0]
         req.t_first = time.perf_counter()
         ctx.step = 0
         self._append_token(req, tok)
@@ -151,7 +165,8 @@ class EngineCore:
                                                   enable_gqa=True)[0].transpose(0, 1)
             self._store_prompt(seq, layer, k, v, pos_list, (fmt, thought), seg)
             if (sreq.weights or sreq.sparsity or sreq.prefill_window) and (sreq.layers is None or layer in sreq.layers):
-                stats.layers[layer] = self._prefill_stats(q, k, max(sreq.prefill_window, 1))
+                qs, ks = (q, k) if self.shards is None else (self.shards.gather(q, 1), self.shards.gather(k, 1))
+                stats.layers[layer] = self._prefill_stats(qs, ks, max(sreq.prefill_window, 1))
             x = self.model.finish_layer(layer, x, attn)
         self._end_prefill(req, self.model.logits(x[-1:]), stats)
 
@@ -317,7 +332,7 @@ class EngineCore:
         out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
                                        [True] * len(seqs) if force else want_w,
                                        [True] * len(seqs) if force and fs.sparsity else want_s, staged, clk,
-                                       batch_form=step.batch is not None)
+                                       batch_form=step.batch is not None, shards=self.shards)
         if staged is not None:
             self.staging.release(layer)
         if step.batch is not None:
@@ -325,6 +340,8 @@ class EngineCore:
             return out
         if not (any_want or force):
             return out
+        if any(want_q) and self.shards is not None:
+            q = self.shards.gather(q, 1)
         for i, ls in enumerate(lstats):
             if ls is not None:
                 if want_w[i] or want_s[i]:  # a policy sees only the layers it asked for, forced or not
@@ -366,7 +383,7 @@ class EngineCore:
         for o in self.observers:
             o.on_decode(reqs, logits, forced if forced is not None else stats)
         contexts = [r.prompt_ids + r.generated if r.params.repetition_penalty != 1.0 else [] for r in reqs]
-        toks = sample_next(logits, [r.params for r in reqs], [r.generator for r in reqs], contexts)
+        toks = self.sample(logits, [r.params for r in reqs], [r.generator for r in reqs], contexts)
         self.steps_total += 1
         seqs = [c.seq for c in ctxs]
         attended = self.cache.num_live_many(seqs, 0).tolist()  # what this step attended
@@ -454,8 +471,9 @@ class EngineCore:
             "prompt_tokens": req.prompt_len,
             "generated_tokens": len(req.generated),
             "kv_bytes": self.cache.seq_bytes(seq),
+            # (this rank's heads under tensor parallelism, as kv_bytes)
             "kv_bytes_full": tokens_held * fp16_bytes_per_token(self.arch.num_hidden_layers,
-                                                                self.arch.num_key_value_heads, self.arch.head_dim),
+                                                                self.cache.cfg.num_kv_heads, self.arch.head_dim),
             "peak_kv_bytes": seq.peak_bytes,
             "tokens_per_s": (req.decode_steps / elapsed) if elapsed > 0 else 0.0,
             "live_tokens": req.ctx.num_live(0),

@@ -12,10 +12,9 @@ import time
 
 import torch
 
-from trtkv.runtime.context import RequestContext
 from trtkv.runtime.core import EngineCore
 from trtkv.runtime.request import Request
-from trtkv.runtime.sampling import SamplingParams, make_generator, sample_next
+from trtkv.runtime.sampling import SamplingParams, make_generator
 
 
 def written_ids(req: Request) -> list[int]:
@@ -35,15 +34,14 @@ def fork_request(core: EngineCore, parent: Request, params: SamplingParams, gene
     child = Request(rid, parent.prompt, ctx_ids, params, generator, core.arch.max_position_embeddings)
     child.events = parent.events.__class__() if parent.events is not None else None
     seq = core.cache.fork(parent.ctx.seq, rid, mode)
-    ctx = RequestContext(rid, len(ctx_ids), core.cache, seq, core.arch.num_hidden_layers,
-                         core.arch.num_attention_heads)
+    ctx = core.new_context(rid, len(ctx_ids), seq)
     ctx.tree = parent.ctx.tree
     child.ctx = ctx
     core.policy.fork(parent.ctx, ctx)
     child.last_logits = parent.last_logits
     if first_token is None:
         ctxt = [ctx_ids] if params.repetition_penalty != 1.0 else None
-        first_token = sample_next(parent.last_logits[None], [params], [generator], ctxt)[0]
+        first_token = core.sample(parent.last_logits[None], [params], [generator], ctxt)[0]
     child.t_first = time.perf_counter()
     ctx.step = 0
     core._append_token(child, first_token)
