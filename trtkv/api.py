@@ -2,6 +2,7 @@
 and a thread-safe ``submit`` with a background scheduler loop for servers (continuous batching)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -16,7 +17,7 @@ import plugins  # noqa: F401  (registers torch.ops.trtkv.*)
 from trtkv.artifacts.engine_dir import read_manifest, verify_quantized_weights, verify_weights
 from trtkv.artifacts.manifest import EngineManifest
 from trtkv.cache.manager import CacheConfig
-from trtkv.distributed.group import HeadShards, group_for
+from trtkv.distributed.group import HeadShards, RankLost, group_for
 from trtkv.errors import TrtkvError
 from trtkv.models.config import ModelArch
 from trtkv.models.cpu_dtype import cpu_compute_dtype
@@ -38,8 +39,9 @@ __all__ = ["Engine", "SamplingParams", "GenerationResult", "StreamEvent", "Reque
 class RequestHandle:
     """Iterate for ``StreamEvent``s of one submitted request (blocks until the next tokens)."""
 
-    def __init__(self, req: Request):
+    def __init__(self, req: Request, on_cancel=None):
         self._req = req
+        self._on_cancel = on_cancel  # the engine's, when a cancel must wait for its loop (tensor parallelism)
 
     @property
     def request_id(self) -> int:
@@ -53,7 +55,10 @@ class RequestHandle:
                 return
 
     def cancel(self) -> None:
-        self._req.cancelled = True
+        if self._on_cancel is not None:
+            self._on_cancel(self._req)
+        else:
+            self._req.cancelled = True
 
     def result(self) -> GenerationResult:
         for ev in self:
@@ -112,6 +117,8 @@ class Engine:
             if pack_weights and packing_available(model):
                 self._dense = packed_decoder(model)
         self.shards: HeadShards | None = None
+        self.group = None if shard is None else shard[1]  # the tensor-parallel group (trtkv/distributed)
+        self.failure: str | None = None  # why the background loop stopped for good (a rank was lost)
         if shard is not None:
             from trtkv.models.sharding import TensorParallelDecoder
 
@@ -137,7 +144,13 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._cancels: queue.Queue[int] = queue.Queue()  # tensor parallelism: cancels the loop applies
         self.requests_total = 0
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks this engine runs on."""
+        return 1 if self.group is None else self.group.size
 
     # --- loading ----------------------------------------------------------------------------
     @classmethod
@@ -285,18 +298,22 @@ class Engine:
                 r.events.put(StreamEvent(delta, ids, fin, r.result if fin else None,
                                          error=r.error if fin else None))
 
-    def _step(self) -> None:
+    def _step(self, emit: bool = True) -> None:
         before = list(self.scheduler.running) + list(self.scheduler.waiting)
         try:
             done = self.scheduler.step()
+        except RankLost:  # the group is gone: nothing more can run
+            raise
         except TrtkvError as e:  # e.g. out of KV memory: fail the running requests, keep the engine alive
-            done = self._fail_all(str(e))
-        self._emit(before, done)
+            done = self._fail_all(str(e), emit)
+        if emit:
+            self._emit(before, done)
 
-    def _fail_all(self, msg: str) -> list[Request]:
+    def _fail_all(self, msg: str, emit: bool = True) -> list[Request]:
         for r in self.scheduler.drop_running():
             self.core.abort(r, msg)
-            r.events.put(StreamEvent("", [], True, r.result, error=msg))
+            if emit:
+                r.events.put(StreamEvent("", [], True, r.result, error=msg))
         return []
 
     def generate(self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None
@@ -368,28 +385,74 @@ class Engine:
         return self._enqueue(req)
 
     def _enqueue(self, req: Request) -> RequestHandle:
+        if self.failure is not None:
+            raise TrtkvError(self.failure)
         self._inbox.put(req)
         self._wake.set()
-        return RequestHandle(req)
+        return RequestHandle(req, None if self.group is None else self._cancel_later)
+
+    def _cancel_later(self, req: Request) -> None:
+        self._cancels.put(req.req_id)
+        self._wake.set()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            while True:
-                try:
-                    r = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                self.scheduler.add(r)
-                self.requests_total += 1
-            if not self.scheduler.has_work:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
+        try:
+            while not self._stop.is_set():
+                new = _drain(self._inbox)
+                if self.group is not None:  # every rank admits and cancels the same requests before the same step
+                    cancels = _drain(self._cancels)
+                    self.group.broadcast_object(Tick([RequestSpec.of(r) for r in new], cancels))
+                    self._apply_cancels(cancels)
+                for r in new:
+                    self.scheduler.add(r)
+                    self.requests_total += 1
+                if not self.scheduler.has_work:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                with self._lock:
+                    try:
+                        self._step()
+                    except RankLost:
+                        raise
+                    except Exception as e:  # never let one bad step kill the server's engine thread
+                        if self.group is not None:  # the ranks may now disagree: stop rather than diverge
+                            raise
+                        self._fail_all(f"internal error: {type(e).__name__}: {e}")
+            if self.group is not None:
+                self.group.broadcast_object(Tick([], [], stop=True))
+        except Exception as e:  # a lost rank (or a step that failed under tensor parallelism): the engine stops
+            self.failure = str(e) if isinstance(e, RankLost) else f"internal error: {type(e).__name__}: {e}"
             with self._lock:
-                try:
-                    self._step()
-                except Exception as e:  # never let one bad step kill the server's engine thread
-                    self._fail_all(f"internal error: {type(e).__name__}: {e}")
+                self._fail_all(self.failure)
+                for r in self.scheduler.drop_waiting():
+                    r.events.put(StreamEvent("", [], True, None, error=self.failure))
+                for r in _drain(self._inbox):
+                    r.events.put(StreamEvent("", [], True, None, error=self.failure))
+
+    def _apply_cancels(self, ids: list[int]) -> None:
+        if ids:
+            wanted = set(ids)
+            for r in (*self.scheduler.running, *self.scheduler.waiting):
+                if r.req_id in wanted:
+                    r.cancelled = True
+
+    def follow(self) -> None:
+        """Tensor-parallel ranks other than 0 under a server: admit, cancel and step what rank 0's background loop
+        does, tick by tick, until it stops (returns) or the group breaks (``RankLost``)."""
+        from trtkv.runtime.sampling import make_generator
+
+        limit = self.arch.max_position_embeddings
+        while True:
+            tick: Tick = self.group.broadcast_object()
+            if tick.stop:
+                return
+            self._apply_cancels(tick.cancels)
+            for spec in tick.requests:
+                self.scheduler.add(Request(spec.req_id, spec.prompt, spec.prompt_ids, spec.params,
+                                           make_generator(spec.params.seed), limit))
+            if self.scheduler.has_work:
+                self._step(emit=False)
 
     def metrics(self) -> dict[str, Any]:
         cache = self.core.cache
@@ -406,8 +469,39 @@ class Engine:
                 "requests_total": self.requests_total, "kv_pool_bytes": cache.pool_bytes()}
 
     def shutdown(self) -> None:
+        """Stop the background loop (under tensor parallelism it tells the other ranks' ``follow`` to return)."""
         if self._thread is not None:
             self._stop.set()
             self._wake.set()
             self._thread.join(timeout=10)
             self._thread = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    """What another rank needs to run the same request: its id, prompt and sampling parameters."""
+    req_id: int
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+    @classmethod
+    def of(cls, req: Request) -> "RequestSpec":
+        return cls(req.req_id, req.prompt, list(req.prompt_ids), req.params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    """One turn of a tensor-parallel server's loop, broadcast by rank 0: requests admitted, ids cancelled."""
+    requests: list[RequestSpec]
+    cancels: list[int]
+    stop: bool = False
+
+
+def _drain(q: queue.Queue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out

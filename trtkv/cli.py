@@ -45,6 +45,29 @@ def main() -> None:
     """Build, run, measure and serve reasoning LLMs with compressed KV caches."""
 
 
+# --- tensor parallelism -------------------------------------------------------------------------
+def rank_out(out: Path | None) -> Path | None:
+    from trtkv.distributed.launch import rank_out as private
+
+    return private(out)
+
+
+def tp_option(f):
+    return click.option("--tp", type=int, default=None, metavar="N",
+                        help="Tensor-parallel ranks (processes, one per GPU on CUDA) [the engine's --tp, else 1].")(f)
+
+
+def join_ranks(tp: int | None, engines: list[Path], device: str | None = None) -> int:
+    """The tensor-parallel size a command runs with (``--tp``, else the engines' own), its ranks started (this
+    process is rank 0) or joined (a rank trtkv or ``torchrun`` started)."""
+    from trtkv.artifacts.engine_dir import engine_tp
+    from trtkv.distributed.launch import join_ranks as join
+
+    tp = engine_tp(tp, engines)
+    join(tp, device)
+    return tp
+
+
 # --- models -------------------------------------------------------------------------------------
 @main.group()
 def models() -> None:
@@ -128,8 +151,10 @@ def policies_list(as_json: bool) -> None:
               help="ThinKV: tokens generated per calibration prompt [192 on CPU, 2048 on GPU].")
 @click.option("--kv-memory", default=None, metavar="SIZE",
               help="KV memory the cache pools may hold (e.g. 2GiB); same as --set kv_memory=SIZE.")
+@click.option("--tp", type=int, default=1, show_default=True, metavar="N",
+              help="Tensor-parallel ranks the engine runs on by default (generate, bench, eval, search, serve).")
 def build(model, policy, budget, sets, out, dtype, weights, group_size, synthetic_weights, seed, calibration_file,
-          calib_prompts, calib_max_tokens, kv_memory) -> None:
+          calib_prompts, calib_max_tokens, kv_memory, tp) -> None:
     """Build an engine directory for MODEL and POLICY.
 
     --set takes policy parameters and the cache settings block_size, eviction, max_batch, max_pages, kv_memory,
@@ -148,7 +173,7 @@ def build(model, policy, budget, sets, out, dtype, weights, group_size, syntheti
     path = build_engine(model, policy, out, budget=budget, settings=settings, dtype=dtype,
                         synthetic=synthetic_weights, seed=seed, calibration_file=calibration_file,
                         calib_prompts=calib_prompts, calib_max_tokens=calib_max_tokens, weights=weights,
-                        group_size=group_size)
+                        group_size=group_size, tp=tp)
     click.echo(f"engine written to {path}")
 
 
@@ -178,8 +203,9 @@ def build(model, policy, budget, sets, out, dtype, weights, group_size, syntheti
               "torch.compile; or ONNX Runtime on the engine's ONNX export.")
 @click.option("--onnx-dir", type=click.Path(path_type=Path), default=None,
               help="--runtime onnxruntime: the export directory [ENGINE/onnx, exported there when missing].")
+@tp_option
 def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, raw, ignore_eos,
-             as_json, kv_memory, host_kv_memory, demote, sets, runtime, onnx_dir) -> None:
+             as_json, kv_memory, host_kv_memory, demote, sets, runtime, onnx_dir, tp) -> None:
     """Generate text with ENGINE (streams to the terminal)."""
     from trtkv.api import Engine, SamplingParams
     from trtkv.settings import parse_sets, split_settings
@@ -195,8 +221,9 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
         if k in overrides:
             raise TrtkvError(f"give {k} once: --{k.replace('_', '-')} or --set {k}, not both")
         overrides[k] = v
+    tp = join_ranks(tp, [engine])
     eng = Engine.load(engine, cache_overrides=overrides or None, policy_overrides=policy_overrides or None,
-                      runtime=runtime, onnx_dir=onnx_dir)
+                      runtime=runtime, onnx_dir=onnx_dir, tp=tp)
     if as_json:
         res = eng.generate(prompt, params)[0]
         click.echo(json.dumps(res.to_dict()))
@@ -337,8 +364,9 @@ def _command_line(name: str) -> str | None:
 @click.option("--runtime", default="torch", show_default=True, metavar="NAMES",
               help="torch, torch-compile, onnxruntime, or several comma-separated (each engine runs under each, "
                    "interleaved).")
+@tp_option
 def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, requests, host_kv_memory, repeat, prompt_source,
-          sets, device, seed, no_warmup, profile, out, runtime) -> None:
+          sets, device, seed, no_warmup, profile, out, runtime, tp) -> None:
     """Latency, throughput and KV memory of ENGINES over batch sizes, measured in one run."""
     from trtkv.bench import BenchConfig, load_engines, parse_batch_sizes, parse_size, run_bench
     from trtkv.bench.records import parse_requests
@@ -360,9 +388,10 @@ def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, requests, host_k
     if profile and "onnxruntime" in runtimes:
         raise TrtkvError("--profile splits the PyTorch runtime's decode step; ONNX Runtime runs it as one graph: "
                          "profile with --runtime torch")
-    loaded = load_engines(list(engines), device=device, policy_overrides=sets or None, runtimes=runtimes)
+    tp = join_ranks(tp, list(engines), device)
+    loaded = load_engines(list(engines), device=device, policy_overrides=sets or None, runtimes=runtimes, tp=tp)
     doc = run_bench(loaded, cfg, command=_command_line("bench"))
-    written = write_results(doc, out)
+    written = write_results(doc, rank_out(out))
     print_bench(doc)
     click.echo(f"results written to {out}/ ({', '.join(p.name for p in written)})")
 
@@ -391,8 +420,9 @@ def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, requests, host_k
               help="Policy parameter override applied to every engine (repeatable).")
 @click.option("--device", default=None, help="cpu or cuda [cuda when available].")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Directory for results.json and plots.")
+@tp_option
 def eval_cmd(engines, task, data, limit, max_tokens, samples, temperature, top_p, seed, reference, recall_layers,
-             topk, batch, sets, device, out) -> None:
+             topk, batch, sets, device, out, tp) -> None:
     """Fidelity against a full cache, or accuracy on a math task, of ENGINES."""
     from trtkv.bench.runner import load_engines, machine_info
     from trtkv.eval import DataFileNotFoundError, load_problems, load_traces
@@ -412,8 +442,10 @@ def eval_cmd(engines, task, data, limit, max_tokens, samples, temperature, top_p
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise TrtkvError(f"cannot read the {task} data ({type(e).__name__}: {e})") from None
     overrides = parse_sets(sets) or None
-    loaded = load_engines(list(engines), device=device, policy_overrides=overrides)
-    ref = load_engines([reference], device=device)[0] if reference is not None else None
+    tp = join_ranks(tp, list(engines) + ([reference] if reference is not None else []), device)
+    out = rank_out(out)
+    loaded = load_engines(list(engines), device=device, policy_overrides=overrides, tp=tp)
+    ref = load_engines([reference], device=device, tp=tp)[0] if reference is not None else None
     cfg = {"task": task, "data": str(data) if data else None, "limit": limit, "seed": seed}
     if task == "fidelity":
         cfg.update(max_tokens=max_tokens or 1024, recall_layers=recall_layers, topk=topk, batch=batch or 4)
@@ -468,8 +500,9 @@ def eval_merge_cmd(runs, out) -> None:
 @click.option("--device", default=None, help="cpu or cuda [cuda when available].")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="Directory for results.json, results.csv, timelines.json and live_kv.png.")
+@tp_option
 def search_cmd(engine, task, limit, data, preset, branching, depth, expansions, node_tokens, temperature, top_p,
-               seed, oracle, chat, shard, sets, device, out) -> None:
+               seed, oracle, chat, shard, sets, device, out, tp) -> None:
     """Tree-of-thought search with ENGINE's policy over a task's problems (forks share the path's pages)."""
     from trtkv.api import Engine
     from trtkv.search import SearchConfig, get_task
@@ -486,7 +519,8 @@ def search_cmd(engine, task, limit, data, preset, branching, depth, expansions, 
         assert 0 <= si < sn
     except (ValueError, AssertionError):
         raise TrtkvError(f"--shard must be I/N with 0 <= I < N, got {shard!r}") from None
-    eng = Engine.load(engine, device=device, policy_overrides=parse_sets(sets) or None)
+    tp = join_ranks(tp, [engine], device)
+    eng = Engine.load(engine, device=device, policy_overrides=parse_sets(sets) or None, tp=tp)
 
     def progress(i, n, rec):
         click.echo(f"[{i}/{n}] {rec['problem']}: correct={rec['correct']} expansions={rec['expansions']} "
@@ -495,7 +529,7 @@ def search_cmd(engine, task, limit, data, preset, branching, depth, expansions, 
 
     doc = run_search_task(eng, task, cfg, limit, data, oracle, progress, (si, sn))
     doc["command"] = _command_line("search")
-    written = write_search(out, doc)
+    written = write_search(rank_out(out), doc)
     s = doc["summary"]
     click.echo(f"{task}: {s['correct']}/{s['problems']} correct; peak cached tokens mean "
                f"{s['peak_cached_tokens_mean']:.0f} (max {s['peak_cached_tokens_max']}); peak KV bytes mean "

@@ -69,3 +69,15 @@ def write_manifest(path: Path, manifest: EngineManifest) -> None:
     tmp = path / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
     tmp.replace(path / MANIFEST)
+
+
+def engine_tp(tp: int | None, engines: list) -> int:
+    """The tensor-parallel ranks a command runs ``engines`` on: ``tp`` when given, else their ``--tp`` (one value
+    for all of them; 1 when none is an engine directory yet, so a bad path fails where it is read)."""
+    if tp is not None:
+        return tp
+    sizes = {read_manifest(e).model.tp for e in engines if Path(e).is_dir()}
+    if len(sizes) > 1:
+        raise TrtkvError(f"the engines were built for different --tp ({', '.join(map(str, sorted(sizes)))}); "
+                         "pass --tp N")
+    return sizes.pop() if sizes else 1

@@ -33,7 +33,8 @@ class BenchEngine:
 
 
 def load_engines(paths: list[Path], device: str | None = None, policy_overrides: dict[str, Any] | None = None,
-                 share_weights: bool = True, runtimes: tuple[str, ...] = ("torch",)) -> list[BenchEngine]:
+                 share_weights: bool = True, runtimes: tuple[str, ...] = ("torch",), tp: int | None = None
+                 ) -> list[BenchEngine]:
     """Load every engine (checking all paths first, so a typo fails before minutes of loading).
 
     ``policy_overrides`` (``--set``) go to each engine whose policy has that parameter (so a ThinKV-only
@@ -41,7 +42,8 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
     value ``@FILE`` is replaced by the file's text. With
     ``share_weights``, engines of the same model, weights and dtype share one model object: one copy of the
     weights exists (what lets several 8B engines share one GPU). Each engine is loaded once per runtime in
-    ``runtimes`` (``torch``, ``onnxruntime``), labelled ``LABEL@RUNTIME`` when there are several."""
+    ``runtimes`` (``torch``, ``onnxruntime``), labelled ``LABEL@RUNTIME`` when there are several. ``tp``: the
+    tensor-parallel ranks every engine runs on (default: each engine's own)."""
     from trtkv.api import Engine
     from trtkv.artifacts.engine_dir import read_manifest
     from trtkv.policies import POLICIES, policy_fields
@@ -68,7 +70,7 @@ def load_engines(paths: list[Path], device: str | None = None, policy_overrides:
     for lbl, p, ov in zip(_labels(paths), paths, per_engine):
         for rt in runtimes:
             eng = Engine.load(p, device=device, policy_overrides=ov, model_cache=shared,
-                              cache_overrides=_share_of_device(cache_ov, len(out), n), runtime=rt)
+                              cache_overrides=_share_of_device(cache_ov, len(out), n), runtime=rt, tp=tp)
             out.append(BenchEngine(f"{lbl}@{rt}" if len(runtimes) > 1 else lbl, Path(p), eng))
     return out
 

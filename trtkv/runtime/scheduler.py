@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from trtkv.cache.budget import groups_needed, never_fits_message, pages_needed
+from trtkv.distributed.group import RankLost
 from trtkv.errors import OutOfKVMemory, TrtkvError
 from trtkv.runtime.core import EngineCore
 from trtkv.runtime.forking import spawn_samples
@@ -66,6 +67,12 @@ class Scheduler:
         out, self._running = self._running, []
         for r in out:
             self._stopped(r)
+        return out
+
+    def drop_waiting(self) -> list[Request]:
+        """Forget every waiting request (the caller fails them); returns them."""
+        out = list(self.waiting)
+        self.waiting.clear()
         return out
 
     # --- admission ------------------------------------------------------------------------------
@@ -193,6 +200,8 @@ class Scheduler:
                     failed.append(blame)
                     continue
                 return failed + self._fail_prefill(req, e)
+            except RankLost:  # not the request's fault: the tensor-parallel group is gone
+                raise
             except TrtkvError as e:  # a bad request: it fails, nothing else does
                 return failed + self._fail_prefill(req, e)
             self._start([req, *samples])

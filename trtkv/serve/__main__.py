@@ -50,14 +50,16 @@ def main() -> None:
 @click.option("--model-name", default=None, help="Triton model name [trtkv].")
 @click.option("--log-verbose", type=int, default=0, help="tritonserver verbosity.")
 @_open_api
+@click.option("--tp", type=int, default=None, metavar="N",
+              help="Tensor-parallel ranks (processes, one per GPU on CUDA) [the engine's --tp, else 1].")
 def serve(engine, host, http_port, grpc_port, metrics_port, trtkv_metrics_port, model_name, log_verbose,
-          open_api):
+          open_api, tp):
     """Serve ENGINE until Ctrl-C/SIGTERM: HTTP (OpenAI /v1 + KServe generate) and Triton gRPC."""
     from trtkv.serve.triton_server import serve as run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     sys.exit(run(engine, host, http_port, grpc_port, metrics_port, model_name=model_name,
-                 trtkv_metrics_port=trtkv_metrics_port, log_verbose=log_verbose, open_apis=open_api))
+                 trtkv_metrics_port=trtkv_metrics_port, log_verbose=log_verbose, open_apis=open_api, tp=tp))
 
 
 @main.command()

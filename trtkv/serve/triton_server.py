@@ -363,11 +363,20 @@ class TritonService:
         except (TypeError, KeyError):
             return f"pytrtion{os.getpid()}-"
 
-    def wait(self) -> None:
-        """Block until Triton dies or SIGINT/SIGTERM arrives."""
+    def wait(self) -> str | None:
+        """Block until Triton dies, the engine stops for good (a tensor-parallel rank was lost; returns why) or
+        SIGINT/SIGTERM arrives."""
+        from trtkv.distributed.launch import lost_rank
+
         while self.alive():
+            if self.engine.failure is not None:
+                return self.engine.failure
+            lost = lost_rank()  # a rank that died while the server was idle (no collective to notice it)
+            if lost is not None:
+                return f"tensor-parallel {lost}"
             shm.make_private(self.shm_prefix)
             threading.Event().wait(0.5)
+        return None
 
     def stop(self) -> None:
         if self.front is not None:
@@ -396,18 +405,26 @@ class TritonService:
 
 
 def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics_port=8002,
-          model_name=None, trtkv_metrics_port=None, log_verbose=0, open_apis=()) -> int:
+          model_name=None, trtkv_metrics_port=None, log_verbose=0, open_apis=(), tp=None) -> int:
     """Load an engine and serve it until SIGINT/SIGTERM; returns the exit status.
 
-    0 after a requested shutdown; 1 when tritonserver died under the service (the log says why).
+    0 after a requested shutdown; 1 when tritonserver died under the service or a tensor-parallel rank was lost
+    (the log says why). With ``tp`` ranks (default: the engine's ``--tp``) rank 0 serves and the others follow
+    its engine loop (``Engine.follow``).
     """
     def _interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    from trtkv.artifacts.engine_dir import engine_tp
+    from trtkv.distributed.group import RankInfo
     from trtkv.serve.http_front import check_port_free, distinct_ports
     from trtkv.serve.restrictions import closed
 
     closed(open_apis, pytriton=True)  # an unknown category is refused before anything loads
+    tp = engine_tp(tp, [engine_path])
+    env = RankInfo.from_env()
+    if tp > 1 and env is not None and env.rank != 0:
+        return _follow(engine_path, tp)
     ports = ((http_port, "--http-port"), (grpc_port, "--grpc-port"), (metrics_port, "--metrics-port"),
              (metrics_port + 1, "--trtkv-metrics-port (default: --metrics-port + 1)") if trtkv_metrics_port is None
              else (trtkv_metrics_port, "--trtkv-metrics-port"))
@@ -422,7 +439,10 @@ def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics
         # Python then installs no handler of its own (measured: `trtkv serve ... &` from a script never stopped)
         signal.signal(signal.SIGINT, _interrupt)
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
-    engine = Engine.load(engine_path)
+    from trtkv.distributed.launch import join_ranks
+
+    join_ranks(tp)
+    engine = Engine.load(engine_path, tp=tp)
     status = 0
     try:
         with TritonService(engine, SamplingParams, host=host, http_port=http_port,
@@ -434,11 +454,28 @@ def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics
                      "metrics :%d trtkv metrics :%d", engine_path, service.model_name, host,
                      service.http_port, host, grpc_port, metrics_port, service.trtkv_metrics_port)
             try:
-                service.wait()
-                LOG.error("tritonserver exited unexpectedly; shutting down")
+                failure = service.wait()
+                LOG.error("%s; shutting down", failure or "tritonserver exited unexpectedly")
                 status = 1
             except KeyboardInterrupt:
                 LOG.info("interrupted, shutting down")
     finally:
         engine.shutdown()
     return status
+
+
+def _follow(engine_path, tp: int) -> int:
+    """A tensor-parallel rank other than 0 of ``trtkv serve``: run rank 0's engine loop until it stops."""
+    from trtkv.api import Engine, SamplingParams
+    from trtkv.distributed.group import RankLost
+    from trtkv.distributed.launch import join_ranks
+
+    join_ranks(tp)
+    engine = Engine.load(engine_path, tp=tp)
+    try:
+        warm_up(engine, SamplingParams)  # rank 0 warms up the same way before its loop starts
+        engine.follow()
+    except RankLost as e:
+        LOG.error("%s", e)
+        return 1
+    return 0
