@@ -29,7 +29,7 @@ class BenchEngine:
                 "policy": e.manifest.policy.name, "policy_params": e.policy.params(),
                 "synthetic_weights": self.synthetic, "weights": mm.weights, "weight_bytes": step_weight_bytes(e),
                 "block_size": e.core.cache.cfg.block_size, "residual_group": e.core.cache.cfg.residual_group,
-                "runtime": e.runtime}
+                "runtime": e.runtime, "tp": e.tp, "kv_heads_per_rank": e.core.cache.cfg.num_kv_heads}
 
 
 def load_engines(paths: list[Path], device: str | None = None, policy_overrides: dict[str, Any] | None = None,
@@ -105,7 +105,8 @@ def _labels(paths: list[Path]) -> list[str]:
 
 
 def step_weight_bytes(engine) -> int:
-    """Bytes of weights one decode step of ``engine`` reads, in the weight format it runs."""
+    """Bytes of weights one decode step of ``engine`` reads, in the weight format it runs (one rank's slice
+    under tensor parallelism)."""
     return engine.quantized_weight_bytes or weight_bytes(engine.model)
 
 

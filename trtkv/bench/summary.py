@@ -140,12 +140,16 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
     kv_trace = {}
     for be in engines:
         tr = next((r.trace for r in runs if r.engine == be.label and r.trace), [])
-        a = be.engine.arch
-        per_tok = fp16_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim)
+        c = be.engine.core.cache.cfg  # (this rank's heads under tensor parallelism, as the bytes measured)
+        per_tok = fp16_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
         kv_trace[be.label] = {"generated_tokens": [g for g, _ in tr], "kv_bytes": [k for _, k in tr],
                               "kv_bytes_full_fp16": [(cfg.prompt_len + g) * per_tok for g, _ in tr]}
     synthetic = [be.label for be in engines if be.synthetic]
     notes = []
+    tp = max(be.engine.tp for be in engines)
+    if tp > 1:
+        notes.append(f"tensor parallel over {tp} ranks: weight and KV bytes are one rank's (rank 0's); KV heads "
+                     "replicated on every rank when their count does not divide by the ranks")
     if synthetic:
         notes.append(f"synthetic (random) weights: {', '.join(synthetic)} — timings and memory are those of the "
                      "architecture; attention patterns, and therefore what eviction policies keep, are not a real "

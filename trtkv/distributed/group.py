@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -100,12 +101,18 @@ class TensorParallelGroup:
         try:
             return op(*args)
         except (RuntimeError, dist.DistError) as e:  # gloo: the peer closed its connection, or the timeout
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            raise RankLost(f"tensor-parallel rank lost (rank {self.rank} of {self.size}): {first}") from None
+            raise RankLost(f"tensor-parallel rank lost (this is rank {self.rank} of {self.size}): "
+                           f"{_first_line(e)}") from None
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of a backend error, without gloo's ``[file.cc:123]`` source location."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"^\[[^\]]*:\d+\]\s*", "", first)[:160]
 
 
 _GROUP: TensorParallelGroup | None = None
@@ -134,8 +141,7 @@ def join_group(info: RankInfo, device: str = "cpu") -> TensorParallelGroup:
                                 rank=info.rank, world_size=info.size,
                                 timeout=datetime.timedelta(seconds=timeout_s()))
     except (RuntimeError, dist.DistError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise RankLost(f"could not form the tensor-parallel group of {info.size}: {first}") from None
+        raise RankLost(f"could not form the tensor-parallel group of {info.size}: {_first_line(e)}") from None
     _GROUP = TensorParallelGroup(info.rank, info.size, device)
     return _GROUP
 

@@ -216,7 +216,8 @@ def _replay_chunk(cores, recs, enc, layers, topk, accs, tallies, bar) -> None:
     from trtkv.runtime.sampling import SamplingParams, make_generator
 
     arch = cores[0].arch
-    per_tok = fp16_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
+    c = cores[0].cache.cfg  # (this rank's heads under tensor parallelism, as the bytes measured)
+    per_tok = fp16_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
     limit = arch.max_position_embeddings
     reqs = []
     for ci in range(len(cores)):
