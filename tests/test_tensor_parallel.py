@@ -247,3 +247,39 @@ def test_serve_tp2_answers_and_ends_when_a_rank_dies(tiny_ckpt, engine_factory):
     log = p.stderr.read().decode(errors="replace") + p.stdout.read().decode(errors="replace")
     assert code == 1, log[-3000:]
     assert "tensor-parallel" in log
+
+
+def test_bench_tp2_reports_per_rank_weight_and_kv_bytes(tiny_ckpt, engine_factory, tmp_path):
+    path = str(engine_factory(tiny_ckpt, "full"))
+    docs = {}
+    for tp in ("1", "2"):
+        p = _trtkv("bench", path, "--tp", tp, "--batch-sizes", "2", "--prompt-len", "16", "--gen-len", "8",
+                   "--prompt", "ids", "--no-warmup", "--out", str(tmp_path / tp))
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()[-2000:]
+        docs[tp] = json.loads((tmp_path / tp / "results.json").read_text())
+    e1, e2 = docs["1"]["engines"][0], docs["2"]["engines"][0]
+    assert (e1["tp"], e2["tp"], e1["kv_heads_per_rank"], e2["kv_heads_per_rank"]) == (1, 2, 2, 1)
+    assert e1["weight_bytes"] < 2 * e2["weight_bytes"] < 1.01 * e1["weight_bytes"]  # (replicated norms)
+    r1, r2 = docs["1"]["results"][0], docs["2"]["results"][0]
+    assert r1["kv_bytes_per_request_peak"] < 2 * r2["kv_bytes_per_request_peak"] < 1.01 * r1["kv_bytes_per_request_peak"]
+    assert any("tensor parallel over 2 ranks" in n for n in docs["2"]["notes"])
+
+
+def test_tp_without_its_ranks_is_one_error(tiny_ckpt, engine_factory, tmp_path):
+    from trtkv.api import Engine
+    from trtkv.errors import TrtkvError
+    from trtkv.serve.deploy import deploy
+
+    path = str(engine_factory(tiny_ckpt, "full"))
+    with pytest.raises(TrtkvError, match="not one of 2 ranks"):
+        Engine.load(path, tp=2)
+    with pytest.raises(TrtkvError, match="--tp 2 runs dense weights with --runtime torch"):
+        Engine.load(path, tp=2, runtime="torch-compile")
+    from trtkv.build.builder import build_engine
+
+    tp2 = build_engine(str(tiny_ckpt), "full", tmp_path / "tp2", quiet=True, tp=2)
+    with pytest.raises(TrtkvError, match="tensor-parallel ranks"):
+        deploy(tp2, tmp_path / "repo")
+    with pytest.raises(TrtkvError, match="--tp 2 shards dense weights"):
+        build_engine(str(tiny_ckpt), "full", tmp_path / "q", quiet=True, tp=2, weights="int8")

@@ -102,4 +102,6 @@ def rank_out(out: Path | None) -> Path | None:
     group = current_group()
     if out is None or group is None or group.is_leader:
         return out
-    return Path(tempfile.mkdtemp(prefix=f"trtkv-rank{group.rank}-"))
+    scratch = tempfile.mkdtemp(prefix=f"trtkv-rank{group.rank}-")
+    atexit.register(shutil.rmtree, scratch, True)
+    return Path(scratch)

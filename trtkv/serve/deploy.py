@@ -67,6 +67,14 @@ def deploy(engine_path, out_repo, model_name: str = "trtkv", api: str = "trtkv.a
     a fake one); the engine path is stored absolute so the repository can be
     served from anywhere on this machine.
     """
+    if (Path(engine_path) / "engine.json").is_file():
+        from trtkv.artifacts.engine_dir import read_manifest
+        from trtkv.errors import TrtkvError
+
+        tp = read_manifest(engine_path).model.tp
+        if tp > 1:  # the Python backend's model instance is one process; `trtkv serve` starts the ranks
+            raise TrtkvError(f"{engine_path} runs on {tp} tensor-parallel ranks, and a deployed Triton model on one "
+                             f"process: serve it with `trtkv serve {engine_path}`, or build it with --tp 1")
     model_dir = Path(out_repo) / model_name
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
     (model_dir / "config.pbtxt").write_text(config_pbtxt(model_name))
