@@ -122,9 +122,9 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         logits = torch.cat([lg for lg, _ in logit_parts], dim=-1)
         positions = np.concatenate([p for _, p in logit_parts], axis=1)
         lse_all, num_kv_heads = lse, cache.cfg.num_kv_heads
-        if shards is not None:
-            logits = shards.gather(logits, 1)
-            lse_all, num_kv_heads = shards.gather(lse, 1), shards.num_kv_heads
+        if shards is not None:  # one collective: the log-sum-exps ride as one more column
+            both = shards.gather(torch.cat([logits, lse[..., None].to(logits.dtype)], -1), 1)
+            logits, lse_all, num_kv_heads = both[..., :-1], both[..., -1], shards.num_kv_heads
         want = [i for i in range(len(seqs)) if want_stats[i] or want_sparsity[i]]
         rows = torch.tensor(want) if len(want) < len(seqs) else None
         lg_w = logits if rows is None else logits[rows]
