@@ -283,3 +283,36 @@ def test_tp_without_its_ranks_is_one_error(tiny_ckpt, engine_factory, tmp_path):
         deploy(tp2, tmp_path / "repo")
     with pytest.raises(TrtkvError, match="--tp 2 shards dense weights"):
         build_engine(str(tiny_ckpt), "full", tmp_path / "q", quiet=True, tp=2, weights="int8")
+
+
+def search_record(path: str, tp: int) -> dict:
+    from trtkv.api import Engine
+    from trtkv.search import SearchConfig
+
+    eng = Engine.load(path, tp=tp)
+    rec = eng.search("4 9 10 13", SearchConfig(branching=2, depth=3, expansions=8, node_tokens=16, seed=0),
+                     task="game24")
+    return {k: rec[k] for k in ("answer", "expansions", "peak_cached_tokens", "rehydrations")}
+
+
+def test_tree_search_under_tp2_is_tp1s(tiny_ckpt, engine_factory):
+    """ArborKV's tree (forks, re-stores and rehydration's prefix prefill over this rank's heads) under TP=2."""
+    path = str(engine_factory(tiny_ckpt, "arborkv", kv_ratio=0.5, k_min=4))
+    ref = search_record(path, 1)
+    assert ref["expansions"] == 8 and ref["rehydrations"] >= 1
+    assert run_ranks(search_record, 2, path, 2) == [ref, ref]
+
+
+def test_eval_fidelity_tp2_matches_tp1(tiny_ckpt, engine_factory, tmp_path):
+    path = str(engine_factory(tiny_ckpt, "h2o", **_hard("h2o")))
+    recs = {}
+    for tp in ("1", "2"):
+        p = _trtkv("eval", path, "--task", "fidelity", "--limit", "2", "--max-tokens", "32", "--recall-layers", "all",
+                   "--tp", tp, "--out", str(tmp_path / tp))
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()[-2000:]
+        recs[tp] = json.loads((tmp_path / tp / "results.json").read_text())["records"][1]
+    a, b = recs["1"], recs["2"]
+    assert a["top1_agreement"] == b["top1_agreement"] and a["attn_recall"] == b["attn_recall"]
+    assert abs(a["mean_kl"] - b["mean_kl"]) < 1e-5
+    assert a["kv_vs_reference_mean"] == b["kv_vs_reference_mean"]

@@ -85,14 +85,15 @@ class RequestContext:
 
     # --- reads and actions --------------------------------------------------------------------
     def kv(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self._local_kv(layer, positions)
+        k, v = self.kv_local(layer, positions)
         if self._shards is None:
             return k, v
         kv = self._shards.gather(torch.stack([k, v]), 2)  # one collective for both
         return kv[0], kv[1]
 
-    def _local_kv(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kv`` of this rank's heads."""
+    def kv_local(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv`` of the heads this rank's cache holds (all of them without tensor parallelism): what the runtime
+        attends over (ArborKV's rehydration), where a policy reads ``kv``."""
         positions = np.asarray(positions, dtype=np.int64)
         seq = self._seq
         buf = seq.buffered_positions(layer)
@@ -111,7 +112,7 @@ class RequestContext:
         return out_k, out_v
 
     def keys(self, layer: int, positions) -> torch.Tensor:
-        k = self._local_kv(layer, positions)[0]
+        k = self.kv_local(layer, positions)[0]
         return k if self._shards is None else self._shards.gather(k, 1)
 
     def keys_many(self, layer: int, jobs: list[tuple["RequestContext", Any]]) -> list[torch.Tensor]:
@@ -124,7 +125,7 @@ class RequestContext:
             positions = np.asarray(positions, dtype=np.int64)
             buf = req._seq.buffered_positions(layer)
             if len(buf) and not set(buf).isdisjoint(positions.tolist()):  # (np.isin: ~50 us a call)
-                out[j] = req._local_kv(layer, positions)[0]
+                out[j] = req.kv_local(layer, positions)[0]
             else:
                 paged.append((j, req._seq, positions))
         read = self._cache.gather_kv_many(layer, [(seq, pos) for _, seq, pos in paged], keys_only=True)

@@ -32,7 +32,7 @@ def prefill_at(core, ctx: RequestContext, token_ids: list[int], start: int, writ
         q, k, v = model.qkv(layer, x, cos, sin)
         held = ctx.all_positions(layer)
         held = held[held < start]
-        kc, vc = ctx.kv(layer, held)
+        kc, vc = ctx.kv_local(layer, held)  # this rank's heads, as q, k, v are
         K = torch.cat([kc.to(q.dtype), k]).transpose(0, 1)[None]
         V = torch.cat([vc.to(q.dtype), v]).transpose(0, 1)[None]
         mask = torch.cat([torch.ones(T, len(held), dtype=torch.bool, device=core.device), causal], 1)

@@ -177,7 +177,7 @@ class SearchTree:
         sharers = self._sharers(node_id)
         cache = self.core.cache
         for layer in range(self.core.arch.num_hidden_layers):
-            k, v = ctx.kv(layer, pos)
+            k, v = ctx.kv_local(layer, pos)  # what this rank's cache holds, written back to it
             cache.evict(ctx.seq, layer, pos)
             for s in range(0, len(pos), step):
                 cache.write(ctx.seq, layer, k[s:s + step], v[s:s + step], pos[s:s + step], (fmt, 0), -1)
