@@ -84,7 +84,7 @@ class TensorParallelGroup:
 
     def broadcast_tokens(self, tokens: list[int]) -> list[int]:
         """Rank 0's sampled tokens on every rank (sampling happens once; unseeded requests draw differently)."""
-        t = torch.tensor(tokens, dtype=torch.int64)
+        t = torch.tensor(tokens, dtype=torch.int64, device=self.device)  # (NCCL moves device tensors only)
         self._run(dist.broadcast, t, 0)
         return t.tolist()
 
