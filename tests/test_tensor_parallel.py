@@ -91,6 +91,25 @@ def test_shards_reassemble_the_model(tiny_ckpt):
     assert torch.equal(torch.cat([p.lm_head.weight for p in parts])[:arch.vocab_size], full.lm_head.weight)
 
 
+@pytest.mark.parametrize("synthetic", [False, True])
+def test_a_rank_loads_only_its_slices_and_gets_the_same_shard(tiny_ckpt, synthetic):
+    """``load_shard`` reads a rank's slices from the checkpoint (or draws the synthetic weights a tensor at a time)
+    and gives exactly what slicing the whole loaded model gives."""
+    from trtkv.models.loader import build_model, read_arch, weight_files
+    from trtkv.models.sharding import ShardPlan, load_shard, shard_model
+
+    arch = read_arch(tiny_ckpt)
+    files = None if synthetic else weight_files(tiny_ckpt)
+    full = build_model(arch, torch.float32, "cpu", files, seed=3)
+    for rank in range(2):
+        plan = ShardPlan.for_arch(arch, rank, 2)
+        a = dict(shard_model(full, plan).named_parameters())
+        b = dict(load_shard(arch, plan, torch.float32, "cpu", files, seed=3).named_parameters())
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
 def test_tp2_gives_tp1_tokens_for_every_policy_tiny(tiny_ckpt, engine_factory):
     """Even KV heads (2 over 2 ranks): every policy of the matrix at its squeezing parameters, greedy, 64 tokens,
     two prompts batched; ArborKV with two forked samples. Bit-identical tokens on both ranks and against TP=1."""

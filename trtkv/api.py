@@ -211,11 +211,13 @@ class Engine:
         key = (mm.alias, weights_id, str(dtype), str(device), json.dumps(mm.arch.to_dict(), sort_keys=True), plan)
         model = (model_cache or {}).get(key)
         if model is None:
-            model = build_model(arch, dtype, device, None if mm.synthetic else files, seed=mm.synthetic_seed or 0)
-            if plan is not None:
-                from trtkv.models.sharding import shard_model
+            src = None if mm.synthetic else files
+            if plan is None:
+                model = build_model(arch, dtype, device, src, seed=mm.synthetic_seed or 0)
+            else:  # this rank's slices only
+                from trtkv.models.sharding import load_shard
 
-                model = shard_model(model, plan)
+                model = load_shard(arch, plan, dtype, device, src, seed=mm.synthetic_seed or 0)
             if model_cache is not None:
                 model_cache[key] = model
         tokenizer = load_tokenizer(path / "tokenizer", arch)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -67,42 +68,108 @@ class ShardPlan:
         return slice(min(lo, arch.vocab_size), min(lo + self.vocab_chunk, arch.vocab_size))
 
 
+def slice_table(arch: ModelArch, plan: ShardPlan) -> dict[str, tuple[slice | None, slice | None]]:
+    """Every checkpoint tensor a rank holds, by its transformers name: ``(rows, cols)`` of the whole tensor
+    (None: all of that axis). The LM head's rows come from the embedding when the weights are tied."""
+    q, kv, mlp = plan.q_rows(arch), plan.kv_rows(arch), plan.mlp_rows(arch)
+    table: dict[str, tuple[slice | None, slice | None]] = {"model.embed_tokens.weight": (None, None),
+                                                           "model.norm.weight": (None, None)}
+    for i in range(arch.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        table.update({
+            pre + "self_attn.q_proj.weight": (q, None), pre + "self_attn.k_proj.weight": (kv, None),
+            pre + "self_attn.v_proj.weight": (kv, None), pre + "self_attn.o_proj.weight": (None, q),
+            pre + "mlp.gate_proj.weight": (mlp, None), pre + "mlp.up_proj.weight": (mlp, None),
+            pre + "mlp.down_proj.weight": (None, mlp),
+            pre + "input_layernorm.weight": (None, None), pre + "post_attention_layernorm.weight": (None, None)})
+        if arch.attention_bias:
+            table.update({pre + "self_attn.q_proj.bias": (q, None), pre + "self_attn.k_proj.bias": (kv, None),
+                          pre + "self_attn.v_proj.bias": (kv, None)})
+    table["lm_head.weight"] = (plan.vocab_rows(arch), None)
+    return table
+
+
+def _cut(t, rows: slice | None, cols: slice | None) -> torch.Tensor:
+    """``t[rows, cols]`` of a tensor or a safetensors slice (which reads only that part of the file)."""
+    if rows is not None and cols is not None:
+        return t[rows, cols]
+    if rows is not None:
+        return t[rows]
+    if cols is not None:
+        return t[:, cols]
+    return t[:]
+
+
 @torch.no_grad()
-def shard_model(full: DecoderModel, plan: ShardPlan) -> DecoderModel:
-    """This rank's slice of ``full`` as a decoder of the local architecture (fused, as ``build_model`` returns
-    them). The embedding and norms are copies of ``full``'s, so ``full`` can be dropped."""
-    arch = full.arch
+def assemble_shard(arch: ModelArch, plan: ShardPlan, parts: dict[str, torch.Tensor], dtype: torch.dtype,
+                   device) -> DecoderModel:
+    """The rank's decoder (fused, as ``build_model`` returns them) from its slices by checkpoint name."""
     local = plan.local_arch(arch)
-    w0 = full.model.embed_tokens.weight
     with torch.device("meta"):
         part = DecoderModel(local)
-    q, kv, mlp = plan.q_rows(arch), plan.kv_rows(arch), plan.mlp_rows(arch)
-
-    def param(t: torch.Tensor) -> nn.Parameter:
-        return nn.Parameter(t.contiguous().clone(), requires_grad=False)
-
-    part.model.embed_tokens.weight = param(w0)
-    part.model.norm.weight = param(full.model.norm.weight)
-    for src, dst in zip(full.model.layers, part.model.layers):
-        sa, da = src.self_attn, dst.self_attn
-        da.q_proj.weight, da.k_proj.weight, da.v_proj.weight = (
-            param(sa.q_proj.weight[q]), param(sa.k_proj.weight[kv]), param(sa.v_proj.weight[kv]))
-        if sa.q_proj.bias is not None:
-            da.q_proj.bias, da.k_proj.bias, da.v_proj.bias = (
-                param(sa.q_proj.bias[q]), param(sa.k_proj.bias[kv]), param(sa.v_proj.bias[kv]))
-        da.o_proj.weight = param(sa.o_proj.weight[:, q])
-        sm, dm = src.mlp, dst.mlp
-        dm.gate_proj.weight, dm.up_proj.weight = param(sm.gate_proj.weight[mlp]), param(sm.up_proj.weight[mlp])
-        dm.down_proj.weight = param(sm.down_proj.weight[:, mlp])
-        dst.input_layernorm.weight = param(src.input_layernorm.weight)
-        dst.post_attention_layernorm.weight = param(src.post_attention_layernorm.weight)
-    head = full.lm_head.weight[plan.vocab_rows(arch)]
+    head = parts["lm_head.weight"]
     if head.shape[0] < plan.vocab_chunk:  # the last rank's short slice: zero rows, trimmed after the gather
         head = torch.cat([head, head.new_zeros(plan.vocab_chunk - head.shape[0], head.shape[1])])
     part.lm_head = nn.Linear(arch.hidden_size, plan.vocab_chunk, bias=False, device="meta")
-    part.lm_head.weight = param(head)
-    part.rotary.inv_freq = full.rotary.inv_freq.clone()
+    params = dict(part.named_parameters())
+    for name in params:
+        t = head if name == "lm_head.weight" else parts[name]
+        owner, _, attr = name.rpartition(".")
+        setattr(part.get_submodule(owner), attr,
+                nn.Parameter(t.to(torch.float32).to(device=device, dtype=dtype).contiguous(), requires_grad=False))
+    part.rotary.inv_freq = part.rotary.inv_freq.to(device)
     return part.eval().fuse_projections()
+
+
+def load_shard(arch: ModelArch, plan: ShardPlan, dtype: torch.dtype, device, files: list[Path] | None,
+               seed: int = 0) -> DecoderModel:
+    """This rank's slice of a checkpoint, read as slices (a rank never holds the whole model), or of the synthetic
+    weights ``build_model(arch, ..., seed=seed)`` draws (drawn one tensor at a time, in its order, so both agree)."""
+    table = slice_table(arch, plan)
+    if arch.tie_word_embeddings:
+        table.pop("lm_head.weight")
+    parts: dict[str, torch.Tensor] = {}
+    if files is None:
+        on_gpu = torch.device(device).type == "cuda"
+        g = torch.Generator(device=device if on_gpu else "cpu").manual_seed(seed)
+        with torch.device("meta"):
+            shapes = DecoderModel(arch)
+        for name, p in shapes.named_parameters():  # build_model's draw order (tied weights once)
+            full = torch.empty(p.shape, device=device if on_gpu else "cpu")
+            full.fill_(1.0) if name.endswith("norm.weight") else full.normal_(0.0, 0.02, generator=g)
+            full = full.to(dtype)  # (build_model draws in fp32 and converts)
+            if name in table:
+                parts[name] = _cut(full, *table[name]).clone()
+            if name == "model.embed_tokens.weight" and arch.tie_word_embeddings:
+                parts["lm_head.weight"] = full[plan.vocab_rows(arch)].clone()
+    else:
+        from safetensors import SafetensorError, safe_open
+
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as st:
+                    for name in st.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                        if name in table:
+                            parts[name] = _cut(st.get_slice(name), *table[name])
+                        if name == "model.embed_tokens.weight" and arch.tie_word_embeddings:
+                            parts["lm_head.weight"] = _cut(st.get_slice(name), plan.vocab_rows(arch), None)
+            except (SafetensorError, OSError) as e:
+                raise TrtkvError(f"corrupt weights file {f}: {e}") from None
+        missing = [k for k in table if k not in parts]
+        if missing:
+            raise TrtkvError(f"weights are missing {len(missing)} tensors (first: {missing[0]}); "
+                             "is this the right checkpoint?")
+    return assemble_shard(arch, plan, parts, dtype, device)
+
+
+def shard_model(full: DecoderModel, plan: ShardPlan) -> DecoderModel:
+    """This rank's slice of a loaded model (tests; ``load_shard`` reads a rank's slice without the whole)."""
+    arch = full.arch
+    table = slice_table(arch, plan)
+    sd = {k: v.detach() for k, v in full.named_parameters(remove_duplicate=False)}
+    parts = {name: _cut(sd[name], *cut) for name, cut in table.items()}
+    w = full.model.embed_tokens.weight
+    return assemble_shard(arch, plan, parts, w.dtype, w.device)
 
 
 class TensorParallelDecoder:
