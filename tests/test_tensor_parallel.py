@@ -252,7 +252,10 @@ def test_serve_tp2_answers_and_ends_when_a_rank_dies(tiny_ckpt, engine_factory):
     p = _trtkv("serve", path, "--host", HOST, "--http-port", str(http), "--grpc-port", str(grpc),
                "--metrics-port", str(metrics), "--trtkv-metrics-port", str(tm), "--tp", "2")
     try:
-        wait_ready(f"{HOST}:{http}", "trtkv", 180, p)
+        try:
+            wait_ready(f"{HOST}:{http}", "trtkv", 180, p)
+        except RuntimeError:
+            raise AssertionError(p.stderr.read().decode(errors="replace")[-2000:]) from None
         got = client.http_generate(f"{HOST}:{http}", PROMPTS[0], max_tokens=6)
         assert got["generated_tokens"] == 6
         workers = [w for w in _children(p.pid)

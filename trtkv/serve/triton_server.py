@@ -421,10 +421,9 @@ def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics
     from trtkv.serve.restrictions import closed
 
     closed(open_apis, pytriton=True)  # an unknown category is refused before anything loads
-    tp = engine_tp(tp, [engine_path])
     env = RankInfo.from_env()
-    if tp > 1 and env is not None and env.rank != 0:
-        return _follow(engine_path, tp)
+    if env is not None and env.rank != 0 and engine_tp(tp, [engine_path]) > 1:  # a rank rank 0 started
+        return _follow(engine_path, engine_tp(tp, [engine_path]))
     ports = ((http_port, "--http-port"), (grpc_port, "--grpc-port"), (metrics_port, "--metrics-port"),
              (metrics_port + 1, "--trtkv-metrics-port (default: --metrics-port + 1)") if trtkv_metrics_port is None
              else (trtkv_metrics_port, "--trtkv-metrics-port"))
@@ -441,6 +440,7 @@ def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     from trtkv.distributed.launch import join_ranks
 
+    tp = engine_tp(tp, [engine_path])  # (after the port checks: a clash is one line before the engine is read)
     join_ranks(tp)
     engine = Engine.load(engine_path, tp=tp)
     status = 0
