@@ -162,8 +162,7 @@ QUANTIZING = {"kivi", "thinkv"}
 SAME_PREFIX = 16
 
 
-@pytest.mark.model
-@pytest.mark.slow
+@pytest.mark.model  # ~2 min on the 2-core CI machine: in `make test`
 def test_tp2_gives_tp1_tokens_smollm2(smol_ckpt, engine_factory):
     """Replicated KV heads (SmolLM2 has 3) with the MLP and LM head split: the issue's policies, greedy, 64
     tokens; ArborKV with two forks. Bit-identical tokens for policies that keep K/V in 16 bits; the quantizing
