@@ -2,7 +2,6 @@
 and a thread-safe ``submit`` with a background scheduler loop for servers (continuous batching)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import queue
@@ -27,6 +26,7 @@ from trtkv.runtime.core import EngineCore
 from trtkv.runtime.request import GenerationResult, Request, StreamEvent
 from trtkv.runtime.sampling import SamplingParams, make_generator
 from trtkv.runtime.scheduler import Scheduler
+from trtkv.runtime.server_turns import RequestSpec, Tick, drain
 from trtkv.tokenizer import load_tokenizer
 
 RUNTIMES = ("torch", "torch-compile", "onnxruntime")  # what executes the model steps (docs/deploy.md for onnxruntime)
@@ -400,9 +400,9 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                new = _drain(self._inbox)
+                new = drain(self._inbox)
                 if self.group is not None:  # every rank admits and cancels the same requests before the same step
-                    cancels = _drain(self._cancels)
+                    cancels = drain(self._cancels)
                     self.group.broadcast_object(Tick([RequestSpec.of(r) for r in new], cancels))
                     self._apply_cancels(cancels)
                 for r in new:
@@ -429,7 +429,7 @@ class Engine:
                 self._fail_all(self.failure)
                 for r in self.scheduler.drop_waiting():
                     r.events.put(StreamEvent("", [], True, None, error=self.failure))
-                for r in _drain(self._inbox):
+                for r in drain(self._inbox):
                     r.events.put(StreamEvent("", [], True, None, error=self.failure))
 
     def _apply_cancels(self, ids: list[int]) -> None:
@@ -478,32 +478,3 @@ class Engine:
             self._thread.join(timeout=10)
             self._thread = None
 
-
-@dataclasses.dataclass(frozen=True)
-class RequestSpec:
-    """What another rank needs to run the same request: its id, prompt and sampling parameters."""
-    req_id: int
-    prompt: str
-    prompt_ids: list[int]
-    params: SamplingParams
-
-    @classmethod
-    def of(cls, req: Request) -> "RequestSpec":
-        return cls(req.req_id, req.prompt, list(req.prompt_ids), req.params)
-
-
-@dataclasses.dataclass(frozen=True)
-class Tick:
-    """One turn of a tensor-parallel server's loop, broadcast by rank 0: requests admitted, ids cancelled."""
-    requests: list[RequestSpec]
-    cancels: list[int]
-    stop: bool = False
-
-
-def _drain(q: queue.Queue) -> list:
-    out = []
-    while True:
-        try:
-            out.append(q.get_nowait())
-        except queue.Empty:
-            return out
