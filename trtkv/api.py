@@ -124,8 +124,7 @@ class Engine:
 
             plan, group = shard
             self._dense = TensorParallelDecoder(self._dense, self.arch, plan, group)
-            self.shards = HeadShards(group, plan.heads_sharded, self.arch.num_key_value_heads,
-                                     cache_cfg.num_kv_heads)
+            self.shards = HeadShards(group, plan.heads_sharded, self.arch.num_key_value_heads)
         self.core = EngineCore(self._dense, policy, cache_cfg, self.eos_ids, tokenizer.decode, kv_amax,
                                shards=self.shards)
         self._sessions = None

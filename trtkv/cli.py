@@ -46,12 +46,6 @@ def main() -> None:
 
 
 # --- tensor parallelism -------------------------------------------------------------------------
-def rank_out(out: Path | None) -> Path | None:
-    from trtkv.distributed.launch import rank_out as private
-
-    return private(out)
-
-
 def tp_option(f):
     return click.option("--tp", type=int, default=None, metavar="N",
                         help="Tensor-parallel ranks (processes, one per GPU on CUDA) [the engine's --tp, else 1].")(f)
@@ -388,6 +382,8 @@ def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, requests, host_k
     if profile and "onnxruntime" in runtimes:
         raise TrtkvError("--profile splits the PyTorch runtime's decode step; ONNX Runtime runs it as one graph: "
                          "profile with --runtime torch")
+    from trtkv.distributed.launch import rank_out
+
     tp = join_ranks(tp, list(engines), device)
     loaded = load_engines(list(engines), device=device, policy_overrides=sets or None, runtimes=runtimes, tp=tp)
     doc = run_bench(loaded, cfg, command=_command_line("bench"))
@@ -441,6 +437,8 @@ def eval_cmd(engines, task, data, limit, max_tokens, samples, temperature, top_p
         raise TrtkvError(str(e)) from None
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise TrtkvError(f"cannot read the {task} data ({type(e).__name__}: {e})") from None
+    from trtkv.distributed.launch import rank_out
+
     overrides = parse_sets(sets) or None
     tp = join_ranks(tp, list(engines) + ([reference] if reference is not None else []), device)
     out = rank_out(out)
@@ -519,6 +517,8 @@ def search_cmd(engine, task, limit, data, preset, branching, depth, expansions, 
         assert 0 <= si < sn
     except (ValueError, AssertionError):
         raise TrtkvError(f"--shard must be I/N with 0 <= I < N, got {shard!r}") from None
+    from trtkv.distributed.launch import rank_out
+
     tp = join_ranks(tp, [engine], device)
     eng = Engine.load(engine, device=device, policy_overrides=parse_sets(sets) or None, tp=tp)
 

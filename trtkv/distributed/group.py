@@ -94,9 +94,6 @@ class TensorParallelGroup:
         self._run(dist.broadcast_object_list, box, 0)
         return box[0]
 
-    def barrier(self) -> None:
-        self._run(dist.barrier)
-
     def _run(self, op, *args):
         try:
             return op(*args)
@@ -165,13 +162,12 @@ def group_for(tp: int, device: str = "cpu") -> TensorParallelGroup | None:
 
 @dataclass(frozen=True)
 class HeadShards:
-    """The runtime's view of tensor parallelism: this rank's cache holds ``local_kv_heads`` of the model's
-    ``num_kv_heads`` (all of them when ``sharded`` is false). Whatever a policy reads across heads (attention
+    """The runtime's view of tensor parallelism: this rank's cache holds a slice of the model's ``num_kv_heads``
+    (all of them when ``sharded`` is false). Whatever a policy reads across heads (attention
     statistics, keys) is gathered here, once per read, so every rank decides the same."""
     group: TensorParallelGroup
     sharded: bool
     num_kv_heads: int
-    local_kv_heads: int
 
     def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's heads of ``t`` along ``dim`` (``t`` itself when each rank holds every head)."""

@@ -180,7 +180,6 @@ class TensorParallelDecoder:
     def __init__(self, inner, arch: ModelArch, plan: ShardPlan, group: TensorParallelGroup):
         self._inner = inner
         self.arch = arch
-        self.plan = plan
         self.group = group
         self._attn_sum = group.all_reduce if plan.heads_sharded else None
         self._mlp_sum = group.all_reduce if plan.mlp_sharded else None
@@ -198,7 +197,3 @@ class TensorParallelDecoder:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.gather(self._inner.logits(x), -1)[..., :self.arch.vocab_size]
-
-    def weight_bytes(self) -> int:
-        """Bytes of this rank's parameters (its slices, the replicated embedding and norms)."""
-        return sum(p.numel() * p.element_size() for p in self._inner.parameters())

@@ -340,7 +340,7 @@ class EngineCore:
             return out
         if not (any_want or force):
             return out
-        if any(want_q) and self.shards is not None:
+        if self.shards is not None and any(want_q):
             q = self.shards.gather(q, 1)
         for i, ls in enumerate(lstats):
             if ls is not None:

@@ -422,8 +422,10 @@ def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics
 
     closed(open_apis, pytriton=True)  # an unknown category is refused before anything loads
     env = RankInfo.from_env()
-    if env is not None and env.rank != 0 and engine_tp(tp, [engine_path]) > 1:  # a rank rank 0 started
-        return _follow(engine_path, engine_tp(tp, [engine_path]))
+    if env is not None and env.rank != 0:  # a rank that rank 0 (or torchrun) started
+        follower_tp = engine_tp(tp, [engine_path])
+        if follower_tp > 1:
+            return _follow(engine_path, follower_tp)
     ports = ((http_port, "--http-port"), (grpc_port, "--grpc-port"), (metrics_port, "--metrics-port"),
              (metrics_port + 1, "--trtkv-metrics-port (default: --metrics-port + 1)") if trtkv_metrics_port is None
              else (trtkv_metrics_port, "--trtkv-metrics-port"))
