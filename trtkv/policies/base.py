@@ -59,9 +59,9 @@ class LayerStats:
 @dataclass
 class BatchLayerStats:
     """A decode step's attention weights of one layer for the whole batch (``KVPolicy.batch_stats``): row ``i``
-    is the batch's request ``i``; its live columns come first."""
-    positions: np.ndarray  # [b, n] positions of the attended keys, -1 past the row's live ones
-    weights: torch.Tensor  # [b, Hq, n] softmax weights, 0 past the live ones
+    is the batch's request ``i``, its columns the kernel's slots in block-table order (no per-layer reorder)."""
+    positions: np.ndarray  # [b, n] positions of the attended keys, -1 for a dead or absent slot (anywhere)
+    weights: torch.Tensor  # [b, Hq, n] softmax weights, 0 at the dead slots
     counts: np.ndarray  # [b] live columns of each row
 
 

@@ -20,7 +20,7 @@ class RowTable:
         self.num_layers = num_layers
         with torch.inference_mode(False):  # normal tensors: tree search updates them outside inference mode too
             self.data = torch.zeros((num_layers, FIRST_ROWS, FIRST_CAP), dtype=dtype, device=device)
-        self._free = list(range(FIRST_ROWS - 1, -1, -1))
+        self._free = list(range(FIRST_ROWS - 1, 0, -1))  # row 0 takes the skipped columns' adds (never read)
 
     @property
     def device(self) -> torch.device:
@@ -54,19 +54,17 @@ class RowTable:
         self.data = grown
 
     def add_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor) -> None:
-        """``values [b, n]`` added at ``positions [b, n]`` (distinct per row; -1: skip) of ``rows [b]``."""
-        live = positions >= 0
-        if live.all():  # (every column live: a full batch's usual step) no masking
-            self.ensure(int(positions.max()))
-            flat, vals = (rows[:, None] * self.cap + positions).reshape(-1), values.reshape(-1)
-        else:
-            if not live.any():
-                return
-            self.ensure(int(positions.max()))
-            flat = (rows[:, None] * self.cap + positions)[live]
-            vals = values[torch.from_numpy(live).to(values.device)]
-        self.data[layer].view(-1).index_add_(0, torch.from_numpy(flat).to(self.device),
-                                             vals.to(self.device, self.data.dtype))
+        """``values [b, n]`` added at ``positions [b, n]`` (distinct per row; -1: skip) of ``rows [b]``. A skipped
+        column adds into row 0, which no request holds: one scatter of the whole array, no masked copies."""
+        top = int(positions.max(initial=-1))
+        if top < 0:
+            return
+        self.ensure(top)
+        flat = rows[:, None] * self.cap + positions
+        if positions.min() < 0:  # skipped columns add into row 0 (a scatter, no masked copies)
+            flat[positions < 0] = 0
+        self.data[layer].view(-1).index_add_(0, torch.from_numpy(flat.reshape(-1)).to(self.device),
+                                             values.reshape(-1).to(self.device, self.data.dtype))
 
     def flat(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Indices into a layer's flattened ``[rows, cap]`` data of ``positions`` (>= 0, any shape) of ``rows``

@@ -244,7 +244,7 @@ class ScorerPolicy(KVPolicy):
                 lone = over[(live[over] == target[over] + 1) & (seen == live[over])]
                 for n in np.unique(live[lone]).tolist():  # one stack per held count
                     at = lone[live[lone] == n]
-                    held = np.sort(bs.positions[rows[at], :n], axis=1) if bs is not None else \
+                    held = np.sort(bs.positions[rows[at]], axis=1)[:, -n:] if bs is not None else \
                         first.live_positions_each(layer, due, at, n)
                     prot = self.protected_rows_at(position[at], held)
                     scores = self.scorer.score_rows(layer, handle[at], held, ~prot).float()

@@ -130,13 +130,11 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         lg_w = logits if rows is None else logits[rows]
         sparse = any(want_sparsity[i] for i in want)
         w, sh, u = batch_row_stats(lg_w, lse_all if rows is None else lse_all[rows], num_kv_heads, sparse)
+        if batch_form and rows is None:  # slot order kept: dead columns (-1, weight 0) stay where they are
+            lap("bookkeeping")
+            return out, BatchLayerStats(positions=positions, weights=w, counts=(positions >= 0).sum(1))
         u = u.tolist() if sparse else [None] * len(want)
         pos_w, w, lg_w, counts = live_first(positions if rows is None else positions[want], w, lg_w)
-        if batch_form and rows is None:
-            lap("bookkeeping")
-            top = max(counts, default=0)  # (columns past every row's live ones dropped: equal rows have no -1)
-            return out, BatchLayerStats(positions=pos_w[:, :top], weights=w[..., :top],
-                                        counts=np.asarray(counts, np.int64))
         w_rows, lg_rows = live_views(w, counts), live_views(lg_w, counts)
         sh_rows = sh.unbind(0) if sparse else [None] * len(want)
         for j, i in enumerate(want):  # each request's live columns: views, no per-request gather

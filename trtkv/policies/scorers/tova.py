@@ -66,9 +66,8 @@ class TOVAScorer(Scorer):
         """``score`` of ``positions [k, n]``: exactly the ``n`` positions each of ``rows`` attended this step,
         ascending (what ``ScorerPolicy.events_rows`` asks) -> ``[k, n]``, the head-averaged weights in that order."""
         bs = self._batch[layer]
-        n = positions.shape[1]
-        order = np.argsort(bs.positions[rows, :n], axis=1, kind="stable")
-        w = bs.weights[torch.from_numpy(rows), :, :n].float().mean(1)
+        order = np.argsort(bs.positions[rows], axis=1, kind="stable")[:, -positions.shape[1]:]  # (-1 sorts first)
+        w = bs.weights[torch.from_numpy(rows)].float().mean(1)
         return torch.gather(w, 1, torch.from_numpy(order).to(w.device))
 
     def score(self, req, layer, positions, memo, ev=None):
@@ -76,7 +75,7 @@ class TOVAScorer(Scorer):
             return tova_scores(ev.rows[-1], req.num_kv_heads)
         if memo.batch is not None and layer in memo.batch:
             bs, i = memo.batch[layer], memo.batch_row
-            c = int(bs.counts[i])
-            return lookup(bs.positions[i, :c], bs.weights[i, :, :c].mean(0))(positions)
+            live = bs.positions[i] >= 0
+            return lookup(bs.positions[i][live], bs.weights[i].mean(0)[torch.from_numpy(live)])(positions)
         pos, row = memo.rows[layer]
         return lookup(pos, row.mean(0))(positions)
