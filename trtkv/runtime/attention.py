@@ -50,8 +50,7 @@ def batch_row_stats(logits: torch.Tensor, lse: torch.Tensor, num_kv_heads: int, 
     """:func:`row_stats` of a batch in one set of tensor operations: ``logits [b, Hq, n]``, ``lse [b, Hq]`` ->
     weights ``[b, Hq, n]``, sparsity per KV head ``[b, H]``, ThinKV sparsity ``[b]`` (both None unless
     ``sparsity``)."""
-    # a row with no live key has lse = -inf: subtract 0 there instead, so its weights are exp(-inf) = 0, not NaN
-    weights = torch.exp(logits - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    weights = torch.exp(logits - _finite_lse(lse)[..., None])
     if not sparsity:
         return weights, None, None
     b, Hq, n = logits.shape
@@ -64,6 +63,19 @@ def batch_row_stats(logits: torch.Tensor, lse: torch.Tensor, num_kv_heads: int, 
     a = torch.nan_to_num(torch.softmax(pooled, -1), nan=0.0).mean(1)  # [b, n] averaged row over KV groups
     u = ((a < 0.01 * a.amax(-1, keepdim=True)) & live).sum(-1).float() / n_live[:, 0]
     return weights, sparsity_heads, u
+
+
+def softmax_weights_(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """:func:`batch_row_stats`'s weights, computed in place of ``logits [b, Hq, n]`` where that gives the same
+    numbers (contiguous, of the log-sum-exps' dtype)."""
+    if not logits.is_contiguous() or logits.dtype != torch.promote_types(logits.dtype, lse.dtype):
+        return torch.exp(logits - _finite_lse(lse)[..., None])
+    return logits.sub_(_finite_lse(lse)[..., None]).exp_()
+
+
+def _finite_lse(lse: torch.Tensor) -> torch.Tensor:
+    # a row with no live key has lse = -inf: subtract 0 there instead, so its weights are exp(-inf) = 0, not NaN
+    return torch.where(torch.isinf(lse), 0.0, lse)
 
 
 def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: torch.Tensor, sm_scale: float,
@@ -119,7 +131,8 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     lap("policy" if any_stats else "bookkeeping")
     stats: list[LayerStats | None] = [None] * len(seqs)
     if any_stats:
-        logits = torch.cat([lg for lg, _ in logit_parts], dim=-1)
+        # (the kernels' logits are fresh tensors of this call: one source's are used as they are)
+        logits = logit_parts[0][0] if len(logit_parts) == 1 else torch.cat([lg for lg, _ in logit_parts], dim=-1)
         positions = np.concatenate([p for _, p in logit_parts], axis=1)
         lse_all, num_kv_heads = lse, cache.cfg.num_kv_heads
         if shards is not None:  # one collective: the log-sum-exps ride as one more column
@@ -127,10 +140,16 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
             logits, lse_all, num_kv_heads = both[..., :-1], both[..., -1], shards.num_kv_heads
         want = [i for i in range(len(seqs)) if want_stats[i] or want_sparsity[i]]
         rows = torch.tensor(want) if len(want) < len(seqs) else None
-        lg_w = logits if rows is None else logits[rows]
         sparse = any(want_sparsity[i] for i in want)
+        if batch_form and rows is None and not sparse:
+            # the weights alone, in place of the logits nothing else reads; slot order kept (dead columns: -1,
+            # weight 0)
+            w = softmax_weights_(logits, lse_all)
+            lap("bookkeeping")
+            return out, BatchLayerStats(positions=positions, weights=w, counts=(positions >= 0).sum(1))
+        lg_w = logits if rows is None else logits[rows]
         w, sh, u = batch_row_stats(lg_w, lse_all if rows is None else lse_all[rows], num_kv_heads, sparse)
-        if batch_form and rows is None:  # slot order kept: dead columns (-1, weight 0) stay where they are
+        if batch_form and rows is None:
             lap("bookkeeping")
             return out, BatchLayerStats(positions=positions, weights=w, counts=(positions >= 0).sum(1))
         u = u.tolist() if sparse else [None] * len(want)
