@@ -61,7 +61,7 @@ class RowTable:
             return
         self.ensure(top)
         flat = rows[:, None] * self.cap + positions
-        if positions.min() < 0:  # skipped columns add into row 0 (a scatter, no masked copies)
+        if positions.min() < 0:
             flat[positions < 0] = 0
         self.data[layer].view(-1).index_add_(0, torch.from_numpy(flat.reshape(-1)).to(self.device),
                                              values.reshape(-1).to(self.device, self.data.dtype))

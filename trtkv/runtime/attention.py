@@ -138,20 +138,16 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         if shards is not None:  # one collective: the log-sum-exps ride as one more column
             both = shards.gather(torch.cat([logits, lse[..., None].to(logits.dtype)], -1), 1)
             logits, lse_all, num_kv_heads = both[..., :-1], both[..., -1], shards.num_kv_heads
-        want = [i for i in range(len(seqs)) if want_stats[i] or want_sparsity[i]]
-        rows = torch.tensor(want) if len(want) < len(seqs) else None
-        sparse = any(want_sparsity[i] for i in want)
-        if batch_form and rows is None and not sparse:
-            # the weights alone, in place of the logits nothing else reads; slot order kept (dead columns: -1,
-            # weight 0)
+        if batch_form:  # (every request asked for the weights alone: EngineCore._batch_form)
+            # in place of the logits nothing else reads; slot order kept (dead columns: -1, weight 0)
             w = softmax_weights_(logits, lse_all)
             lap("bookkeeping")
             return out, BatchLayerStats(positions=positions, weights=w, counts=(positions >= 0).sum(1))
+        want = [i for i in range(len(seqs)) if want_stats[i] or want_sparsity[i]]
+        rows = torch.tensor(want) if len(want) < len(seqs) else None
+        sparse = any(want_sparsity[i] for i in want)
         lg_w = logits if rows is None else logits[rows]
         w, sh, u = batch_row_stats(lg_w, lse_all if rows is None else lse_all[rows], num_kv_heads, sparse)
-        if batch_form and rows is None:
-            lap("bookkeeping")
-            return out, BatchLayerStats(positions=positions, weights=w, counts=(positions >= 0).sum(1))
         u = u.tolist() if sparse else [None] * len(want)
         pos_w, w, lg_w, counts = live_first(positions if rows is None else positions[want], w, lg_w)
         w_rows, lg_rows = live_views(w, counts), live_views(lg_w, counts)
