@@ -29,7 +29,7 @@ from trtkv.runtime.scheduler import Scheduler
 from trtkv.runtime.server_turns import RequestSpec, Tick, drain
 from trtkv.tokenizer import load_tokenizer
 
-RUNTIMES = ("torch", "torch-compile", "onnxruntime")  # what executes the model steps (docs/deploy.md for onnxruntime)
+RUNTIMES = ("torch", "torch-compile", "graph", "onnxruntime")  # what executes the model steps (docs/deploy.md for onnxruntime)
 # the rest are fixed when the engine is built
 LOAD_TIME_CACHE_SETTINGS = ("max_batch", "max_pages", "kv_memory", "kv_memory_fraction", "demote", "host_kv_memory")
 
@@ -126,7 +126,7 @@ class Engine:
             self._dense = TensorParallelDecoder(self._dense, self.arch, plan, group)
             self.shards = HeadShards(group, plan.heads_sharded, self.arch.num_key_value_heads)
         self.core = EngineCore(self._dense, policy, cache_cfg, self.eos_ids, tokenizer.decode, kv_amax,
-                               shards=self.shards)
+                               shards=self.shards, graph=runtime == "graph")
         self._sessions = None
         if runtime == "onnxruntime":  # the ONNX export of this engine, run by ONNX Runtime (trtkv/export)
             from trtkv.export import require_onnx
@@ -251,7 +251,7 @@ class Engine:
             return OrtEngineCore(self.model, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax,
                                  observers, sessions=self._sessions)
         return EngineCore(self._dense, policy, cfg, self.eos_ids, self.tokenizer.decode, self.kv_amax, observers,
-                          shards=self.shards)
+                          shards=self.shards, graph=self.runtime == "graph")
 
     @property
     def quantized_weight_bytes(self) -> int | None:

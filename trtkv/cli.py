@@ -192,9 +192,10 @@ def build(model, policy, budget, sets, out, dtype, weights, group_size, syntheti
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Load-time cache setting (max_pages, kv_memory, kv_memory_fraction, max_batch...) or policy "
                    "parameter (repeatable).")
-@click.option("--runtime", type=click.Choice(["torch", "torch-compile", "onnxruntime"]), default="torch",
+@click.option("--runtime", type=click.Choice(["torch", "torch-compile", "graph", "onnxruntime"]), default="torch",
               show_default=True, help="What runs the model steps: PyTorch; PyTorch with the dense layers through "
-              "torch.compile; or ONNX Runtime on the engine's ONNX export.")
+              "torch.compile; each steady decode step as one compiled program (graph); or ONNX Runtime on the "
+              "engine's ONNX export.")
 @click.option("--onnx-dir", type=click.Path(path_type=Path), default=None,
               help="--runtime onnxruntime: the export directory [ENGINE/onnx, exported there when missing].")
 @tp_option
@@ -356,7 +357,7 @@ def _command_line(name: str) -> str | None:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True,
               help="Directory for results.json, results.csv and the plots.")
 @click.option("--runtime", default="torch", show_default=True, metavar="NAMES",
-              help="torch, torch-compile, onnxruntime, or several comma-separated (each engine runs under each, "
+              help="torch, torch-compile, graph, onnxruntime, or several comma-separated (each engine runs under each, "
                    "interleaved).")
 @tp_option
 def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, requests, host_kv_memory, repeat, prompt_source,

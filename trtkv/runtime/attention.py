@@ -11,6 +11,7 @@ from plugins.buffer_attention.reference import dense_partial
 from plugins.paged_attention.reference import PagedFormat, merge_partials
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.manager import KVCacheManager, SeqKV
+from trtkv.cache.pool import PagePool
 from trtkv.distributed.group import HeadShards
 from trtkv.policies.base import BatchLayerStats, LayerStats
 
@@ -104,12 +105,7 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
                 for (pool, bt, sc), bits in zip(sources, valid)], sm_scale, any_stats, dense_run=run)
         lap("bookkeeping")
     if any_stats:
-        positions = []
-        for pool, bt, _ in sources:
-            bt_np = bt.cpu().numpy()
-            pos = pool.slot_pos[np.maximum(bt_np, 0)]  # [b, P, B]
-            pos[bt_np < 0] = -1
-            positions.append(pos.reshape(len(seqs), -1))
+        positions = source_positions([(pool, bt) for pool, bt, _ in sources], len(seqs))
         if len(logit_parts) < len(positions):  # one launch's logits hold every source's columns, side by side
             positions = [np.concatenate(positions, axis=1)]
         logit_parts = list(zip(logit_parts, positions))
@@ -129,34 +125,59 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         plugin_ops.buffer_attention(q, arena.k, arena.v, rows_t, layer, arena.counts_of(layer, rows),
                                     sm_scale, out, lse)
     lap("policy" if any_stats else "bookkeeping")
-    stats: list[LayerStats | None] = [None] * len(seqs)
+    stats: list[LayerStats | None] | BatchLayerStats = [None] * len(seqs)
     if any_stats:
         # (the kernels' logits are fresh tensors of this call: one source's are used as they are)
         logits = logit_parts[0][0] if len(logit_parts) == 1 else torch.cat([lg for lg, _ in logit_parts], dim=-1)
         positions = np.concatenate([p for _, p in logit_parts], axis=1)
-        lse_all, num_kv_heads = lse, cache.cfg.num_kv_heads
-        if shards is not None:  # one collective: the log-sum-exps ride as one more column
-            both = shards.gather(torch.cat([logits, lse[..., None].to(logits.dtype)], -1), 1)
-            logits, lse_all, num_kv_heads = both[..., :-1], both[..., -1], shards.num_kv_heads
-        if batch_form:  # (every request asked for the weights alone: EngineCore._batch_form)
-            # in place of the logits nothing else reads; slot order kept (dead columns: -1, weight 0)
-            w = softmax_weights_(logits, lse_all)
-            lap("bookkeeping")
-            return out, BatchLayerStats(positions=positions, weights=w, counts=(positions >= 0).sum(1))
-        want = [i for i in range(len(seqs)) if want_stats[i] or want_sparsity[i]]
-        rows = torch.tensor(want) if len(want) < len(seqs) else None
-        sparse = any(want_sparsity[i] for i in want)
-        lg_w = logits if rows is None else logits[rows]
-        w, sh, u = batch_row_stats(lg_w, lse_all if rows is None else lse_all[rows], num_kv_heads, sparse)
-        u = u.tolist() if sparse else [None] * len(want)
-        pos_w, w, lg_w, counts = live_first(positions if rows is None else positions[want], w, lg_w)
-        w_rows, lg_rows = live_views(w, counts), live_views(lg_w, counts)
-        sh_rows = sh.unbind(0) if sparse else [None] * len(want)
-        for j, i in enumerate(want):  # each request's live columns: views, no per-request gather
-            stats[i] = LayerStats(positions=pos_w[j, :counts[j]], weights=w_rows[j], logits=lg_rows[j],
-                                  sparsity_heads=sh_rows[j], sparsity=u[j])
+        stats = layer_statistics(logits, lse, positions, cache.cfg.num_kv_heads, want_stats, want_sparsity,
+                                 batch_form, shards)
     lap("bookkeeping")
     return out, stats
+
+
+def source_positions(tables: list[tuple[PagePool, torch.Tensor]], b: int) -> list[np.ndarray]:
+    """The token position of every column a layer's attention logits have, per format's block table ``[b, P]``:
+    ``[b, P * B]`` each, -1 where a slot or a table entry holds no token."""
+    positions = []
+    for pool, bt in tables:
+        bt_np = bt.cpu().numpy()
+        pos = pool.slot_pos[np.maximum(bt_np, 0)]  # [b, P, B]
+        pos[bt_np < 0] = -1
+        positions.append(pos.reshape(b, -1))
+    return positions
+
+
+def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndarray, num_kv_heads: int,
+                     want_stats: list[bool], want_sparsity: list[bool], batch_form: bool = False,
+                     shards: HeadShards | None = None) -> list[LayerStats | None] | BatchLayerStats:
+    """A layer's statistics from its attention logits ``[b, Hq, n]`` (scaled, -inf where dead; taken over: the
+    batch form computes its weights in place of them), log-sum-exps ``[b, Hq]`` and the columns' positions ``[b, n]``:
+    one ``BatchLayerStats`` (``batch_form``: every request wants the weights alone) or one ``LayerStats`` for each
+    request that asked (None for the others)."""
+    b = logits.shape[0]
+    lse_all = lse
+    if shards is not None:  # one collective: the log-sum-exps ride as one more column
+        both = shards.gather(torch.cat([logits, lse[..., None].to(logits.dtype)], -1), 1)
+        logits, lse_all, num_kv_heads = both[..., :-1], both[..., -1], shards.num_kv_heads
+    if batch_form:  # (every request asked for the weights alone: EngineCore._batch_form)
+        # in place of the logits nothing else reads; slot order kept (dead columns: -1, weight 0)
+        w = softmax_weights_(logits, lse_all)
+        return BatchLayerStats(positions=positions, weights=w, counts=(positions >= 0).sum(1))
+    stats: list[LayerStats | None] = [None] * b
+    want = [i for i in range(b) if want_stats[i] or want_sparsity[i]]
+    rows = torch.tensor(want) if len(want) < b else None
+    sparse = any(want_sparsity[i] for i in want)
+    lg_w = logits if rows is None else logits[rows]
+    w, sh, u = batch_row_stats(lg_w, lse_all if rows is None else lse_all[rows], num_kv_heads, sparse)
+    u = u.tolist() if sparse else [None] * len(want)
+    pos_w, w, lg_w, counts = live_first(positions if rows is None else positions[want], w, lg_w)
+    w_rows, lg_rows = live_views(w, counts), live_views(lg_w, counts)
+    sh_rows = sh.unbind(0) if sparse else [None] * len(want)
+    for j, i in enumerate(want):  # each request's live columns: views, no per-request gather
+        stats[i] = LayerStats(positions=pos_w[j, :counts[j]], weights=w_rows[j], logits=lg_rows[j],
+                              sparsity_heads=sh_rows[j], sparsity=u[j])
+    return stats
 
 
 def live_first(positions: np.ndarray, weights: torch.Tensor, logits: torch.Tensor):

@@ -22,8 +22,9 @@ from trtkv.cache.write_plan import WritePlan
 from trtkv.distributed.group import HeadShards
 from trtkv.models.decoder import DecoderModel
 from trtkv.policies.base import KVPolicy, LayerStats, StatsRequest, StepStats
-from trtkv.runtime.attention import decode_attention, row_stats
+from trtkv.runtime.attention import decode_attention, layer_statistics, row_stats, source_positions
 from trtkv.runtime.context import RequestContext
+from trtkv.runtime.device_step import DeviceStep, plan_step
 from trtkv.runtime.observers import EngineObserver, PhaseClock, merge_stats_requests
 from trtkv.runtime.request import GenerationResult, IncrementalDetokenizer, Request
 from trtkv.runtime.sampling import sample_next
@@ -65,9 +66,10 @@ class EngineCore:
 
     def __init__(self, model: DecoderModel, policy: KVPolicy, cache_cfg: CacheConfig, eos_ids: list[int],
                  decode_text, kv_amax=None, observers: Sequence[EngineObserver] = (),
-                 shards: HeadShards | None = None):
+                 shards: HeadShards | None = None, graph: bool = False):
         """``shards`` (tensor parallelism): this rank's KV heads of the model's; ``model`` then computes this
-        rank's slice and ``cache_cfg`` holds its heads (trtkv/models/sharding.py)."""
+        rank's slice and ``cache_cfg`` holds its heads (trtkv/models/sharding.py). ``graph`` (``--runtime
+        graph``): steady decode steps run as one compiled device program (trtkv/runtime/device_step.py)."""
         self.model = model
         self.shards = shards
         self.arch = model.arch
@@ -94,6 +96,8 @@ class EngineCore:
         self._policy_acts_between_layers = (type(policy).before_attention is not KVPolicy.before_attention
                                             or type(policy).before_attention_batch
                                             is not KVPolicy.before_attention_batch)
+        self.device_step = DeviceStep(model, self.arch.num_hidden_layers, self.sm_scale) if graph else None
+        self._observers_watch_layers = False
         for o in observers:
             self.attach(o)
 
@@ -109,6 +113,8 @@ class EngineCore:
         if len(clocks) > 1:
             raise ValueError("at most one observer may profile the decode step")
         self.observers = observers
+        self._observers_watch_layers = any(type(o).before_attention is not EngineObserver.before_attention
+                                           for o in observers)
         # observers' attention statistics are forced at decode steps only (prefill hands them the policy's)
         self._forced = {"decode": merge_stats_requests([o.stats_request("decode") for o in observers])}
         self.clock = self.cache.clock = clocks[0] if clocks else None
@@ -214,6 +220,10 @@ class EngineCore:
         clk = self.clock
         step = self.begin_decode(reqs)
         try:
+            logits = self._graph_step(step) if self.device_step is not None else None
+            if logits is not None:
+                self.end_decode(step, logits)
+                return
             if clk is not None:
                 clk.switch("model")
             x = self.model.embed(step.ids)
@@ -232,6 +242,44 @@ class EngineCore:
             self.abort_decode(step)
             raise
         self.end_decode(step, logits)
+
+    def _graph_step(self, step: DecodeStep) -> torch.Tensor | None:
+        """The step as the compiled device program (trtkv/runtime/device_step.py): its logits, the policy's
+        statistics filled in; None (nothing done) when the host plan does not cover it: then it runs eagerly."""
+        clk, L = self.clock, self.arch.num_hidden_layers
+        wants = [step.wants if step.wants is not None else self._wants(step.sreqs, layer) for layer in range(L)]
+        plan = None
+        if (self.g == 1 and step.write_cls is not None and not self._policy_acts_between_layers
+                and not self.cache.has_tiers and self.shards is None and step.forced is None
+                and not self._observers_watch_layers and not any(any(w[2]) for w in wants)):
+            plan = plan_step(self.cache, step.seqs, step.positions, step.write_cls, step.ids, step.cos, step.sin,
+                             tuple(w[3] for w in wants))
+        if plan is None or not all(plan.sources):  # (a layer without pages on the device: every one moved)
+            self.device_step.counts["eager"] += 1
+            if plan is not None:
+                step.plan = plan.write
+            return None
+        if clk is not None:
+            clk.switch("model")
+        logits, layer_logits = self.device_step.run(plan)
+        if clk is not None:
+            clk.switch("policy")
+        found = iter(layer_logits)
+        for layer in range(L):
+            if not plan.want[layer]:
+                continue
+            lg, lse = next(found)
+            want_w, want_s = wants[layer][:2]
+            positions = np.concatenate(source_positions(plan.tables[layer], len(step.seqs)), axis=1)
+            ls = layer_statistics(lg, lse, positions, self.cache.cfg.num_kv_heads, want_w, want_s,
+                                  step.batch is not None)
+            if step.batch is not None:
+                step.batch[layer] = ls
+                continue
+            for i, st in enumerate(ls):
+                if st is not None:
+                    step.stats[i].layers[layer] = st
+        return logits
 
     def abort_decode(self, step: DecodeStep) -> None:
         """Release what ``begin_decode`` staged when a step fails part-way."""
@@ -297,7 +345,7 @@ class EngineCore:
                                                      step.classes, self.clock)
         if self.g == 1:
             if step.write_cls is not None:
-                if layer == 0 and not (self._policy_acts_between_layers or cache.has_tiers):
+                if layer == 0 and step.plan is None and not (self._policy_acts_between_layers or cache.has_tiers):
                     step.plan = cache.plan_write_through(seqs, positions, step.write_cls)
                 if step.plan is not None:
                     cache.write_planned(step.plan, layer, k, v)

@@ -1,0 +1,149 @@
+"""The decode step as a device program (``--runtime graph``): a host plan, then one compiled function.
+
+A steady decode step splits in two, as vLLM's and SGLang's do:
+
+1. **Host plan** (``plan_step``), from host state only: every layer's write slots at once
+   (``KVCacheManager.plan_write_through``), each layer's block tables, validity words and scales, the step's
+   token ids and RoPE angles, and which layers' attention logits the policy reads after the step.
+2. **Device program** (``DeviceStep``): embed -> every layer (q/k/v + RoPE, ``trtkv::kv_write`` into the
+   planned slots, ``trtkv::paged_attention`` per format merged by log-sum-exp, o_proj + MLP) -> logits, a pure
+   function of the plan's tensors, compiled once with ``torch.compile(fullgraph=True)`` (zero graph breaks:
+   nothing in it reads a tensor on the host) and replayed every step. Batch size and block-table width are
+   dynamic dimensions, so one compiled program serves every step of a batch of 2 or more (and one more serves
+   batch 1).
+
+Policies decide between steps, as in the eager runtime: the logits the program returns for the layers a
+policy asked about become its statistics (``layer_statistics``, the eager path's own function). A step the
+plan does not cover runs eagerly, the oracle: a policy that acts between layers (ThinKV's anneals),
+residual buffers (a quantized format's groups), host tiers, a write class that differs across the batch, slots
+taken back from reuse heaps, observers that force statistics or watch layers, the query statistic, tensor
+parallelism. ``DeviceStep.counts`` says how many steps ran each way.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from plugins import ops as _registered_ops  # noqa: F401  (torch.ops.trtkv.* must exist before tracing)
+from plugins.paged_attention.reference import merge_partials
+from trtkv.cache.manager import KVCacheManager
+from trtkv.cache.write_plan import WritePlan
+from trtkv.errors import TrtkvError
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """Everything the device program of one step reads, made on the host (``plan_step``)."""
+    ids: torch.Tensor  # [b] the tokens to feed
+    cos: torch.Tensor  # [b, D] RoPE of their positions
+    sin: torch.Tensor
+    write: WritePlan  # pages, slots [layers, b]
+    writes: list[tuple]  # per layer: the written pool's (slot fields, group fields, k_group, format code, scales)
+    sources: list[list[tuple]]  # per layer, per format: (fields, groups, k_group, valid, table, code, scales)
+    tables: list[list[tuple]]  # per layer: (pool, block table) as the cache gave them (statistics' positions)
+    want: tuple[bool, ...]  # per layer: return its attention logits and log-sum-exps
+
+    def key(self) -> tuple:
+        """What a compiled program is specialized on (everything else is a dynamic size or a tensor's data)."""
+        return self.ids.shape[0] == 1, self.want, tuple(len(s) for s in self.sources)
+
+
+def plan_step(cache: KVCacheManager, seqs: list, positions: list[int], write_cls: tuple, ids: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor, want: tuple[bool, ...]) -> StepPlan | None:
+    """The host plan of a write-through step whose requests all write ``write_cls`` (format, thought): the
+    slots are allocated and recorded now, in every layer; None (nothing done) when the plan does not apply."""
+    write = cache.plan_write_through(seqs, positions, write_cls)
+    if write is None:
+        return None
+    b = len(seqs)
+    writes, sources, tables = [], [], []
+    for layer in range(cache.cfg.num_layers):
+        pool = cache.pool(layer, write_cls[0])
+        sc = cache.layer_scales(layer, pool.fmt.name)
+        writes.append((pool.fields, pool.group_fields, pool.k_group, pool.fmt.code, sc.k, sc.v))
+        tabs = cache.block_tables(layer, seqs)
+        srcs = []
+        for p, bt in tabs:
+            s = cache.layer_scales(layer, p.fmt.name)
+            srcs.append((p.fields, p.group_fields, p.k_group, p.valid_bits(), _dynamic_table(bt, b), p.fmt.code,
+                         s.k, s.v))
+        sources.append(srcs)
+        tables.append(tabs)
+    if b > 1:
+        for t in (ids, cos, sin):
+            torch._dynamo.mark_dynamic(t, 0)
+        for t in (write.pages, write.slots):
+            torch._dynamo.mark_dynamic(t, 1)
+    return StepPlan(ids, cos, sin, write, writes, sources, tables, want)
+
+
+def _dynamic_table(bt: torch.Tensor, b: int) -> torch.Tensor:
+    """A block table whose width (and, above one request, height) the compiled program takes as a dynamic size:
+    a width of one page is padded to two (-1: no page), as a size of 1 would be specialized."""
+    if bt.shape[1] < 2:
+        bt = torch.cat([bt, bt.new_full((b, 2 - bt.shape[1]), -1)], 1)
+    torch._dynamo.mark_dynamic(bt, 1)
+    if b > 1:
+        torch._dynamo.mark_dynamic(bt, 0)
+    return bt
+
+
+def device_program(model, num_layers: int, sm_scale: float, ids, cos, sin, pages, slots, writes, sources, want):
+    """One decode step on the device: ``(logits [b, vocab], [(attention logits, lse) of each wanted layer])``."""
+    x = model.embed(ids)
+    stats = []
+    for layer in range(num_layers):
+        q, k, v = model.qkv(layer, x, cos, sin)
+        fields, groups, k_group, code, scale_k, scale_v = writes[layer]
+        torch.ops.trtkv.kv_write(k, v, fields, groups, k_group, pages[layer], slots[layer], -1, code, scale_k,
+                                 scale_v)
+        parts, logits = [], []
+        for fields, groups, k_group, valid, table, code, scale_k, scale_v in sources[layer]:
+            o, lse, lg = torch.ops.trtkv.paged_attention(q, fields, groups, k_group, valid, table, code, sm_scale,
+                                                         scale_k, scale_v, want[layer])
+            parts.append((o, lse))
+            logits.append(lg)
+        out, lse = merge_partials(parts)
+        if want[layer]:
+            stats.append((logits[0] if len(logits) == 1 else torch.cat(logits, -1), lse))
+        x = model.finish_layer(layer, x, out)
+    return model.logits(x), stats
+
+
+class DeviceStep:
+    """The compiled device programs of one engine core, one per ``StepPlan.key``, and how many steps ran in
+    them (``graph``) or eagerly (``eager``). ``compile=False`` runs the same program uncompiled (its oracle)."""
+
+    def __init__(self, model, num_layers: int, sm_scale: float, compile: bool = True) -> None:
+        self._model = model
+        self._num_layers = num_layers
+        self._sm_scale = sm_scale
+        self._compile = compile
+        self._programs: dict[tuple, object] = {}
+        self.counts = {"graph": 0, "eager": 0}
+
+    def program(self, key: tuple):
+        """The compiled program for plans of ``key`` (compiled on its first call)."""
+        fn = self._programs.get(key)
+        if fn is None:
+            def step(*args, _model=self._model, _n=self._num_layers, _scale=self._sm_scale):
+                return device_program(_model, _n, _scale, *args)
+
+            # cpp_wrapper: inductor's C++ launcher calls the kernels and ops without a Python frame between them
+            fn = torch.compile(step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}) \
+                if self._compile else step
+            self._programs[key] = fn
+        return fn
+
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        fn = self.program(plan.key())
+        try:
+            out = fn(plan.ids, plan.cos, plan.sin, plan.write.pages, plan.write.slots, plan.writes, plan.sources,
+                     plan.want)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TrtkvError(f"torch.compile of the decode step failed ({first[:200]}); run with --runtime torch") \
+                from None
+        self.counts["graph"] += 1
+        return out
