@@ -32,7 +32,7 @@ from trtkv.cache.pool import PagePool
 from trtkv.cache.pool_set import PoolSet
 from trtkv.cache.residual import ResidualArena
 from trtkv.cache.sequence import SeqKV
-from trtkv.cache.write_plan import WritePlan, plan_write_through
+from trtkv.cache.write_plan import WritePlan, plan_each_layer, plan_write_through
 
 EVICT_BATCH_MIN = 8  # evictions of fewer tokens go one by one (same end state; see KVCacheManager.evict)
 
@@ -210,11 +210,15 @@ class KVCacheManager:
         pool.mark_written_distinct(pages, slots, pos)  # one slot in each of distinct pages: one call for the batch
         self.columns.place_rows(layer, rows, cls[0], pages, slots, pos)
 
-    def plan_write_through(self, seqs: list[SeqKV], positions: list[int], cls: Cls) -> WritePlan | None:
+    def plan_write_through(self, seqs: list[SeqKV], positions: list[int], cls: Cls, always: bool = False
+                           ) -> WritePlan | None:
         """The slots of one token of each of ``seqs`` at ``positions`` in every layer, allocated and recorded at
         once (``trtkv/cache/write_plan.py``); each layer's ``write_planned`` then writes the codes. None when the
-        plan does not apply (then ``write_through`` layer by layer)."""
-        return plan_write_through(self.pools, self.columns, seqs, self.rows(seqs), self._array_of(positions), cls)
+        plan does not apply (then ``write_through`` layer by layer) — unless ``always``: then ``write_through``'s
+        own allocation, layer after layer, makes the plan."""
+        rows, pos = self.rows(seqs), self._array_of(positions)
+        plan = plan_write_through(self.pools, self.columns, seqs, rows, pos, cls)
+        return plan_each_layer(self.pools, self.columns, seqs, rows, pos, cls) if plan is None and always else plan
 
     def write_planned(self, plan: WritePlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``write_through`` of layer ``layer`` into the slots ``plan`` recorded: the kernel call alone."""

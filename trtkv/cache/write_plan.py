@@ -74,6 +74,25 @@ def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV],
     return WritePlan(cls, pages_t, slots_t)
 
 
+def plan_each_layer(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV], rows: np.ndarray,
+                    positions: np.ndarray, cls: Cls) -> WritePlan:
+    """The plan of a step ``plan_write_through`` does not cover: ``write_through``'s allocation and records, layer
+    after layer (reuse heaps pop request by request), without the codes. The same slots and state as
+    ``write_through`` when nothing between two layers' writes changes the tables."""
+    pages, slots = [], []
+    for layer in range(columns.num_layers):
+        pool = pools.pool(layer, cls[0])
+        p, s = BlockTable.alloc_one_each(lambda i, layer=layer: seqs[i].layers[layer], columns, layer, rows, pool, cls)
+        pool.mark_written_distinct(p, s, positions)
+        columns.place_rows(layer, rows, cls[0], p, s, positions)
+        pages.append(p)
+        slots.append(s)
+    pages_t, slots_t = torch.from_numpy(np.stack(pages)), torch.from_numpy(np.stack(slots))
+    if pool.device.type != "cpu":
+        pages_t, slots_t = pages_t.to(pool.device), slots_t.to(pool.device)
+    return WritePlan(cls, pages_t, slots_t)
+
+
 def _take_kept_slots(stack, columns: TableColumns, rows: np.ndarray, cls: Cls
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Each request's reusable slot kept outside its heap, in every layer, taken back where still free (a stale

@@ -15,13 +15,13 @@ A steady decode step splits in two, as vLLM's and SGLang's do:
 Policies decide between steps, as in the eager runtime: the logits the program returns for the layers a
 policy asked about become its statistics (``layer_statistics``, the eager path's own function). A step the
 plan does not cover runs eagerly, the oracle: a policy that acts between layers (ThinKV's anneals),
-residual buffers (a quantized format's groups), host tiers, a write class that differs across the batch, slots
-taken back from reuse heaps, observers that force statistics or watch layers, the query statistic, tensor
-parallelism. ``DeviceStep.counts`` says how many steps ran each way.
+residual buffers (a quantized format's groups), host tiers, a write class that differs across the batch,
+observers that force statistics or watch layers, the query statistic, tensor parallelism. ``DeviceStep.counts`` says how many steps ran each way.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -50,12 +50,10 @@ class StepPlan:
 
 
 def plan_step(cache: KVCacheManager, seqs: list, positions: list[int], write_cls: tuple, ids: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor, want: tuple[bool, ...]) -> StepPlan | None:
+              cos: torch.Tensor, sin: torch.Tensor, want: tuple[bool, ...]) -> StepPlan:
     """The host plan of a write-through step whose requests all write ``write_cls`` (format, thought): the
-    slots are allocated and recorded now, in every layer; None (nothing done) when the plan does not apply."""
-    write = cache.plan_write_through(seqs, positions, write_cls)
-    if write is None:
-        return None
+    slots are allocated and recorded now, in every layer."""
+    write = cache.plan_write_through(seqs, positions, write_cls, always=True)
     b = len(seqs)
     writes, sources, tables = [], [], []
     for layer in range(cache.cfg.num_layers):
@@ -111,6 +109,9 @@ def device_program(model, num_layers: int, sm_scale: float, ids, cos, sin, pages
     return model.logits(x), stats
 
 
+_serial = itertools.count()
+
+
 class DeviceStep:
     """The compiled device programs of one engine core, one per ``StepPlan.key``, and how many steps ran in
     them (``graph``) or eagerly (``eager``). ``compile=False`` runs the same program uncompiled (its oracle)."""
@@ -129,6 +130,10 @@ class DeviceStep:
         if fn is None:
             def step(*args, _model=self._model, _n=self._num_layers, _scale=self._sm_scale):
                 return device_program(_model, _n, _scale, *args)
+
+            # a code object of its own: dynamo keeps compiled entries per code object (a process may run many
+            # engines, each with its own model and pools: sharing one would exhaust its recompile limit)
+            step.__code__ = step.__code__.replace(co_name=f"device_step_{next(_serial)}")
 
             # cpp_wrapper: inductor's C++ launcher calls the kernels and ops without a Python frame between them
             fn = torch.compile(step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}) \
