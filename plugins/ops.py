@@ -41,6 +41,7 @@ _lib.define(
     "-> (Tensor, Tensor, Tensor)"
 )
 _lib.define("kmeans_select(Tensor keys, Tensor counts, Tensor k_keep, int iters) -> Tensor")
+_lib.define("residual_append(Tensor(a!) arena_k, Tensor(b!) arena_v, Tensor at, Tensor k, Tensor v) -> ()")
 _lib.define(
     "buffer_attention(Tensor q, Tensor arena_k, Tensor arena_v, Tensor rows, int layer, Tensor counts, "
     "float sm_scale, Tensor(a!) out, Tensor(b!) lse) -> ()"
@@ -232,7 +233,9 @@ for _key in ("CPU", "CUDA"):
     _lib.impl("paged_attention", paged_attention, _key)
     _lib.impl("kmeans_select", kmeans_select, _key)
     _lib.impl("buffer_attention", buffer_attention, _key)
+    _lib.impl("residual_append", residual_append, _key)
 _lib.impl("kv_write", lambda *a: None, "Meta")
+_lib.impl("residual_append", lambda *a: None, "Meta")
 _lib.impl("kv_write_groups", lambda *a: None, "Meta")
 _lib.impl("buffer_attention", lambda *a: None, "Meta")
 _lib.impl("paged_attention", _paged_attention_meta, "Meta")

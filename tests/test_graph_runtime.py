@@ -4,7 +4,6 @@ compiles with ``fullgraph=True`` (a graph break is an error) and reads no tensor
 from __future__ import annotations
 
 import pytest
-import torch
 from policy_matrix import cases
 
 from trtkv.api import Engine, SamplingParams

@@ -29,7 +29,8 @@ from trtkv.runtime.scheduler import Scheduler
 from trtkv.runtime.server_turns import RequestSpec, Tick, drain
 from trtkv.tokenizer import load_tokenizer
 
-RUNTIMES = ("torch", "torch-compile", "graph", "onnxruntime")  # what executes the model steps (docs/deploy.md for onnxruntime)
+# what executes the model steps (docs/deploy.md for onnxruntime; trtkv/runtime/device_step.py for graph)
+RUNTIMES = ("torch", "torch-compile", "graph", "onnxruntime")
 # the rest are fixed when the engine is built
 LOAD_TIME_CACHE_SETTINGS = ("max_batch", "max_pages", "kv_memory", "kv_memory_fraction", "demote", "host_kv_memory")
 

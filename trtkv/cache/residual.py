@@ -138,6 +138,19 @@ class ResidualArena:
         else:
             self.fill[rows, layer] = fill + 1
 
+    def plan_append(self, rows: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """One token of each of ``rows`` (distinct) recorded in every layer's buffer now, its K/V written later
+        by ``residual_append`` at the flat indices returned: ``(at, fill) [layers, b]``, the fill after; None
+        (nothing done) when a buffer would fill up (that step flushes it: ``append_rows`` layer by layer)."""
+        _, L, g = self.k.shape[:3]
+        fill = self.fill[rows].T  # [L, b]
+        if (fill + 1 >= g).any() or len(np.unique(rows)) < len(rows):
+            return None
+        layers = np.arange(L)[:, None]
+        self.pos[rows[None, :], layers, fill] = positions[None, :]
+        self.fill[rows] += 1
+        return (rows[None, :] * L + layers) * g + fill, fill + 1
+
     def take_rows(self, layer: int, rows: np.ndarray, n: int) -> np.ndarray:
         """Empty ``layer``'s buffers of ``rows`` (each holding ``n`` tokens, written to pages): their positions
         ``[len(rows), n]``."""

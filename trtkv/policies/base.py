@@ -247,6 +247,13 @@ class KVPolicy:
         for req in reqs:
             self.before_attention(req, layer)
 
+    def acts_before_attention(self, reqs: list[PolicyRequest]) -> bool:
+        """Whether ``before_attention_batch`` will do anything in this decode step (asked after the step's begin
+        hooks): a step where it does not may run as one device program (``--runtime graph``). By default,
+        whenever the policy has the hook."""
+        return (type(self).before_attention is not KVPolicy.before_attention
+                or type(self).before_attention_batch is not KVPolicy.before_attention_batch)
+
     def on_decode_step_end(self, req: PolicyRequest, stats: StepStats) -> None:
         pass
 

@@ -344,6 +344,9 @@ class ThinKVPolicy(KVPolicy):
     def before_attention(self, req, layer: int) -> None:
         self.before_attention_batch([req], layer)
 
+    def acts_before_attention(self, reqs) -> bool:
+        return any(req.state.ops for req in reqs)  # this step's anneals (on_decode_step_begin)
+
     def before_attention_batch(self, reqs, layer: int) -> None:
         """Apply this step's anneals in this layer (after its flush): k-means keeps ``target`` tokens.
         Ops on distinct segments of every request share batched k-means calls; a segment annealed twice in

@@ -249,15 +249,14 @@ class EngineCore:
         clk, L = self.clock, self.arch.num_hidden_layers
         wants = [step.wants if step.wants is not None else self._wants(step.sreqs, layer) for layer in range(L)]
         plan = None
-        if (self.g == 1 and step.write_cls is not None and not self._policy_acts_between_layers
-                and not self.cache.has_tiers and self.shards is None and step.forced is None
-                and not self._observers_watch_layers and not any(any(w[2]) for w in wants)):
+        want = tuple(w[3] for w in wants)
+        if ((step.write_cls is not None if self.g == 1 else not any(want)) and not self.cache.has_tiers
+                and self.shards is None and step.forced is None and not self._observers_watch_layers
+                and not any(any(w[2]) for w in wants) and not self.policy.acts_before_attention(step.ctxs)):
             plan = plan_step(self.cache, step.seqs, step.positions, step.write_cls, step.ids, step.cos, step.sin,
-                             tuple(w[3] for w in wants))
-        if plan is None or not all(plan.sources):  # (a layer without pages on the device: every one moved)
+                             want)
+        if plan is None:
             self.device_step.counts["eager"] += 1
-            if plan is not None:
-                step.plan = plan.write
             return None
         if clk is not None:
             clk.switch("model")

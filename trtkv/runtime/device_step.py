@@ -3,26 +3,29 @@
 A steady decode step splits in two, as vLLM's and SGLang's do:
 
 1. **Host plan** (``plan_step``), from host state only: every layer's write slots at once
-   (``KVCacheManager.plan_write_through``), each layer's block tables, validity words and scales, the step's
-   token ids and RoPE angles, and which layers' attention logits the policy reads after the step.
+   (``KVCacheManager.plan_write_through``) or, under a quantized format's residual groups, every layer's buffer
+   slot (``ResidualArena.plan_append``); each layer's block tables, validity words and scales; the step's token
+   ids and RoPE angles; which layers' attention logits the policy reads after the step.
 2. **Device program** (``DeviceStep``): embed -> every layer (q/k/v + RoPE, ``trtkv::kv_write`` into the
-   planned slots, ``trtkv::paged_attention`` per format merged by log-sum-exp, o_proj + MLP) -> logits, a pure
-   function of the plan's tensors, compiled once with ``torch.compile(fullgraph=True)`` (zero graph breaks:
-   nothing in it reads a tensor on the host) and replayed every step. Batch size and block-table width are
-   dynamic dimensions, so one compiled program serves every step of a batch of 2 or more (and one more serves
-   batch 1).
+   planned slots or ``trtkv::residual_append`` into the buffers, ``trtkv::paged_attention`` per format merged by
+   log-sum-exp, ``trtkv::buffer_attention`` merged in, o_proj + MLP) -> logits: a pure function of the plan's
+   tensors, compiled once with ``torch.compile(fullgraph=True)`` (zero graph breaks: nothing in it reads a
+   tensor on the host) and replayed every step. Batch size and block-table width are dynamic dimensions, so one
+   compiled program serves every step of a batch of 2 or more (and one more serves batch 1).
 
 Policies decide between steps, as in the eager runtime: the logits the program returns for the layers a
 policy asked about become its statistics (``layer_statistics``, the eager path's own function). A step the
-plan does not cover runs eagerly, the oracle: a policy that acts between layers (ThinKV's anneals),
-residual buffers (a quantized format's groups), host tiers, a write class that differs across the batch,
-observers that force statistics or watch layers, the query statistic, tensor parallelism. ``DeviceStep.counts`` says how many steps ran each way.
+plan does not cover runs eagerly, the oracle: a step whose policy acts between layers (ThinKV's anneals), that
+flushes a residual group or asks statistics while tokens are buffered, host tiers, a write class that differs
+across the batch, observers that force statistics or watch layers, the query statistic, tensor parallelism.
+``DeviceStep.counts`` says how many steps ran each way.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 
+import numpy as np
 import torch
 
 from plugins import ops as _registered_ops  # noqa: F401  (torch.ops.trtkv.* must exist before tracing)
@@ -38,42 +41,61 @@ class StepPlan:
     ids: torch.Tensor  # [b] the tokens to feed
     cos: torch.Tensor  # [b, D] RoPE of their positions
     sin: torch.Tensor
-    write: WritePlan  # pages, slots [layers, b]
-    writes: list[tuple]  # per layer: the written pool's (slot fields, group fields, k_group, format code, scales)
+    write: WritePlan | None  # write-through: pages, slots [layers, b]
+    writes: list[tuple] | None  # per layer: the written pool's (slot fields, group fields, k_group, code, scales)
+    buffer: tuple | None  # residual buffers: (arena k, arena v, flat indices [layers, b], rows [b], fill [layers, b])
     sources: list[list[tuple]]  # per layer, per format: (fields, groups, k_group, valid, table, code, scales)
     tables: list[list[tuple]]  # per layer: (pool, block table) as the cache gave them (statistics' positions)
     want: tuple[bool, ...]  # per layer: return its attention logits and log-sum-exps
 
     def key(self) -> tuple:
         """What a compiled program is specialized on (everything else is a dynamic size or a tensor's data)."""
-        return self.ids.shape[0] == 1, self.want, tuple(len(s) for s in self.sources)
+        return self.ids.shape[0] == 1, self.buffer is not None, self.want, tuple(len(s) for s in self.sources)
 
 
-def plan_step(cache: KVCacheManager, seqs: list, positions: list[int], write_cls: tuple, ids: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor, want: tuple[bool, ...]) -> StepPlan:
-    """The host plan of a write-through step whose requests all write ``write_cls`` (format, thought): the
-    slots are allocated and recorded now, in every layer."""
-    write = cache.plan_write_through(seqs, positions, write_cls, always=True)
-    b = len(seqs)
-    writes, sources, tables = [], [], []
-    for layer in range(cache.cfg.num_layers):
-        pool = cache.pool(layer, write_cls[0])
-        sc = cache.layer_scales(layer, pool.fmt.name)
-        writes.append((pool.fields, pool.group_fields, pool.k_group, pool.fmt.code, sc.k, sc.v))
-        tabs = cache.block_tables(layer, seqs)
+def plan_step(cache: KVCacheManager, seqs: list, positions: list[int], write_cls: tuple | None, ids: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor, want: tuple[bool, ...]) -> StepPlan | None:
+    """The host plan of a step: a write-through step (every request writes ``write_cls``, format and thought)
+    allocates and records its slots in every layer now; a buffered one records each request's token in every
+    layer's residual buffer, or returns None (nothing done) when a buffer fills up this step (its flush runs
+    eagerly) or a layer has no pages to attend."""
+    b, L = len(seqs), cache.cfg.num_layers
+    write = writes = buffer = None
+    if cache.cfg.residual_group > 1:
+        tables = [cache.block_tables(layer, seqs) for layer in range(L)]
+        rows = cache.residual_rows(seqs)
+        appended = None if not all(tables) else cache.residual.plan_append(rows, np.asarray(positions, np.int64))
+        if appended is None:
+            return None
+        at, fill = (_on(cache.residual.k.device, a) for a in appended)
+        buffer = (cache.residual.k, cache.residual.v, at, _on(cache.residual.k.device, rows), fill)
+    else:
+        write = cache.plan_write_through(seqs, positions, write_cls, always=True)
+        tables = [cache.block_tables(layer, seqs) for layer in range(L)]
+        writes = []
+        for layer in range(L):
+            pool = cache.pool(layer, write_cls[0])
+            sc = cache.layer_scales(layer, pool.fmt.name)
+            writes.append((pool.fields, pool.group_fields, pool.k_group, pool.fmt.code, sc.k, sc.v))
+    sources = []
+    for layer, tabs in enumerate(tables):
         srcs = []
         for p, bt in tabs:
             s = cache.layer_scales(layer, p.fmt.name)
             srcs.append((p.fields, p.group_fields, p.k_group, p.valid_bits(), _dynamic_table(bt, b), p.fmt.code,
                          s.k, s.v))
         sources.append(srcs)
-        tables.append(tabs)
     if b > 1:
-        for t in (ids, cos, sin):
+        for t in (ids, cos, sin) + ((buffer[3],) if buffer is not None else ()):
             torch._dynamo.mark_dynamic(t, 0)
-        for t in (write.pages, write.slots):
+        for t in (write.pages, write.slots) if write is not None else (buffer[2], buffer[4]):
             torch._dynamo.mark_dynamic(t, 1)
-    return StepPlan(ids, cos, sin, write, writes, sources, tables, want)
+    return StepPlan(ids, cos, sin, write, writes, buffer, sources, tables, want)
+
+
+def _on(device: torch.device, a: np.ndarray) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t if device.type == "cpu" else t.to(device)
 
 
 def _dynamic_table(bt: torch.Tensor, b: int) -> torch.Tensor:
@@ -87,15 +109,19 @@ def _dynamic_table(bt: torch.Tensor, b: int) -> torch.Tensor:
     return bt
 
 
-def device_program(model, num_layers: int, sm_scale: float, ids, cos, sin, pages, slots, writes, sources, want):
+def device_program(model, num_layers: int, sm_scale: float, ids, cos, sin, pages, slots, writes, buffer, sources,
+                   want):
     """One decode step on the device: ``(logits [b, vocab], [(attention logits, lse) of each wanted layer])``."""
     x = model.embed(ids)
     stats = []
     for layer in range(num_layers):
         q, k, v = model.qkv(layer, x, cos, sin)
-        fields, groups, k_group, code, scale_k, scale_v = writes[layer]
-        torch.ops.trtkv.kv_write(k, v, fields, groups, k_group, pages[layer], slots[layer], -1, code, scale_k,
-                                 scale_v)
+        if buffer is None:
+            fields, groups, k_group, code, scale_k, scale_v = writes[layer]
+            torch.ops.trtkv.kv_write(k, v, fields, groups, k_group, pages[layer], slots[layer], -1, code, scale_k,
+                                     scale_v)
+        else:
+            torch.ops.trtkv.residual_append(buffer[0], buffer[1], buffer[2][layer], k, v)
         parts, logits = [], []
         for fields, groups, k_group, valid, table, code, scale_k, scale_v in sources[layer]:
             o, lse, lg = torch.ops.trtkv.paged_attention(q, fields, groups, k_group, valid, table, code, sm_scale,
@@ -103,6 +129,10 @@ def device_program(model, num_layers: int, sm_scale: float, ids, cos, sin, pages
             parts.append((o, lse))
             logits.append(lg)
         out, lse = merge_partials(parts)
+        if buffer is not None:  # the buffered tokens merged into the pages' partial, in place
+            out, lse = out.contiguous(), lse.contiguous()
+            torch.ops.trtkv.buffer_attention(q, buffer[0], buffer[1], buffer[3], layer, buffer[4][layer], sm_scale,
+                                             out, lse)
         if want[layer]:
             stats.append((logits[0] if len(logits) == 1 else torch.cat(logits, -1), lse))
         x = model.finish_layer(layer, x, out)
@@ -144,8 +174,9 @@ class DeviceStep:
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         fn = self.program(plan.key())
         try:
-            out = fn(plan.ids, plan.cos, plan.sin, plan.write.pages, plan.write.slots, plan.writes, plan.sources,
-                     plan.want)
+            write = plan.write
+            out = fn(plan.ids, plan.cos, plan.sin, None if write is None else write.pages,
+                     None if write is None else write.slots, plan.writes, plan.buffer, plan.sources, plan.want)
         except torch._dynamo.exc.TorchDynamoException as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TrtkvError(f"torch.compile of the decode step failed ({first[:200]}); run with --runtime torch") \
