@@ -4,9 +4,13 @@ compiles with ``fullgraph=True`` (a graph break is an error) and reads no tensor
 from __future__ import annotations
 
 import pytest
-from policy_matrix import cases
+import torch
+import torch.utils._pytree as pytree
+from policy_matrix import MATRIX, cases
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from trtkv.api import Engine, SamplingParams
+from trtkv.runtime.device_step import DeviceStep, StepPlan, device_program
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time, in a land far away,"]
 
@@ -23,5 +27,59 @@ def test_graph_gives_eager_tokens(tiny_ckpt, engine_factory, policy, level, para
     batch = 1 if level == "easy" else 2
     eager, _ = _generate(path, "torch", batch)
     graph, eng = _generate(path, "graph", batch)
-    print(policy, level, eng.core.device_step.counts)
+    counts = eng.core.device_step.counts
     assert graph == eager
+    assert counts["graph"] + counts["eager"] == 63 and (counts["graph"] > 0) != ((policy, level) in EAGER_ONLY)
+
+
+MATRIX_THINKV = next(e for e in MATRIX if e["name"] == "thinkv")["params"][0]
+# the steps whose plan never applies in the matrix's runs: the expected-attention scorer asks for each step's query
+EAGER_ONLY = {("ams", "hard")}
+
+
+def test_eager_only_cases_are_still_named():
+    assert EAGER_ONLY <= {(p, lv) for p, lv, _ in cases()}
+
+
+def _steady_plans(path, monkeypatch, batch: int = 2, tokens: int = 24):
+    """An engine under ``--runtime graph`` and the host plans its device program ran."""
+    plans = []
+    run = DeviceStep.run
+
+    def spy(self, plan):
+        plans.append(plan)
+        return run(self, plan)
+
+    monkeypatch.setattr(DeviceStep, "run", spy)
+    _, eng = _generate(path, "graph", batch, tokens)
+    monkeypatch.undo()
+    return eng, plans
+
+
+def _program_args(plan: StepPlan) -> tuple:
+    w = plan.write
+    return (plan.ids, plan.cos, plan.sin, None if w is None else w.pages, None if w is None else w.slots,
+            plan.writes, plan.buffer, plan.sources, plan.want)
+
+
+@pytest.mark.parametrize("policy,params", [("h2o", {"budget": 24}), ("thinkv", MATRIX_THINKV)])
+def test_device_program_has_no_graph_break_and_reads_no_tensor_on_host(tiny_ckpt, engine_factory, monkeypatch,
+                                                                       policy, params):
+    eng, plans = _steady_plans(engine_factory(tiny_ckpt, policy, **params), monkeypatch)
+    plan = plans[-1]
+    assert any(plan.want) == (policy == "h2o") and (plan.buffer is not None) == (policy == "thinkv")
+    core = eng.core
+
+    def program(*args):
+        return device_program(core.model, core.arch.num_hidden_layers, core.sm_scale, *args)
+
+    with torch.inference_mode():  # as the engine runs it
+        explained = torch._dynamo.explain(program)(*_program_args(plan))
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        # the whole step under fake tensors: any read of a plan tensor's data on the host (.item(), .tolist(),
+        # .numpy(), a tensor in an if) raises here
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, _program_args(plan))
+            logits, stats = program(*fake)
+    assert isinstance(logits, FakeTensor) and logits.shape == (2, core.arch.vocab_size)
+    assert len(stats) == sum(plan.want)
