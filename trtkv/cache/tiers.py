@@ -123,24 +123,7 @@ class TierStore:
 
     def stats(self, seq: SeqKV) -> dict[str, int | float]:
         """The per-tier numbers of one request (``generate --json`` stats keys)."""
-        st = self.seqs.get(seq.seq_id)
-        L = self.dev.cfg.num_layers
-        dev_tokens = sum(t.live for t in seq.layers) + sum(seq.buffered(i) for i in range(L))
-        host_tokens = sum(t.live for t in st.host.layers) if st else 0
-        q_tokens = sum(len(d) for d in st.orig_fmt) if st else 0
-        staging = self.staging_bytes(seq)
-        return {
-            "kv_bytes_device": seq.kv_bytes + staging,
-            "kv_bytes_staging": staging,
-            "kv_bytes_host": st.host.kv_bytes if st else 0,
-            "peak_kv_bytes_device": max(st.peak_device_bytes if st else 0, seq.peak_bytes),
-            "peak_kv_bytes_host": st.peak_host_bytes if st else 0,
-            "tokens_device": dev_tokens // L,
-            "tokens_host": host_tokens // L,
-            "tokens_host_compressed": q_tokens // L,
-            "transfer_bytes": st.transfer_bytes if st else 0,
-            "kv_move_s": round(st.move_seconds, 6) if st else 0.0,
-        }
+        return tier_stats(seq, self.dev.cfg.num_layers, self.seqs.get(seq.seq_id), self.staging_bytes(seq))
 
     def note_peaks(self, seq: SeqKV) -> None:
         st = self.seqs.get(seq.seq_id)
@@ -355,8 +338,28 @@ def _encode_copy(src: CacheLike, sseq: SeqKV, dst: CacheLike, dseq: SeqKV, layer
     return moved
 
 
+def tier_stats(seq: SeqKV, num_layers: int, st: SeqTiers | None = None, staging: int = 0) -> dict[str, int | float]:
+    """A request's per-tier numbers (``generate --json`` stats keys) from its host-tier record ``st`` (None: all
+    of it is on the device; a cache that never made host tiers reports these without making them)."""
+    L = num_layers
+    dev_tokens = sum(t.live for t in seq.layers) + sum(seq.buffered(i) for i in range(L))
+    host_tokens = sum(t.live for t in st.host.layers) if st else 0
+    q_tokens = sum(len(d) for d in st.orig_fmt) if st else 0
+    return {
+        "kv_bytes_device": seq.kv_bytes + staging,
+        "kv_bytes_staging": staging,
+        "kv_bytes_host": st.host.kv_bytes if st else 0,
+        "peak_kv_bytes_device": max(st.peak_device_bytes if st else 0, seq.peak_bytes),
+        "peak_kv_bytes_host": st.peak_host_bytes if st else 0,
+        "tokens_device": dev_tokens // L,
+        "tokens_host": host_tokens // L,
+        "tokens_host_compressed": q_tokens // L,
+        "transfer_bytes": st.transfer_bytes if st else 0,
+        "kv_move_s": round(st.move_seconds, 6) if st else 0.0,
+    }
 
 
-__all__ = ["TierStore", "SeqTiers", "parse_demote", "parse_host_format", "parse_tier",
+__all__ = ["TierStore", "SeqTiers", "tier_stats", "parse_demote", "parse_host_format", "parse_tier",
            "TIER_DEVICE", "TIER_HOST", "TIER_HOST_Q", "TIER_EVICTED",
            "TIER_NAMES", "DEFAULT_HOST_FORMAT"]
+

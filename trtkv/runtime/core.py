@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from plugins import backend as plugin_backend
 from trtkv.cache.manager import CacheConfig, KVCacheManager, fp16_bytes_per_token
 from trtkv.cache.budget import useful_pages
+from trtkv.cache.tiers import tier_stats
 from trtkv.cache.write_plan import WritePlan
 from trtkv.distributed.group import HeadShards
 from trtkv.models.decoder import DecoderModel
@@ -529,7 +530,9 @@ class EngineCore:
             "evicted_tokens": seq.evicted_tokens // max(1, self.arch.num_hidden_layers),
             "time_to_first_token_s": (req.t_first - req.t_submit) if req.t_first else None,
         }
-        stats.update(self.cache.tiers.stats(seq))  # per-tier bytes and tokens, transfers (cache/tiers.py)
+        # per-tier bytes and tokens, transfers (cache/tiers.py; asking a cache without host tiers makes none)
+        L = self.arch.num_hidden_layers
+        stats.update(self.cache.tiers.stats(seq) if self.cache.has_tiers else tier_stats(seq, L))
         if seq.fork_mode is not None:  # pages shared with other live sequences (counted once per engine)
 
             stats["kv_bytes_shared"] = self.cache.shared_bytes(seq)
