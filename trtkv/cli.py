@@ -417,9 +417,12 @@ def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, requests, host_k
               help="Policy parameter override applied to every engine (repeatable).")
 @click.option("--device", default=None, help="cpu or cuda [cuda when available].")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Directory for results.json and plots.")
+@click.option("--runtime", type=click.Choice(["torch", "torch-compile", "graph"]), default="torch", show_default=True,
+              help="What runs the engines' model steps (task accuracy; fidelity replays every engine in lockstep "
+                   "with the reference, layer by layer, under any).")
 @tp_option
 def eval_cmd(engines, task, data, limit, max_tokens, samples, temperature, top_p, seed, reference, recall_layers,
-             topk, batch, sets, device, out, tp) -> None:
+             topk, batch, sets, device, out, runtime, tp) -> None:
     """Fidelity against a full cache, or accuracy on a math task, of ENGINES."""
     from trtkv.bench.runner import load_engines, machine_info
     from trtkv.eval import DataFileNotFoundError, load_problems, load_traces
@@ -443,8 +446,8 @@ def eval_cmd(engines, task, data, limit, max_tokens, samples, temperature, top_p
     overrides = parse_sets(sets) or None
     tp = join_ranks(tp, list(engines) + ([reference] if reference is not None else []), device)
     out = rank_out(out)
-    loaded = load_engines(list(engines), device=device, policy_overrides=overrides, tp=tp)
-    ref = load_engines([reference], device=device, tp=tp)[0] if reference is not None else None
+    loaded = load_engines(list(engines), device=device, policy_overrides=overrides, runtimes=(runtime,), tp=tp)
+    ref = load_engines([reference], device=device, runtimes=(runtime,), tp=tp)[0] if reference is not None else None
     cfg = {"task": task, "data": str(data) if data else None, "limit": limit, "seed": seed}
     if task == "fidelity":
         cfg.update(max_tokens=max_tokens or 1024, recall_layers=recall_layers, topk=topk, batch=batch or 4)

@@ -12,6 +12,7 @@ worst case (``trtkv/bench/capacity.py``), admitting the next as one finishes (co
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -187,6 +188,8 @@ def run_bench(engines: list[BenchEngine], cfg: BenchConfig, progress: bool | Non
                            prompt_source=cfg.prompt_source, seed=cfg.seed)
         for be in engines:
             run_once(be, 1, warm, 0)
+            if be.engine.runtime == "graph" and max(cfg.batch_sizes) > 1:  # its program for batches of 2 and more
+                run_once(be, 2, dataclasses.replace(warm, batch_sizes=(2,)), 0)
     runs: list[RunResult] = []
     plan = _plan(engines, cfg)
     total_steps = cfg.repeat * cfg.gen_len * sum(-(-b // cap.batch) if cap else 1

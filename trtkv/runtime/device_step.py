@@ -143,28 +143,30 @@ _serial = itertools.count()
 
 
 class DeviceStep:
-    """The compiled device programs of one engine core, one per ``StepPlan.key``, and how many steps ran in
-    them (``graph``) or eagerly (``eager``). ``compile=False`` runs the same program uncompiled (its oracle)."""
+    """The compiled device programs of a model, one per ``StepPlan.key`` (shared by every core on the model: the
+    bench and eval make a core per run), and how many of this core's steps ran in them (``graph``) or eagerly
+    (``eager``). ``compile=False`` runs the same program uncompiled (eager's arithmetic exactly)."""
 
     def __init__(self, model, num_layers: int, sm_scale: float, compile: bool = True) -> None:
         self._model = model
         self._num_layers = num_layers
         self._sm_scale = sm_scale
         self._compile = compile
-        self._programs: dict[tuple, object] = {}
+        # the model owns its programs (they close over it): cores come and go, the programs stay compiled
+        self._programs: dict[tuple, object] = model.__dict__.setdefault("_device_programs", {}) if compile else {}
         self.counts = {"graph": 0, "eager": 0}
 
     def program(self, key: tuple):
         """The compiled program for plans of ``key`` (compiled on its first call)."""
+        key = (key, self._num_layers, self._sm_scale)
         fn = self._programs.get(key)
         if fn is None:
             def step(*args, _model=self._model, _n=self._num_layers, _scale=self._sm_scale):
                 return device_program(_model, _n, _scale, *args)
 
             # a code object of its own: dynamo keeps compiled entries per code object (a process may run many
-            # engines, each with its own model and pools: sharing one would exhaust its recompile limit)
+            # engines, each with its own model: sharing one would exhaust its recompile limit)
             step.__code__ = step.__code__.replace(co_name=f"device_step_{next(_serial)}")
-
             # cpp_wrapper: inductor's C++ launcher calls the kernels and ops without a Python frame between them
             fn = torch.compile(step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}) \
                 if self._compile else step

@@ -52,14 +52,17 @@ def main() -> None:
 @_open_api
 @click.option("--tp", type=int, default=None, metavar="N",
               help="Tensor-parallel ranks (processes, one per GPU on CUDA) [the engine's --tp, else 1].")
+@click.option("--runtime", type=click.Choice(["torch", "graph"]), default="torch", show_default=True,
+              help="What runs the model steps: PyTorch, or each steady decode step as one compiled program.")
 def serve(engine, host, http_port, grpc_port, metrics_port, trtkv_metrics_port, model_name, log_verbose,
-          open_api, tp):
+          open_api, tp, runtime):
     """Serve ENGINE until Ctrl-C/SIGTERM: HTTP (OpenAI /v1 + KServe generate) and Triton gRPC."""
     from trtkv.serve.triton_server import serve as run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     sys.exit(run(engine, host, http_port, grpc_port, metrics_port, model_name=model_name,
-                 trtkv_metrics_port=trtkv_metrics_port, log_verbose=log_verbose, open_apis=open_api, tp=tp))
+                 trtkv_metrics_port=trtkv_metrics_port, log_verbose=log_verbose, open_apis=open_api, tp=tp,
+                 runtime=runtime))
 
 
 @main.command()

@@ -405,8 +405,9 @@ class TritonService:
 
 
 def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics_port=8002,
-          model_name=None, trtkv_metrics_port=None, log_verbose=0, open_apis=(), tp=None) -> int:
-    """Load an engine and serve it until SIGINT/SIGTERM; returns the exit status.
+          model_name=None, trtkv_metrics_port=None, log_verbose=0, open_apis=(), tp=None, runtime="torch") -> int:
+    """Load an engine (under ``runtime``, ``Engine.load``'s) and serve it until SIGINT/SIGTERM; returns the exit
+    status.
 
     0 after a requested shutdown; 1 when tritonserver died under the service or a tensor-parallel rank was lost
     (the log says why). With ``tp`` ranks (default: the engine's ``--tp``) rank 0 serves and the others follow
@@ -444,7 +445,7 @@ def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics
 
     tp = engine_tp(tp, [engine_path])  # (after the port checks: a clash is one line before the engine is read)
     join_ranks(tp)
-    engine = Engine.load(engine_path, tp=tp)
+    engine = Engine.load(engine_path, tp=tp, runtime=runtime)
     status = 0
     try:
         with TritonService(engine, SamplingParams, host=host, http_port=http_port,
