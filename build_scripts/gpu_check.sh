@@ -4,7 +4,7 @@
 # geometry, a shape-only r1-llama-8b engine bench, and the engine tests that need no SmolLM2 weights on CUDA.
 # Every step has its own time limit and its log under $OUT (at most 8 files), so one failing step does not lose
 # the others.
-#   OUT=results/gpu build_scripts/gpu_check.sh [steps: env tests kernels engines enginetests]
+#   OUT=results/gpu build_scripts/gpu_check.sh [steps: env tests kernels engines graph enginetests]
 # Here, before the device call: `build_scripts/gpu_check.sh prepare` puts SmolLM2's tokenizer files (no weights;
 # the tiny test model borrows the tokenizer) in .gpu_carry/, git-ignored; carry it and set
 # TRTKV_CACHE=$PWD/.gpu_carry there for the enginetests step.
@@ -66,6 +66,15 @@ engines)
       >"$OUT/engine_bench.txt" 2>&1
   echo "rc=$?" >>"$OUT/engine_bench.txt"; cp /tmp/gpu-bench/results.json "$OUT/bench_results.json" 2>/dev/null
   tail -40 "$OUT/engine_bench.txt" ;;
+graph)
+  step "r1-llama-8b: --runtime graph beside torch (issue 39; the step compiled, no CUDA graph capture yet)"
+  E=/tmp/gpu-engines
+  [ -d $E/full-bf16 ] || $PY -m trtkv.cli build --model r1-llama-8b --synthetic-weights --dtype bf16 --policy full \
+      --out $E/full-bf16 >"$OUT/graph_bench.txt" 2>&1
+  timeout ${GRAPH_BENCH_S:-300} $PY -m trtkv.cli bench $E/full-bf16 --runtime torch,graph --batch-sizes 1,8 \
+      --prompt-len 1024 --gen-len ${GEN_LEN:-128} --kv-memory 10GiB --set kv_memory=10GiB --prompt ids --repeat 1 \
+      --out /tmp/gpu-graph >>"$OUT/graph_bench.txt" 2>&1
+  echo "rc=$?" >>"$OUT/graph_bench.txt"; tail -20 "$OUT/graph_bench.txt" ;;
 enginetests)
   step "engine tests on CUDA (no SmolLM2 weights)"
   # the tiny test model borrows SmolLM2's tokenizer: TRTKV_CACHE may hold just its tokenizer files (no weights)
@@ -74,5 +83,5 @@ enginetests)
       tests/test_bench.py tests/test_policy_matrix.py tests/test_lazyeviction.py tests/test_thinkv.py \
       tests/test_cache_properties.py >"$OUT/engine_tests.txt" 2>&1
   echo "rc=$?" >>"$OUT/engine_tests.txt"; grep -v PASSED "$OUT/engine_tests.txt" | tail -40 ;;
-*) echo "unknown step $s (prepare env tests kernels engines enginetests)"; exit 2 ;;
+*) echo "unknown step $s (prepare env tests kernels engines graph enginetests)"; exit 2 ;;
 esac; done

@@ -3,6 +3,10 @@
 compiles with ``fullgraph=True`` (a graph break is an error) and reads no tensor on the host."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -35,12 +39,8 @@ def test_graph_gives_eager_tokens(tiny_ckpt, engine_factory, policy, level, para
 
 
 MATRIX_THINKV = next(e for e in MATRIX if e["name"] == "thinkv")["params"][0]
-# the steps whose plan never applies in the matrix's runs: the expected-attention scorer asks for each step's query
-EAGER_ONLY = {("ams", "hard")}
-
-
-def test_eager_only_cases_are_still_named():
-    assert EAGER_ONLY <= {(p, lv) for p, lv, _ in cases()}
+# the configurations whose steps never run in the program in the matrix's runs
+EAGER_ONLY: set[tuple[str, str]] = set()
 
 
 def _steady_plans(path, monkeypatch, batch: int = 2, tokens: int = 24):
@@ -61,7 +61,7 @@ def _steady_plans(path, monkeypatch, batch: int = 2, tokens: int = 24):
 def _program_args(plan: StepPlan) -> tuple:
     w = plan.write
     return (plan.ids, plan.cos, plan.sin, None if w is None else w.pages, None if w is None else w.slots,
-            plan.writes, plan.buffer, plan.sources, plan.want)
+            plan.writes, plan.buffer, plan.sources, plan.want, plan.queries)
 
 
 @pytest.mark.parametrize("policy,params", [("h2o", {"budget": 24}), ("thinkv", MATRIX_THINKV)])
@@ -82,9 +82,9 @@ def test_device_program_has_no_graph_break_and_reads_no_tensor_on_host(tiny_ckpt
         # .numpy(), a tensor in an if) raises here
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, _program_args(plan))
-            logits, stats = program(*fake)
+            logits, stats, queries = program(*fake)
     assert isinstance(logits, FakeTensor) and logits.shape == (2, core.arch.vocab_size)
-    assert len(stats) == sum(plan.want)
+    assert len(stats) == sum(plan.want) and len(queries) == sum(plan.queries)
 
 
 SMOL_ENGINES = [("full", {"kv_format": "fp16"}), ("full", {"kv_format": "nvfp4"}),
@@ -138,3 +138,29 @@ def test_smol_graph_runtime_against_eager(engine_factory, policy, params):
                                     reduction="batchmean").item()
     low, high = SMOL_TOLERANCE[name]
     assert top1 >= low and kl <= high, (top1, kl)
+
+
+def test_cli_generate_bench_and_eval_take_the_graph_runtime(tiny_ckpt, engine_factory, tmp_path):
+    path = engine_factory(tiny_ckpt, "h2o", budget=24)
+    run = [sys.executable, "-m", "trtkv.cli"]
+
+    def generate(runtime):
+        g = subprocess.run([*run, "generate", str(path), "--prompt", "Hello there", "--raw", "--max-tokens", "12",
+                            "--ignore-eos", "--runtime", runtime, "--json"], capture_output=True, text=True, timeout=600)
+        assert g.returncode == 0, g.stderr
+        return json.loads(g.stdout)["token_ids"]
+
+    assert generate("graph") == generate("torch")
+    b = subprocess.run([*run, "bench", str(path), "--runtime", "torch,graph", "--batch-sizes", "1,3", "--prompt-len",
+                        "8", "--gen-len", "6", "--out", str(tmp_path / "b")], capture_output=True, text=True,
+                       timeout=600)
+    assert b.returncode == 0, b.stderr
+    rows = json.loads((tmp_path / "b" / "results.json").read_text())["results"]
+    assert {(r["engine"], r["batch"]) for r in rows} == {(f"{path.name}@{rt}", n) for rt in ("torch", "graph")
+                                                         for n in (1, 3)}
+    e = subprocess.run([*run, "eval", str(path), "--task", "gsm8k", "--limit", "2", "--max-tokens", "8", "--runtime",
+                        "graph", "--out", str(tmp_path / "e")], capture_output=True, text=True, timeout=600)
+    assert e.returncode == 0, e.stderr
+    bad = subprocess.run([*run, "generate", str(path), "--prompt", "Hi", "--runtime", "graphs"], capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2 and "graph" in bad.stderr and "Traceback" not in bad.stderr

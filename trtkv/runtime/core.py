@@ -250,35 +250,40 @@ class EngineCore:
         clk, L = self.clock, self.arch.num_hidden_layers
         wants = [step.wants if step.wants is not None else self._wants(step.sreqs, layer) for layer in range(L)]
         plan = None
-        want = tuple(w[3] for w in wants)
-        if ((step.write_cls is not None if self.g == 1 else not any(want)) and not self.cache.has_tiers
-                and self.shards is None and step.forced is None and not self._observers_watch_layers
-                and not any(any(w[2]) for w in wants) and not self.policy.acts_before_attention(step.ctxs)):
+        want = tuple(any(w[0]) or any(w[1]) for w in wants)  # layers whose statistics the policy reads
+        queries = tuple(any(w[2]) for w in wants)
+        if ((step.write_cls is not None if self.g == 1 else not any(want) and not any(queries))
+                and not self.cache.has_tiers and self.shards is None and step.forced is None
+                and not self._observers_watch_layers and not self.policy.acts_before_attention(step.ctxs)):
             plan = plan_step(self.cache, step.seqs, step.positions, step.write_cls, step.ids, step.cos, step.sin,
-                             want)
+                             want, queries)
         if plan is None:
             self.device_step.counts["eager"] += 1
             return None
         if clk is not None:
             clk.switch("model")
-        logits, layer_logits = self.device_step.run(plan)
+        logits, layer_logits, layer_queries = self.device_step.run(plan)
         if clk is not None:
             clk.switch("policy")
-        found = iter(layer_logits)
+        found, found_q = iter(layer_logits), iter(layer_queries)
         for layer in range(L):
-            if not plan.want[layer]:
-                continue
-            lg, lse = next(found)
-            want_w, want_s = wants[layer][:2]
-            positions = np.concatenate(source_positions(plan.tables[layer], len(step.seqs)), axis=1)
-            ls = layer_statistics(lg, lse, positions, self.cache.cfg.num_kv_heads, want_w, want_s,
-                                  step.batch is not None)
-            if step.batch is not None:
-                step.batch[layer] = ls
-                continue
-            for i, st in enumerate(ls):
-                if st is not None:
-                    step.stats[i].layers[layer] = st
+            want_w, want_s, want_q, _ = wants[layer]
+            if plan.want[layer]:
+                lg, lse = next(found)
+                positions = np.concatenate(source_positions(plan.tables[layer], len(step.seqs)), axis=1)
+                ls = layer_statistics(lg, lse, positions, self.cache.cfg.num_kv_heads, want_w, want_s,
+                                      step.batch is not None)
+                if step.batch is not None:
+                    step.batch[layer] = ls
+                    continue
+                for i, st in enumerate(ls):
+                    if st is not None:
+                        step.stats[i].layers[layer] = st
+            if plan.queries[layer]:  # the step's post-RoPE query (Expected Attention's query statistics)
+                q = next(found_q)
+                for i in np.flatnonzero(want_q).tolist():
+                    st = step.stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
+                    st.query = q[i]
         return logits
 
     def abort_decode(self, step: DecodeStep) -> None:

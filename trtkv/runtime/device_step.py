@@ -17,7 +17,7 @@ Policies decide between steps, as in the eager runtime: the logits the program r
 policy asked about become its statistics (``layer_statistics``, the eager path's own function). A step the
 plan does not cover runs eagerly, the oracle: a step whose policy acts between layers (ThinKV's anneals), that
 flushes a residual group or asks statistics while tokens are buffered, host tiers, a write class that differs
-across the batch, observers that force statistics or watch layers, the query statistic, tensor parallelism.
+across the batch, observers that force statistics or watch layers, tensor parallelism.
 ``DeviceStep.counts`` says how many steps ran each way.
 """
 from __future__ import annotations
@@ -45,16 +45,19 @@ class StepPlan:
     writes: list[tuple] | None  # per layer: the written pool's (slot fields, group fields, k_group, code, scales)
     buffer: tuple | None  # residual buffers: (arena k, arena v, flat indices [layers, b], rows [b], fill [layers, b])
     sources: list[list[tuple]]  # per layer, per format: (fields, groups, k_group, valid, table, code, scales)
-    tables: list[list[tuple]]  # per layer: (pool, block table) as the cache gave them (statistics' positions)
+    tables: list[list[tuple]]  # per layer: (pool, block table) as attended (the statistics' positions)
     want: tuple[bool, ...]  # per layer: return its attention logits and log-sum-exps
+    queries: tuple[bool, ...]  # per layer: return its post-RoPE queries
 
     def key(self) -> tuple:
         """What a compiled program is specialized on (everything else is a dynamic size or a tensor's data)."""
-        return self.ids.shape[0] == 1, self.buffer is not None, self.want, tuple(len(s) for s in self.sources)
+        return (self.ids.shape[0] == 1, self.buffer is not None, self.want, self.queries,
+                tuple(len(s) for s in self.sources))
 
 
 def plan_step(cache: KVCacheManager, seqs: list, positions: list[int], write_cls: tuple | None, ids: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor, want: tuple[bool, ...]) -> StepPlan | None:
+              cos: torch.Tensor, sin: torch.Tensor, want: tuple[bool, ...], queries: tuple[bool, ...]
+              ) -> StepPlan | None:
     """The host plan of a step: a write-through step (every request writes ``write_cls``, format and thought)
     allocates and records its slots in every layer now; a buffered one records each request's token in every
     layer's residual buffer, or returns None (nothing done) when a buffer fills up this step (its flush runs
@@ -79,18 +82,28 @@ def plan_step(cache: KVCacheManager, seqs: list, positions: list[int], write_cls
             writes.append((pool.fields, pool.group_fields, pool.k_group, pool.fmt.code, sc.k, sc.v))
     sources = []
     for layer, tabs in enumerate(tables):
+        tabs = [(p, _dynamic_table(bt, b)) for p, bt in (tabs if want[layer] else _every_format(cache, layer, tabs, b))]
+        tables[layer] = tabs  # (as attended: the statistics' columns are these tables' slots)
         srcs = []
         for p, bt in tabs:
             s = cache.layer_scales(layer, p.fmt.name)
-            srcs.append((p.fields, p.group_fields, p.k_group, p.valid_bits(), _dynamic_table(bt, b), p.fmt.code,
-                         s.k, s.v))
+            srcs.append((p.fields, p.group_fields, p.k_group, p.valid_bits(), bt, p.fmt.code, s.k, s.v))
         sources.append(srcs)
     if b > 1:
         for t in (ids, cos, sin) + ((buffer[3],) if buffer is not None else ()):
             torch._dynamo.mark_dynamic(t, 0)
         for t in (write.pages, write.slots) if write is not None else (buffer[2], buffer[4]):
             torch._dynamo.mark_dynamic(t, 1)
-    return StepPlan(ids, cos, sin, write, writes, buffer, sources, tables, want)
+    return StepPlan(ids, cos, sin, write, writes, buffer, sources, tables, want, queries)
+
+
+def _every_format(cache: KVCacheManager, layer: int, tables: list[tuple], b: int) -> list[tuple]:
+    """``tables`` followed by an empty table (-1) of each of the layer's other pools: a batch whose requests hold
+    no page of some format replays the program of the batches that do (a format's attention over no page adds
+    exp(-inf) = 0 terms last in the log-sum-exp merge, which change no bit of it)."""
+    have = {p.fmt.name for p, _ in tables}
+    return tables + [(p, torch.full((b, 2), -1, dtype=torch.int32, device=p.device))
+                     for name, p in cache.pools[layer].items() if name not in have]
 
 
 def _on(device: torch.device, a: np.ndarray) -> torch.Tensor:
@@ -110,12 +123,15 @@ def _dynamic_table(bt: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def device_program(model, num_layers: int, sm_scale: float, ids, cos, sin, pages, slots, writes, buffer, sources,
-                   want):
-    """One decode step on the device: ``(logits [b, vocab], [(attention logits, lse) of each wanted layer])``."""
+                   want, queries):
+    """One decode step on the device: ``(logits [b, vocab], [(attention logits, lse) of each wanted layer],
+    [q of each layer whose queries are wanted])``."""
     x = model.embed(ids)
-    stats = []
+    stats, qs = [], []
     for layer in range(num_layers):
         q, k, v = model.qkv(layer, x, cos, sin)
+        if queries[layer]:
+            qs.append(q.float())
         if buffer is None:
             fields, groups, k_group, code, scale_k, scale_v = writes[layer]
             torch.ops.trtkv.kv_write(k, v, fields, groups, k_group, pages[layer], slots[layer], -1, code, scale_k,
@@ -136,7 +152,7 @@ def device_program(model, num_layers: int, sm_scale: float, ids, cos, sin, pages
         if want[layer]:
             stats.append((logits[0] if len(logits) == 1 else torch.cat(logits, -1), lse))
         x = model.finish_layer(layer, x, out)
-    return model.logits(x), stats
+    return model.logits(x), stats, qs
 
 
 _serial = itertools.count()
@@ -173,12 +189,13 @@ class DeviceStep:
             self._programs[key] = fn
         return fn
 
-    def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
         fn = self.program(plan.key())
         try:
             write = plan.write
             out = fn(plan.ids, plan.cos, plan.sin, None if write is None else write.pages,
-                     None if write is None else write.slots, plan.writes, plan.buffer, plan.sources, plan.want)
+                     None if write is None else write.slots, plan.writes, plan.buffer, plan.sources, plan.want,
+                     plan.queries)
         except torch._dynamo.exc.TorchDynamoException as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TrtkvError(f"torch.compile of the decode step failed ({first[:200]}); run with --runtime torch") \
