@@ -82,8 +82,10 @@ def build_ort_model(hf: Path, out: Path, precision: str, cache: Path) -> None:
 
 class TrtkvRunner:
     def __init__(self, name: str, path: str):
+        """``path``: an engine directory, ``DIR@RUNTIME`` for another runtime than ``torch`` (e.g. ``@graph``)."""
         from trtkv.api import Engine
-        self.name, self.engine = f"trtkv {name}", Engine.load(path)
+        path, _, runtime = path.partition("@")
+        self.name, self.engine = f"trtkv {name}", Engine.load(path, runtime=runtime or "torch")
 
     def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
         from trtkv.runtime.request import Request
@@ -157,8 +159,8 @@ class OrtGenAIRunner:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("engines", nargs="+", metavar="NAME=ENGINE", help="trtkv engines (the first one's tokenizer "
-                    "makes the prompt ids)")
+    ap.add_argument("engines", nargs="+", metavar="NAME=ENGINE", help="trtkv engines, ENGINE@graph for the graph "
+                    "runtime (the first one's tokenizer makes the prompt ids)")
     ap.add_argument("--work", type=Path, required=True, help="folder for the peers' converted models")
     ap.add_argument("--gguf", type=Path, required=True)
     ap.add_argument("--hf", type=Path, required=True)
