@@ -119,9 +119,11 @@ def _smol_reference(engine_factory, policy, params):
     return path, tokens, _forced_logits(eager, tokens)
 
 
+SMOL_IDS = [f"{p}-{s.get('kv_format', 'default')}" for p, s in SMOL_ENGINES]
+
+
 @pytest.mark.model
-@pytest.mark.parametrize("policy,params", SMOL_ENGINES, ids=[f"{p}-{s.get('kv_format', 'default')}"
-                                                              for p, s in SMOL_ENGINES])
+@pytest.mark.parametrize("policy,params", SMOL_ENGINES, ids=SMOL_IDS)
 def test_smol_program_uncompiled_is_eager_exactly(engine_factory, policy, params):
     """The plan and the program are the eager step's: uncompiled, the same logits to the bit over 64 steps."""
     path, tokens, reference = _smol_reference(engine_factory, policy, params)
@@ -137,8 +139,7 @@ SMOL_COMPILED = [pytest.param(*e, marks=[pytest.mark.claim] if e[0] == "thinkv" 
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("policy,params", SMOL_COMPILED, ids=[f"{p}-{s.get('kv_format', 'default')}"
-                                                               for p, s in SMOL_ENGINES])
+@pytest.mark.parametrize("policy,params", SMOL_COMPILED, ids=SMOL_IDS)
 def test_smol_graph_runtime_against_eager(engine_factory, policy, params):
     """Issue 39's claim: the compiled program's greedy tokens (16-bit KV) or a measured tolerance (4-bit codes)."""
     path, tokens, reference = _smol_reference(engine_factory, policy, params)
