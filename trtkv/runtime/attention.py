@@ -211,3 +211,18 @@ def _empty_partial(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _no_clock(phase: str) -> str:
     return phase
+
+
+def prefill_stats(q: torch.Tensor, k: torch.Tensor, window: int, sm_scale: float) -> LayerStats:
+    """A prompt's statistics: weights of the last ``window`` queries over all prompt keys ``[w, Hq, T]``, and the
+    sparsity statistics of the last query."""
+    T, Hq, D = q.shape
+    H = k.shape[1]
+    w = min(window, T)
+    qw = q[T - w:].float().view(w, H, Hq // H, D)
+    logits = torch.einsum("whgd,thd->whgt", qw, k.float()) * sm_scale
+    causal = torch.arange(T, device=q.device)[None, :] > torch.arange(T - w, T, device=q.device)[:, None]
+    logits = logits.masked_fill(causal[:, None, None, :], -math.inf).reshape(w, Hq, T)
+    weights = torch.softmax(logits, -1)
+    _, sh, u = row_stats(logits[-1], torch.logsumexp(logits[-1], -1), H)
+    return LayerStats(positions=np.arange(T), weights=weights, logits=logits[-1], sparsity_heads=sh, sparsity=u)

@@ -23,9 +23,9 @@ from trtkv.cache.write_plan import WritePlan
 from trtkv.distributed.group import HeadShards
 from trtkv.models.decoder import DecoderModel
 from trtkv.policies.base import KVPolicy, LayerStats, StatsRequest, StepStats
-from trtkv.runtime.attention import decode_attention, layer_statistics, row_stats, source_positions
+from trtkv.runtime.attention import decode_attention, prefill_stats
 from trtkv.runtime.context import RequestContext
-from trtkv.runtime.device_step import DeviceStep, plan_step
+from trtkv.runtime.device_step import DeviceStep, fill_statistics, plan_step
 from trtkv.runtime.observers import EngineObserver, PhaseClock, merge_stats_requests
 from trtkv.runtime.request import GenerationResult, IncrementalDetokenizer, Request
 from trtkv.runtime.sampling import sample_next
@@ -173,7 +173,7 @@ class EngineCore:
             self._store_prompt(seq, layer, k, v, pos_list, (fmt, thought), seg)
             if (sreq.weights or sreq.sparsity or sreq.prefill_window) and (sreq.layers is None or layer in sreq.layers):
                 qs, ks = (q, k) if self.shards is None else (self.shards.gather(q, 1), self.shards.gather(k, 1))
-                stats.layers[layer] = self._prefill_stats(qs, ks, max(sreq.prefill_window, 1))
+                stats.layers[layer] = prefill_stats(qs, ks, max(sreq.prefill_window, 1), self.sm_scale)
             x = self.model.finish_layer(layer, x, attn)
         self._end_prefill(req, self.model.logits(x[-1:]), stats)
 
@@ -191,22 +191,6 @@ class EngineCore:
                 self.cache.write(seq, layer, k[full:].float(), v[full:].float(), positions[full:], cls, seg)
             else:
                 self.cache.buffer_append(layer, [seq] * (T - full), k[full:], v[full:], positions[full:])
-
-    def _prefill_stats(self, q: torch.Tensor, k: torch.Tensor, window: int) -> LayerStats:
-        """Weights of the last ``window`` prompt queries over all prompt keys ``[w, Hq, T]``, and the
-        sparsity statistics of the last query."""
-        T, Hq, D = q.shape
-        H = k.shape[1]
-        w = min(window, T)
-        qw = q[T - w:].float().view(w, H, Hq // H, D)
-        logits = torch.einsum("whgd,thd->whgt", qw, k.float()) * self.sm_scale
-        causal = torch.arange(T, device=q.device)[None, :] > torch.arange(T - w, T, device=q.device)[:, None]
-        logits = logits.masked_fill(causal[:, None, None, :], -math.inf).reshape(w, Hq, T)
-        weights = torch.softmax(logits, -1)
-        _, sh, u = row_stats(logits[-1], torch.logsumexp(logits[-1], -1), H)
-        import numpy as np
-
-        return LayerStats(positions=np.arange(T), weights=weights, logits=logits[-1], sparsity_heads=sh, sparsity=u)
 
     # --- decode -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -265,25 +249,7 @@ class EngineCore:
         logits, layer_logits, layer_queries = self.device_step.run(plan)
         if clk is not None:
             clk.switch("policy")
-        found, found_q = iter(layer_logits), iter(layer_queries)
-        for layer in range(L):
-            want_w, want_s, want_q, _ = wants[layer]
-            if plan.want[layer]:
-                lg, lse = next(found)
-                positions = np.concatenate(source_positions(plan.tables[layer], len(step.seqs)), axis=1)
-                ls = layer_statistics(lg, lse, positions, self.cache.cfg.num_kv_heads, want_w, want_s,
-                                      step.batch is not None)
-                if step.batch is not None:
-                    step.batch[layer] = ls
-                    continue
-                for i, st in enumerate(ls):
-                    if st is not None:
-                        step.stats[i].layers[layer] = st
-            if plan.queries[layer]:  # the step's post-RoPE query (Expected Attention's query statistics)
-                q = next(found_q)
-                for i in np.flatnonzero(want_q).tolist():
-                    st = step.stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
-                    st.query = q[i]
+        fill_statistics(step, plan, wants, layer_logits, layer_queries, self.cache.cfg.num_kv_heads)
         return logits
 
     def abort_decode(self, step: DecodeStep) -> None:

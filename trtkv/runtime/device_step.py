@@ -33,6 +33,8 @@ from plugins.paged_attention.reference import merge_partials
 from trtkv.cache.manager import KVCacheManager
 from trtkv.cache.write_plan import WritePlan
 from trtkv.errors import TrtkvError
+from trtkv.policies.base import LayerStats
+from trtkv.runtime.attention import layer_statistics, source_positions
 
 
 @dataclasses.dataclass
@@ -202,3 +204,27 @@ class DeviceStep:
                 from None
         self.counts["graph"] += 1
         return out
+
+
+def fill_statistics(step, plan: StepPlan, wants: list[tuple], layer_logits: list, layer_queries: list,
+                    num_kv_heads: int) -> None:
+    """Give a decode step (``EngineCore``'s ``DecodeStep``) the statistics its policy asked for from the program's
+    outputs, as the eager layers would have: ``wants[layer]`` is ``(weights, sparsity, queries, any)`` flags per
+    request."""
+    found, found_q = iter(layer_logits), iter(layer_queries)
+    for layer, (want_w, want_s, want_q, _) in enumerate(wants):
+        if plan.want[layer]:
+            lg, lse = next(found)
+            positions = np.concatenate(source_positions(plan.tables[layer], len(step.seqs)), axis=1)
+            ls = layer_statistics(lg, lse, positions, num_kv_heads, want_w, want_s, step.batch is not None)
+            if step.batch is not None:
+                step.batch[layer] = ls
+                continue
+            for i, st in enumerate(ls):
+                if st is not None:
+                    step.stats[i].layers[layer] = st
+        if plan.queries[layer]:  # the step's post-RoPE query (Expected Attention's query statistics)
+            q = next(found_q)
+            for i in np.flatnonzero(want_q).tolist():
+                st = step.stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
+                st.query = q[i]
