@@ -174,8 +174,11 @@ def test_cli_generate_bench_and_eval_take_the_graph_runtime(tiny_ckpt, engine_fa
     rows = json.loads((tmp_path / "b" / "results.json").read_text())["results"]
     assert {(r["engine"], r["batch"]) for r in rows} == {(f"{path.name}@{rt}", n) for rt in ("torch", "graph")
                                                          for n in (1, 3)}
-    e = subprocess.run([*run, "eval", str(path), "--task", "gsm8k", "--limit", "2", "--max-tokens", "8", "--runtime",
-                        "graph", "--out", str(tmp_path / "e")], capture_output=True, text=True, timeout=600)
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": f"#### {a}"}) + "\n"
+                            for q, a in (("What is 3 + 4?", 7), ("What is 12 * 2?", 24))))
+    e = subprocess.run([*run, "eval", str(path), "--task", "gsm8k", "--data", str(data), "--max-tokens", "8",
+                        "--runtime", "graph", "--out", str(tmp_path / "e")], capture_output=True, text=True, timeout=600)
     assert e.returncode == 0, e.stderr
     bad = subprocess.run([*run, "generate", str(path), "--prompt", "Hi", "--runtime", "graphs"], capture_output=True,
                          text=True, timeout=600)
