@@ -362,4 +362,3 @@ def tier_stats(seq: SeqKV, num_layers: int, st: SeqTiers | None = None, staging:
 __all__ = ["TierStore", "SeqTiers", "tier_stats", "parse_demote", "parse_host_format", "parse_tier",
            "TIER_DEVICE", "TIER_HOST", "TIER_HOST_Q", "TIER_EVICTED",
            "TIER_NAMES", "DEFAULT_HOST_FORMAT"]
-

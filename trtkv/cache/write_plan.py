@@ -68,10 +68,7 @@ def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV],
         columns.close_rows_all(rows, cls, closed)
     stack.mark_written_distinct(pages, slots, positions)
     columns.place_rows_all(rows, fmt, pages, slots, positions)
-    pages_t, slots_t = torch.from_numpy(pages), torch.from_numpy(slots)
-    if device.type != "cpu":
-        pages_t, slots_t = pages_t.to(device), slots_t.to(device)
-    return WritePlan(cls, pages_t, slots_t)
+    return _plan_on(device, cls, pages, slots)
 
 
 def plan_each_layer(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV], rows: np.ndarray,
@@ -87,9 +84,14 @@ def plan_each_layer(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV], ro
         columns.place_rows(layer, rows, cls[0], p, s, positions)
         pages.append(p)
         slots.append(s)
-    pages_t, slots_t = torch.from_numpy(np.stack(pages)), torch.from_numpy(np.stack(slots))
-    if pool.device.type != "cpu":
-        pages_t, slots_t = pages_t.to(pool.device), slots_t.to(pool.device)
+    return _plan_on(pool.device, cls, np.stack(pages), np.stack(slots))
+
+
+def _plan_on(device: torch.device, cls: Cls, pages: np.ndarray, slots: np.ndarray) -> WritePlan:
+    """A plan of ``pages, slots [layers, batch]`` on ``device`` (on CPU, views of the arrays)."""
+    pages_t, slots_t = torch.from_numpy(pages), torch.from_numpy(slots)
+    if device.type != "cpu":
+        pages_t, slots_t = pages_t.to(device), slots_t.to(device)
     return WritePlan(cls, pages_t, slots_t)
 
 

@@ -92,11 +92,6 @@ class EngineCore:
         self.observers: tuple[EngineObserver, ...] = ()
         self._forced: dict[str, StatsRequest | None] = {"decode": None}
         self.clock: PhaseClock | None = None  # an observer's decode-step profile clock (trtkv bench --profile)
-        # a step's write-through slots may be allocated for every layer at once when nothing the policy does
-        # between two layers' writes changes another layer's tables (trtkv/cache/write_plan.py)
-        self._policy_acts_between_layers = (type(policy).before_attention is not KVPolicy.before_attention
-                                            or type(policy).before_attention_batch
-                                            is not KVPolicy.before_attention_batch)
         self.device_step = DeviceStep(model, self.arch.num_hidden_layers, self.sm_scale) if graph else None
         self._observers_watch_layers = False
         for o in observers:
@@ -316,7 +311,9 @@ class EngineCore:
                                                      step.classes, self.clock)
         if self.g == 1:
             if step.write_cls is not None:
-                if layer == 0 and step.plan is None and not (self._policy_acts_between_layers or cache.has_tiers):
+                # every layer's slots at once when nothing the policy does between two layers' writes changes another
+                # layer's tables (trtkv/cache/write_plan.py)
+                if layer == 0 and step.plan is None and not (pol.acts_before_attention(step.ctxs) or cache.has_tiers):
                     step.plan = cache.plan_write_through(seqs, positions, step.write_cls)
                 if step.plan is not None:
                     cache.write_planned(step.plan, layer, k, v)
