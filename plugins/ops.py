@@ -26,27 +26,32 @@ from plugins.int8_linear.reference import int8_linear_ref
 from plugins.rms_norm.reference import rms_norm_ref
 from plugins.rotary.reference import rotary_ref
 
+SCHEMAS = {
+    "kv_write": "(Tensor k, Tensor v, Tensor(a!)[] slot_fields, Tensor(b!)[] group_fields, Tensor(c!) k_group, "
+                "Tensor pages, Tensor slots, int gid, int fmt_code, float scale_k, float scale_v) -> ()",
+    "kv_write_groups": "(Tensor k, Tensor v, Tensor(a!)[] slot_fields, Tensor(b!)[] group_fields, Tensor(c!) k_group, "
+                       "Tensor pages, Tensor slots, Tensor gids, int fmt_code, float scale_k, float scale_v) -> ()",
+    "paged_attention": "(Tensor q, Tensor[] slot_fields, Tensor[] group_fields, Tensor k_group, Tensor valid_bits, "
+                       "Tensor block_table, int fmt_code, float sm_scale, float scale_k, float scale_v, "
+                       "bool return_logits) -> (Tensor, Tensor, Tensor)",
+    "kmeans_select": "(Tensor keys, Tensor counts, Tensor k_keep, int iters) -> Tensor",
+    "residual_append": "(Tensor(a!) arena_k, Tensor(b!) arena_v, Tensor at, Tensor k, Tensor v) -> ()",
+    "buffer_attention": "(Tensor q, Tensor arena_k, Tensor arena_v, Tensor rows, int layer, Tensor counts, "
+                        "float sm_scale, Tensor(a!) out, Tensor(b!) lse) -> ()",
+    "int8_linear": "(Tensor x, Tensor codes_b, Tensor scales) -> Tensor",
+    "int4_linear": "(Tensor x, Tensor codes_b, Tensor scales_b, Tensor mins_b, int n) -> Tensor",
+}
+# torch.ops.trtkv_cpu: the ops a compiled program calls on CPU tensors (``program_ops``). Loading the compiled CPU
+# kernels registers them as these ops' CPU kernels in C++ (plugins/cpu_kernels/csrc/registrations.cpp), which the
+# dispatcher calls without entering Python; until then, or where they did not build, the Python entry points below
+# run (CompositeExplicitAutograd: any device).
+PROGRAM_OPS = ("kv_write", "paged_attention", "residual_append", "buffer_attention", "int8_linear", "int4_linear")
 _lib = torch.library.Library("trtkv", "DEF")
-_lib.define(
-    "kv_write(Tensor k, Tensor v, Tensor(a!)[] slot_fields, Tensor(b!)[] group_fields, Tensor(c!) k_group, "
-    "Tensor pages, Tensor slots, int gid, int fmt_code, float scale_k, float scale_v) -> ()"
-)
-_lib.define(
-    "kv_write_groups(Tensor k, Tensor v, Tensor(a!)[] slot_fields, Tensor(b!)[] group_fields, Tensor(c!) k_group, "
-    "Tensor pages, Tensor slots, Tensor gids, int fmt_code, float scale_k, float scale_v) -> ()"
-)
-_lib.define(
-    "paged_attention(Tensor q, Tensor[] slot_fields, Tensor[] group_fields, Tensor k_group, Tensor valid_bits, "
-    "Tensor block_table, int fmt_code, float sm_scale, float scale_k, float scale_v, bool return_logits) "
-    "-> (Tensor, Tensor, Tensor)"
-)
-_lib.define("kmeans_select(Tensor keys, Tensor counts, Tensor k_keep, int iters) -> Tensor")
-_lib.define("residual_append(Tensor(a!) arena_k, Tensor(b!) arena_v, Tensor at, Tensor k, Tensor v) -> ()")
-_lib.define(
-    "buffer_attention(Tensor q, Tensor arena_k, Tensor arena_v, Tensor rows, int layer, Tensor counts, "
-    "float sm_scale, Tensor(a!) out, Tensor(b!) lse) -> ()"
-)
-
+_cpu_lib = torch.library.Library("trtkv_cpu", "DEF")
+for _name, _schema in SCHEMAS.items():
+    _lib.define(_name + _schema)
+    if _name in PROGRAM_OPS:
+        _cpu_lib.define(_name + _schema)
 
 def residual_append(arena_k: torch.Tensor, arena_v: torch.Tensor, at: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> None:
@@ -83,6 +88,10 @@ def int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 
         return int4_linear_cpu(x.contiguous(), w)
     return int4_linear_ref(x, w)
+
+
+def _int4_linear_op(x, codes_b, scales_b, mins_b, n):
+    return int4_linear(x, Int4Weight(codes_b, scales_b, mins_b, n))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -222,21 +231,46 @@ def _paged_attention_meta(q, slot_fields, group_fields, k_group, valid_bits, blo
     return out, lse, logits
 
 
+def _int8_linear_meta(x, codes_b, scales):
+    return x.new_empty((x.shape[0], scales.shape[0]), dtype=torch.float32)
+
+
+def _int4_linear_meta(x, codes_b, scales_b, mins_b, n):
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
 def _kmeans_fake(keys, counts, k_keep, iters):
     width = torch.library.get_ctx().new_dynamic_size()  # max(k_keep): data-dependent
     return keys.new_empty((keys.shape[0], width), dtype=torch.int64)
 
 
-for _key in ("CPU", "CUDA"):
-    _lib.impl("kv_write", kv_write, _key)
-    _lib.impl("kv_write_groups", kv_write_groups, _key)
-    _lib.impl("paged_attention", paged_attention, _key)
-    _lib.impl("kmeans_select", kmeans_select, _key)
-    _lib.impl("buffer_attention", buffer_attention, _key)
-    _lib.impl("residual_append", residual_append, _key)
-_lib.impl("kv_write", lambda *a: None, "Meta")
-_lib.impl("residual_append", lambda *a: None, "Meta")
-_lib.impl("kv_write_groups", lambda *a: None, "Meta")
-_lib.impl("buffer_attention", lambda *a: None, "Meta")
-_lib.impl("paged_attention", _paged_attention_meta, "Meta")
+_PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "paged_attention": paged_attention,
+                   "kmeans_select": kmeans_select, "buffer_attention": buffer_attention,
+                   "residual_append": residual_append, "int8_linear": int8_linear, "int4_linear": _int4_linear_op}
+_META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None, "residual_append": lambda *a: None,
+                 "buffer_attention": lambda *a: None, "paged_attention": _paged_attention_meta,
+                 "int8_linear": _int8_linear_meta, "int4_linear": _int4_linear_meta}
+for _name, _kernel in _PYTHON_KERNELS.items():
+    for _key in ("CPU", "CUDA"):
+        _lib.impl(_name, _kernel, _key)
+    if _name in PROGRAM_OPS:
+        _cpu_lib.impl(_name, _kernel, "CompositeExplicitAutograd")
+for _name, _kernel in _META_KERNELS.items():
+    _lib.impl(_name, _kernel, "Meta")
+    if _name in PROGRAM_OPS:
+        _cpu_lib.impl(_name, _kernel, "Meta")
 torch.library.register_fake("trtkv::kmeans_select", _kmeans_fake, lib=_lib)
+
+
+def program_ops(t: torch.Tensor):
+    """The op namespace a compiled program (``torch.compile``: the graph runtime) calls for tensors like ``t``,
+    chosen while it traces (``t.is_cpu`` is static there): on CPU ``torch.ops.trtkv_cpu``, the compiled kernels
+    registered in C++ once ``load_program_ops`` has loaded them; elsewhere ``torch.ops.trtkv``."""
+    return torch.ops.trtkv_cpu if t.is_cpu else torch.ops.trtkv
+
+
+def load_program_ops(t: torch.Tensor) -> bool:
+    """Load the compiled CPU kernels (their module registers ``torch.ops.trtkv_cpu``'s C++ kernels) before a
+    program on ``t``'s device runs; False where they did not build or are not chosen (``TRTKV_KERNELS``), in which
+    case those ops run the Python entry points."""
+    return use_cpu_kernels(t)

@@ -65,6 +65,18 @@ def test_quantized_engine_stores_codes_and_runs_them(tiny_engines, fmt):
     assert fid["top1_agreement"] >= floor and fid["kl_mean"] < kl, fid
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_weights_run_under_the_graph_runtime(tiny_engines, fmt):
+    """The quantized products are registered ops (``torch.ops.trtkv_cpu.int8_linear`` / ``int4_linear``), so a
+    quantized engine's decode steps run in the compiled program, with eager's greedy tokens."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, chat=False)
+    prompts = ["hello world", "a b c d e f g"]
+    eager = [r.token_ids for r in Engine.load(tiny_engines[fmt]).generate(prompts, params)]
+    g = Engine.load(tiny_engines[fmt], runtime="graph")
+    assert [r.token_ids for r in g.generate(prompts, params)] == eager
+    assert g.core.device_step.counts["graph"] == 23
+
+
 def test_quantized_weights_compose_with_a_compressed_cache(tiny_ckpt, tmp_path):
     path = build_engine(str(tiny_ckpt), "h2o", tmp_path / "h2o4", budget=32, quiet=True, weights="int4")
     e = Engine.load(path)

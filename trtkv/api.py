@@ -194,9 +194,9 @@ class Engine:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":
             dtype = cpu_compute_dtype(dtype, runtime)  # fp32 unless the CPU multiplies bf16 natively
-        if mm.weights != "dense" and (runtime != "torch" or device != "cpu"):
-            raise TrtkvError(f"{path} has {mm.weights} weights, which run on CPU with --runtime torch (not {runtime} "
-                             f"on {device}); build a --weights dense engine for that")
+        if mm.weights != "dense" and (runtime not in ("torch", "graph") or device != "cpu"):
+            raise TrtkvError(f"{path} has {mm.weights} weights, which run on CPU with --runtime torch or graph (not "
+                             f"{runtime} on {device}); build a --weights dense engine for that")
         if files is None and not mm.synthetic:
             from trtkv.models.loader import weight_files
 

@@ -188,8 +188,11 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
     see ``fuse_projections``) is multiplied as stored, without letting ``F.linear`` pick the slow layout; a
     oneDNN-packed ``w`` (trtkv/models/packed.py) runs oneDNN's inner product."""
     if isinstance(w, (Int8Weight, Int4Weight)):  # quantized codes and scales (trtkv/models/quantized_weights.py)
-        y = plugin_ops.int8_linear(x, w.codes_b, w.scales) if isinstance(w, Int8Weight) else \
-            plugin_ops.int4_linear(x, w)
+        if torch.compiler.is_compiling():  # a compiled program calls the registered kernel
+            ops = plugin_ops.program_ops(x)
+            y = ops.int8_linear(x, *w) if isinstance(w, Int8Weight) else ops.int4_linear(x, *w)
+        else:
+            y = plugin_ops.int8_linear(x, *w) if isinstance(w, Int8Weight) else plugin_ops.int4_linear(x, w)
         return y if b is None else y + b
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")

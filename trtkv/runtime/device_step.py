@@ -28,7 +28,7 @@ import itertools
 import numpy as np
 import torch
 
-from plugins import ops as _registered_ops  # noqa: F401  (torch.ops.trtkv.* must exist before tracing)
+from plugins import ops as plugin_ops
 from plugins.paged_attention.reference import merge_partials
 from trtkv.cache.manager import KVCacheManager
 from trtkv.cache.write_plan import WritePlan
@@ -129,6 +129,7 @@ def device_program(model, num_layers: int, sm_scale: float, ids, cos, sin, pages
     """One decode step on the device: ``(logits [b, vocab], [(attention logits, lse) of each wanted layer],
     [q of each layer whose queries are wanted])``."""
     x = model.embed(ids)
+    ops = plugin_ops.program_ops(x)
     stats, qs = [], []
     for layer in range(num_layers):
         q, k, v = model.qkv(layer, x, cos, sin)
@@ -136,20 +137,20 @@ def device_program(model, num_layers: int, sm_scale: float, ids, cos, sin, pages
             qs.append(q.float())
         if buffer is None:
             fields, groups, k_group, code, scale_k, scale_v = writes[layer]
-            torch.ops.trtkv.kv_write(k, v, fields, groups, k_group, pages[layer], slots[layer], -1, code, scale_k,
+            ops.kv_write(k, v, fields, groups, k_group, pages[layer], slots[layer], -1, code, scale_k,
                                      scale_v)
         else:
-            torch.ops.trtkv.residual_append(buffer[0], buffer[1], buffer[2][layer], k, v)
+            ops.residual_append(buffer[0], buffer[1], buffer[2][layer], k, v)
         parts, logits = [], []
         for fields, groups, k_group, valid, table, code, scale_k, scale_v in sources[layer]:
-            o, lse, lg = torch.ops.trtkv.paged_attention(q, fields, groups, k_group, valid, table, code, sm_scale,
+            o, lse, lg = ops.paged_attention(q, fields, groups, k_group, valid, table, code, sm_scale,
                                                          scale_k, scale_v, want[layer])
             parts.append((o, lse))
             logits.append(lg)
         out, lse = merge_partials(parts)
         if buffer is not None:  # the buffered tokens merged into the pages' partial, in place
             out, lse = out.contiguous(), lse.contiguous()
-            torch.ops.trtkv.buffer_attention(q, buffer[0], buffer[1], buffer[3], layer, buffer[4][layer], sm_scale,
+            ops.buffer_attention(q, buffer[0], buffer[1], buffer[3], layer, buffer[4][layer], sm_scale,
                                              out, lse)
         if want[layer]:
             stats.append((logits[0] if len(logits) == 1 else torch.cat(logits, -1), lse))
@@ -170,6 +171,7 @@ class DeviceStep:
         self._num_layers = num_layers
         self._sm_scale = sm_scale
         self._compile = compile
+        plugin_ops.load_program_ops(model.model.embed_tokens.weight)
         # the model owns its programs (they close over it): cores come and go, the programs stay compiled
         self._programs: dict[tuple, object] = model.__dict__.setdefault("_device_programs", {}) if compile else {}
         self.counts = {"graph": 0, "eager": 0}
