@@ -28,7 +28,7 @@ def read_bytes(name: str, n: int, k: int, fmt: str, group: int | None) -> int:
     rows = -(-n // 64) * 64
     if fmt == "int8" or name == "lm_head":  # (int4 engines keep the LM head in int8)
         return rows * k + n * 4
-    return rows * k // 2 + 2 * rows * (k // group) * 4
+    return rows * k // 2 + 2 * rows * (k // group) * 2  # (fp16 scales and mins)
 
 
 def trtkv(*args):

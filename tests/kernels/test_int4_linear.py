@@ -14,9 +14,9 @@ from plugins.int4_linear.reference import Int4Weight, int4_linear_ref
 def case(M: int, N: int, K: int, G: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
-    scales = torch.rand(N, K // G, generator=gen) + 0.01
-    mins = -torch.rand(N, K // G, generator=gen) * 8
-    dense = (codes.float().view(N, K // G, G) * scales[..., None] + mins[..., None]).view(N, K)
+    scales = (torch.rand(N, K // G, generator=gen) + 0.01).half()  # (fp16, as the kernel reads them)
+    mins = (-torch.rand(N, K // G, generator=gen) * 8).half()
+    dense = (codes.float().view(N, K // G, G) * scales.float()[..., None] + mins.float()[..., None]).view(N, K)
     return torch.randn(M, K, generator=gen) * 3, Int4Weight.pack(codes, scales, mins), codes, (scales, mins), dense
 
 

@@ -1,7 +1,7 @@
 """Quantized weights on CPU: every projection and the LM head as int8 codes with one fp32 scale per output
 channel (``--weights int8``) or int4 codes with one scale per output channel and group of ``G`` inputs
-(``--weights int4``, ``--group-size G``, default 32: codes over each group's min..max, the LM head kept in
-int8). Weight-only: activations stay fp32, so a request's numbers do not depend on its batch. The
+(``--weights int4``, ``--group-size G``, default 32: codes over each group's min..max with an fp16 scale and
+minimum, as llama.cpp's Q4_1; the LM head kept in int8). Weight-only: activations stay fp32, so a request's numbers do not depend on its batch. The
 ``int8_linear`` / ``int4_linear`` plugins multiply them (compiled CPU kernels reading the codes once, blocked by
 64 output channels, beside their torch references).
 
@@ -70,14 +70,19 @@ def _int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.int_repr().contiguous(), scales
 
 
+FP16_TINY = 2.0 ** -14  # the smallest normal fp16: a flatter group's scale (its codes then span less than 0..15)
+
+
 def _int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``w [out, in]`` as int4 codes in [0, 15] (uint8) over each group's range: ``w ~ code * scale + min``, fp32
-    scales and mins ``[out, in / G]`` (min/max rounding, as llama.cpp's Q4_1)."""
+    """``w [out, in]`` as int4 codes in [0, 15] (uint8) over each group's range: ``w ~ code * scale + min``, fp16
+    scales and mins ``[out, in / G]`` (min/max rounding, as llama.cpp's Q4_1). The codes are rounded against the
+    fp16 scale and minimum the kernel multiplies by."""
     n, k = w.shape
     groups = w.view(n, k // group_size, group_size)
     lo, hi = groups.amin(-1), groups.amax(-1)
-    scales = ((hi - lo) / 15.0).clamp_min(1e-12)
-    codes = torch.round((groups - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    scales = ((hi - lo) / 15.0).clamp_min(FP16_TINY).half()
+    lo = lo.clamp(-65504.0, 65504.0).half()
+    codes = torch.round((groups - lo.float()[..., None]) / scales.float()[..., None]).clamp(0, 15).to(torch.uint8)
     return codes.view(n, k).contiguous(), scales.contiguous(), lo.contiguous()
 
 
@@ -123,12 +128,13 @@ def load_quantized(path: Path, model: DecoderModel, fmt: str, group_size: int | 
         int8 = _format_of(name, fmt) == "int8"
         groups = (w.shape[0],) if int8 else (w.shape[0], w.shape[1] // group_size)
         want = {f"{name}.codes": (torch.int8 if int8 else torch.uint8, tuple(w.shape)),
-                f"{name}.scales": (torch.float32, groups)}
+                f"{name}.scales": (torch.float32 if int8 else torch.float16, groups)}
         if not int8:
-            want[f"{name}.mins"] = (torch.float32, groups)
+            want[f"{name}.mins"] = (torch.float16, groups)
         if any(key not in tensors or (tensors[key].dtype, tuple(tensors[key].shape)) != spec
                for key, spec in want.items()):
-            raise TrtkvError(f"{path} does not match the model ({name}); rebuild the engine")
+            raise TrtkvError(f"{path} does not hold this trtkv's {fmt} codes of the model ({name}); rebuild the "
+                             "engine")
     return tensors
 
 

@@ -235,7 +235,7 @@ class EngineCore:
                 and not self.cache.has_tiers and self.shards is None and step.forced is None
                 and not self._observers_watch_layers and not self.policy.acts_before_attention(step.ctxs)):
             plan = plan_step(self.cache, step.seqs, step.positions, step.write_cls, step.ids, step.cos, step.sin,
-                             want, queries)
+                             want, queries, self.device_step.memo)
         if plan is None:
             self.device_step.counts["eager"] += 1
             return None

@@ -50,20 +50,21 @@ class StepPlan:
     tables: list[list[tuple]]  # per layer: (pool, block table) as attended (the statistics' positions)
     want: tuple[bool, ...]  # per layer: return its attention logits and log-sum-exps
     queries: tuple[bool, ...]  # per layer: return its post-RoPE queries
+    constants: tuple  # per layer: the format codes and scales of what it writes and attends
 
     def key(self) -> tuple:
-        """What a compiled program is specialized on (everything else is a dynamic size or a tensor's data)."""
-        return (self.ids.shape[0] == 1, self.buffer is not None, self.want, self.queries,
-                tuple(len(s) for s in self.sources))
+        """What a compiled program is specialized on: everything but a dynamic size or a tensor's data. The
+        program's guards check its tensors' metadata only, so every constant it bakes in is in here."""
+        return (self.ids.shape[0] == 1, self.buffer is not None, self.want, self.queries, self.constants)
 
 
 def plan_step(cache: KVCacheManager, seqs: list, positions: list[int], write_cls: tuple | None, ids: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor, want: tuple[bool, ...], queries: tuple[bool, ...]
-              ) -> StepPlan | None:
+              cos: torch.Tensor, sin: torch.Tensor, want: tuple[bool, ...], queries: tuple[bool, ...],
+              memo: PlanMemo) -> StepPlan | None:
     """The host plan of a step: a write-through step (every request writes ``write_cls``, format and thought)
     allocates and records its slots in every layer now; a buffered one records each request's token in every
     layer's residual buffer, or returns None (nothing done) when a buffer fills up this step (its flush runs
-    eagerly) or a layer has no pages to attend."""
+    eagerly) or a layer has no pages to attend. ``memo``: the layers' sources of the last plan."""
     b, L = len(seqs), cache.cfg.num_layers
     write = writes = buffer = None
     if cache.cfg.residual_group > 1:
@@ -74,29 +75,66 @@ def plan_step(cache: KVCacheManager, seqs: list, positions: list[int], write_cls
             return None
         at, fill = (_on(cache.residual.k.device, a) for a in appended)
         buffer = (cache.residual.k, cache.residual.v, at, _on(cache.residual.k.device, rows), fill)
+        constants = []
     else:
         write = cache.plan_write_through(seqs, positions, write_cls, always=True)
         tables = [cache.block_tables(layer, seqs) for layer in range(L)]
-        writes = []
-        for layer in range(L):
-            pool = cache.pool(layer, write_cls[0])
-            sc = cache.layer_scales(layer, pool.fmt.name)
-            writes.append((pool.fields, pool.group_fields, pool.k_group, pool.fmt.code, sc.k, sc.v))
+        writes, constants = zip(*(memo.written(cache, layer, write_cls[0]) for layer in range(L)))
+        constants = list(constants)
     sources = []
-    for layer, tabs in enumerate(tables):
-        tabs = [(p, _dynamic_table(bt, b)) for p, bt in (tabs if want[layer] else _every_format(cache, layer, tabs, b))]
-        tables[layer] = tabs  # (as attended: the statistics' columns are these tables' slots)
-        srcs = []
-        for p, bt in tabs:
-            s = cache.layer_scales(layer, p.fmt.name)
-            srcs.append((p.fields, p.group_fields, p.k_group, p.valid_bits(), bt, p.fmt.code, s.k, s.v))
+    for layer, raw in enumerate(tables):
+        tables[layer], srcs, consts = memo.attended(cache, layer, raw, want[layer], b)
         sources.append(srcs)
+        constants.append(consts)
     if b > 1:
         for t in (ids, cos, sin) + ((buffer[3],) if buffer is not None else ()):
             torch._dynamo.mark_dynamic(t, 0)
         for t in (write.pages, write.slots) if write is not None else (buffer[2], buffer[4]):
             torch._dynamo.mark_dynamic(t, 1)
-    return StepPlan(ids, cos, sin, write, writes, buffer, sources, tables, want, queries)
+    return StepPlan(ids, cos, sin, write, writes, buffer, sources, tables, want, queries, tuple(constants))
+
+
+class PlanMemo:
+    """Each layer's written pool and attended sources as the last plan had them, reused while the cache hands out
+    the same block tables (most steps: they change at page boundaries) and the pools keep their storage (a pool
+    that grows replaces its tensors)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self._attended: list[tuple | None] = [None] * num_layers
+        self._written: list[tuple | None] = [None] * num_layers
+
+    def written(self, cache: KVCacheManager, layer: int, fmt: str) -> tuple[tuple, tuple]:
+        """``(the program's write arguments, their constants)`` of the layer's ``fmt`` pool."""
+        pool = cache.pool(layer, fmt)
+        m = self._written[layer]
+        if m is None or m[0] is not pool or not _same_storage(pool, m[1]):
+            sc = cache.layer_scales(layer, pool.fmt.name)
+            entry = (pool.fields, pool.group_fields, pool.k_group, pool.fmt.code, sc.k, sc.v)
+            m = self._written[layer] = (pool, entry, (pool.fmt.code, sc.k, sc.v))
+        return m[1], m[2]
+
+    def attended(self, cache: KVCacheManager, layer: int, raw: list[tuple], want: bool, b: int
+                 ) -> tuple[list[tuple], list[tuple], tuple]:
+        """``(tables as attended, the program's sources, their constants)`` of the layer's block tables ``raw``
+        (``cache.block_tables``): without statistics, a layer's other formats follow as empty tables."""
+        m = self._attended[layer]
+        if m is not None and m[0] is raw and m[1] == want and m[2] == b and \
+                all(_same_storage(p, src) for (p, _), src in zip(m[3], m[4])):
+            return m[3], m[4], m[5]
+        tabs = [(p, _dynamic_table(bt, b)) for p, bt in (raw if want else _every_format(cache, layer, raw, b))]
+        srcs, consts = [], []
+        for p, bt in tabs:
+            s = cache.layer_scales(layer, p.fmt.name)
+            srcs.append((p.fields, p.group_fields, p.k_group, p.valid_bits(), bt, p.fmt.code, s.k, s.v))
+            consts.append((p.fmt.code, s.k, s.v))
+        self._attended[layer] = (raw, want, b, tabs, srcs, tuple(consts))
+        return tabs, srcs, tuple(consts)
+
+
+def _same_storage(pool, entry: tuple) -> bool:
+    """``entry`` (a write or source tuple) still holds ``pool``'s tensors."""
+    return entry[0] is pool.fields and entry[1] is pool.group_fields and entry[2] is pool.k_group and \
+        (len(entry) < 8 or entry[3] is pool.valid_bits())
 
 
 def _every_format(cache: KVCacheManager, layer: int, tables: list[tuple], b: int) -> list[tuple]:
@@ -175,6 +213,7 @@ class DeviceStep:
         # the model owns its programs (they close over it): cores come and go, the programs stay compiled
         self._programs: dict[tuple, object] = model.__dict__.setdefault("_device_programs", {}) if compile else {}
         self.counts = {"graph": 0, "eager": 0}
+        self.memo = PlanMemo(num_layers)
 
     def program(self, key: tuple):
         """The compiled program for plans of ``key`` (compiled on its first call)."""
@@ -188,7 +227,10 @@ class DeviceStep:
             # engines, each with its own model: sharing one would exhaust its recompile limit)
             step.__code__ = step.__code__.replace(co_name=f"device_step_{next(_serial)}")
             # cpp_wrapper: inductor's C++ launcher calls the kernels and ops without a Python frame between them
-            fn = torch.compile(step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}) \
+            # guards on tensor metadata only: the key holds every constant the program bakes in, and the model it
+            # closes over owns it (guards on each weight, scale and flag cost ~1 ms a step at SmolLM2's 30 layers)
+            fn = torch.compile(step, fullgraph=True, dynamic=False, options={
+                "cpp_wrapper": True, "guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}) \
                 if self._compile else step
             self._programs[key] = fn
         return fn
