@@ -1,8 +1,8 @@
 """Quantized weights on CPU: every projection and the LM head as int8 codes with one fp32 scale per output
 channel (``--weights int8``) or int4 codes with one scale per output channel and group of ``G`` inputs
 (``--weights int4``, ``--group-size G``, default 32: codes over each group's min..max with an fp16 scale and
-minimum, as llama.cpp's Q4_1; the LM head kept in int8). Weight-only: activations stay fp32, so a request's numbers do not depend on its batch. The
-``int8_linear`` / ``int4_linear`` plugins multiply them (compiled CPU kernels reading the codes once, blocked by
+minimum, as llama.cpp's Q4_1; the LM head kept in int8). Weight-only: activations stay fp32, so a request's numbers
+do not depend on its batch. The ``int8_linear`` / ``int4_linear`` plugins multiply them (compiled CPU kernels reading the codes once, blocked by
 64 output channels, beside their torch references).
 
 Why not a library's kernel (docs/benchmarks.md, "Quantized weights"): measured on this machine kind, torchao
