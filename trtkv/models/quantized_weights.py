@@ -2,8 +2,8 @@
 channel (``--weights int8``) or int4 codes with one scale per output channel and group of ``G`` inputs
 (``--weights int4``, ``--group-size G``, default 32: codes over each group's min..max with an fp16 scale and
 minimum, as llama.cpp's Q4_1; the LM head kept in int8). Weight-only: activations stay fp32, so a request's numbers
-do not depend on its batch. The ``int8_linear`` / ``int4_linear`` plugins multiply them (compiled CPU kernels reading the codes once, blocked by
-64 output channels, beside their torch references).
+do not depend on its batch. The ``int8_linear`` / ``int4_linear`` plugins multiply them (compiled CPU kernels
+reading the codes once, blocked by 64 output channels, beside their torch references).
 
 Why not a library's kernel (docs/benchmarks.md, "Quantized weights"): measured on this machine kind, torchao
 0.18's ``Int8WeightOnlyConfig`` in eager mode dequantizes and multiplies (2-12x slower than fp32 at one row),
