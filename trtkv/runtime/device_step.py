@@ -199,6 +199,20 @@ def device_program(model, num_layers: int, sm_scale: float, ids, cos, sin, pages
 _serial = itertools.count()
 
 
+# the guards a program drops: on constants and list lengths (the plan's key holds every constant and format a
+# program bakes in) and on the model (it owns its programs); together ~1 ms a step at SmolLM2's 30 layers
+_DROPPED_GUARDS = frozenset({"CONSTANT_MATCH", "SEQUENCE_LENGTH", "CLOSURE_MATCH", "TYPE_MATCH", "MODULE_MATCH",
+                             "BUILTIN_MATCH", "CLASS_MATCH", "NOT_PRESENT_IN_GENERIC_DICT",
+                             "EMPTY_NN_MODULE_HOOKS_DICT"})
+
+
+def _input_guards(entries) -> list[bool]:
+    """Which guards a program keeps: its input tensors' metadata, their aliasing, the relations among their dynamic
+    sizes and the global state; not those ``_DROPPED_GUARDS`` names nor the model's tensors' metadata."""
+    return [e.guard_type not in _DROPPED_GUARDS and not (e.guard_type == "TENSOR_MATCH" and e.name.startswith("_model"))
+            for e in entries]
+
+
 class DeviceStep:
     """The compiled device programs of a model, one per ``StepPlan.key`` (shared by every core on the model: the
     bench and eval make a core per run), and how many of this core's steps ran in them (``graph``) or eagerly
@@ -227,11 +241,8 @@ class DeviceStep:
             # engines, each with its own model: sharing one would exhaust its recompile limit)
             step.__code__ = step.__code__.replace(co_name=f"device_step_{next(_serial)}")
             # cpp_wrapper: inductor's C++ launcher calls the kernels and ops without a Python frame between them
-            # guards on tensor metadata only: the key holds every constant the program bakes in, and the model it
-            # closes over owns it (guards on each weight, scale and flag cost ~1 ms a step at SmolLM2's 30 layers)
             fn = torch.compile(step, fullgraph=True, dynamic=False, options={
-                "cpp_wrapper": True, "guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}) \
-                if self._compile else step
+                "cpp_wrapper": True, "guard_filter_fn": _input_guards}) if self._compile else step
             self._programs[key] = fn
         return fn
 
