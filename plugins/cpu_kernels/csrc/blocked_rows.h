@@ -1,4 +1,4 @@
-// Shared by the int8 / int4 weight-only linears: the lane masks of a block, and their many-row half (int8_linear.cpp, int4_linear.cpp): a block's 64
+// The int8 weight-only linear's lane masks of a block and its many-row half (int8_linear.cpp): a block's 64
 // output channels over a chunk of KC inputs, already widened to fp32 in an L1-resident buffer, times every row.
 // With more than 4 rows the kernels widen each chunk once and run every group of 4 rows over it, instead of
 // widening the codes again for each group; a row's sums still add over k in order with one fused multiply-add
