@@ -1,34 +1,7 @@
 // Python bindings of the CPU kernels (loaded by plugins/cpu_kernels/build.py).
 #include <torch/extension.h>
 
-#include <vector>
-
-namespace trtkv {
-std::vector<at::Tensor> paged_attention_cpu(const at::Tensor& q, const std::vector<at::Tensor>& slot_fields,
-                                            const std::vector<at::Tensor>& group_fields, const at::Tensor& k_group,
-                                            const at::Tensor& valid_bits, const at::Tensor& block_table,
-                                            int64_t fmt_code, double sm_scale, double scale_k, double scale_v,
-                                            bool return_logits, int64_t num_splits);
-void kv_write_cpu(const at::Tensor& k, const at::Tensor& v, const std::vector<at::Tensor>& slot_fields,
-                  const std::vector<at::Tensor>& group_fields, const at::Tensor& k_group, const at::Tensor& pages,
-                  const at::Tensor& slots, int64_t gid, int64_t fmt_code, double scale_k, double scale_v);
-void kv_write_groups_cpu(const at::Tensor& k, const at::Tensor& v, const std::vector<at::Tensor>& slot_fields,
-                         const std::vector<at::Tensor>& group_fields, const at::Tensor& k_group,
-                         const at::Tensor& pages, const at::Tensor& slots, const at::Tensor& gids, int64_t fmt_code,
-                         double scale_k, double scale_v);
-void buffer_attention_merge_cpu(const at::Tensor& q, const at::Tensor& arena_k, const at::Tensor& arena_v,
-                                const at::Tensor& rows, int64_t layer, const at::Tensor& counts, double sm_scale,
-                                at::Tensor& out, at::Tensor& lse);
-at::Tensor kmeans_select_cpu(const at::Tensor& keys, const at::Tensor& counts, const at::Tensor& k_keep,
-                             int64_t iters);
-void residual_append_cpu(at::Tensor& arena_k, at::Tensor& arena_v, const at::Tensor& at, const at::Tensor& k,
-                         const at::Tensor& v);
-at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& codes_b, const at::Tensor& scales);
-at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& codes_b, const at::Tensor& scales_b,
-                           const at::Tensor& mins_b, int64_t n);
-}  // namespace trtkv
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &trtkv::paged_attention_cpu, "paged decode attention over packed pages (CPU)");
