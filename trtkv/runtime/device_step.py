@@ -175,21 +175,19 @@ def device_program(model, num_layers: int, sm_scale: float, ids, cos, sin, pages
             qs.append(q.float())
         if buffer is None:
             fields, groups, k_group, code, scale_k, scale_v = writes[layer]
-            ops.kv_write(k, v, fields, groups, k_group, pages[layer], slots[layer], -1, code, scale_k,
-                                     scale_v)
+            ops.kv_write(k, v, fields, groups, k_group, pages[layer], slots[layer], -1, code, scale_k, scale_v)
         else:
             ops.residual_append(buffer[0], buffer[1], buffer[2][layer], k, v)
         parts, logits = [], []
         for fields, groups, k_group, valid, table, code, scale_k, scale_v in sources[layer]:
-            o, lse, lg = ops.paged_attention(q, fields, groups, k_group, valid, table, code, sm_scale,
-                                                         scale_k, scale_v, want[layer])
+            o, lse, lg = ops.paged_attention(q, fields, groups, k_group, valid, table, code, sm_scale, scale_k,
+                                             scale_v, want[layer])
             parts.append((o, lse))
             logits.append(lg)
         out, lse = merge_partials(parts)
         if buffer is not None:  # the buffered tokens merged into the pages' partial, in place
             out, lse = out.contiguous(), lse.contiguous()
-            ops.buffer_attention(q, buffer[0], buffer[1], buffer[3], layer, buffer[4][layer], sm_scale,
-                                             out, lse)
+            ops.buffer_attention(q, buffer[0], buffer[1], buffer[3], layer, buffer[4][layer], sm_scale, out, lse)
         if want[layer]:
             stats.append((logits[0] if len(logits) == 1 else torch.cat(logits, -1), lse))
         x = model.finish_layer(layer, x, out)
