@@ -86,6 +86,8 @@ def plan_step(cache: KVCacheManager, seqs: list, positions: list[int], write_cls
         tables[layer], srcs, consts = memo.attended(cache, layer, raw, want[layer], b)
         sources.append(srcs)
         constants.append(consts)
+    if write is not None:  # (a size-1 dimension's stride varies with how the plan was made: a guard would recompile)
+        write = dataclasses.replace(write, pages=_standard_strides(write.pages), slots=_standard_strides(write.slots))
     if b > 1:
         for t in (ids, cos, sin) + ((buffer[3],) if buffer is not None else ()):
             torch._dynamo.mark_dynamic(t, 0)
@@ -144,6 +146,11 @@ def _every_format(cache: KVCacheManager, layer: int, tables: list[tuple], b: int
     have = {p.fmt.name for p, _ in tables}
     return tables + [(p, torch.full((b, 2), -1, dtype=torch.int32, device=p.device))
                      for name, p in cache.pools[layer].items() if name not in have]
+
+
+def _standard_strides(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) with the row-major strides of its shape, size-1 dimensions included."""
+    return t.reshape(-1).view(t.shape) if t.is_contiguous() else t.contiguous()
 
 
 def _on(device: torch.device, a: np.ndarray) -> torch.Tensor:
