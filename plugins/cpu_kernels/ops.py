@@ -1,19 +1,8 @@
 """Python entry points of the compiled CPU kernels, with the same signatures as the torch references."""
 from __future__ import annotations
 
-import torch
 
 from plugins.cpu_kernels.build import cpu_kernels
-
-MIN_PAGES_PER_SPLIT = 8  # below this a split's fixed cost (partial state, merge) outweighs the parallelism
-
-
-def num_splits(b: int, P: int) -> int:
-    """Splits of each sequence's block table: only when the sequences alone cannot fill the threads."""
-    threads = torch.get_num_threads()
-    if b >= 2 * threads or P < 2 * MIN_PAGES_PER_SPLIT:
-        return 1
-    return max(1, min(-(-2 * threads // max(b, 1)), P // MIN_PAGES_PER_SPLIT))
 
 
 def paged_attention_cpu(q, slot_fields, group_fields, k_group, valid_bits, block_table, fmt_code, sm_scale, scale_k,
@@ -22,12 +11,11 @@ def paged_attention_cpu(q, slot_fields, group_fields, k_group, valid_bits, block
 
     ``logits`` is ``[b, Hq, P*B]`` scaled logits in block-table order with -inf at dead slots and -1
     padding when ``return_logits``, else empty. Splits of one sequence's pages are merged inside the
-    kernel; the result merges with other formats' partials through ``merge_partials`` as before."""
-    P = block_table.shape[1]
-    S = num_splits_override or num_splits(q.shape[0], P)
+    kernel (``num_splits_override``, else the kernel's own rule: only when the sequences alone cannot fill the
+    threads); the result merges with other formats' partials through ``merge_partials`` as before."""
     out, lse, logits = cpu_kernels().paged_attention(
         q, list(slot_fields), list(group_fields), k_group, valid_bits, block_table, int(fmt_code), float(sm_scale),
-        float(scale_k), float(scale_v), bool(return_logits), int(S))
+        float(scale_k), float(scale_v), bool(return_logits), int(num_splits_override or 0))
     return out, lse, logits
 
 

@@ -277,6 +277,16 @@ void run(const Pools& p, const float* q, const int32_t* table, const int32_t* va
 
 }  // namespace
 
+static constexpr int64_t MIN_PAGES_PER_SPLIT = 8;  // below this a split's fixed cost (partial state, merge) outweighs it
+
+// Splits of each sequence's block table (num_splits <= 0): only when the sequences alone cannot fill the threads
+static int64_t auto_splits(int64_t b, int64_t P) {
+  const int64_t threads = at::get_num_threads();
+  if (b >= 2 * threads || P < 2 * MIN_PAGES_PER_SPLIT) return 1;
+  const int64_t per_seq = (2 * threads + std::max<int64_t>(b, 1) - 1) / std::max<int64_t>(b, 1);
+  return std::max<int64_t>(1, std::min(per_seq, P / MIN_PAGES_PER_SPLIT));
+}
+
 std::vector<at::Tensor> paged_attention_cpu(const at::Tensor& q_in, const std::vector<at::Tensor>& slot_fields,
                                             const std::vector<at::Tensor>& group_fields, const at::Tensor& k_group,
                                             const at::Tensor& valid_bits, const at::Tensor& block_table_in,
@@ -313,7 +323,7 @@ std::vector<at::Tensor> paged_attention_cpu(const at::Tensor& q_in, const std::v
   auto out = at::empty({b, Hq, D}, fopt);
   auto lse = at::empty({b, Hq}, fopt);
   auto logits = return_logits ? at::full({b, Hq, P * p.B}, NEG_INF, fopt) : at::empty({0}, fopt);
-  int64_t S = std::max<int64_t>(1, std::min<int64_t>(num_splits, std::max<int64_t>(P, 1)));
+  int64_t S = std::max<int64_t>(1, std::min<int64_t>(num_splits > 0 ? num_splits : auto_splits(b, P), std::max<int64_t>(P, 1)));
   const float* qp = q.data_ptr<float>();
   const int32_t* tp = table.data_ptr<int32_t>();
   const int32_t* vp = valid_bits.data_ptr<int32_t>();

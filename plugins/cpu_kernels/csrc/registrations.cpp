@@ -14,17 +14,6 @@
 namespace trtkv {
 namespace {
 
-constexpr int64_t MIN_PAGES_PER_SPLIT = 8;  // as plugins/cpu_kernels/ops.py's num_splits
-
-// Splits of each sequence's block table: only when the sequences alone cannot fill the threads
-// (plugins/cpu_kernels/ops.py's num_splits, which the eager calls use).
-int64_t num_splits(int64_t b, int64_t P) {
-  const int64_t threads = at::get_num_threads();
-  if (b >= 2 * threads || P < 2 * MIN_PAGES_PER_SPLIT) return 1;
-  const int64_t per_seq = (2 * threads + std::max<int64_t>(b, 1) - 1) / std::max<int64_t>(b, 1);
-  return std::max<int64_t>(1, std::min(per_seq, P / MIN_PAGES_PER_SPLIT));
-}
-
 std::vector<at::Tensor> list(at::TensorList ts) { return std::vector<at::Tensor>(ts.begin(), ts.end()); }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_attention_op(
@@ -32,7 +21,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_attention_op(
     const at::Tensor& valid_bits, const at::Tensor& block_table, int64_t fmt_code, double sm_scale, double scale_k,
     double scale_v, bool return_logits) {
   auto r = paged_attention_cpu(q, list(slot_fields), list(group_fields), k_group, valid_bits, block_table, fmt_code,
-                               sm_scale, scale_k, scale_v, return_logits, num_splits(q.size(0), block_table.size(1)));
+                               sm_scale, scale_k, scale_v, return_logits, 0);
   return {r[0], r[1], r[2]};
 }
 
