@@ -1,7 +1,6 @@
 """Python entry points of the compiled CPU kernels, with the same signatures as the torch references."""
 from __future__ import annotations
 
-
 from plugins.cpu_kernels.build import cpu_kernels
 
 
