@@ -49,3 +49,25 @@ def test_rows_are_reused_zeroed_and_copies_are_independent():
     a.release()
     b = table.acquire()
     assert b.row == row and not b.values(0).any()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_every_layer_verbs_equal_per_layer_verbs(seed):
+    """``add_rows_layers`` / ``get_rows_layers`` (one scatter / gather for every layer) equal ``add_rows`` /
+    ``get_rows`` layer by layer, skipped (-1) columns and growth past the width included."""
+    rng = np.random.default_rng(seed)
+    L, b, n = 3, 5, 7
+    stacked, each = RowTable(L), RowTable(L)
+    rows = np.array([each.acquire().row for _ in range(b)])
+    assert [stacked.acquire().row for _ in range(b)] == rows.tolist()
+    for _ in range(4):
+        pos = np.stack([[rng.permutation(FIRST_CAP + 40)[:n] for _ in range(b)] for _ in range(L)])
+        pos[rng.random(pos.shape) < 0.2] = -1
+        vals = torch.rand(L, b, n)
+        stacked.add_rows_layers(rows, pos, vals)
+        for layer in range(L):
+            each.add_rows(layer, rows, pos[layer], vals[layer])
+        q = np.maximum(pos, 0)
+        assert torch.equal(stacked.get_rows_layers(rows, q),
+                           torch.stack([each.get_rows(layer, rows, q[layer]) for layer in range(L)]))
+    assert torch.equal(stacked.data[:, 1:], each.data[:, 1:])  # (row 0 takes the skipped adds: never read)

@@ -80,6 +80,14 @@ def test_batched_events_evict_what_one_by_one_does(engine_factory, load_engine, 
         batch_form.append(bool(stats) and stats[0].batch is not None)
         return orig_end(self, reqs, stats)
 
+    orig_stacked, stacked_calls = ScorerPolicy._lone_events_layers, []  # steps whose layers went as one stack
+
+    def spy_stacked(self, *args):
+        done = orig_stacked(self, *args)
+        stacked_calls.append(done)
+        return done
+
+    monkeypatch.setattr(ScorerPolicy, "_lone_events_layers", spy_stacked)
     monkeypatch.setattr(ScorerPolicy, "lone_victims", spy)  # undone by the first _run
     monkeypatch.setattr(ScorerPolicy, "events_rows", spy_rows)
     monkeypatch.setattr(ScorerPolicy, "on_decode_step_end_batch", spy_end)
@@ -99,6 +107,8 @@ def test_batched_events_evict_what_one_by_one_does(engine_factory, load_engine, 
     assert sets == ref_sets  # per request, decode step and layer: the positions attended
     if name in ("h2o", "tova", "random") and params.get("evict_every", 1) == 1 and "kv_format" not in params:
         assert max(rows_calls) > 1  # statistics in batch form, events for several requests at once
+        # every layer as one stack, and the per-layer path (host-tier victims: attention sees more than is paged)
+        assert (any(stacked_calls) or "demote" in params) and not all(stacked_calls)
     if name == "lazyeviction":
         assert max(each_calls) > 1  # several requests' events at one step: the stacked ranking ran
     # (a residual buffer: per-request statistics; random asks for none)

@@ -146,6 +146,10 @@ class TableColumns:
     def live_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
         return self._live[layer, rows]
 
+    def live_rows_layers(self, rows: np.ndarray) -> np.ndarray:
+        """``[L, len(rows)]`` paged tokens of ``rows`` in every layer (one read)."""
+        return self._live[:, rows]
+
     def code(self, layer: int, row: int, pos: int) -> int:
         w = self._where[layer]
         return w.item(row, pos) if 0 <= pos < w.shape[1] else NOT_HELD

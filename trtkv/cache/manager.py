@@ -459,6 +459,11 @@ class KVCacheManager:
         n = self.num_paged_many(seqs, layer)
         return n + self.buffered_many(seqs, layer) if self.residual is not None else n
 
+    def num_live_layers(self, seqs: list[SeqKV]) -> np.ndarray:
+        """``num_live_many`` of every layer at once: ``[L, len(seqs)]``."""
+        n = self.columns.live_rows_layers(self.rows(seqs))
+        return n + self.residual.fill[self.residual_rows(seqs)].T if self.residual is not None else n
+
     def live_tokens(self, seq: SeqKV) -> list[int]:
         return [t.live for t in seq.layers]
 

@@ -79,6 +79,8 @@ class PolicyRequest(Protocol):
     def num_live_many(self, layer: int, reqs: list["PolicyRequest"]) -> np.ndarray:
         """``num_live(layer)`` of each of ``reqs`` (requests of this one's batch), as one array read. Passing
         the same list object for every layer of a step lets the cache reuse its row lookup."""
+    def num_live_layers(self, reqs: list["PolicyRequest"]) -> np.ndarray:
+        """``num_live_many`` of every layer at once: ``[L, len(reqs)]``."""
     def num_paged_many(self, layer: int, reqs: list["PolicyRequest"]) -> np.ndarray:
         """``num_paged(layer)`` of each of ``reqs``, as one array read (like ``num_live_many``)."""
     def live_positions_each(self, layer: int, reqs: list["PolicyRequest"], which: np.ndarray, n: int) -> np.ndarray:

@@ -89,6 +89,31 @@ class RowTable:
         return self.data[layer].view(-1).index_select(0, flat).view(positions.shape)
 
 
+    def add_rows_layers(self, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor) -> None:
+        """``add_rows`` of every layer at once: ``values [L, b, n]`` at ``positions [L, b, n]`` (-1: skip)."""
+        top = int(positions.max(initial=-1))
+        if top < 0:
+            return
+        self.ensure(top)
+        flat = self._flat_layers(rows, positions)
+        if positions.min() < 0:  # (into the layer's row 0, which no request holds)
+            flat = np.where(positions < 0, (np.arange(len(positions)) * self.data.shape[1] * self.cap)[:, None, None],
+                            flat)
+        self.data.view(-1).index_add_(0, torch.from_numpy(flat.reshape(-1)).to(self.device),
+                                      values.reshape(-1).to(self.device, self.data.dtype))
+
+    def get_rows_layers(self, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """``get_rows`` of every layer at once: ``[L, b, n]`` scores at ``positions [L, b, n]`` (>= 0)."""
+        self.ensure(int(positions.max(initial=0)))
+        flat = torch.from_numpy(self._flat_layers(rows, positions).reshape(-1)).to(self.device)
+        return self.data.view(-1).index_select(0, flat).view(positions.shape)
+
+    def _flat_layers(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Indices into the flattened data of ``positions [L, b, n]`` of ``rows [b]`` in layers ``0..L-1``."""
+        base = (np.arange(len(positions))[:, None] * self.data.shape[1] + rows[None, :]) * self.cap
+        return base[:, :, None] + positions
+
+
 class RowView:
     """One request's row of a ``RowTable``, with ``PositionTable``'s verbs."""
 

@@ -225,10 +225,11 @@ class ScorerPolicy(KVPolicy):
         first = due[0]
         position = np.fromiter((r.position for r in due), np.int64, len(due))
         handle = self.scorer.batch_rows(due, [r.state.memo for r in due])
-        acted = np.zeros(len(due), bool)
         same = type(self).layer_budget is ScorerPolicy.layer_budget  # one target for every request
+        stacked = same and self._lone_events_layers(due, batch, rows, position, handle)
+        acted = np.full(len(due), stacked)
         later_layers, later = [], []  # layers whose only evictions are one victim a request: all at the end
-        for layer in range(first.num_layers):
+        for layer in () if stacked else range(first.num_layers):
             live = first.num_live_many(layer, due)
             target = np.full(len(due), self.target(first, layer), np.int64) if same else \
                 np.fromiter((self.target(r, layer) for r in due), np.int64, len(due))
@@ -271,6 +272,40 @@ class ScorerPolicy(KVPolicy):
         for r, a in zip(due, acted.tolist()):
             r.state.events += int(a)
             self.scorer.reset(r.state.memo)
+
+    def _lone_events_layers(self, due: list, batch: dict | None, rows: np.ndarray | None, position: np.ndarray,
+                            handle: np.ndarray) -> bool:
+        """``events_rows``'s steady state in one pass over every layer: when every due request is one token over
+        its target in every layer with nothing buffered (and the statistics in batch form, if any, saw exactly
+        its held tokens, every layer's of one width), the victims are chosen on one ``[L, k, n]`` stack — the
+        same sort, protection, scores and first minimum as layer by layer — and evicted by one
+        ``evict_each_layers``. False (nothing done) otherwise, or when some row has no finite candidate
+        (``evict_layer``'s own path)."""
+        first, L, k = due[0], due[0].num_layers, len(due)
+        live = first.num_live_layers(due)
+        n = int(live[0, 0])
+        if not (live == n).all() or any(self.target(first, layer) != n - 1 for layer in range(L)):
+            return False
+        if batch is None:  # held positions from the cache
+            if any((first.num_paged_many(layer, due) != n).any() for layer in range(L)):
+                return False
+            every = np.arange(k)
+            held = np.stack([first.live_positions_each(layer, due, every, n) for layer in range(L)])
+        else:
+            stats = [batch.get(layer) for layer in range(L)]
+            if any(bs is None for bs in stats) or len({bs.positions.shape for bs in stats}) != 1 or \
+                    any((bs.counts[rows] != n).any() for bs in stats):
+                return False
+            held = np.sort(np.stack([bs.positions[rows] for bs in stats]), axis=2)[:, :, -n:]
+        prot = self.protected_rows_at(np.tile(position, L), held.reshape(L * k, n)).reshape(L, k, n)
+        scores = self.scorer.score_rows_layers(handle, held, ~prot).float()
+        scores = scores.masked_fill(torch.from_numpy(prot).to(scores.device), float("inf"))
+        best = torch.argmin(scores, dim=2, keepdim=True)
+        if torch.isinf(scores.gather(2, best)).any():
+            return False
+        victims = np.take_along_axis(held, best.cpu().numpy(), 2)[:, :, 0]
+        first.evict_each_layers(np.arange(L), due, victims)
+        return True
 
     def protected_rows_at(self, positions: np.ndarray, held: np.ndarray) -> np.ndarray:
         """``protected_rows`` of requests whose next token is at ``positions``: sinks and the recent window as

@@ -82,6 +82,12 @@ class Scorer:
         """Scores of ``positions [n]`` (ascending) in one layer: ``[n]`` or per KV head ``[H, n]``."""
         raise TypeError(f"scorer {type(self).__name__} does not define score()")
 
+    def score_rows_layers(self, handle: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
+        """``score_rows`` of layer ``l`` at ``positions[l]`` for every layer: ``[L, k, n]`` (a batching scorer
+        may answer in one read)."""
+        return torch.stack([self.score_rows(layer, handle, positions[layer], free[layer])
+                            for layer in range(len(positions))])
+
     @classmethod
     def for_ams(cls, ams: Any) -> Scorer:
         """The instance AMS uses (its spec fixes some scorers' settings); default: the plain scorer."""

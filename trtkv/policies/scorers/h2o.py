@@ -54,7 +54,13 @@ class H2OScorer(Scorer):
             return
         device = next(iter(batch.values())).weights.device
         table_rows = np.fromiter((self._row(r, m, device).row for r, m in zip(reqs, memos)), np.int64, len(reqs))
-        for layer, pos, w, _ in batch_rows_of(batch, rows):
+        layers = batch_rows_of(batch, rows)
+        if [lyr for lyr, *_ in layers] == list(range(self._table.num_layers)) and \
+                len({pos.shape for _, pos, _, _ in layers}) == 1:  # every layer one width: one scatter
+            self._table.add_rows_layers(table_rows, np.stack([pos for _, pos, _, _ in layers]),
+                                        torch.stack([w.sum(1) for _, _, w, _ in layers]))
+            return
+        for layer, pos, w, _ in layers:
             self._table.add_rows(layer, table_rows, pos, w.sum(1))
 
     def batch_rows(self, reqs, memos) -> np.ndarray:
@@ -64,6 +70,9 @@ class H2OScorer(Scorer):
     def score_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
         """``score`` of ``positions [k, n]`` for the ``k`` requests of ``rows`` (``batch_rows``): ``[k, n]``."""
         return self._table.get_rows(layer, rows, positions)
+
+    def score_rows_layers(self, rows: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
+        return self._table.get_rows_layers(rows, positions)
 
     def release(self, memo) -> None:
         if memo.acc is not None:

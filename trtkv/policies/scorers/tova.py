@@ -70,6 +70,17 @@ class TOVAScorer(Scorer):
         w = bs.weights[torch.from_numpy(rows)].float().mean(1)
         return torch.gather(w, 1, torch.from_numpy(order).to(w.device))
 
+    def score_rows_layers(self, rows: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
+        """``score_rows`` of every layer, when every layer's statistics have one width: one sort and gather."""
+        stats = [self._batch[layer] for layer in range(len(positions))]
+        if len({bs.positions.shape for bs in stats}) != 1:
+            return super().score_rows_layers(rows, positions, free)
+        pos = np.stack([bs.positions[rows] for bs in stats])
+        order = np.argsort(pos, axis=2, kind="stable")[:, :, -positions.shape[2]:]
+        idx = torch.from_numpy(rows)
+        w = torch.stack([bs.weights[idx].float().mean(1) for bs in stats])
+        return torch.gather(w, 2, torch.from_numpy(order).to(w.device))
+
     def score(self, req, layer, positions, memo, ev=None):
         if ev is not None and ev.rows is not None:
             return tova_scores(ev.rows[-1], req.num_kv_heads)
