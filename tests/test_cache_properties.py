@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import plugins  # noqa: F401
 from trtkv.cache import reads
 from trtkv.cache.eviction import evict_private
+from trtkv.cache.fresh_pages import DEPTH
 from trtkv.cache.manager import CacheConfig, KVCacheManager
 from trtkv.runtime.attention import decode_attention
 
@@ -459,6 +460,39 @@ def test_write_plan_takes_every_layers_slots_at_once_and_steps_aside_for_reuse()
         assert _state(caches[0]) == _state(caches[1])
     caches[1].evict(caches[1].seqs[2], L - 1, [3, 5])  # two slots: a reuse heap
     assert caches[1].plan_write_through([caches[1].seqs[s] for s in range(3)], [9] * 3, cls) is None
+
+
+@pytest.mark.parametrize("free_at", [None, 40])
+def test_page_boundaries_pages_wait_in_the_columns_and_join_the_lists_when_read(free_at):
+    """Planned steps leave a page boundary's pages waiting in the columns (``FreshPages``), past the queue's depth
+    (a row whose queue is full takes its pages in first); read only at the end (or at a request's finish), the
+    tables hold what ``write_through`` layer by layer gives them: pages, order, bytes and peaks, block tables."""
+    caches = [make_cache(g=1, max_pages=512), make_cache(g=1, max_pages=512)]
+    cls = WT_CLASSES[0]
+    for c in caches:
+        for sid in range(3):
+            c.add_sequence(sid)
+    waited = False
+    for step in range(4 * (DEPTH + 3)):  # more boundaries than a row's queue holds (blocks of 4)
+        ids = sorted(caches[0].seqs)
+        k, v = torch.randn(len(ids), H, D), torch.randn(len(ids), H, D)
+        pos = [step] * len(ids)
+        plan = caches[1].plan_write_through([caches[1].seqs[s] for s in ids], pos, cls)
+        for layer in range(L):
+            caches[0].write_through(layer, [caches[0].seqs[s] for s in ids], k, v, pos, cls)
+            caches[1].write_planned(plan, layer, k, v)
+        waited |= caches[1].columns.fresh.waiting(0, caches[1].seqs[ids[0]].row)
+        if step == free_at:
+            for c in caches:
+                c.free_sequence(1)
+    assert waited
+    _check_block_tables(caches[1])  # (before anything reads the lists)
+    for sid in caches[0].seqs:
+        assert (caches[0].seqs[sid].kv_bytes, caches[0].seqs[sid].peak_bytes) == \
+            (caches[1].seqs[sid].kv_bytes, caches[1].seqs[sid].peak_bytes)
+    assert _state(caches[0]) == _state(caches[1])
+    for pool0, pool1 in zip(caches[0].pools[0].values(), caches[1].pools[0].values()):
+        assert pool0.free_pages == pool1.free_pages
 
 
 def _check_block_tables(cache: KVCacheManager) -> None:

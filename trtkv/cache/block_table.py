@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Iterator
-from itertools import repeat
+from itertools import islice, repeat
 from types import MappingProxyType
 
 import numpy as np
@@ -42,11 +42,45 @@ class BlockTable:
         self._account = account
         self._order = order
         self._cols, self._row = cols, row  # position map, live count, open pages, reuse flags: this row
-        self._pages: dict[Cls, list[int]] = {}
+        self._page_lists: dict[Cls, list[int]] = {}  # (read through ``_pages``: a page boundary's pages wait)
         self._reusable: dict[Cls, list[tuple[int, int, int]]] = {}  # heap of (page order, page, slot)
-        self._page_order: dict[tuple[str, int], int] = {}  # order number of each held page
+        self._orders: dict[tuple[str, int], int] = {}  # order number of each held page (through ``_page_order``)
         self._flat: dict[str, np.ndarray] | None = None
         self._single_bt: list | None = None  # block tables of this request alone (attention at batch 1)
+
+    # --- the page lists, with the pages a batch's page boundary left waiting (cache/fresh_pages.py) ---------------
+    @property
+    def _pages(self) -> dict[Cls, list[int]]:
+        if self._cols.fresh.waiting(self.layer, self._row):
+            self._take_fresh()
+        return self._page_lists
+
+    @_pages.setter
+    def _pages(self, lists: dict[Cls, list[int]]) -> None:
+        self._page_lists = lists
+
+    @property
+    def _page_order(self) -> dict[tuple[str, int], int]:
+        if self._cols.fresh.waiting(self.layer, self._row):
+            self._take_fresh()
+        return self._orders
+
+    @_page_order.setter
+    def _page_order(self, orders: dict[tuple[str, int], int]) -> None:
+        self._orders = orders
+
+    def _take_fresh(self) -> None:
+        """The pages waiting for this table join its lists (their bytes were charged and the batch's block
+        tables took them when they were given)."""
+        names = self._cols.fmt_names
+        fids, pages, orders = self._cols.fresh.take(self.layer, self._row)
+        for f in dict.fromkeys(fids):  # (one format, the common case: one pass)
+            fmt = names[f]
+            mine = pages if len(set(fids)) == 1 else [p for g, p in zip(fids, pages) if g == f]
+            nos = orders if len(mine) == len(pages) else [o for g, o in zip(fids, orders) if g == f]
+            self._orders.update(zip(zip(repeat(fmt), mine), nos))
+            self._page_lists.setdefault((fmt, 0), []).extend(mine)
+        self._flat = self._single_bt = None
 
     # --- what the table holds (read-only views) ------------------------------------------------------
     @property
@@ -110,6 +144,8 @@ class BlockTable:
     def pages_of_format(self) -> dict[str, np.ndarray]:
         """Pages per format in table order, as int32 arrays (a batch's block table is copied from them every
         layer of every step); rebuilt only when a page list changes."""
+        if self._cols.fresh.waiting(self.layer, self._row):
+            self._take_fresh()
         if self._flat is None and len(self._pages) == 1:  # one class (most tables): no merging
             ((fmt, _), pages), = self._pages.items()
             self._flat = {fmt: np.asarray(pages, np.int32)}
@@ -122,6 +158,8 @@ class BlockTable:
 
     def single_block_tables(self, build: Callable[[dict[str, np.ndarray]], list]) -> list:
         """This request's block tables built by ``build(pages_of_format())``, cached until a page list changes."""
+        if self._cols.fresh.waiting(self.layer, self._row):
+            self._take_fresh()
         if self._single_bt is None:
             self._single_bt = build(self.pages_of_format())
         return self._single_bt
@@ -268,6 +306,40 @@ class BlockTable:
         else:
             BlockTable._adopt_each([tables(i) for i in need.tolist()], cols, layer, rows[need], pool, cls, fresh)
 
+    @staticmethod
+    def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, short: np.ndarray,
+                                pool_of: Callable[[int], PagePool], cls: Cls, order: Iterator[int]) -> None:
+        """``open_fresh_pages`` for ``rows[short[l]]`` in each layer ``l`` (``seqs[i]``: the request of ``rows[i]``,
+        ``pool_of(l)``: the layer's pool, ``order``: the cache's page numbering), layer by layer. While no table
+        holds a thought class, the pages wait in the columns (``FreshPages``) instead of joining every table's
+        lists, and each request is charged once for all its layers."""
+        fresh = cols.fresh
+        layers = np.flatnonzero(short.any(1)).tolist()
+        if cls[1] or fresh.thoughts:
+            for layer in layers:
+                BlockTable.open_fresh_pages(lambda i, layer=layer: seqs[i].layers[layer], cols, layer, rows,
+                                            np.flatnonzero(short[layer]), pool_of(layer), cls)
+            return
+        charge = np.zeros(len(rows), np.int64)
+        fmt_id = cols.fmt_id(cls[0])
+        for layer in layers:
+            need = np.flatnonzero(short[layer])
+            pool = pool_of(layer)
+            fresh_pages = pool.alloc_pages(len(need), cls[1])
+            if fresh_pages is None:  # the pool lacks them (or grows): one by one, a full pool names its request
+                for i in need.tolist():
+                    seqs[i].layers[layer]._new_page(pool, cls)  # noqa: SLF001
+                continue
+            for i in need[fresh.full(layer, rows[need])].tolist():  # rows with a full queue take theirs in first
+                seqs[i].layers[layer]._take_fresh()  # noqa: SLF001
+            fresh.add(layer, rows[need], fmt_id, fresh_pages, np.fromiter(islice(order, len(need)), np.int64,
+                                                                          len(need)))
+            cols.set_opens(layer, rows[need], cls, fresh_pages)
+            cols.append_rows(layer, rows[need], cls[0], fresh_pages, np.ones(len(need), bool))
+            charge[need] += held_page_bytes(pool)
+        for i in np.flatnonzero(charge).tolist():
+            seqs[i].account.add(int(charge[i]))
+
     def needs_fresh_pages(self, cls: Cls) -> bool:
         """No reusable slot and no open page of ``cls``: a write of whole pages takes fresh pages."""
         return (not self._reusable.get(cls) and self._open_of(cls) is None
@@ -299,6 +371,8 @@ class BlockTable:
 
     def _adopt_open_page(self, pool: PagePool, cls: Cls, p: int) -> None:
         """Page ``p``, just taken from ``pool``, joins the table as the open page of ``cls``."""
+        if cls[1]:
+            self._cols.fresh.thoughts = True
         self._page_order[(cls[0], p)] = next(self._order)
         self._pages.setdefault(cls, []).append(p)
         self._cols.set_open(self.layer, self._row, cls, p)
@@ -344,6 +418,8 @@ class BlockTable:
         its format's pages."""
         self._flat = self._single_bt = None
         self._account.add(cost)
+        if cls[1]:
+            self._cols.fresh.thoughts = True
         return len(self._pages) == 1 or [c for c in self._pages if c[0] == cls[0]][-1] == cls
 
     # --- the position map ----------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from trtkv.cache.fresh_pages import FreshPages
+
 Cls = tuple[str, int]  # (format name, thought class)
 Where = tuple[str, int, int]  # (format, page, slot)
 
@@ -56,6 +58,7 @@ class TableColumns:
         self._free = list(range(FIRST_ROWS - 1, -1, -1))  # a stack: the lowest free row on top
         self._fmt_ids: dict[str, int] = {}
         self._fmt_names: list[str] = []
+        self.fresh = FreshPages(num_layers, FIRST_ROWS)  # a page boundary's pages, until each table reads its lists
 
     # --- rows -------------------------------------------------------------------------------------
     def acquire(self) -> int:
@@ -78,6 +81,7 @@ class TableColumns:
         self._clock += 1
         self._stamp[:, row] = self._clock
         self._appended[:, row] = -1
+        self.fresh.clear_row(row)
         self._free.append(row)
         if len(self._free) > 1 and self._free[-1] > self._free[-2]:
             self._free.sort(reverse=True)
@@ -96,6 +100,7 @@ class TableColumns:
         self._appended = np.concatenate([self._appended, np.full((self.num_layers, new - old), -1, np.int64)], axis=1)
         self._stamp_before = np.concatenate([self._stamp_before, np.zeros((self.num_layers, new - old), np.int64)],
                                             axis=1)
+        self.fresh.grow_rows(new)
         self._free = list(range(new - 1, old - 1, -1)) + self._free
         self._rows = new
 

@@ -217,7 +217,7 @@ class KVCacheManager:
         plan does not apply (then ``write_through`` layer by layer) — unless ``always``: then ``write_through``'s
         own allocation, layer after layer, makes the plan."""
         rows, pos = self.rows(seqs), self._array_of(positions)
-        plan = plan_write_through(self.pools, self.columns, seqs, rows, pos, cls)
+        plan = plan_write_through(self.pools, self.columns, seqs, rows, pos, cls, self._page_order)
         return plan_each_layer(self.pools, self.columns, seqs, rows, pos, cls) if plan is None and always else plan
 
     def write_planned(self, plan: WritePlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

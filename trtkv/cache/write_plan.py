@@ -14,6 +14,7 @@ reuse heap of the class in any layer (heaps pop request by request: ``write_thro
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,9 +35,9 @@ class WritePlan:
 
 
 def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV], rows: np.ndarray,
-                       positions: np.ndarray, cls: Cls) -> WritePlan | None:
+                       positions: np.ndarray, cls: Cls, order: Iterator[int]) -> WritePlan | None:
     """Allocate and record the slots of one token of each of ``seqs`` (rows ``rows``, distinct) at ``positions``
-    in every layer; None (nothing done) when the plan does not apply (see the module docstring)."""
+    in every layer (``order``: the cache's page numbering); None (nothing done) when the plan does not apply (see the module docstring)."""
     fmt = cls[0]
     stack = pools.stack(fmt)
     if stack is None:  # the format's first write: every layer's pool made now
@@ -50,9 +51,8 @@ def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV],
     opens = columns.open_pages_all(rows, cls)
     short = (opens < 0) if took is None else (opens < 0) & ~took[0]
     if short.any():  # page boundaries: fresh pages, layer by layer
-        for layer in np.flatnonzero(short.any(1)).tolist():
-            BlockTable.open_fresh_pages(lambda i, layer=layer: seqs[i].layers[layer], columns, layer, rows,
-                                        np.flatnonzero(short[layer]), pools.pool(layer, fmt), cls)
+        BlockTable.open_fresh_pages_layers(seqs, columns, rows, short, lambda layer: pools.pool(layer, fmt), cls,
+                                           order)
         opens = columns.open_pages_all(rows, cls)
     if took is None:  # every request takes its open page's tail in every layer (the common step)
         pages, slots = opens, stack.take_tails(opens)
