@@ -37,7 +37,8 @@ class WritePlan:
 def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV], rows: np.ndarray,
                        positions: np.ndarray, cls: Cls, order: Iterator[int]) -> WritePlan | None:
     """Allocate and record the slots of one token of each of ``seqs`` (rows ``rows``, distinct) at ``positions``
-    in every layer (``order``: the cache's page numbering); None (nothing done) when the plan does not apply (see the module docstring)."""
+    in every layer (``order``: the cache's page numbering); None (nothing done) when the plan does not apply (see
+    the module docstring)."""
     fmt = cls[0]
     stack = pools.stack(fmt)
     if stack is None:  # the format's first write: every layer's pool made now
