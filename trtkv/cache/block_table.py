@@ -7,13 +7,13 @@ the page lists (rebuilt whenever a page list changes), and the bytes its pages c
 change goes through a verb here, so the rules of paging live in one place; the pools' own state (codes,
 validity, fill) changes only through ``PagePool``'s verbs. The position map, live count, open pages and
 reusable-slot flags sit in the cache's ``TableColumns`` (this table's row there), so a decode step's write
-updates them for the whole batch at once (``alloc_one_each``, ``TableColumns.place_rows``).
+updates them for the whole batch at once (``batch_alloc.py``, ``TableColumns.place_rows``).
 """
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Iterator
-from itertools import islice, repeat
+from itertools import repeat
 from types import MappingProxyType
 
 import numpy as np
@@ -52,7 +52,7 @@ class BlockTable:
     @property
     def _pages(self) -> dict[Cls, list[int]]:
         if self._cols.fresh.waiting(self.layer, self._row):
-            self._take_fresh()
+            self.take_waiting_pages()
         return self._page_lists
 
     @_pages.setter
@@ -62,14 +62,14 @@ class BlockTable:
     @property
     def _page_order(self) -> dict[tuple[str, int], int]:
         if self._cols.fresh.waiting(self.layer, self._row):
-            self._take_fresh()
+            self.take_waiting_pages()
         return self._orders
 
     @_page_order.setter
     def _page_order(self, orders: dict[tuple[str, int], int]) -> None:
         self._orders = orders
 
-    def _take_fresh(self) -> None:
+    def take_waiting_pages(self) -> None:
         """The pages waiting for this table join its lists (their bytes were charged and the batch's block
         tables took them when they were given)."""
         names = self._cols.fmt_names
@@ -145,7 +145,7 @@ class BlockTable:
         """Pages per format in table order, as int32 arrays (a batch's block table is copied from them every
         layer of every step); rebuilt only when a page list changes."""
         if self._cols.fresh.waiting(self.layer, self._row):
-            self._take_fresh()
+            self.take_waiting_pages()
         if self._flat is None and len(self._pages) == 1:  # one class (most tables): no merging
             ((fmt, _), pages), = self._pages.items()
             self._flat = {fmt: np.asarray(pages, np.int32)}
@@ -159,7 +159,7 @@ class BlockTable:
     def single_block_tables(self, build: Callable[[dict[str, np.ndarray]], list]) -> list:
         """This request's block tables built by ``build(pages_of_format())``, cached until a page list changes."""
         if self._cols.fresh.waiting(self.layer, self._row):
-            self._take_fresh()
+            self.take_waiting_pages()
         if self._single_bt is None:
             self._single_bt = build(self.pages_of_format())
         return self._single_bt
@@ -214,7 +214,7 @@ class BlockTable:
         while len(pages) < n:
             p = self._open_of(cls)
             if p is None:
-                p = self._new_page(pool, cls)
+                p = self.new_page(pool, cls)
             start, take = pool.take_tail(p, n - len(pages))
             pages.extend([p] * take)
             slots.extend(range(start, start + take))
@@ -245,123 +245,13 @@ class BlockTable:
             self._close(cls)
         return int(p), s
 
-    @staticmethod
-    def alloc_one_each(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
-                       pool: PagePool, cls: Cls) -> tuple[np.ndarray, np.ndarray]:
-        """``alloc_one`` for one token of each of ``rows`` (distinct requests, one layer; ``tables(i)``: the
-        table of ``rows[i]``), the same slots in the same state, by array operations: a row whose only reusable
-        slot is the one the columns keep outside the heap takes it back; rows with no reusable slot and no open
-        page get new pages in one pool call, then take their open page's next tail slot; rows with reuse heaps
-        take ``alloc_one``. (Each array operation costs microseconds inside a decode step: a layer of the common
-        case, no reuse anywhere, takes a handful.)"""
-        n = len(rows)
-        heaped = cols.reusable_rows(layer, rows, cls)  # None: no row of the layer has a reuse heap of cls
-        single = cols.singles(layer, rows, cls)
-        pages = np.full(n, -1, np.int64)
-        slots = np.zeros(n, np.int64)
-        waiting = heaped if heaped is not None else np.zeros(n, bool)  # rows served elsewhere: heaps, kept slots
-        if single is not None:
-            kept = np.flatnonzero((single >= 0) & ~waiting)
-            if len(kept):
-                sp, ss = single[kept] >> 5, single[kept] & 31
-                free = (pool.valid[sp] >> ss.astype(np.int32)) & 1 == 0  # (else refilled: stale, as in the heap)
-                cols.set_singles(layer, rows[kept], cls, np.full(len(kept), -1, np.int64))
-                took = kept[free]
-                pages[took], slots[took] = sp[free], ss[free]
-                waiting = waiting.copy()
-                waiting[took] = True
-        opens = cols.open_pages(layer, rows, cls)
-        need = np.flatnonzero((opens < 0) & ~waiting)
-        if len(need):
-            BlockTable.open_fresh_pages(tables, cols, layer, rows, need, pool, cls)
-            opens = cols.open_pages(layer, rows, cls)
-        fast = ~waiting
-        if fast.all():  # every row takes its open page's tail (the common step)
-            slots = pool.take_tails(opens)
-            closed = np.flatnonzero(slots + 1 >= pool.B)
-            if len(closed):  # a page's last tail slot: it is no longer the class's open page
-                cols.close_rows(layer, rows[closed], cls)
-            return opens, slots
-        if fast.any():
-            start = pool.take_tails(opens[fast])
-            pages[fast] = opens[fast]
-            slots[fast] = start
-            closed = np.flatnonzero(fast)[start + 1 >= pool.B]
-            if len(closed):
-                cols.close_rows(layer, rows[closed], cls)
-        if heaped is not None:
-            for i in np.flatnonzero(heaped).tolist():
-                pages[i], slots[i] = tables(i).alloc_one(pool, cls)
-        return pages, slots
-
-    @staticmethod
-    def open_fresh_pages(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
-                         need: np.ndarray, pool: PagePool, cls: Cls) -> None:
-        """A fresh open page of ``cls`` for each of ``rows[need]`` (``tables(i)``: the table of ``rows[i]``), taken
-        from ``pool`` in one call when it has them all."""
-        fresh = pool.alloc_pages(len(need), cls[1])
-        if fresh is None:  # the pool lacks them (or grows): one by one, a full pool names its request
-            for i in need.tolist():
-                tables(i)._new_page(pool, cls)  # noqa: SLF001
-        else:
-            BlockTable._adopt_each([tables(i) for i in need.tolist()], cols, layer, rows[need], pool, cls, fresh)
-
-    @staticmethod
-    def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, short: np.ndarray,
-                                pool_of: Callable[[int], PagePool], cls: Cls, order: Iterator[int]) -> None:
-        """``open_fresh_pages`` for ``rows[short[l]]`` in each layer ``l`` (``seqs[i]``: the request of ``rows[i]``,
-        ``pool_of(l)``: the layer's pool, ``order``: the cache's page numbering), layer by layer. While no table
-        holds a thought class, the pages wait in the columns (``FreshPages``) instead of joining every table's
-        lists, and each request is charged once for all its layers."""
-        fresh = cols.fresh
-        layers = np.flatnonzero(short.any(1)).tolist()
-        if cls[1] or fresh.thoughts:
-            for layer in layers:
-                BlockTable.open_fresh_pages(lambda i, layer=layer: seqs[i].layers[layer], cols, layer, rows,
-                                            np.flatnonzero(short[layer]), pool_of(layer), cls)
-            return
-        charge = np.zeros(len(rows), np.int64)
-        fmt_id = cols.fmt_id(cls[0])
-        for layer in layers:
-            need = np.flatnonzero(short[layer])
-            pool = pool_of(layer)
-            fresh_pages = pool.alloc_pages(len(need), cls[1])
-            if fresh_pages is None:  # the pool lacks them (or grows): one by one, a full pool names its request
-                for i in need.tolist():
-                    seqs[i].layers[layer]._new_page(pool, cls)  # noqa: SLF001
-                continue
-            for i in need[fresh.full(layer, rows[need])].tolist():  # rows with a full queue take theirs in first
-                seqs[i].layers[layer]._take_fresh()  # noqa: SLF001
-            fresh.add(layer, rows[need], fmt_id, fresh_pages, np.fromiter(islice(order, len(need)), np.int64,
-                                                                          len(need)))
-            cols.set_opens(layer, rows[need], cls, fresh_pages)
-            cols.append_rows(layer, rows[need], cls[0], fresh_pages, np.ones(len(need), bool))
-            charge[need] += held_page_bytes(pool)
-        for i in np.flatnonzero(charge).tolist():
-            seqs[i].account.add(int(charge[i]))
-
     def needs_fresh_pages(self, cls: Cls) -> bool:
         """No reusable slot and no open page of ``cls``: a write of whole pages takes fresh pages."""
         return (not self._reusable.get(cls) and self._open_of(cls) is None
                 and self._cols.single(self.layer, self._row, cls) is None)
 
-    @staticmethod
-    def add_full_pages_each(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
-                            pool: PagePool, classes: list[Cls], pages: np.ndarray) -> None:
-        """Pages just taken from ``pool`` and filled at once (a batch's flush of whole pages): ``tables[i]``
-        (distinct, rows ``rows``) holds ``pages[i]`` (a row of ``[G, per]``), never open. With one page each, the
-        columns record it as appended, so the batch's block tables take it in place."""
-        per = pages.shape[1]
-        cost = per * held_page_bytes(pool)
-        at_end = np.fromiter((t._hold_fresh(cls, ps, cost)  # noqa: SLF001
-                              for t, cls, ps in zip(tables, classes, pages.tolist())), bool, len(tables))
-        fmts = {cls[0] for cls in classes}
-        if per == 1 and len(fmts) == 1:
-            cols.append_rows(layer, rows, fmts.pop(), pages[:, 0], at_end)
-        else:
-            cols.touch_rows(layer, rows)
-
-    def _new_page(self, pool: PagePool, cls: Cls) -> int:
+    def new_page(self, pool: PagePool, cls: Cls) -> int:
+        """A page of ``cls`` from ``pool`` becomes the open page (a full pool names this request)."""
         try:
             p = pool.alloc_page(cls[1])
         except OutOfKVMemory as e:
@@ -379,19 +269,8 @@ class BlockTable:
         self._pages_changed()
         self._account.add(held_page_bytes(pool))
 
-    @staticmethod
-    def _adopt_each(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool,
-                    cls: Cls, pages: np.ndarray) -> None:
-        """``_adopt_open_page`` of ``pages[i]`` by ``tables[i]`` (distinct, rows ``rows``): the columns' open pages
-        and stamps set for all at once (every request of a batch crosses a page boundary on the same step)."""
-        cost = held_page_bytes(pool)
-        at_end = np.fromiter(map(BlockTable._hold_fresh_page, tables, repeat(cls), pages.tolist(), repeat(cost)), bool,
-                             len(tables))
-        cols.set_opens(layer, rows, cls, pages)
-        cols.append_rows(layer, rows, cls[0], pages, at_end)
-
-    def _hold_fresh_page(self, cls: Cls, p: int, cost: int) -> bool:
-        """``_hold_fresh`` of one page (a batch's page boundary: thousands of tables a step, so no loop or list)."""
+    def hold_fresh_page(self, cls: Cls, p: int, cost: int) -> bool:
+        """``hold_fresh`` of one page (a batch's page boundary: thousands of tables a step, so no loop or list)."""
         self._page_order[(cls[0], p)] = next(self._order)
         held = self._pages.get(cls)
         if held is None:
@@ -400,7 +279,7 @@ class BlockTable:
             held.append(p)
         return self._held_fresh(cls, cost)
 
-    def _hold_fresh(self, cls: Cls, pages: list[int], cost: int) -> bool:
+    def hold_fresh(self, cls: Cls, pages: list[int], cost: int) -> bool:
         """Pages just taken from the pool join ``cls``'s list (``cost``: their bytes); True when they end their
         format's list (the batch's block tables can append them)."""
         fmt = cls[0]

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from plugins import ops as plugin_ops
-from trtkv.cache.block_table import BlockTable, Cls
+from trtkv.cache.batch_alloc import add_full_pages_each
+from trtkv.cache.block_table import Cls
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool import PagePool
 from trtkv.cache.pool_set import PoolSet
@@ -113,7 +114,7 @@ def _give_pages(columns: TableColumns, layer: int, pool: PagePool, seqs: list[Se
     every_slot = np.repeat(got, B)
     full_slots = np.tile(np.arange(B, dtype=np.int64), per)
     rows = np.fromiter((seqs[j].row for j in run), np.int64, len(run))
-    BlockTable.add_full_pages_each([seqs[j].layers[layer] for j in run], columns, layer, rows, pool,
+    add_full_pages_each([seqs[j].layers[layer] for j in run], columns, layer, rows, pool,
                                    [classes[j] for j in run], got.reshape(len(run), per))
     for i, j in enumerate(run):
         pages[j] = every_slot[i * per * B:(i + 1) * per * B]

@@ -20,7 +20,8 @@ import torch
 from plugins.formats import LayerScales
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache import compaction, reads
-from trtkv.cache.block_table import ENTRY_BYTES, BlockTable, Cls, held_page_bytes
+from trtkv.cache.batch_alloc import alloc_one_each
+from trtkv.cache.block_table import ENTRY_BYTES, Cls, held_page_bytes
 from trtkv.cache.budget import PoolPlan
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
@@ -204,7 +205,7 @@ class KVCacheManager:
         """One token per request ``k, v [b, H, D]`` into a write-through format, in one kernel call."""
         pool = self.pool(layer, cls[0])
         rows = self.rows(seqs)
-        pages, slots = BlockTable.alloc_one_each(lambda i: seqs[i].layers[layer], self.columns, layer, rows, pool, cls)
+        pages, slots = alloc_one_each(lambda i: seqs[i].layers[layer], self.columns, layer, rows, pool, cls)
         self._write_codes(layer, pool, k, v, _on(pool.device, pages), _on(pool.device, slots))
         pos = self._array_of(positions)
         pool.mark_written_distinct(pages, slots, pos)  # one slot in each of distinct pages: one call for the batch

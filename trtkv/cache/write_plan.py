@@ -5,7 +5,7 @@ A write-through step stores one token of every request in every layer. Layer by 
 with each format's slot state stacked over the layers (``SlotStack``) and the tables' columns
 ``[layers, rows]``, the step does them once for every layer, and each layer's write is then its kernel call.
 
-The same slots and state as ``write_through`` layer after layer (``BlockTable.alloc_one_each``): a request's
+The same slots and state as ``write_through`` layer after layer (``batch_alloc.alloc_one_each``): a request's
 one reusable slot kept outside its heap is taken back (a sliding window's or a scorer's one eviction a step),
 else its open page's next tail slot, opening fresh pages layer by layer in layer order. The plan is made when
 the step's first layer writes, and only when nothing between two layers' writes changes another layer's
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trtkv.cache.block_table import BlockTable, Cls
+from trtkv.cache.batch_alloc import alloc_one_each, open_fresh_pages_layers
+from trtkv.cache.block_table import Cls
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool_set import PoolSet
 from trtkv.cache.sequence import SeqKV
@@ -52,7 +53,7 @@ def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV],
     opens = columns.open_pages_all(rows, cls)
     short = (opens < 0) if took is None else (opens < 0) & ~took[0]
     if short.any():  # page boundaries: fresh pages, layer by layer
-        BlockTable.open_fresh_pages_layers(seqs, columns, rows, short, lambda layer: pools.pool(layer, fmt), cls,
+        open_fresh_pages_layers(seqs, columns, rows, short, lambda layer: pools.pool(layer, fmt), cls,
                                            order)
         opens = columns.open_pages_all(rows, cls)
     if took is None:  # every request takes its open page's tail in every layer (the common step)
@@ -80,7 +81,7 @@ def plan_each_layer(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV], ro
     pages, slots = [], []
     for layer in range(columns.num_layers):
         pool = pools.pool(layer, cls[0])
-        p, s = BlockTable.alloc_one_each(lambda i, layer=layer: seqs[i].layers[layer], columns, layer, rows, pool, cls)
+        p, s = alloc_one_each(lambda i, layer=layer: seqs[i].layers[layer], columns, layer, rows, pool, cls)
         pool.mark_written_distinct(p, s, positions)
         columns.place_rows(layer, rows, cls[0], p, s, positions)
         pages.append(p)

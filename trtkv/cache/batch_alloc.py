@@ -1,0 +1,142 @@
+"""Slot and page allocation for a batch of block tables in one layer, by array operations.
+
+A decode step writes one token of every request; a flush writes whole pages of many. Table by table that is
+Python work per (request, layer); these functions do a batch's allocation with a few array operations on the
+columns (``TableColumns``) and the pool, and reach each table only through its verbs where a row needs its
+own rules (reuse heaps, a full pool). The same slots and state as each table's own ``alloc_one`` (property
+tests in tests/test_cache_properties.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from itertools import islice, repeat
+
+import numpy as np
+
+from trtkv.cache.block_table import BlockTable, held_page_bytes
+from trtkv.cache.columns import Cls, TableColumns
+from trtkv.cache.pool import PagePool
+
+__all__ = ["alloc_one_each", "open_fresh_pages", "open_fresh_pages_layers", "add_full_pages_each"]
+
+
+def alloc_one_each(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
+                   pool: PagePool, cls: Cls) -> tuple[np.ndarray, np.ndarray]:
+    """``alloc_one`` for one token of each of ``rows`` (distinct requests, one layer; ``tables(i)``: the
+    table of ``rows[i]``), the same slots in the same state, by array operations: a row whose only reusable
+    slot is the one the columns keep outside the heap takes it back; rows with no reusable slot and no open
+    page get new pages in one pool call, then take their open page's next tail slot; rows with reuse heaps
+    take ``alloc_one``. (Each array operation costs microseconds inside a decode step: a layer of the common
+    case, no reuse anywhere, takes a handful.)"""
+    n = len(rows)
+    heaped = cols.reusable_rows(layer, rows, cls)  # None: no row of the layer has a reuse heap of cls
+    single = cols.singles(layer, rows, cls)
+    pages = np.full(n, -1, np.int64)
+    slots = np.zeros(n, np.int64)
+    waiting = heaped if heaped is not None else np.zeros(n, bool)  # rows served elsewhere: heaps, kept slots
+    if single is not None:
+        kept = np.flatnonzero((single >= 0) & ~waiting)
+        if len(kept):
+            sp, ss = single[kept] >> 5, single[kept] & 31
+            free = (pool.valid[sp] >> ss.astype(np.int32)) & 1 == 0  # (else refilled: stale, as in the heap)
+            cols.set_singles(layer, rows[kept], cls, np.full(len(kept), -1, np.int64))
+            took = kept[free]
+            pages[took], slots[took] = sp[free], ss[free]
+            waiting = waiting.copy()
+            waiting[took] = True
+    opens = cols.open_pages(layer, rows, cls)
+    need = np.flatnonzero((opens < 0) & ~waiting)
+    if len(need):
+        open_fresh_pages(tables, cols, layer, rows, need, pool, cls)
+        opens = cols.open_pages(layer, rows, cls)
+    fast = ~waiting
+    if fast.all():  # every row takes its open page's tail (the common step)
+        slots = pool.take_tails(opens)
+        closed = np.flatnonzero(slots + 1 >= pool.B)
+        if len(closed):  # a page's last tail slot: it is no longer the class's open page
+            cols.close_rows(layer, rows[closed], cls)
+        return opens, slots
+    if fast.any():
+        start = pool.take_tails(opens[fast])
+        pages[fast] = opens[fast]
+        slots[fast] = start
+        closed = np.flatnonzero(fast)[start + 1 >= pool.B]
+        if len(closed):
+            cols.close_rows(layer, rows[closed], cls)
+    if heaped is not None:
+        for i in np.flatnonzero(heaped).tolist():
+            pages[i], slots[i] = tables(i).alloc_one(pool, cls)
+    return pages, slots
+
+
+def open_fresh_pages(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
+                     need: np.ndarray, pool: PagePool, cls: Cls) -> None:
+    """A fresh open page of ``cls`` for each of ``rows[need]`` (``tables(i)``: the table of ``rows[i]``), taken
+    from ``pool`` in one call when it has them all."""
+    fresh = pool.alloc_pages(len(need), cls[1])
+    if fresh is None:  # the pool lacks them (or grows): one by one, a full pool names its request
+        for i in need.tolist():
+            tables(i).new_page(pool, cls)
+    else:
+        _adopt_each([tables(i) for i in need.tolist()], cols, layer, rows[need], pool, cls, fresh)
+
+
+def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, short: np.ndarray,
+                            pool_of: Callable[[int], PagePool], cls: Cls, order: Iterator[int]) -> None:
+    """``open_fresh_pages`` for ``rows[short[l]]`` in each layer ``l`` (``seqs[i]``: the request of ``rows[i]``,
+    ``pool_of(l)``: the layer's pool, ``order``: the cache's page numbering), layer by layer. While no table
+    holds a thought class, the pages wait in the columns (``FreshPages``) instead of joining every table's
+    lists, and each request is charged once for all its layers."""
+    fresh = cols.fresh
+    layers = np.flatnonzero(short.any(1)).tolist()
+    if cls[1] or fresh.thoughts:
+        for layer in layers:
+            open_fresh_pages(lambda i, layer=layer: seqs[i].layers[layer], cols, layer, rows,
+                             np.flatnonzero(short[layer]), pool_of(layer), cls)
+        return
+    charge = np.zeros(len(rows), np.int64)
+    fmt_id = cols.fmt_id(cls[0])
+    for layer in layers:
+        need = np.flatnonzero(short[layer])
+        pool = pool_of(layer)
+        fresh_pages = pool.alloc_pages(len(need), cls[1])
+        if fresh_pages is None:  # the pool lacks them (or grows): one by one, a full pool names its request
+            for i in need.tolist():
+                seqs[i].layers[layer].new_page(pool, cls)
+            continue
+        for i in need[fresh.full(layer, rows[need])].tolist():  # rows with a full queue take theirs in first
+            seqs[i].layers[layer].take_waiting_pages()
+        fresh.add(layer, rows[need], fmt_id, fresh_pages, np.fromiter(islice(order, len(need)), np.int64,
+                                                                      len(need)))
+        cols.set_opens(layer, rows[need], cls, fresh_pages)
+        cols.append_rows(layer, rows[need], cls[0], fresh_pages, np.ones(len(need), bool))
+        charge[need] += held_page_bytes(pool)
+    for i in np.flatnonzero(charge).tolist():
+        seqs[i].account.add(int(charge[i]))
+
+
+def add_full_pages_each(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
+                        pool: PagePool, classes: list[Cls], pages: np.ndarray) -> None:
+    """Pages just taken from ``pool`` and filled at once (a batch's flush of whole pages): ``tables[i]``
+    (distinct, rows ``rows``) holds ``pages[i]`` (a row of ``[G, per]``), never open. With one page each, the
+    columns record it as appended, so the batch's block tables take it in place."""
+    per = pages.shape[1]
+    cost = per * held_page_bytes(pool)
+    at_end = np.fromiter((t.hold_fresh(cls, ps, cost)
+                          for t, cls, ps in zip(tables, classes, pages.tolist())), bool, len(tables))
+    fmts = {cls[0] for cls in classes}
+    if per == 1 and len(fmts) == 1:
+        cols.append_rows(layer, rows, fmts.pop(), pages[:, 0], at_end)
+    else:
+        cols.touch_rows(layer, rows)
+
+
+def _adopt_each(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool,
+                cls: Cls, pages: np.ndarray) -> None:
+    """Page ``pages[i]`` becomes the open page of ``tables[i]`` (distinct, rows ``rows``; as ``new_page`` would
+    make it): the columns' open pages and stamps set for all at once (every request of a batch crosses a page boundary on the same step)."""
+    cost = held_page_bytes(pool)
+    at_end = np.fromiter(map(BlockTable.hold_fresh_page, tables, repeat(cls), pages.tolist(), repeat(cost)), bool,
+                         len(tables))
+    cols.set_opens(layer, rows, cls, pages)
+    cols.append_rows(layer, rows, cls[0], pages, at_end)
