@@ -134,7 +134,8 @@ def add_full_pages_each(tables: list[BlockTable], cols: TableColumns, layer: int
 def _adopt_each(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool,
                 cls: Cls, pages: np.ndarray) -> None:
     """Page ``pages[i]`` becomes the open page of ``tables[i]`` (distinct, rows ``rows``; as ``new_page`` would
-    make it): the columns' open pages and stamps set for all at once (every request of a batch crosses a page boundary on the same step)."""
+    make it): the columns' open pages and stamps set for all at once (every request of a batch crosses a page
+    boundary on the same step)."""
     cost = held_page_bytes(pool)
     at_end = np.fromiter(map(BlockTable.hold_fresh_page, tables, repeat(cls), pages.tolist(), repeat(cost)), bool,
                          len(tables))
