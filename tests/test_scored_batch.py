@@ -173,3 +173,38 @@ def test_random_score_rows_equal_each_request_draw(seed):
         want = sc._draw(int(steps[i]), 1, int(free[i].sum()))
         assert torch.equal(out[i][torch.from_numpy(free[i])], want)
         assert torch.isinf(out[i][torch.from_numpy(~free[i])]).all()
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("name", ["h2o", "tova"])
+def test_victims_in_columns_equal_the_first_minimum_over_sorted_positions(seed, name):
+    """The column form of the one-victim choice (no sort: positions in slot order, dead columns -1) picks what the
+    first minimum over ascending held positions picks: ties and NaN to the oldest, protected and dead columns
+    never, a row with no finite candidate marked -1."""
+    rng = np.random.default_rng(seed)
+    L, k, c, n = 3, 6, 10, 7
+    cols = np.full((L, k, c), -1, np.int64)
+    for li in range(L):
+        for i in range(k):
+            cols[li, i, rng.choice(c, n, replace=False)] = rng.choice(40, n, replace=False)
+    scores = torch.from_numpy(rng.integers(0, 4, (L, k, c)).astype(np.float32))  # ties
+    scores[torch.from_numpy(rng.random((L, k, c)) < 0.05)] = float("nan")
+    scores[torch.from_numpy(rng.random((L, k, c)) < 0.2)] = float("inf")
+    policy = POLICIES[name](budget=16)
+
+    class Stub:
+        def score_cols_layers(self, handle, got):
+            assert got is cols
+            return scores
+
+    policy._scorer = Stub()
+    position = rng.integers(30, 45, k)
+    got = policy._victims_in_columns(np.tile(position, L), None, cols)
+    for li in range(L):
+        for i in range(k):
+            order = np.argsort(cols[li, i])[c - n:]
+            held, s = cols[li, i, order], scores[li, i, torch.from_numpy(order)]
+            prot = policy.protected_rows_at(position[i:i + 1], held[None])[0]
+            s = s.masked_fill(torch.from_numpy(prot), float("inf"))
+            at = int(torch.argmin(s))
+            assert got[li, i] == (-1 if torch.isinf(s[at]) else held[at])

@@ -72,3 +72,6 @@ class H2OPolicy(ScorerPolicy):
     def protected_rows_at(self, positions: np.ndarray, held: np.ndarray) -> np.ndarray:
         """``protected`` over a stack of requests' held positions: one comparison with each row's bound."""
         return held >= (positions - self.recent + 1)[:, None]
+
+    def protected_cols_at(self, positions: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        return self.protected_rows_at(positions, cols)  # (a bound on positions: any order; -1 is never protected)

@@ -296,7 +296,15 @@ class ScorerPolicy(KVPolicy):
             if any(bs is None for bs in stats) or len({bs.positions.shape for bs in stats}) != 1 or \
                     any((bs.counts[rows] != n).any() for bs in stats):
                 return False
-            held = np.sort(np.stack([bs.positions[rows] for bs in stats]), axis=2)[:, :, -n:]
+            every = len(rows) == len(stats[0].counts) and bool((rows == np.arange(len(rows))).all())
+            cols = np.stack([bs.positions if every else bs.positions[rows] for bs in stats])
+            victims = self._victims_in_columns(np.tile(position, L), handle, cols)
+            if victims is not None:
+                if (victims < 0).any():
+                    return False
+                first.evict_each_layers(np.arange(L), due, victims)
+                return True
+            held = np.sort(cols, axis=2)[:, :, -n:]
         prot = self.protected_rows_at(np.tile(position, L), held.reshape(L * k, n)).reshape(L, k, n)
         scores = self.scorer.score_rows_layers(handle, held, ~prot).float()
         scores = scores.masked_fill(torch.from_numpy(prot).to(scores.device), float("inf"))
@@ -306,6 +314,30 @@ class ScorerPolicy(KVPolicy):
         victims = np.take_along_axis(held, best.cpu().numpy(), 2)[:, :, 0]
         first.evict_each_layers(np.arange(L), due, victims)
         return True
+
+    def _victims_in_columns(self, position: np.ndarray, handle: np.ndarray, cols: np.ndarray) -> np.ndarray | None:
+        """The one-victim choice on the statistics' own columns ``cols [L, k, c]`` (positions in slot order, -1 dead),
+        without sorting them: the lowest score, ties — and NaN, argmin's minimum — to the oldest position, as the
+        first minimum over ascending positions takes it. ``[L, k]`` victims (-1: no finite candidate), or None when
+        the policy's protection needs ranks or the scorer has no column form (``score_cols_layers``)."""
+        L, k, c = cols.shape
+        prot = self.protected_cols_at(position, cols.reshape(L * k, c))
+        scores = self.scorer.score_cols_layers(handle, cols) if prot is not None else None
+        if scores is None:
+            return None
+        pos = torch.from_numpy(cols).to(scores.device)
+        s = scores.float().masked_fill(torch.from_numpy(prot.reshape(L, k, c)).to(scores.device) | (pos < 0),
+                                       float("inf"))
+        nan = torch.isnan(s)
+        low = torch.where(nan.any(2, keepdim=True), nan, s == s.min(2, keepdim=True).values)
+        at = torch.where(low, pos, torch.iinfo(torch.int64).max).argmin(2, keepdim=True)
+        victims = pos.gather(2, at)[:, :, 0]
+        return torch.where(torch.isinf(s.gather(2, at)[:, :, 0]), -1, victims).cpu().numpy()
+
+    def protected_cols_at(self, positions: np.ndarray, cols: np.ndarray) -> np.ndarray | None:
+        """``protected_rows_at`` over held positions in any order (``cols``, -1 dead columns), when it needs no
+        ranks; else None. Without sinks or a recent window nothing is protected."""
+        return None if self.n_sink or self.recent else np.zeros(cols.shape, bool)
 
     def protected_rows_at(self, positions: np.ndarray, held: np.ndarray) -> np.ndarray:
         """``protected_rows`` of requests whose next token is at ``positions``: sinks and the recent window as

@@ -82,6 +82,11 @@ class Scorer:
         """Scores of ``positions [n]`` (ascending) in one layer: ``[n]`` or per KV head ``[H, n]``."""
         raise TypeError(f"scorer {type(self).__name__} does not define score()")
 
+    def score_cols_layers(self, handle: np.ndarray, cols: np.ndarray) -> torch.Tensor | None:
+        """Scores ``[L, k, c]`` of every layer's statistics columns in batch form (``cols``: their positions in slot
+        order, -1 dead, any value there), or None when the scorer only scores ascending positions."""
+        return None
+
     def score_rows_layers(self, handle: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
         """``score_rows`` of layer ``l`` at ``positions[l]`` for every layer: ``[L, k, n]`` (a batching scorer
         may answer in one read)."""

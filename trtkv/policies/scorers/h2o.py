@@ -74,6 +74,9 @@ class H2OScorer(Scorer):
     def score_rows_layers(self, rows: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
         return self._table.get_rows_layers(rows, positions)
 
+    def score_cols_layers(self, rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
+        return self._table.get_rows_layers(rows, np.maximum(cols, 0))
+
     def release(self, memo) -> None:
         if memo.acc is not None:
             memo.acc.release()

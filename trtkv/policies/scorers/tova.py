@@ -65,9 +65,8 @@ class TOVAScorer(Scorer):
     def score_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
         """``score`` of ``positions [k, n]``: exactly the ``n`` positions each of ``rows`` attended this step,
         ascending (what ``ScorerPolicy.events_rows`` asks) -> ``[k, n]``, the head-averaged weights in that order."""
-        bs = self._batch[layer]
-        order = np.argsort(bs.positions[rows], axis=1, kind="stable")[:, -positions.shape[1]:]  # (-1 sorts first)
-        w = bs.weights[torch.from_numpy(rows)].float().mean(1)
+        pos, w = _head_mean_rows(self._batch[layer], rows)
+        order = np.argsort(pos, axis=1, kind="stable")[:, -positions.shape[1]:]  # (-1 sorts first)
         return torch.gather(w, 1, torch.from_numpy(order).to(w.device))
 
     def score_rows_layers(self, rows: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
@@ -75,11 +74,17 @@ class TOVAScorer(Scorer):
         stats = [self._batch[layer] for layer in range(len(positions))]
         if len({bs.positions.shape for bs in stats}) != 1:
             return super().score_rows_layers(rows, positions, free)
-        pos = np.stack([bs.positions[rows] for bs in stats])
-        order = np.argsort(pos, axis=2, kind="stable")[:, :, -positions.shape[2]:]
-        idx = torch.from_numpy(rows)
-        w = torch.stack([bs.weights[idx].float().mean(1) for bs in stats])
+        pos, w = zip(*(_head_mean_rows(bs, rows) for bs in stats))
+        order = np.argsort(np.stack(pos), axis=2, kind="stable")[:, :, -positions.shape[2]:]
+        w = torch.stack(w)
         return torch.gather(w, 2, torch.from_numpy(order).to(w.device))
+
+    def score_cols_layers(self, rows: np.ndarray, cols: np.ndarray) -> torch.Tensor | None:
+        """The head-averaged weights of the columns themselves (no sort, no gather)."""
+        stats = [self._batch[layer] for layer in range(len(cols))]
+        if any(bs.positions.shape[1] != cols.shape[2] for bs in stats):
+            return None
+        return torch.stack([_head_mean_rows(bs, rows)[1] for bs in stats])
 
     def score(self, req, layer, positions, memo, ev=None):
         if ev is not None and ev.rows is not None:
@@ -90,3 +95,11 @@ class TOVAScorer(Scorer):
             return lookup(bs.positions[i][live], bs.weights[i].mean(0)[torch.from_numpy(live)])(positions)
         pos, row = memo.rows[layer]
         return lookup(pos, row.mean(0))(positions)
+
+
+def _head_mean_rows(bs, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    """Positions ``[k, n]`` and head-averaged weights ``[k, n]`` of ``rows`` of one layer's statistics in batch
+    form (every row in order, a step's usual events: the arrays themselves, no gathered copy)."""
+    if len(rows) == len(bs.counts) and bool((rows == np.arange(len(rows))).all()):
+        return bs.positions, bs.weights.float().mean(1)
+    return bs.positions[rows], bs.weights[torch.from_numpy(rows)].float().mean(1)
