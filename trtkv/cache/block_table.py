@@ -51,8 +51,7 @@ class BlockTable:
     # --- the page lists, with the pages a batch's page boundary left waiting (cache/fresh_pages.py) ---------------
     @property
     def _pages(self) -> dict[Cls, list[int]]:
-        if self._cols.fresh.waiting(self.layer, self._row):
-            self.take_waiting_pages()
+        self._catch_up()
         return self._page_lists
 
     @_pages.setter
@@ -61,25 +60,28 @@ class BlockTable:
 
     @property
     def _page_order(self) -> dict[tuple[str, int], int]:
-        if self._cols.fresh.waiting(self.layer, self._row):
-            self.take_waiting_pages()
+        self._catch_up()
         return self._orders
 
     @_page_order.setter
     def _page_order(self, orders: dict[tuple[str, int], int]) -> None:
         self._orders = orders
 
+    def _catch_up(self) -> None:
+        if self._cols.fresh.waiting(self.layer, self._row):
+            self.take_waiting_pages()
+
     def take_waiting_pages(self) -> None:
         """The pages waiting for this table join its lists (their bytes were charged and the batch's block
         tables took them when they were given)."""
         names = self._cols.fmt_names
         fids, pages, orders = self._cols.fresh.take(self.layer, self._row)
-        for f in dict.fromkeys(fids):  # (one format, the common case: one pass)
-            fmt = names[f]
-            mine = pages if len(set(fids)) == 1 else [p for g, p in zip(fids, pages) if g == f]
-            nos = orders if len(mine) == len(pages) else [o for g, o in zip(fids, orders) if g == f]
-            self._orders.update(zip(zip(repeat(fmt), mine), nos))
-            self._page_lists.setdefault((fmt, 0), []).extend(mine)
+        one = len(set(fids)) == 1  # (the common case: every page in one pass)
+        for f in dict.fromkeys(fids):
+            mine = range(len(fids)) if one else [i for i, g in enumerate(fids) if g == f]
+            fmt, held = names[f], [pages[i] for i in mine]
+            self._orders.update(zip(zip(repeat(fmt), held), (orders[i] for i in mine)))
+            self._page_lists.setdefault((fmt, 0), []).extend(held)
         self._flat = self._single_bt = None
 
     # --- what the table holds (read-only views) ------------------------------------------------------
@@ -144,8 +146,7 @@ class BlockTable:
     def pages_of_format(self) -> dict[str, np.ndarray]:
         """Pages per format in table order, as int32 arrays (a batch's block table is copied from them every
         layer of every step); rebuilt only when a page list changes."""
-        if self._cols.fresh.waiting(self.layer, self._row):
-            self.take_waiting_pages()
+        self._catch_up()
         if self._flat is None and len(self._pages) == 1:  # one class (most tables): no merging
             ((fmt, _), pages), = self._pages.items()
             self._flat = {fmt: np.asarray(pages, np.int32)}
@@ -158,8 +159,7 @@ class BlockTable:
 
     def single_block_tables(self, build: Callable[[dict[str, np.ndarray]], list]) -> list:
         """This request's block tables built by ``build(pages_of_format())``, cached until a page list changes."""
-        if self._cols.fresh.waiting(self.layer, self._row):
-            self.take_waiting_pages()
+        self._catch_up()
         if self._single_bt is None:
             self._single_bt = build(self.pages_of_format())
         return self._single_bt

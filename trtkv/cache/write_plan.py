@@ -53,8 +53,7 @@ def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV],
     opens = columns.open_pages_all(rows, cls)
     short = (opens < 0) if took is None else (opens < 0) & ~took[0]
     if short.any():  # page boundaries: fresh pages, layer by layer
-        open_fresh_pages_layers(seqs, columns, rows, short, lambda layer: pools.pool(layer, fmt), cls,
-                                           order)
+        open_fresh_pages_layers(seqs, columns, rows, short, lambda layer: pools.pool(layer, fmt), cls, order)
         opens = columns.open_pages_all(rows, cls)
     if took is None:  # every request takes its open page's tail in every layer (the common step)
         pages, slots = opens, stack.take_tails(opens)

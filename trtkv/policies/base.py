@@ -65,14 +65,18 @@ class BatchLayerStats:
     counts: np.ndarray  # [b] live columns of each row
 
 
+def every_row(rows: np.ndarray, b: int) -> bool:
+    """Whether ``rows`` are all ``b`` rows of a batch's statistics, in order (then no gather is needed)."""
+    return len(rows) == b and bool((rows == np.arange(b)).all())
+
+
 def batch_rows_of(batch: dict[int, BatchLayerStats], rows: np.ndarray
                   ) -> list[tuple[int, np.ndarray, torch.Tensor, np.ndarray]]:
     """Each layer's ``(layer, positions, weights, counts)`` of ``rows`` of the batch, in that order (every row in
     order, the usual case: the arrays themselves, no gather)."""
     if not batch:
         return []
-    every = len(rows) == len(next(iter(batch.values())).counts) and bool((rows == np.arange(len(rows))).all())
-    if every:
+    if every_row(rows, len(next(iter(batch.values())).counts)):
         return [(layer, bs.positions, bs.weights, bs.counts) for layer, bs in batch.items()]
     idx = torch.from_numpy(rows)
     return [(layer, bs.positions[rows], bs.weights[idx.to(bs.weights.device)], bs.counts[rows])

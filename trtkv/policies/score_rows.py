@@ -88,7 +88,6 @@ class RowTable:
         flat = torch.from_numpy((rows[:, None] * self.cap + positions).reshape(-1)).to(self.device)
         return self.data[layer].view(-1).index_select(0, flat).view(positions.shape)
 
-
     def add_rows_layers(self, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor) -> None:
         """``add_rows`` of every layer at once: ``values [L, b, n]`` at ``positions [L, b, n]`` (-1: skip)."""
         top = int(positions.max(initial=-1))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtkv.policies.base import KVPolicy, StatsRequest
+from trtkv.policies.base import KVPolicy, StatsRequest, every_row
 from trtkv.policies.scorers import Scorer, head_mean
 from trtkv.policies.scoring import lowest, sorted_member, top_keep
 
@@ -296,7 +296,7 @@ class ScorerPolicy(KVPolicy):
             if any(bs is None for bs in stats) or len({bs.positions.shape for bs in stats}) != 1 or \
                     any((bs.counts[rows] != n).any() for bs in stats):
                 return False
-            every = len(rows) == len(stats[0].counts) and bool((rows == np.arange(len(rows))).all())
+            every = every_row(rows, len(stats[0].counts))
             cols = np.stack([bs.positions if every else bs.positions[rows] for bs in stats])
             victims = self._victims_in_columns(np.tile(position, L), handle, cols)
             if victims is not None:

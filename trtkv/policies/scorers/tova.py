@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from trtkv.policies.base import StatsRequest
+from trtkv.policies.base import StatsRequest, every_row
 from trtkv.policies.scoring import lookup
 from trtkv.policies.scorers.base import Scorer
 
@@ -69,16 +69,6 @@ class TOVAScorer(Scorer):
         order = np.argsort(pos, axis=1, kind="stable")[:, -positions.shape[1]:]  # (-1 sorts first)
         return torch.gather(w, 1, torch.from_numpy(order).to(w.device))
 
-    def score_rows_layers(self, rows: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
-        """``score_rows`` of every layer, when every layer's statistics have one width: one sort and gather."""
-        stats = [self._batch[layer] for layer in range(len(positions))]
-        if len({bs.positions.shape for bs in stats}) != 1:
-            return super().score_rows_layers(rows, positions, free)
-        pos, w = zip(*(_head_mean_rows(bs, rows) for bs in stats))
-        order = np.argsort(np.stack(pos), axis=2, kind="stable")[:, :, -positions.shape[2]:]
-        w = torch.stack(w)
-        return torch.gather(w, 2, torch.from_numpy(order).to(w.device))
-
     def score_cols_layers(self, rows: np.ndarray, cols: np.ndarray) -> torch.Tensor | None:
         """The head-averaged weights of the columns themselves (no sort, no gather)."""
         stats = [self._batch[layer] for layer in range(len(cols))]
@@ -100,6 +90,6 @@ class TOVAScorer(Scorer):
 def _head_mean_rows(bs, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
     """Positions ``[k, n]`` and head-averaged weights ``[k, n]`` of ``rows`` of one layer's statistics in batch
     form (every row in order, a step's usual events: the arrays themselves, no gathered copy)."""
-    if len(rows) == len(bs.counts) and bool((rows == np.arange(len(rows))).all()):
+    if every_row(rows, len(bs.counts)):
         return bs.positions, bs.weights.float().mean(1)
     return bs.positions[rows], bs.weights[torch.from_numpy(rows)].float().mean(1)
