@@ -316,9 +316,7 @@ def test_11_recomputed_rows_equal_kernel_rows(engine_factory, load_engine, tiny_
             kernel_rows[reqs[0].ctx.step + 1] = {l: (ls.positions.copy(), ls.weights.clone())
                                                  for l, ls in fs.layers.items()}
 
-    def select_layer(req, layer, pos, buf, rec, H_):
-        keys, _ = req.kv(layer, pos)
-        w, rows, _ = pol.evidence(req, layer, pos, rec, keys, H)
+    def check(req, layer, pos, w, rows):
         for i in range(w):
             step = req.step - w + 1 + i
             kp, kw = kernel_rows[step][layer]
@@ -327,10 +325,22 @@ def test_11_recomputed_rows_equal_kernel_rows(engine_factory, load_engine, tiny_
             full[:, order] = kw
             torch.testing.assert_close(rows[i], full, rtol=0, atol=1e-6)
         checked.append((req.step, layer, w))
+
+    def select_layer(req, layer, pos, buf, rec, H_):  # a request alone (e.g. residual-buffer tokens)
+        keys, _ = req.kv(layer, pos)
+        w, rows, _ = pol.evidence(req, layer, pos, rec, keys, H)
+        check(req, layer, pos, w, rows)
         return type(pol).select_layer(pol, req, layer, pos, buf, rec, H_)
+
+    def window_evidence(reqs, layer, pos, keys):  # requests selected together
+        w, recs, rows = type(pol).window_evidence(pol, reqs, layer, pos, keys)
+        for j, req in enumerate(reqs):
+            check(req, layer, pos[j], w, rows[j, -w:])
+        return w, recs, rows
 
     core = eng.make_core(observers=[KernelRows()])
     core.policy.select_layer = select_layer
+    core.policy.window_evidence = window_evidence
     try:
         from trtkv.runtime.scheduler import Scheduler
 
@@ -340,7 +350,7 @@ def test_11_recomputed_rows_equal_kernel_rows(engine_factory, load_engine, tiny_
         while sched.has_work:
             sched.step()
     finally:
-        del core.policy.select_layer
+        del core.policy.select_layer, core.policy.window_evidence
     assert checked and all(w == 4 for _, _, w in checked)
 
 
@@ -356,16 +366,17 @@ def ams(engine_factory, load_engine, tiny_ckpt):
 def around_events(eng, fn):
     pol = eng.core.policy
 
-    def _event(req):
-        before = fn(req, "before")
-        type(pol)._event(pol, req)
-        fn(req, "after", before)
+    def _events(reqs):
+        before = [fn(req, "before") for req in reqs]
+        type(pol)._events(pol, reqs)
+        for req, b in zip(reqs, before):
+            fn(req, "after", b)
 
-    pol._event = _event
+    pol._events = _events
     try:
         yield
     finally:
-        del pol._event
+        del pol._events
 
 
 def test_12_15_gather_compact_bit_exact_and_no_leak(ams):
@@ -437,6 +448,50 @@ def test_23_peak_is_max_prompt_tkeep_plus_interval(ams, budget):
     res = ams(budget=budget).generate(PROMPT, SP)[0]
     P = res.stats["prompt_tokens"]
     assert res.stats["peak_live_tokens"] == max(P, budget) + BASE["interval"]
+
+
+BATCH_PROMPTS = [PROMPT, OTHER, PROMPT, "Numbers: 1, 2, 3", OTHER]
+BATCH_PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True, chat=False) for n in (70, 55, 62, 40, 70)]
+
+
+@pytest.mark.parametrize("params", [{}, {"scorer": "keydiff", "mode": "reference", "use_credit": False},
+                                    {"scorer": "rkv", "ablation": "fixed_segments"},
+                                    {"scorer": "expected_attention", "compaction": False, "hs": 12},
+                                    {"kv_format": "int4"}, {"ablation": "no_mass", "pad_mode": "mean"}])
+def test_batched_events_select_what_one_by_one_does(ams, monkeypatch, params):
+    """A step's events of the batch (requests of equal length selected together) keep what each request's
+    own selection keeps: the same tokens, positions held at every step and layer, credit and statistics."""
+    from trtkv.policies.ams import AMSPolicy
+    from trtkv.policies.base import KVPolicy
+
+    eng = ams(**params)
+    together = []  # group sizes of the joint selection
+
+    def run(batched: bool):
+        if batched:
+            orig = AMSPolicy._select_rows
+
+            def spy(self, layer, reqs, pos, H):
+                together.append(len(reqs))
+                return orig(self, layer, reqs, pos, H)
+            monkeypatch.setattr(AMSPolicy, "_select_rows", spy)
+        else:  # request by request, each layer through select_layer
+            monkeypatch.setattr(AMSPolicy, "on_decode_step_end_batch", KVPolicy.on_decode_step_end_batch)
+            monkeypatch.setattr(AMSPolicy, "_select_rows", lambda self, layer, reqs, pos, H: [
+                self.select_layer(r, layer, p, np.empty(0, np.int64), r.state.queries[layer], H)
+                for r, p in zip(reqs, pos)])
+        with Probe(eng, record_sets=True) as probe:
+            res = eng.generate(BATCH_PROMPTS, BATCH_PARAMS)
+        monkeypatch.undo()
+        keys = ("ams_events", "ams_noop_events", "ams_window_mass_share", "evicted_tokens")
+        return [r.token_ids for r in res], [probe.sets[i] for i in sorted(probe.sets)], \
+            [{k: r.stats.get(k) for k in keys} for r in res]
+
+    alone, batched = run(False), run(True)
+    # the two copies of each prompt were selected together; a residual buffer keeps each request alone
+    assert max(together, default=0) >= (0 if "kv_format" in params else 2)
+    assert batched[0] == alone[0] and batched[1] == alone[1] and batched[2] == alone[2]
+    assert all(st["ams_events"] > 0 for st in alone[2])
 
 
 # --- 17-20: scorers -----------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ import torch
 from trtkv.policies.ams_selection import (allocate, ams_select, fixed_segments, must_keep, segment,  # noqa: F401
                                           select)
 from trtkv.policies.base import KVPolicy, StatsRequest
+from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scored import Cadence
 from trtkv.policies.scorers import SCORERS, Evidence, head_mean
 from trtkv.policies.scorers.expected_attention import (ea_log_expectation, expected_attention_scores,  # noqa: F401
@@ -67,7 +68,7 @@ from trtkv.policies.scorers.expected_attention import (ea_log_expectation, expec
 from trtkv.policies.scorers.keydiff import keydiff_scores  # noqa: F401
 from trtkv.policies.scorers.rkv import KVPRESS_WINDOW, rkv_scores  # noqa: F401
 from trtkv.policies.scorers.tova import tova_scores  # noqa: F401
-from trtkv.policies.scoring import PositionTable, check_choice, check_positive, group_mean, normalize_mass, pool1d
+from trtkv.policies.scoring import check_choice, check_positive, group_mean, normalize_mass, pool1d
 
 PRESETS = {
     "paper": dict(delta=0.1, l_min=16, l_max=256, q_min=1, lam=0.9, beta=0.9, window=128),
@@ -79,39 +80,42 @@ SCORER_ALIASES = {"expected": "expected_attention"}
 # --- evidence -------------------------------------------------------------------------------------------
 def window_rows(queries: torch.Tensor, q_pos: np.ndarray, keys: torch.Tensor, pos: np.ndarray,
                 sm_scale: float) -> torch.Tensor:
-    """Softmax rows ``[w, Hq, T]`` of queries ``[w, Hq, D]`` over keys ``[T, H, D]`` with the causal mask
-    ``pos[j] <= q_pos[w]`` (what the decode kernel computed at those steps when nothing was evicted since)."""
-    w, Hq, D = queries.shape
-    H = keys.shape[1]
-    qf = queries.float().view(w, H, Hq // H, D)
-    logits = torch.einsum("whgd,thd->whgt", qf, keys.float().to(qf.device)) * sm_scale
+    """Softmax rows ``[..., w, Hq, T]`` of queries ``[..., w, Hq, D]`` over keys ``[..., T, H, D]`` with the causal
+    mask ``pos[j] <= q_pos[w]`` (what the decode kernel computed at those steps when nothing was evicted since).
+    Leading dims: several requests' layers at once (``q_pos [..., w]``, ``pos [..., T]``)."""
+    *lead, w, Hq, D = queries.shape
+    H = keys.shape[-2]
+    qf = queries.float().view(*lead, w, H, Hq // H, D)
+    logits = torch.einsum("...whgd,...thd->...whgt", qf, keys.float().to(qf.device)) * sm_scale
     pos_t = torch.as_tensor(pos, device=qf.device)
     qp = torch.as_tensor(np.asarray(q_pos), device=qf.device)
-    masked = pos_t[None, :] > qp[:, None]  # [w, T]
-    logits = logits.masked_fill(masked[:, None, None, :], -math.inf)
-    return torch.softmax(logits, -1).reshape(w, Hq, -1)
+    masked = pos_t[..., None, :] > qp[..., :, None]  # [..., w, T]
+    logits = logits.masked_fill(masked[..., :, None, None, :], -math.inf)
+    return torch.softmax(logits, -1).reshape(*lead, w, Hq, -1)
 
 
 def usage(rows: torch.Tensor, num_kv_heads: int, k_pool: int, pad_mode: str = "max") -> torch.Tensor:
-    """Usage evidence ``u [H, T]`` from the window's rows ``[W, Hq, T]`` (spec §2.3 steps 4–7)."""
-    W, Hq, T = rows.shape
-    a = rows.float().mean(0)  # [Hq, T]
+    """Usage evidence ``u [..., H, T]`` from the window's rows ``[..., W, Hq, T]`` (spec §2.3 steps 4–7)."""
+    *lead, W, Hq, T = rows.shape
+    a = rows.float().mean(-3)  # [..., Hq, T]
     nw = T - W
-    u_nw = group_mean(pool1d(a[:, :nw], k_pool, "avg"), num_kv_heads)  # [H, T - W]
-    if pad_mode == "max":
-        pad = float(u_nw.max()) if nw > 0 else 1.0
+    u_nw = group_mean(pool1d(a[..., :nw], k_pool, "avg"), num_kv_heads)  # [..., H, T - W]
+    if nw <= 0:
+        pad = u_nw.new_full((*lead, 1, 1), 0.0 if pad_mode == "none" else 1.0)
+    elif pad_mode == "max":
+        pad = u_nw.amax((-2, -1), keepdim=True)
     elif pad_mode == "mean":
-        pad = float(u_nw.mean()) if nw > 0 else 1.0
+        pad = u_nw.mean((-2, -1), keepdim=True)
     else:
-        pad = 0.0
-    return torch.cat([u_nw, u_nw.new_full((num_kv_heads, W), pad)], dim=1)
+        pad = u_nw.new_zeros((*lead, 1, 1))
+    return torch.cat([u_nw, pad.expand(*lead, num_kv_heads, W)], dim=-1)
 
 
 # --- the policy ------------------------------------------------------------------------------------
 @dataclass
 class AMSState:
     queries: list = field(default_factory=list)  # per layer: [(position, q [Hq, D])] of the evidence window
-    credit: PositionTable | None = None  # EMA credit per layer and position
+    credit: RowView | None = None  # EMA credit per layer and position: this request's row of the policy's table
     memo: Any = None  # the wrapped scorer's own observations (scorers that need them)
     events: int = 0
     noops: int = 0
@@ -172,6 +176,7 @@ class AMSPolicy(KVPolicy):
             raise ValueError(f"scorer=expected_attention needs hs >= max(window + 1, 8) (spec A17); got hs={self.hs}")
         self._scorer = SCORERS[self.scorer].for_ams(self)
         self._sm_scale: float | None = None
+        self._credit: RowTable | None = None  # every request's EMA credit, a row each (made at the first use)
 
     # --- engine integration ------------------------------------------------------------------
     def bind_model(self, arch) -> None:
@@ -214,42 +219,108 @@ class AMSPolicy(KVPolicy):
         req.state.queries = [[] for _ in range(req.num_layers)]
         req.state.memo = self._scorer.new_memo()
 
+    def on_request_finish(self, req) -> None:
+        if req.state.credit is not None:
+            req.state.credit.release()
+            req.state.credit = None
+
     def on_decode_step_end(self, req, stats) -> None:
-        t = req.step
+        if self._record(req, stats):
+            self._events([req])
+
+    def on_decode_step_end_batch(self, reqs, stats) -> None:
+        """The step's events of every request at once: a lockstep batch's requests all fall due together."""
+        due = [req for req, st in zip(reqs, stats) if self._record(req, st)]
+        if due:
+            self._events(due)
+
+    def _record(self, req, stats) -> bool:
+        """Buffer the step's queries (and the scorer's observations); whether an event is due now."""
         qs = req.state.queries
         for layer, ls in stats.layers.items():
             if ls.query is not None:
                 qs[layer].append((req.position - 1, ls.query))  # the token this step wrote
         if not self._scorer.evidence_suffices:
             self._scorer.observe(req, req.state.memo, stats, "decode")
-        if not self.cadence.is_event(t):
-            return
-        self._event(req)
-        req.state.queries = [[] for _ in range(req.num_layers)]
-        self._scorer.reset(req.state.memo)
+        return self.cadence.is_event(req.step)
 
-    # --- one event ----------------------------------------------------------------------------
-    def _event(self, req) -> None:
-        H = req.num_kv_heads
-        acted = False
-        for layer in range(req.num_layers):
-            paged = req.live_positions(layer)
-            buf = req.buffered_positions(layer)
-            pos = req.all_positions(layer)
-            if len(pos) <= self.budget:
-                continue  # no-op: KV and credit unchanged (spec §2.1)
-            keep = self.select_layer(req, layer, pos, buf, req.state.queries[layer], H)
-            req.evict(layer, np.setdiff1d(paged, pos[keep]))
-            acted = True
-        if acted:
-            req.state.events += 1
-        else:
-            req.state.noops += 1
+    # --- events -------------------------------------------------------------------------------
+    def _events(self, reqs: list) -> None:
+        """One event of each of ``reqs`` (requests of one batch), layer by layer. Requests holding the same
+        number of tokens, all paged, with the same number of buffered queries are selected together (one
+        evidence and mass computation for all of them); each layer's evictions go to the cache in one call."""
+        H = reqs[0].num_kv_heads
+        acted = np.zeros(len(reqs), bool)
+        for layer in range(reqs[0].num_layers):
+            T = reqs[0].num_live_many(layer, reqs)
+            paged = reqs[0].num_paged_many(layer, reqs)
+            groups: dict[tuple[int, int], list[int]] = {}
+            victims = {}
+            for i in np.flatnonzero(T > self.budget).tolist():
+                n_rec = min(len(reqs[i].state.queries[layer]), max(self._w_eff(int(T[i])), KVPRESS_WINDOW))
+                if paged[i] == T[i] and n_rec:
+                    groups.setdefault((int(T[i]), n_rec), []).append(i)
+                else:  # residual-buffer tokens (never evicted) or no evidence: alone
+                    victims[i] = self._lone_victims(reqs[i], layer, H)
+            for (n, _), idx in groups.items():
+                pos = reqs[0].live_positions_each(layer, reqs, np.asarray(idx), n)
+                for i, p, keep in zip(idx, pos, self._select_rows(layer, [reqs[i] for i in idx], pos, H)):
+                    victims[i] = np.delete(p, keep)
+            if victims:
+                order = sorted(victims)
+                reqs[0].evict_many(layer, [(reqs[i], victims[i]) for i in order])
+                acted[order] = True
+        for req, a in zip(reqs, acted.tolist()):
+            if a:
+                req.state.events += 1
+            else:
+                req.state.noops += 1  # no-op: KV and credit unchanged (spec §2.1)
+            req.state.queries = [[] for _ in range(req.num_layers)]
+            self._scorer.reset(req.state.memo)
+
+    def _lone_victims(self, req, layer: int, H: int) -> np.ndarray:
+        pos = req.all_positions(layer)
+        keep = self.select_layer(req, layer, pos, req.buffered_positions(layer), req.state.queries[layer], H)
+        return np.setdiff1d(req.live_positions(layer), pos[keep])
+
+    def _w_eff(self, T: int) -> int:
+        return max(1, min(self.window, self.n_buf - 1, T - 1, self.budget))
+
+    def _select_rows(self, layer: int, reqs: list, pos: np.ndarray, H: int) -> list[np.ndarray]:
+        """``select_layer`` of requests whose tokens in ``layer`` are all paged at ``pos [k, T]``, the same
+        number of queries buffered: evidence and masses for all of them at once, the segments per request."""
+        T = pos.shape[1]
+        keys, values = reqs[0].kv_rows(layer, reqs, pos)
+        w_eff, recs, rows_all = self.window_evidence(reqs, layer, pos, keys)
+        m_used = self._masses_rows(reqs, layer, pos, rows_all[:, -w_eff:], H).cpu().numpy()
+        keeps = []
+        for j, req in enumerate(reqs):
+            ev = Evidence(rows=rows_all[j], queries=recs[j], keys=keys[j], values=values[j])
+            g = head_mean(self._scorer.score(req, layer, pos[j], req.state.memo, ev))
+            g = g if isinstance(g, torch.Tensor) else torch.as_tensor(g)
+            keep, _ = ams_select(m_used[j], g.cpu().numpy(), self.budget, delta=self.delta, l_min=self.l_min,
+                                 l_max=self.l_max, q_min=self.q_min, n_sink=self.n_sink, n_last=self.n_last,
+                                 mode=self.mode, ablation=self.ablation)
+            req.state.window_mass.append(float(m_used[j][T - w_eff:].sum() / max(m_used[j].sum(), 1e-30)))
+            keeps.append(keep)
+        return keeps
+
+    def window_evidence(self, reqs: list, layer: int, pos: np.ndarray, keys: torch.Tensor
+                        ) -> tuple[int, list[list], torch.Tensor]:
+        """``evidence`` of requests with the same number of buffered queries, keys ``[k, T, H, D]`` at ``pos
+        [k, T]``: (w_eff, each one's queries used, rows of them ``[k, max(w_eff, 8), Hq, T]``)."""
+        w_eff = self._w_eff(pos.shape[1])
+        m = min(len(reqs[0].state.queries[layer]), max(w_eff, KVPRESS_WINDOW))
+        recs = [r.state.queries[layer][-m:] for r in reqs]
+        q = torch.stack([q for rec in recs for _, q in rec])
+        rows = window_rows(q.view(len(reqs), m, *q.shape[1:]), np.array([[p for p, _ in rec] for rec in recs]),
+                           keys, pos, self._scale(keys))
+        return w_eff, recs, rows
 
     def evidence(self, req, layer: int, pos: np.ndarray, rec: list, keys: torch.Tensor, H: int):
         """(w_eff, window rows ``[w_eff, Hq, T]``, rows of the last max(w_eff, 8) queries) for one layer."""
         T = len(pos)
-        w_eff = max(1, min(self.window, self.n_buf - 1, T - 1, self.budget))
+        w_eff = self._w_eff(T)
         if not rec:  # hs = 0 and nothing recorded: uniform evidence
             rows = torch.full((1, H, T), 1.0 / T, device=keys.device)
             return w_eff, rows, rows
@@ -260,20 +331,48 @@ class AMSPolicy(KVPolicy):
 
     def masses(self, req, layer: int, pos: np.ndarray, rows: torch.Tensor, H: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(m_cur, m_used) ``[T]`` of one layer; updates the layer's EMA credit (spec §2.3–2.4)."""
-        u = usage(rows, H, self.k_pool, self.pad_mode)  # [H, T]
-        m_cur = u.clamp_min(0).mean(0) if self.ablation == "no_mass" else normalize_mass(u).mean(0)
-        if not self.use_credit or self.ablation == "no_credit":
+        m_cur = self._current_mass(rows, H)
+        if not self._credited:
             return m_cur, m_cur
-        if req.state.credit is None:
-            req.state.credit = PositionTable(req.num_layers, device=m_cur.device)
-        credit = req.state.credit
+        credit = self._credit_of(req, m_cur.device)
         c = self.lam * credit.get(layer, pos) + (1 - self.lam) * m_cur  # new slots read 0 (zero-extended)
         credit.set(layer, pos, c)
+        return m_cur, self._used_mass(m_cur, c)
+
+    def _masses_rows(self, reqs: list, layer: int, pos: np.ndarray, rows: torch.Tensor, H: int) -> torch.Tensor:
+        """``masses``' m_used of several requests at once: ``rows [k, w, Hq, T]`` at ``pos [k, T]`` -> ``[k, T]``."""
+        m_cur = self._current_mass(rows, H)
+        if not self._credited:
+            return m_cur
+        views = [self._credit_of(req, m_cur.device) for req in reqs]
+        table = views[0].table
+        flat = table.flat(np.fromiter((v.row for v in views), np.int64, len(views)), pos).reshape(-1)
+        c = self.lam * table.take(layer, flat).view(pos.shape) + (1 - self.lam) * m_cur
+        table.put(layer, flat, c.reshape(-1))
+        return self._used_mass(m_cur, c)
+
+    @property
+    def _credited(self) -> bool:
+        return self.use_credit and self.ablation != "no_credit"
+
+    def _current_mass(self, rows: torch.Tensor, H: int) -> torch.Tensor:
+        u = usage(rows, H, self.k_pool, self.pad_mode)  # [..., H, T]
+        return u.clamp_min(0).mean(-2) if self.ablation == "no_mass" else normalize_mass(u).mean(-2)
+
+    def _used_mass(self, m_cur: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         if self.ablation == "global_topk":
-            return m_cur, m_cur  # credit tracked, not used
+            return m_cur  # credit tracked, not used
         if self.ablation == "no_mass":
-            return m_cur, self.beta * m_cur + (1 - self.beta) * c
-        return m_cur, normalize_mass(self.beta * m_cur + (1 - self.beta) * normalize_mass(c))
+            return self.beta * m_cur + (1 - self.beta) * c
+        return normalize_mass(self.beta * m_cur + (1 - self.beta) * normalize_mass(c))
+
+    def _credit_of(self, req, device: torch.device) -> RowView:
+        """The request's row of the policy's EMA credit table (every request's credit in one tensor)."""
+        if req.state.credit is None:
+            if self._credit is None:
+                self._credit = RowTable(req.num_layers, device=device)
+            req.state.credit = self._credit.acquire()
+        return req.state.credit
 
     def select_layer(self, req, layer: int, pos: np.ndarray, buf: np.ndarray, rec: list, H: int) -> np.ndarray:
         """Keep indices into ``pos`` (ascending positions) for one layer at an event."""

@@ -59,6 +59,10 @@ class PolicyRequest(Protocol):
     # --- reads and actions -------------------------------------------------------------------
     def kv(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized post-RoPE ``k, v [m, H, D]`` fp32 of paged *or* buffered positions (read-only)."""
+    def kv_rows(self, layer: int, reqs: list["PolicyRequest"], positions: np.ndarray
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv`` of paged ``positions[i] [n]`` of ``reqs[i]`` (requests of this one's batch) in one read:
+        ``k, v [len(reqs), n, H, D]``."""
     def keys(self, layer: int, positions) -> torch.Tensor: ...
     def keys_many(self, layer: int, jobs: list[tuple["PolicyRequest", Any]]) -> list[torch.Tensor]:
         """``keys`` of ``(request, positions)`` jobs of requests in this one's batch, in one read per

@@ -91,6 +91,20 @@ class RequestContext:
         kv = self._shards.gather(torch.stack([k, v]), 2)  # one collective for both
         return kv[0], kv[1]
 
+    def kv_rows(self, layer: int, reqs: list["RequestContext"], positions: np.ndarray
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv`` of paged ``positions[i]`` of ``reqs[i]`` (requests of this one's batch, ``[k, n]``) in one read:
+        ``k, v [k, n, H, D]``."""
+        seqs = self._seqs(reqs)
+        k_n = positions.shape
+        read = self._cache.gather_kv_many(layer, list(zip(seqs, positions)))
+        k = torch.cat([a for a, _ in read]).view(*k_n, *read[0][0].shape[1:])
+        v = torch.cat([b for _, b in read]).view(k.shape)
+        if self._shards is None:
+            return k, v
+        kv = self._shards.gather(torch.stack([k, v]), 3)  # one collective for both
+        return kv[0], kv[1]
+
     def kv_local(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv`` of the heads this rank's cache holds (all of them without tensor parallelism): what the runtime
         attends over (ArborKV's rehydration), where a policy reads ``kv``."""
