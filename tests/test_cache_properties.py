@@ -590,11 +590,13 @@ def test_batched_flush_matches_one_write_per_request(ops, block):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=30), jobs=st.lists(st.tuples(st.integers(0, 3), st.lists(
-    st.integers(0, 200), min_size=0, max_size=40)), min_size=1, max_size=5))
-def test_evict_many_matches_one_request_at_a_time(ops, jobs):
+    st.integers(0, 200), min_size=0, max_size=40)), min_size=1, max_size=5),
+       eviction=st.sampled_from(["inplace", "compact"]))
+def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
     """``evict_many`` (a batch's anneal: one key-group read and one validity update per format, a request
-    possibly listed twice) leaves exactly the state of evicting each job in turn, and returns each job's count."""
-    caches = [make_cache(), make_cache()]
+    possibly listed twice; compaction of every request hit in one gather a format) leaves exactly the state of
+    evicting each job in turn, and returns each job's count."""
+    caches = [make_cache(eviction), make_cache(eviction)]
     next_pos: dict[int, int] = {}
     for o in ops:
         apply_op(caches, next_pos, o)
@@ -609,11 +611,45 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs):
     assert got == want
     assert _state(caches[0]) == _state(caches[1])
     check_invariants(caches[0])
+    for sid in ids:  # the codes moved with their tokens (compaction)
+        live = caches[1].live_positions(caches[1].seqs[sid], 1)
+        for x, y in zip(*(c.gather_kv(c.seqs[sid], 1, live) for c in caches)):
+            assert torch.equal(x, y)
     for sid in ids:  # a segment's members: live positions in a range, short or wider than what is held
         seq, live = caches[0].seqs[sid], caches[0].live_positions(caches[0].seqs[sid], 1)
         for lo, hi in ((0, 5), (3, 40), (-2, 1000), (30, 10), (next_pos[sid] - 7, next_pos[sid] + 3)):
             want_in = live[(live >= lo) & (live < hi)]
             assert np.array_equal(caches[0].live_positions_in(seq, 1, lo, hi), want_in)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(1, 30), min_size=2, max_size=5), data=st.data())
+def test_compaction_of_many_requests_matches_each_in_turn(lens, data):
+    """Compact-mode ``evict_many`` gathers every hit request's survivors of a format in one pass
+    (``compaction.compact_many``): the same state, codes and freed pages as evicting and compacting each in
+    turn, for requests whose pages interleave in the pool."""
+    caches = [make_cache("compact", g=1), make_cache("compact", g=1)]
+    gen = torch.Generator().manual_seed(0)
+    for sid in range(len(lens)):
+        for c in caches:
+            c.add_sequence(sid)
+    for t in range(max(lens)):  # token by token across the requests: their pages interleave
+        for sid, n in enumerate(lens):
+            if t < n:
+                k, v = torch.randn(2, 1, H, D, generator=gen)
+                for c in caches:
+                    for layer in range(L):
+                        c.write(c.seqs[sid], layer, k, v, [t], ("fp32", t % 2))
+    victims = [data.draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n)) for n in lens]
+    got = caches[0].evict_many(1, [(caches[0].seqs[sid], v) for sid, v in enumerate(victims)])
+    want = [caches[1].evict(caches[1].seqs[sid], 1, v) for sid, v in enumerate(victims)]
+    assert got == want
+    assert _state(caches[0]) == _state(caches[1])
+    check_invariants(caches[0])
+    for sid in range(len(lens)):
+        live = caches[1].live_positions(caches[1].seqs[sid], 1)
+        for x, y in zip(*(c.gather_kv(c.seqs[sid], 1, live) for c in caches)):
+            assert torch.equal(x, y)
 
 
 def test_block_tables_follow_a_page_joining_the_middle_of_its_format():

@@ -2,6 +2,8 @@
 the front of its pages and release the emptied pages. It copies K/V codes; the in-place mode never does."""
 from __future__ import annotations
 
+import numpy as np
+
 from trtkv.cache.forks import PageRefs
 from trtkv.cache.pool import PagePool
 from trtkv.cache.sequence import SeqKV
@@ -19,6 +21,30 @@ def compact(pools: dict[str, PagePool], refs: PageRefs, seq: SeqKV, layer: int) 
         pool = pools[cls[0]]
         positions, dst_pages, dst_slots, n = pool.compact_pages(list(pages))
         moved += n
+        table.place(cls[0], dst_pages, dst_slots, positions)
+        table.compacted(pool, cls, -(-len(positions) // pool.B))
+    return moved
+
+
+def compact_many(pools: dict[str, PagePool], refs: PageRefs, seqs: list[SeqKV], layer: int) -> int:
+    """``compact`` of each of ``seqs`` (distinct) in turn, the gathers of each format in one pass when no page
+    anywhere is shared; the tables then take their tokens' new places and release their emptied pages in
+    that same order, so the end state is the same."""
+    if len(refs):
+        return sum(compact(pools, refs, seq, layer) for seq in seqs)
+    jobs = [(seq.layers[layer], cls, list(pages)) for seq in seqs
+            for cls, pages in list(seq.layers[layer].pages.items())]
+    placed: list = [None] * len(jobs)
+    moved = 0
+    for fmt in dict.fromkeys(cls[0] for _, cls, _ in jobs):
+        idx = [j for j, (_, cls, _) in enumerate(jobs) if cls[0] == fmt]
+        pos, dst_pages, dst_slots, counts, n = pools[fmt].compact_pages_many([jobs[j][2] for j in idx])
+        moved += n
+        cuts = np.cumsum(counts)[:-1]
+        for j, p, dp, ds in zip(idx, np.split(pos, cuts), np.split(dst_pages, cuts), np.split(dst_slots, cuts)):
+            placed[j] = (p, dp, ds)
+    for (table, cls, _), (positions, dst_pages, dst_slots) in zip(jobs, placed):
+        pool = pools[cls[0]]
         table.place(cls[0], dst_pages, dst_slots, positions)
         table.compacted(pool, cls, -(-len(positions) // pool.B))
     return moved

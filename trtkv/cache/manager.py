@@ -335,7 +335,12 @@ class KVCacheManager:
             return [self.evict(s, layer, p) for s, p in items]
         counts = evict_private_many(self.pools[layer], self.columns, layer, items)
         for (seq, _), n in zip(items, counts):
-            self._evicted(seq, layer, n)
+            self._evicted(seq, layer, n, compact=False)
+        if self.cfg.eviction == "compact":  # every request that lost tokens, in order, each once
+            hit = {id(seq): seq for (seq, _), n in zip(items, counts) if n}
+            if hit:
+                self.compaction_moves += compaction.compact_many(self.pools[layer], self.refs, list(hit.values()),
+                                                                 layer)
         return counts
 
     def evict_one_each(self, layer: int, seqs: list[SeqKV], positions) -> list[int]:
@@ -365,11 +370,11 @@ class KVCacheManager:
         seq.count_evicted(n)
         self.evictions_total += n
 
-    def _evicted(self, seq: SeqKV, layer: int, n: int, counted: bool = True) -> None:
+    def _evicted(self, seq: SeqKV, layer: int, n: int, counted: bool = True, compact: bool = True) -> None:
         """Account ``n`` tokens just evicted from one layer (and gather the survivors in compact mode)."""
         if counted:
             self.count_evicted(seq, n)
-        if n and self.cfg.eviction == "compact":
+        if n and compact and self.cfg.eviction == "compact":
             self.compact(seq, layer)
 
     def _evict_each(self, seq: SeqKV, layer: int, positions: list[int]) -> int:

@@ -350,12 +350,24 @@ class PagePool:
         """Move the live slots of ``pages`` (in page, then slot order) to the front of ``pages``; returns
         their positions, their new pages and slots, and how many tokens' codes were copied. Pages past the
         live ones end empty (the caller releases them)."""
+        pos, dp, ds, _, moved = self.compact_pages_many([pages])
+        return pos, dp, ds, moved
+
+    def compact_pages_many(self, page_lists: list[list[int]]
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """``compact_pages`` of several disjoint page lists (several requests' tables) in one pass: their
+        tokens' positions, new pages and slots concatenated list by list, how many each list keeps, and how
+        many tokens' codes were copied in all."""
         B = self.B
-        pg = np.asarray(pages, np.int64)
+        lens = np.fromiter(map(len, page_lists), np.int64, len(page_lists))
+        pg = np.concatenate(page_lists).astype(np.int64) if len(page_lists) > 1 else np.asarray(page_lists[0],
+                                                                                                   np.int64)
         at, ss = np.nonzero((self.valid[pg][:, None] >> np.arange(B, dtype=np.int32)) & 1)  # page, then slot order
         sp = pg[at]
-        i = np.arange(len(sp))
-        dp, ds = pg[i // B], i % B
+        job = np.repeat(np.arange(len(lens)), lens)[at]
+        counts = np.bincount(job, minlength=len(lens))
+        i = np.arange(len(sp)) - (np.cumsum(counts) - counts)[job]  # each token's rank in its own list
+        dp, ds = pg[(np.cumsum(lens) - lens)[job] + i // B], i % B
         move = np.flatnonzero((sp != dp) | (ss != ds))
         if len(move):
             src_p, src_s, dst_p, dst_s = (torch.from_numpy(x[move]).to(self.device) for x in (sp, ss, dp, ds))
@@ -374,7 +386,7 @@ class PagePool:
         self.slot_pos[dp, ds] = pos
         self.slot_seg[dp, ds] = segs
         self._valid_dirty = True
-        return pos, dp, ds, len(move)
+        return pos, dp, ds, counts, len(move)
 
     def valid_bits(self) -> torch.Tensor:
         """Device int32 ``[capacity]`` validity words for the attention kernel (on a GPU, a preallocated
