@@ -169,6 +169,46 @@ def test_random_write_evict_demote_promote(ops, eviction, demote):
     assert not cache.tiers.seqs and not host.seqs
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(1, 24), min_size=2, max_size=4), eviction=st.sampled_from(["inplace", "compact"]),
+       data=st.data())
+def test_place_many_matches_one_request_at_a_time(lens, eviction, data):
+    """A batch's moves (``TierStore.place_many``: one copy a format for every request) leave every token in the
+    tier, with the values and byte counts, that moving the requests one at a time gives."""
+    from trtkv.runtime.context import RequestContext
+
+    caches = [make_cache(eviction=eviction), make_cache(eviction=eviction)]
+    for c in caches:  # the requests' pages interleave
+        gen = torch.Generator().manual_seed(0)
+        for t in range(max(lens)):
+            for sid, n in enumerate(lens):
+                if t < n:
+                    fill(c, sid, 1, "fp32", gen, start=t)
+    for tier in data.draw(st.lists(st.sampled_from(["host", "device", "evicted"]), min_size=1, max_size=4)):
+        picks = [data.draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n)) for n in lens]
+        layer = data.draw(st.sampled_from([None, 0, 1]))
+        ctxs = [[RequestContext(sid, 0, c, c.seqs[sid], L, HQ) for sid in range(len(lens))] for c in caches]
+        got = ctxs[0][0].place_many(layer, list(zip(ctxs[0], picks)), tier)
+        want = [ctx.place(layer, p, tier) for ctx, p in zip(ctxs[1], picks)]
+        assert got == want
+        for sid, n in enumerate(lens):
+            seqs = [c.seqs[sid] for c in caches]
+            for lay in range(L):
+                tiers = [c.tiers.tier_of(q, lay, np.arange(n)) for c, q in zip(caches, seqs)]
+                assert np.array_equal(*tiers)
+                dev = np.flatnonzero(tiers[0] == TIER_DEVICE)
+                for x, y in zip(*(c.gather_kv(q, lay, dev) for c, q in zip(caches, seqs))):
+                    assert torch.equal(x, y)
+            assert [c.tiers.stats(q)["kv_bytes_host"] for c, q in zip(caches, seqs)] == \
+                [caches[1].tiers.stats(seqs[1])["kv_bytes_host"]] * 2
+            assert seqs[0].kv_bytes == seqs[1].kv_bytes
+            caches[0].tiers.check(seqs[0])
+    for c in caches:
+        for sid in list(c.seqs):
+            c.free_sequence(sid)
+        assert c.pages_in_use() == 0 and c.tiers.host.pages_in_use() == 0
+
+
 # --- parsing ----------------------------------------------------------------------------------------
 def test_tier_and_demote_parsing():
     assert parse_demote("none") == (False, None)
@@ -313,7 +353,8 @@ def test_cli_errors_one_line(tiny_ckpt, engine_factory, tmp_path):
 
 def test_tiered_batch_accumulation_equals_per_request(tiny, monkeypatch):
     """A decode step's scores accumulated for the whole batch (statistics in batch form) are the per-request
-    sums: the same tokens, tiers and counts for requests of different lengths, and the batch path ran."""
+    sums, and the step's events move the batch's tokens together: the same tokens, tiers and counts for requests
+    of different lengths as request by request, and the batch paths ran."""
     from trtkv.api import SamplingParams
     from trtkv.policies.tiered import TieredPolicy
 
@@ -334,9 +375,20 @@ def test_tiered_batch_accumulation_equals_per_request(tiny, monkeypatch):
         scores.append(self.scores(req).copy())
         return finish(self, req)
 
+    from trtkv.cache.tiers import TierStore
+
+    together = []  # how many requests each layer's batched moves covered
+    place_many = TierStore.place_many
+
+    def spy_moves(self, layer, jobs, tier, fmt=None):
+        together.append(len(jobs))
+        return place_many(self, layer, jobs, tier, fmt)
+
     monkeypatch.setattr(TieredPolicy, "_accumulate_batch", spy)
     monkeypatch.setattr(TieredPolicy, "on_request_finish", keep_scores)
+    monkeypatch.setattr(TierStore, "place_many", spy_moves)
     got = [(r.token_ids, r.stats["tiered"], r.stats["tokens_host"]) for r in eng.generate(prompts, params)]
+    assert max(together) >= 2  # the events' moves went to the cache for several requests at once
     got_scores, scores[:] = scores[:], []
     monkeypatch.setattr(TieredPolicy, "batch_stats", False)
     want = [(r.token_ids, r.stats["tiered"], r.stats["tokens_host"]) for r in eng.generate(prompts, params)]

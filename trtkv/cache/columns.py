@@ -179,6 +179,14 @@ class TableColumns:
             return np.empty(0, np.int64)
         return np.flatnonzero(w[row, lo:hi] >= 0) + lo
 
+    def held_many(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Whether each ``(row, position)`` pair is held (in a page), as one array read."""
+        w = self._where[layer]
+        inside = (positions >= 0) & (positions < w.shape[1])
+        held = np.zeros(len(positions), bool)
+        held[inside] = w[rows[inside], positions[inside]] >= 0
+        return held
+
     def lookup_many(self, layer: int, rows: np.ndarray, positions: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(format ids, pages, slots)`` of held ``(row, position)`` pairs; KeyError names a position not held."""

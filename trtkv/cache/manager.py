@@ -324,18 +324,18 @@ class KVCacheManager:
         self._evicted(seq, layer, n, counted)
         return n
 
-    def evict_many(self, layer: int, items: list[tuple[SeqKV, object]]) -> list[int]:
+    def evict_many(self, layer: int, items: list[tuple[SeqKV, object]], counted: bool = True) -> list[int]:
         """``evict`` of several requests in one layer: in one pass over the batch (``evict_private_many``, the
         same end state as ``evict`` of each in turn, few victims or many) unless a request is forked."""
         items = [(s, p.tolist() if hasattr(p, "tolist") else list(p)) for s, p in items]
-        if (self.cfg.eviction != "compact" and max(map(len, (p for _, p in items)), default=0) <= 1
+        if (counted and self.cfg.eviction != "compact" and max(map(len, (p for _, p in items)), default=0) <= 1
                 and all(s.fork_mode is None for s, _ in items) and len({id(s) for s, _ in items}) == len(items)):
             return self.evict_one_each(layer, [s for s, _ in items], [p[0] if p else -1 for _, p in items])
         if any(s.fork_mode is not None for s, _ in items) or sum(map(len, (p for _, p in items))) < EVICT_BATCH_MIN:
-            return [self.evict(s, layer, p) for s, p in items]
+            return [self.evict(s, layer, p, counted) for s, p in items]
         counts = evict_private_many(self.pools[layer], self.columns, layer, items)
         for (seq, _), n in zip(items, counts):
-            self._evicted(seq, layer, n, compact=False)
+            self._evicted(seq, layer, n, counted, compact=False)
         if self.cfg.eviction == "compact":  # every request that lost tokens, in order, each once
             hit = {id(seq): seq for (seq, _), n in zip(items, counts) if n}
             if hit:
@@ -422,6 +422,17 @@ class KVCacheManager:
     def live_positions_in(self, seq: SeqKV, layer: int, lo: int, hi: int) -> np.ndarray:
         """Paged positions in ``[lo, hi)``, ascending."""
         return self.columns.positions_in(layer, seq.row, int(lo), int(hi))
+
+    def locate_many(self, seqs: list[SeqKV], layer: int, positions: list[np.ndarray]
+                    ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Where ``positions[i]`` of ``seqs[i]`` are paged in ``layer``, concatenated: ``(format names, format ids,
+        pages, slots, held)``; ``held`` marks the asked positions held in pages, the others have no entry."""
+        lens = [len(p) for p in positions]
+        rows = np.repeat(np.fromiter((s.row for s in seqs), np.int64, len(seqs)), lens)
+        pos = np.concatenate(positions) if positions else rows
+        held = self.columns.held_many(layer, rows, pos)
+        fids, pages, slots = self.columns.lookup_many(layer, rows[held], pos[held])
+        return self.columns.fmt_names, fids, pages, slots, held
 
     def gather_kv(self, seq: SeqKV, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized fp32 ``k, v [m, H, D]`` of paged tokens (``trtkv/cache/reads.py``)."""

@@ -17,6 +17,7 @@ policy's evictions into moves to T1/T2 (``tier_for_demote``).
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,58 @@ class TierStore:
             if redo:
                 n += self._host_reencode(seq, layer, redo, fmt)
         return n
+
+    def place_many(self, layer: int, jobs: list[tuple[SeqKV, np.ndarray]], tier: int, fmt: str | None = None
+                   ) -> list[int]:
+        """``place`` of each ``(request, positions)`` job (distinct requests) in one layer: the T0 <-> T1 copies of
+        every job in one gather and scatter a format, device and host evictions in one pass each. Which tier holds
+        each token ends the same as moving the jobs one at a time; the pages a promotion lands in may differ
+        (every job's evictions come before the promotions). A host cap, T2 tokens or key-scale groups: job by
+        job."""
+        seqs = [seq for seq, _ in jobs]
+        records = [self.seqs.get(seq.seq_id) for seq in seqs]
+        if (self.cap is not None or tier == TIER_HOST_Q or len({id(s) for s in seqs}) < len(seqs)
+                or any(p.group_specs for p in self.dev.pools[layer].values())
+                or any(st is not None and st.orig_fmt[layer] for st in records)):
+            return [self.place(seq, layer, pos, tier, fmt) for seq, pos in jobs]
+        pos = [np.asarray(p, np.int64).reshape(-1) for _, p in jobs]
+        on_dev = _split(self.dev.locate_many(seqs, layer, pos)[4], pos)
+        hosted = [j for j, st in enumerate(records) if st is not None]
+        on_host = [np.zeros(len(p), bool) for p in pos]
+        if hosted:
+            held = _split(self.host.locate_many([records[j].host for j in hosted], layer, [pos[j] for j in hosted])[4],
+                          [pos[j] for j in hosted])
+            for j, h in zip(hosted, held):
+                on_host[j] = h
+        counts = [0] * len(jobs)
+        if tier == TIER_EVICTED:
+            dev_jobs = [j for j in range(len(jobs)) if on_dev[j].any()]
+            for j, n in zip(dev_jobs, self.dev.evict_many(layer, [(seqs[j], pos[j][on_dev[j]]) for j in dev_jobs])):
+                counts[j] += n
+            for j in range(len(jobs)):
+                if on_host[j].any():
+                    counts[j] += self._drop_host(seqs[j], layer, pos[j][on_host[j]].tolist())
+            return counts
+        src, dst = (on_host, on_dev) if tier == TIER_DEVICE else (on_dev, on_host)
+        movers = [j for j in range(len(jobs)) if src[j].any()]
+        if not movers:
+            return counts
+        t0 = time.perf_counter()
+        moving = [pos[j][src[j]] for j in movers]
+        if tier == TIER_DEVICE:  # T1 -> T0: copied back, the host copies freed
+            moved = _raw_copy_many(self.host, [records[j].host for j in movers], self.dev, [seqs[j] for j in movers],
+                                   layer, moving)
+            self.host.evict_many(layer, [(records[j].host, p) for j, p in zip(movers, moving)], counted=False)
+            done = [len(p) for p in moving]
+        else:  # T0 -> T1: copied verbatim, the device slots freed (a move, not an eviction)
+            hosts = [self.record(seqs[j]).host for j in movers]
+            moved = _raw_copy_many(self.dev, [seqs[j] for j in movers], self.host, hosts, layer, moving)
+            done = self.dev.evict_many(layer, [(seqs[j], p) for j, p in zip(movers, moving)], counted=False)
+        seconds = (time.perf_counter() - t0) / max(1, sum(map(len, moving)))
+        for j, p, nbytes, n in zip(movers, moving, moved, done):
+            self._moved(self.seqs[seqs[j].seq_id], layer, nbytes, seconds * len(p))
+            counts[j] = n
+        return counts
 
     def demote_evicted(self, seq: SeqKV, layer: int, positions) -> int:
         """The ``demote`` cache setting: a policy's eviction becomes a move to T1/T2."""
@@ -313,6 +366,50 @@ def _raw_copy(src: CacheLike, sseq: SeqKV, dst: CacheLike, dseq: SeqKV, layer: i
         dst.record_written(dseq, layer, dpool, cls[0], pages, slots, [i[0] for i in items],
                            np.asarray([i[3] for i in items], np.int32))
     return moved
+
+
+def _raw_copy_many(src: CacheLike, sseqs: list[SeqKV], dst: CacheLike, dseqs: list[SeqKV], layer: int,
+                   positions: list[np.ndarray]) -> list[int]:
+    """``_raw_copy`` of ``positions[i]`` from ``sseqs[i]`` to ``dseqs[i]`` (formats without key-scale groups):
+    slots allocated job by job, each job's classes in the order its tokens list them (as one copy each in turn
+    would), the codes of every job in one gather and scatter a format. Returns each job's bytes moved."""
+    names, fids, pages, slots, _ = src.locate_many(sseqs, layer, positions)
+    pos = np.concatenate(positions)
+    classes = np.empty(len(pos), np.int64)
+    segs = np.empty(len(pos), np.int32)
+    for f in np.unique(fids).tolist():
+        sel = fids == f
+        spool = src.pools[layer][names[f]]
+        classes[sel] = spool.page_class[pages[sel]]
+        segs[sel] = spool.slot_seg[pages[sel], slots[sel]]
+    dst_pages, dst_slots = np.empty_like(pages), np.empty_like(slots)
+    groups = []  # (job, format id, class, entries), in allocation order
+    bounds = np.concatenate([[0], np.cumsum([len(p) for p in positions])])
+    for j in range(len(positions)):
+        lo, hi = int(bounds[j]), int(bounds[j + 1])
+        for f, c in dict.fromkeys(zip(fids[lo:hi].tolist(), classes[lo:hi].tolist())):
+            sel = lo + np.flatnonzero((fids[lo:hi] == f) & (classes[lo:hi] == c))
+            dst_pages[sel], dst_slots[sel] = dst.alloc_slots(dseqs[j], layer, (names[f], c), len(sel))
+            groups.append((j, f, c, sel))
+    moved = [0] * len(positions)
+    for f in np.unique(fids).tolist():
+        spool, dpool = src.pools[layer][names[f]], dst.pool(layer, names[f])
+        sel = np.flatnonzero(fids == f)
+        sp, ss = (torch.from_numpy(x[sel]).to(spool.device) for x in (pages, slots))
+        dp, ds = (torch.from_numpy(x[sel]).to(dpool.device) for x in (dst_pages, dst_slots))
+        for sf, df in zip(spool.fields, dpool.fields):
+            df[dp, ds] = sf[sp, ss].to(dpool.device)
+    for j, f, c, sel in groups:
+        dpool = dst.pool(layer, names[f])
+        dst.record_written(dseqs[j], layer, dpool, names[f], dst_pages[sel], dst_slots[sel], pos[sel].tolist(),
+                           segs[sel])
+        moved[j] += len(sel) * dpool.fmt.slot_bytes(dpool.H, dpool.D)
+    return moved
+
+
+def _split(mask: np.ndarray, positions: list[np.ndarray]) -> list[np.ndarray]:
+    """A concatenated per-position array cut back into one piece per job."""
+    return np.split(mask, np.cumsum([len(p) for p in positions])[:-1]) if positions else []
 
 
 def _encode_copy(src: CacheLike, sseq: SeqKV, dst: CacheLike, dseq: SeqKV, layer: int,

@@ -103,3 +103,7 @@ class PolicyRequest(Protocol):
     def place(self, layer: int | None, positions, tier: str) -> int:
         """Move positions of one layer (``None``: every layer) to ``tier``: ``"device"``, ``"host"``,
         ``"host-<format>"`` (e.g. ``host-int4``) or ``"evicted"``. Buffered positions stay where they are."""
+
+    def place_many(self, layer: int | None, jobs: list[tuple["PolicyRequest", Any]], tier: str) -> list[int]:
+        """``place`` of ``(request, positions)`` jobs of distinct requests of this one's batch, each layer's moves
+        in one pass (the batch's event); returns each job's count."""

@@ -130,9 +130,12 @@ class TieredPolicy(KVPolicy):
         if not (stats and stats[0].batch is not None):
             return super().on_decode_step_end_batch(reqs, stats)
         self._accumulate_batch(reqs, stats[0].batch, np.fromiter((st.row for st in stats), np.int64, len(stats)))
-        for req, st in zip(reqs, stats):
-            if st.step % self.interval == 0:
-                self._event(req, st.step)
+        moves = [(req, self._decide(req, st.step)) for req, st in zip(reqs, stats) if st.step % self.interval == 0]
+        moves = [(req, m) for req, m in moves if m is not None]
+        for i, tier in enumerate(("evicted", "device", self._host_tier)):  # the batch's moves, layer by layer
+            jobs = [(req, m[i]) for req, m in moves if len(m[i])]
+            if jobs:
+                reqs[0].place_many(None, jobs, tier)
 
     def _accumulate(self, req: PolicyRequest, stats: StepStats) -> None:
         """Eq. 1: s_i += mean over finite layers of (1/H) sum_h alpha_{l,h}[i]."""
@@ -170,6 +173,16 @@ class TieredPolicy(KVPolicy):
                                       col / denom)
 
     def _event(self, req: PolicyRequest, t: int) -> None:
+        moves = self._decide(req, t)
+        if moves is None:
+            return
+        for positions, tier in zip(moves, ("evicted", "device", self._host_tier)):
+            if len(positions):
+                req.place(None, positions, tier)
+
+    def _decide(self, req: PolicyRequest, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The event's moves of one request (positions to evict, promote and demote; the counters follow them),
+        or None when it has no candidates."""
         st = req.state
         P = req.prompt_len
         p_now = P + t
@@ -179,7 +192,7 @@ class TieredPolicy(KVPolicy):
         cand = alive[~prot]
         st.candidates_ever = max(0, (p_now - self.window + 1) - (P + self.sinks))
         if len(cand) == 0:
-            return
+            return None
         st.events += 1
         score = st.score.get(0, cand).numpy()
         order = np.lexsort((cand, score))  # ascending score, then older first
@@ -194,18 +207,13 @@ class TieredPolicy(KVPolicy):
         keep_order = np.lexsort((-rest, -rest_score))  # descending score, then newer first
         on_device = rest[keep_order[:n_dev]]
         to_host = rest[keep_order[n_dev:]]
-        if len(evict):
-            req.place(None, evict, "evicted")
-            st.evicted += len(evict)
         tiers = req.tier_of(0, rest)
         promote = on_device[np.isin(on_device, rest[tiers != 0])]
         demote = to_host[np.isin(to_host, rest[tiers == 0])]
-        if len(promote):
-            req.place(None, promote, "device")
-            st.promoted += len(promote)
-        if len(demote):
-            req.place(None, demote, self._host_tier)
-            st.demoted += len(demote)
+        st.evicted += len(evict)
+        st.promoted += len(promote)
+        st.demoted += len(demote)
+        return evict, promote, demote
 
     def extra_stats(self, req: PolicyRequest) -> dict[str, Any]:
         st = req.state

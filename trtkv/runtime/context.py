@@ -245,6 +245,17 @@ class RequestContext:
         layers = range(self._num_layers) if layer is None else (layer,)
         return sum(self._cache.tiers.place(self._seq, i, positions, code, fmt) for i in layers)
 
+    def place_many(self, layer: int | None, jobs: list[tuple["RequestContext", Any]], tier: str) -> list[int]:
+        from trtkv.cache.tier_names import parse_tier
+
+        code, fmt = parse_tier(tier)
+        seqs = self._seqs([req for req, _ in jobs])
+        items = [(seq, np.asarray(positions, np.int64)) for seq, (_, positions) in zip(seqs, jobs)]
+        counts = np.zeros(len(jobs), np.int64)
+        for i in range(self._num_layers) if layer is None else (layer,):
+            counts += self._cache.tiers.place_many(i, items, code, fmt)
+        return counts.tolist()
+
     # --- runtime side (not part of the policy API) -------------------------------------------
     @property
     def seq(self) -> SeqKV:
