@@ -593,3 +593,18 @@ def test_reserve_select_matches_quotas():
     q = allocate(segs, mu / mu.sum(), T_keep, must, 2)
     keep = select(segs, q, must, g, T_keep)
     assert len(keep) == T_keep
+
+
+def test_top_in_segments_equals_each_segments_top():
+    """The one-sort in-segment top-k picks what ``_top`` of each segment picks (ties: the higher index)."""
+    from trtkv.policies.ams_selection import _top, _top_in_segments
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        T, _, mu, g = rand_case(rng)
+        g = np.round(g, 1)  # ties
+        segs = segments_of(mu + 1e-9, CFG) if rng.random() < 0.5 else [(0, T)]
+        is_must = rng.random(T) < 0.2
+        q = [int(rng.integers(-1, b - a + 2)) for a, b in segs]
+        want = np.concatenate([_top(np.arange(a, b)[~is_must[a:b]], g, qi) for (a, b), qi in zip(segs, q)])
+        assert np.array_equal(np.sort(_top_in_segments(segs, q, is_must, g)), np.sort(want))

@@ -237,9 +237,10 @@ class AMSPolicy(KVPolicy):
     def _record(self, req, stats) -> bool:
         """Buffer the step's queries (and the scorer's observations); whether an event is due now."""
         qs = req.state.queries
+        written = req.position - 1  # the token this step wrote
         for layer, ls in stats.layers.items():
             if ls.query is not None:
-                qs[layer].append((req.position - 1, ls.query))  # the token this step wrote
+                qs[layer].append((written, ls.query))
         if not self._scorer.evidence_suffices:
             self._scorer.observe(req, req.state.memo, stats, "decode")
         return self.cadence.is_event(req.step)
@@ -293,12 +294,17 @@ class AMSPolicy(KVPolicy):
         keys, values = reqs[0].kv_rows(layer, reqs, pos)
         w_eff, recs, rows_all = self.window_evidence(reqs, layer, pos, keys)
         m_used = self._masses_rows(reqs, layer, pos, rows_all[:, -w_eff:], H).cpu().numpy()
+        g_rows = self._scorer.score_evidence_rows(rows_all, H)
+        g_rows = None if g_rows is None else g_rows.cpu().numpy()
         keeps = []
         for j, req in enumerate(reqs):
-            ev = Evidence(rows=rows_all[j], queries=recs[j], keys=keys[j], values=values[j])
-            g = head_mean(self._scorer.score(req, layer, pos[j], req.state.memo, ev))
-            g = g if isinstance(g, torch.Tensor) else torch.as_tensor(g)
-            keep, _ = ams_select(m_used[j], g.cpu().numpy(), self.budget, delta=self.delta, l_min=self.l_min,
+            if g_rows is not None:
+                g = g_rows[j]
+            else:
+                ev = Evidence(rows=rows_all[j], queries=recs[j], keys=keys[j], values=values[j])
+                g = head_mean(self._scorer.score(req, layer, pos[j], req.state.memo, ev))
+                g = (g if isinstance(g, torch.Tensor) else torch.as_tensor(g)).cpu().numpy()
+            keep, _ = ams_select(m_used[j], g, self.budget, delta=self.delta, l_min=self.l_min,
                                  l_max=self.l_max, q_min=self.q_min, n_sink=self.n_sink, n_last=self.n_last,
                                  mode=self.mode, ablation=self.ablation)
             req.state.window_mass.append(float(m_used[j][T - w_eff:].sum() / max(m_used[j].sum(), 1e-30)))

@@ -117,14 +117,29 @@ def _top(idx: np.ndarray, g: np.ndarray, k: int) -> np.ndarray:
     return idx[order[:k]]
 
 
+def _top_in_segments(segs, q, is_must: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """``_top`` of each segment's non-must slots, ``q[i]`` of segment ``i``, in one sort (segment first)."""
+    if not segs:
+        return np.zeros(0, np.int64)
+    starts = np.fromiter((a for a, _ in segs), np.int64, len(segs))
+    ends = np.fromiter((b for _, b in segs), np.int64, len(segs))
+    seg_of = np.repeat(np.arange(len(segs)), ends - starts)
+    idx = np.arange(starts[0], ends[-1])[~is_must[starts[0]:ends[-1]]]
+    seg = seg_of[idx - starts[0]]
+    order = np.lexsort((-idx, -g[idx], seg))  # by segment, then score descending, then the higher index
+    idx, seg = idx[order], seg[order]
+    first = np.searchsorted(seg, np.arange(len(segs)))
+    rank = np.arange(len(idx)) - first[seg]
+    return idx[rank < np.asarray(q, np.int64)[seg]]
+
+
 def select(segs, q, must: np.ndarray, g: np.ndarray, T_keep: int, mode: str = "reserve") -> np.ndarray:
     """Keep indices, sorted (spec §2.7)."""
     T = len(g)
     is_must = np.zeros(T, bool)
     is_must[must] = True
     if mode == "reserve":
-        picks = [_top(np.arange(a, b)[~is_must[a:b]], g, qi) for (a, b), qi in zip(segs, q)]
-        keep = np.union1d(must, np.concatenate(picks) if picks else must[:0])
+        keep = np.union1d(must, _top_in_segments(segs, q, is_must, g))
         if len(keep) < T_keep:  # backfill: only if the capacities ran out
             rest = np.setdiff1d(np.arange(T), keep)
             keep = np.union1d(keep, _top(rest, g, T_keep - len(keep)))

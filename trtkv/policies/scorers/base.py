@@ -93,6 +93,11 @@ class Scorer:
         return torch.stack([self.score_rows(layer, handle, positions[layer], free[layer])
                             for layer in range(len(positions))])
 
+    def score_evidence_rows(self, rows: torch.Tensor, num_kv_heads: int) -> torch.Tensor | None:
+        """``score`` of several requests' layers from their recomputed evidence alone, ``rows [k, w, Hq, T]`` ->
+        ``[k, T]`` (``head_mean`` of each one's scores), or None when a scorer needs more than the rows."""
+        return None
+
     @classmethod
     def for_ams(cls, ams: Any) -> Scorer:
         """The instance AMS uses (its spec fixes some scorers' settings); default: the plain scorer."""

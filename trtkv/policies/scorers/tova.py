@@ -26,11 +26,12 @@ class TOVAMemo:
 
 
 def tova_scores(last_row: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """``[Hq, T]`` current-query attention -> ``[H, T]`` (the same vector per KV head; the last slot gets max)."""
-    g = last_row.float().mean(0)
-    if g.numel() > 1:
-        g[-1] = g[:-1].max()
-    return g[None].expand(num_kv_heads, -1).clone()
+    """``[..., Hq, T]`` current-query attention -> ``[..., H, T]`` (the same vector per KV head; the last slot gets
+    the max)."""
+    g = last_row.float().mean(-2)
+    if g.shape[-1] > 1:
+        g[..., -1] = g[..., :-1].amax(-1)
+    return g.unsqueeze(-2).expand(*g.shape[:-1], num_kv_heads, g.shape[-1]).clone()
 
 
 class TOVAScorer(Scorer):
@@ -75,6 +76,9 @@ class TOVAScorer(Scorer):
         if any(bs.positions.shape[1] != cols.shape[2] for bs in stats):
             return None
         return torch.stack([_head_mean_rows(bs, rows)[1] for bs in stats])
+
+    def score_evidence_rows(self, rows: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+        return tova_scores(rows[:, -1], num_kv_heads).mean(-2)
 
     def score(self, req, layer, positions, memo, ev=None):
         if ev is not None and ev.rows is not None:
