@@ -326,10 +326,14 @@ class BlockTable:
         if pool.live[p] == 0 and self._open_of(cls) != p:
             self.release_page(pool, cls, p)
 
-    def free_slots(self, pool: PagePool, fmt: str, pl: list[int], sl: list[int]) -> None:
-        """``free_slot`` of many evicted slots of one format at once."""
+    def free_slots(self, pool: PagePool, fmt: str, pl: list[int], sl: list[int], reuse: bool = True) -> None:
+        """``free_slot`` of many evicted slots of one format at once. ``reuse=False`` (a compaction follows and
+        forgets every reusable slot): only the emptied pages go back."""
         uniq = list(dict.fromkeys(pl))
         classes = pool.page_class[uniq].tolist()
+        if not reuse:
+            self._release_empty(pool, fmt, uniq, classes)
+            return
         order = {p: self._page_order[(fmt, p)] for p in uniq}
         if len(set(classes)) == 1:  # one class (the common case): the heap entries in one pass
             by_cls = {classes[0]: list(zip(map(order.__getitem__, pl), pl, sl))}
@@ -347,7 +351,10 @@ class BlockTable:
                 for item in freed:
                     heapq.heappush(heap, item)
             self._cols.set_reusable(self.layer, self._row, (fmt, c), bool(heap))
-        for p, c, live in zip(uniq, classes, pool.live[uniq].tolist()):
+        self._release_empty(pool, fmt, uniq, classes)
+
+    def _release_empty(self, pool: PagePool, fmt: str, pages: list[int], classes: list[int]) -> None:
+        for p, c, live in zip(pages, classes, pool.live[pages].tolist()):
             if live == 0 and self._open_of((fmt, c)) != p:
                 self.release_page(pool, (fmt, c), p)
 
@@ -427,6 +434,12 @@ class BlockTable:
         if pages and not pool.tail_full(pages[-1]):
             self._cols.set_open(self.layer, self._row, cls, pages[-1])
         self._pages_changed()
+
+    def forget_reusable(self) -> None:
+        """No slot of any class is reusable any more (a compaction gathered every class's tokens)."""
+        self._reusable.clear()
+        self._cols.clear_reusable(self.layer, self._row)
+        self._cols.clear_singles(self.layer, self._row)
 
     def _pages_changed(self) -> None:
         self._flat = self._single_bt = None

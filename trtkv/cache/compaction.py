@@ -23,6 +23,7 @@ def compact(pools: dict[str, PagePool], refs: PageRefs, seq: SeqKV, layer: int) 
         moved += n
         table.place(cls[0], dst_pages, dst_slots, positions)
         table.compacted(pool, cls, -(-len(positions) // pool.B))
+    table.forget_reusable()  # (a class left without pages may still list slots of the pages it gave back)
     return moved
 
 
@@ -47,4 +48,6 @@ def compact_many(pools: dict[str, PagePool], refs: PageRefs, seqs: list[SeqKV], 
         pool = pools[cls[0]]
         table.place(cls[0], dst_pages, dst_slots, positions)
         table.compacted(pool, cls, -(-len(positions) // pool.B))
+    for seq in seqs:
+        seq.layers[layer].forget_reusable()
     return moved

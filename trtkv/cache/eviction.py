@@ -19,14 +19,16 @@ from trtkv.cache.sequence import SeqKV
 DECREF_ARRAY_MIN = 64  # victims from which decref_groups uses array operations (numpy costs ~20 us a call)
 
 
-def evict_private(pools: dict[str, PagePool], columns: TableColumns, layer: int, seq: SeqKV, positions) -> int:
+def evict_private(pools: dict[str, PagePool], columns: TableColumns, layer: int, seq: SeqKV, positions,
+                  reuse: bool = True) -> int:
     """Eviction from pages no other sequence holds, per format as array operations over the victims
-    (the same end state as evicting them one by one, which ``KVCacheManager._evict_each`` does)."""
-    return evict_private_many(pools, columns, layer, [(seq, positions)])[0]
+    (the same end state as evicting them one by one, which ``KVCacheManager._evict_each`` does). ``reuse=False``:
+    a compaction follows, the freed slots join no reuse heap."""
+    return evict_private_many(pools, columns, layer, [(seq, positions)], reuse)[0]
 
 
 def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer: int,
-                       items: list[tuple[SeqKV, np.ndarray]]) -> list[int]:
+                       items: list[tuple[SeqKV, np.ndarray]], reuse: bool = True) -> list[int]:
     """``evict_private`` of several requests in one layer (``pools``: that layer's) — a batch's anneal: the
     position maps, one key-group read and one validity update per format for all of them; the reuse heaps and
     page releases request by request, in order, so the end state is that of evicting each in turn."""
@@ -62,7 +64,7 @@ def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer:
         for i, seq in enumerate(seqs):
             lo, hi = bounds[i], bounds[i + 1]
             if lo < hi:
-                seq.layers[layer].free_slots(pool, fmt, pl[lo:hi], sll[lo:hi])
+                seq.layers[layer].free_slots(pool, fmt, pl[lo:hi], sll[lo:hi], reuse)
     return counts
 
 

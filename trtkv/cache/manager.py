@@ -320,7 +320,7 @@ class KVCacheManager:
         # a few victims (a sliding window's one token a step) cost less one by one than numpy's per-call overhead
         one_by_one = seq.fork_mode is not None or len(positions) < EVICT_BATCH_MIN
         n = self._evict_each(seq, layer, positions) if one_by_one else \
-            evict_private(self.pools[layer], self.columns, layer, seq, positions)
+            evict_private(self.pools[layer], self.columns, layer, seq, positions, self.cfg.eviction != "compact")
         self._evicted(seq, layer, n, counted)
         return n
 
@@ -333,7 +333,7 @@ class KVCacheManager:
             return self.evict_one_each(layer, [s for s, _ in items], [p[0] if p else -1 for _, p in items])
         if any(s.fork_mode is not None for s, _ in items) or sum(map(len, (p for _, p in items))) < EVICT_BATCH_MIN:
             return [self.evict(s, layer, p, counted) for s, p in items]
-        counts = evict_private_many(self.pools[layer], self.columns, layer, items)
+        counts = evict_private_many(self.pools[layer], self.columns, layer, items, self.cfg.eviction != "compact")
         for (seq, _), n in zip(items, counts):
             self._evicted(seq, layer, n, counted, compact=False)
         if self.cfg.eviction == "compact":  # every request that lost tokens, in order, each once

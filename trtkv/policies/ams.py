@@ -112,6 +112,20 @@ def usage(rows: torch.Tensor, num_kv_heads: int, k_pool: int, pad_mode: str = "m
 
 
 # --- the policy ------------------------------------------------------------------------------------
+class CreditRows:
+    """Every request's EMA credit in one ``RowTable``, a row each: made at the first use, when the layers and the
+    device are known."""
+
+    def __init__(self) -> None:
+        self.table: RowTable | None = None
+
+    def acquire(self, num_layers: int, device: torch.device) -> RowView:
+        if self.table is None:
+            self.table = RowTable(num_layers, device=device)
+        return self.table.acquire()
+
+
+
 @dataclass
 class AMSState:
     queries: list = field(default_factory=list)  # per layer: [(position, q [Hq, D])] of the evidence window
@@ -176,7 +190,7 @@ class AMSPolicy(KVPolicy):
             raise ValueError(f"scorer=expected_attention needs hs >= max(window + 1, 8) (spec A17); got hs={self.hs}")
         self._scorer = SCORERS[self.scorer].for_ams(self)
         self._sm_scale: float | None = None
-        self._credit: RowTable | None = None  # every request's EMA credit, a row each (made at the first use)
+        self._credit = CreditRows()
 
     # --- engine integration ------------------------------------------------------------------
     def bind_model(self, arch) -> None:
@@ -375,9 +389,7 @@ class AMSPolicy(KVPolicy):
     def _credit_of(self, req, device: torch.device) -> RowView:
         """The request's row of the policy's EMA credit table (every request's credit in one tensor)."""
         if req.state.credit is None:
-            if self._credit is None:
-                self._credit = RowTable(req.num_layers, device=device)
-            req.state.credit = self._credit.acquire()
+            req.state.credit = self._credit.acquire(req.num_layers, device)
         return req.state.credit
 
     def select_layer(self, req, layer: int, pos: np.ndarray, buf: np.ndarray, rec: list, H: int) -> np.ndarray:
