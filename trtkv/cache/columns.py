@@ -243,6 +243,16 @@ class TableColumns:
         self._live[layer, rows] += (w[at] < 0).sum(1)
         w[at] = self._codes(fmt, pages, slots)
 
+    def place_flat(self, layer: int, rows: np.ndarray, fmt: str, pages: np.ndarray, slots: np.ndarray,
+                   positions: np.ndarray) -> None:
+        """``place`` of tokens of several rows at once: ``(rows[i], positions[i])`` pairs (distinct) into ``(fmt,
+        pages[i], slots[i])``."""
+        if not len(positions):
+            return
+        w = self._widen(layer, int(positions.max()))
+        self._live[layer] += np.bincount(rows[w[rows, positions] < 0], minlength=w.shape[0])
+        w[rows, positions] = self._codes(fmt, pages, slots)
+
     def forget(self, layer: int, row: int, positions) -> list[Where]:
         """Drop ``positions`` from the map; returns where the held ones were, in the order given."""
         pos = np.fromiter(positions, np.int64) if not isinstance(positions, np.ndarray) else \

@@ -279,6 +279,13 @@ class KVCacheManager:
         pool.mark_written(pages, slots, positions, seg)
         seq.layers[layer].place(fmt, pages, slots, positions)
 
+    def record_written_many(self, seqs: list[SeqKV], counts: np.ndarray, layer: int, pool: PagePool, fmt: str,
+                            pages: np.ndarray, slots: np.ndarray, positions: np.ndarray, segs: np.ndarray) -> None:
+        """``record_written`` of several requests at once: the first ``counts[0]`` entries are ``seqs[0]``'s, ..."""
+        pool.mark_written(pages, slots, positions, segs)
+        rows = np.repeat(np.fromiter((s.row for s in seqs), np.int64, len(seqs)), counts)
+        self.columns.place_flat(layer, rows, fmt, pages, slots, positions)
+
     # --- residual buffer --------------------------------------------------------------------
     def buffer_append(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor,
                       positions: list[int]) -> None:

@@ -383,28 +383,26 @@ def _raw_copy_many(src: CacheLike, sseqs: list[SeqKV], dst: CacheLike, dseqs: li
         classes[sel] = spool.page_class[pages[sel]]
         segs[sel] = spool.slot_seg[pages[sel], slots[sel]]
     dst_pages, dst_slots = np.empty_like(pages), np.empty_like(slots)
-    groups = []  # (job, format id, class, entries), in allocation order
     bounds = np.concatenate([[0], np.cumsum([len(p) for p in positions])])
     for j in range(len(positions)):
         lo, hi = int(bounds[j]), int(bounds[j + 1])
         for f, c in dict.fromkeys(zip(fids[lo:hi].tolist(), classes[lo:hi].tolist())):
             sel = lo + np.flatnonzero((fids[lo:hi] == f) & (classes[lo:hi] == c))
             dst_pages[sel], dst_slots[sel] = dst.alloc_slots(dseqs[j], layer, (names[f], c), len(sel))
-            groups.append((j, f, c, sel))
-    moved = [0] * len(positions)
+    job = np.repeat(np.arange(len(positions)), np.diff(bounds))
+    moved = np.zeros(len(positions), np.int64)
     for f in np.unique(fids).tolist():
         spool, dpool = src.pools[layer][names[f]], dst.pool(layer, names[f])
-        sel = np.flatnonzero(fids == f)
+        sel = np.flatnonzero(fids == f)  # (job by job)
         sp, ss = (torch.from_numpy(x[sel]).to(spool.device) for x in (pages, slots))
         dp, ds = (torch.from_numpy(x[sel]).to(dpool.device) for x in (dst_pages, dst_slots))
         for sf, df in zip(spool.fields, dpool.fields):
             df[dp, ds] = sf[sp, ss].to(dpool.device)
-    for j, f, c, sel in groups:
-        dpool = dst.pool(layer, names[f])
-        dst.record_written(dseqs[j], layer, dpool, names[f], dst_pages[sel], dst_slots[sel], pos[sel].tolist(),
-                           segs[sel])
-        moved[j] += len(sel) * dpool.fmt.slot_bytes(dpool.H, dpool.D)
-    return moved
+        counts = np.bincount(job[sel], minlength=len(positions))
+        dst.record_written_many(dseqs, counts, layer, dpool, names[f], dst_pages[sel], dst_slots[sel], pos[sel],
+                                segs[sel])
+        moved += counts * dpool.fmt.slot_bytes(dpool.H, dpool.D)
+    return moved.tolist()
 
 
 def _split(mask: np.ndarray, positions: list[np.ndarray]) -> list[np.ndarray]:
