@@ -46,6 +46,7 @@ class SeqTiers:
     move_seconds: float = 0.0  # time spent copying KV between tiers (events + staging)
     peak_host_bytes: int = 0
     peak_device_bytes: int = 0  # device pages + staging this request needs, at its peak
+    staging: tuple[int, int, int] = (-1, -1, 0)  # (sum of versions, host bytes) -> staging bytes, last computed
 
 
 class TierStore:
@@ -115,11 +116,15 @@ class TierStore:
         st = self.seqs.get(seq.seq_id)
         if st is None:
             return 0
+        key = (sum(st.version), st.host.kv_bytes)  # (the host pages change only with these)
+        if st.staging[:2] == key:
+            return st.staging[2]
         per_layer = 0
         for layer, table in enumerate(st.host.layers):
             b = sum(len(pages) * self.host.pools[layer][fmt].page_bytes
                     for (fmt, _), pages in table.pages.items())
             per_layer = max(per_layer, b)
+        st.staging = (*key, 2 * per_layer)
         return 2 * per_layer
 
     def stats(self, seq: SeqKV) -> dict[str, int | float]:
