@@ -7,11 +7,13 @@ H2O/R-KV event); pages shared by forked sequences, and evictions of a few tokens
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from trtkv.cache.columns import TableColumns
+from trtkv.cache.forks import PageRefs
 from trtkv.cache.pool import PagePool
 from trtkv.cache.pool_set import PoolSet
 from trtkv.cache.sequence import SeqKV
@@ -25,6 +27,33 @@ def evict_private(pools: dict[str, PagePool], columns: TableColumns, layer: int,
     (the same end state as evicting them one by one, which ``KVCacheManager._evict_each`` does). ``reuse=False``:
     a compaction follows, the freed slots join no reuse heap."""
     return evict_private_many(pools, columns, layer, [(seq, positions)], reuse)[0]
+
+
+def evict_one_by_one(pools: dict[str, PagePool], refs: PageRefs, seqs: Mapping[int, SeqKV], seq: SeqKV, layer: int,
+                     positions: list[int]) -> int:
+    """Eviction one token at a time from one layer (``pools``: its pools; ``seqs``: every sequence, by id): a
+    forked sequence's pages may be shared (copy on write, or tree eviction in place; cache/forks.py)."""
+    table = seq.layers[layer]
+    table.forget(())  # an eviction hit this table (its live slots are no longer a prefix), victims or not
+    n = 0
+    for pos in positions:
+        found = table.forget((pos,))
+        if not found:
+            continue
+        fmt, p, s = found[0]
+        pool = pools[fmt]
+        if refs.sharers(layer, fmt, p):  # a page other sequences hold too
+            if seq.fork_mode == "tree":
+                refs.evict_shared(pool, seqs, seq, layer, fmt, p, s, int(pos))
+                n += 1
+                continue
+            p = refs.make_private(pool, seq, layer, fmt, p)
+        if pool.group_specs and pool.decref_group(int(pool.k_group[p, s])):
+            seq.add_bytes(-pool.group_bytes)
+        pool.mark_evicted(p, s)
+        table.free_slot(pool, (fmt, int(pool.page_class[p])), p, s)
+        n += 1
+    return n
 
 
 def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer: int,

@@ -25,7 +25,8 @@ from trtkv.cache.block_table import ENTRY_BYTES, Cls, held_page_bytes
 from trtkv.cache.budget import PoolPlan
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
-from trtkv.cache.eviction import (decref_groups, evict_one_each, evict_one_each_layers, evict_private,
+from trtkv.cache.eviction import (decref_groups, evict_one_by_one, evict_one_each, evict_one_each_layers,
+                                  evict_private,
                                   evict_private_many)
 from trtkv.cache.flush import flush_many
 from trtkv.cache.forks import FORK_MODES, PageRefs
@@ -385,29 +386,8 @@ class KVCacheManager:
             self.compact(seq, layer)
 
     def _evict_each(self, seq: SeqKV, layer: int, positions: list[int]) -> int:
-        """Eviction one token at a time: a forked sequence's pages may be shared (copy on write, or tree
-        eviction in place; cache/forks.py)."""
-        table = seq.layers[layer]
-        table.forget(())  # an eviction hit this table (its live slots are no longer a prefix), victims or not
-        n = 0
-        for pos in positions:
-            found = table.forget((pos,))
-            if not found:
-                continue
-            fmt, p, s = found[0]
-            pool = self.pools[layer][fmt]
-            if self.refs.sharers(layer, fmt, p):  # a page other sequences hold too
-                if seq.fork_mode == "tree":
-                    self.refs.evict_shared(pool, self.seqs, seq, layer, fmt, p, s, int(pos))
-                    n += 1
-                    continue
-                p = self.refs.make_private(pool, seq, layer, fmt, p)
-            if pool.group_specs and pool.decref_group(int(pool.k_group[p, s])):
-                seq.add_bytes(-pool.group_bytes)
-            pool.mark_evicted(p, s)
-            table.free_slot(pool, (fmt, int(pool.page_class[p])), p, s)
-            n += 1
-        return n
+        """Eviction one token at a time (``eviction.evict_one_by_one``: shared pages of forked sequences)."""
+        return evict_one_by_one(self.pools[layer], self.refs, self.seqs, seq, layer, positions)
 
     def compact(self, seq: SeqKV, layer: int) -> None:
         """Gather compaction of one layer (``trtkv/cache/compaction.py``)."""
@@ -432,14 +412,8 @@ class KVCacheManager:
 
     def locate_many(self, seqs: list[SeqKV], layer: int, positions: list[np.ndarray]
                     ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Where ``positions[i]`` of ``seqs[i]`` are paged in ``layer``, concatenated: ``(format names, format ids,
-        pages, slots, held)``; ``held`` marks the asked positions held in pages, the others have no entry."""
-        lens = [len(p) for p in positions]
-        rows = np.repeat(np.fromiter((s.row for s in seqs), np.int64, len(seqs)), lens)
-        pos = np.concatenate(positions) if positions else rows
-        held = self.columns.held_many(layer, rows, pos)
-        fids, pages, slots = self.columns.lookup_many(layer, rows[held], pos[held])
-        return self.columns.fmt_names, fids, pages, slots, held
+        """Where ``positions[i]`` of ``seqs[i]`` are paged in ``layer`` (``reads.locate_many``)."""
+        return reads.locate_many(self.columns, seqs, layer, positions)
 
     def gather_kv(self, seq: SeqKV, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized fp32 ``k, v [m, H, D]`` of paged tokens (``trtkv/cache/reads.py``)."""

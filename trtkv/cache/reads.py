@@ -48,6 +48,18 @@ def gather_kv_many(pools: PoolSet, columns: TableColumns, layer: int, items: lis
     return list(zip(ks, [None] * len(ks) if keys_only else out_v.split(sizes)))
 
 
+def locate_many(columns: TableColumns, seqs: list[SeqKV], layer: int, positions: list[np.ndarray]
+                ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where ``positions[i]`` of ``seqs[i]`` are paged in ``layer``, concatenated: ``(format names, format ids,
+    pages, slots, held)``; ``held`` marks the asked positions held in pages, the others have no entry."""
+    lens = [len(p) for p in positions]
+    rows = np.repeat(np.fromiter((s.row for s in seqs), np.int64, len(seqs)), lens)
+    pos = np.concatenate(positions) if positions else rows
+    held = columns.held_many(layer, rows, pos)
+    fids, pages, slots = columns.lookup_many(layer, rows[held], pos[held])
+    return columns.fmt_names, fids, pages, slots, held
+
+
 def _slots_by_lookup(pools: dict[str, PagePool], columns: TableColumns, layer: int, items
                      ) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
     """Per format: ``(rows of the output, or None for every row in order; flat slot ids page * B + slot)`` of
