@@ -125,7 +125,6 @@ class CreditRows:
         return self.table.acquire()
 
 
-
 @dataclass
 class AMSState:
     queries: list = field(default_factory=list)  # per layer: [(position, q [Hq, D])] of the evidence window
