@@ -340,7 +340,7 @@ class KVCacheManager:
                 and all(s.fork_mode is None for s, _ in items) and len({id(s) for s, _ in items}) == len(items)):
             return self.evict_one_each(layer, [s for s, _ in items], [p[0] if p else -1 for _, p in items])
         if any(s.fork_mode is not None for s, _ in items) or sum(map(len, (p for _, p in items))) < EVICT_BATCH_MIN:
-            return [self.evict(s, layer, p, counted) for s, p in items]
+            return [self.evict(s, layer, p) if counted else self.evict(s, layer, p, False) for s, p in items]
         counts = evict_private_many(self.pools[layer], self.columns, layer, items, self.cfg.eviction != "compact")
         for (seq, _), n in zip(items, counts):
             self._evicted(seq, layer, n, counted, compact=False)
