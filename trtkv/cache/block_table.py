@@ -420,7 +420,7 @@ class BlockTable:
 
     # --- compaction (cache/compaction.py) ------------------------------------------------------------
     def compacted(self, pool: PagePool, cls: Cls, keep: int) -> None:
-        """After ``pool.compact_pages`` moved this class's live tokens to its first ``keep`` pages: release
+        """After ``pool.compact_pages_many`` moved this class's live tokens to its first ``keep`` pages: release
         the rest, forget reusable slots, and leave the last kept page open if it has tail slots."""
         pages = self._pages[cls]
         for p in pages[keep:]:

@@ -12,27 +12,20 @@ from trtkv.cache.sequence import SeqKV
 def compact(pools: dict[str, PagePool], refs: PageRefs, seq: SeqKV, layer: int) -> int:
     """Move every class's live tokens of ``seq`` in ``layer`` (``pools``: that layer's) to the front of its
     pages and free the rest; returns how many tokens' codes were copied."""
-    table = seq.layers[layer]
-    for cls, pages in list(table.pages.items()):  # gathering writes: shared pages are copied first
-        for p in [p for p in pages if refs.sharers(layer, cls[0], p)]:
-            refs.make_private(pools[cls[0]], seq, layer, cls[0], p)
-    moved = 0
-    for cls, pages in list(table.pages.items()):
-        pool = pools[cls[0]]
-        positions, dst_pages, dst_slots, n = pool.compact_pages(list(pages))
-        moved += n
-        table.place(cls[0], dst_pages, dst_slots, positions)
-        table.compacted(pool, cls, -(-len(positions) // pool.B))
-    table.forget_reusable()  # (a class left without pages may still list slots of the pages it gave back)
-    return moved
+    return compact_many(pools, refs, [seq], layer)
 
 
 def compact_many(pools: dict[str, PagePool], refs: PageRefs, seqs: list[SeqKV], layer: int) -> int:
-    """``compact`` of each of ``seqs`` (distinct) in turn, the gathers of each format in one pass when no page
-    anywhere is shared; the tables then take their tokens' new places and release their emptied pages in
-    that same order, so the end state is the same."""
-    if len(refs):
-        return sum(compact(pools, refs, seq, layer) for seq in seqs)
+    """``compact`` of each of ``seqs`` (distinct) in turn, the gathers of each format in one pass (one request at
+    a time when pages are shared); the tables then take their tokens' new places and release their emptied
+    pages in that same order, so the end state is the same."""
+    if len(refs) and len(seqs) > 1:
+        return sum(compact_many(pools, refs, [seq], layer) for seq in seqs)
+    if len(refs):  # gathering writes: shared pages are copied first
+        table = seqs[0].layers[layer]
+        for cls, pages in list(table.pages.items()):
+            for p in [p for p in pages if refs.sharers(layer, cls[0], p)]:
+                refs.make_private(pools[cls[0]], seqs[0], layer, cls[0], p)
     jobs = [(seq.layers[layer], cls, list(pages)) for seq in seqs
             for cls, pages in list(seq.layers[layer].pages.items())]
     placed: list = [None] * len(jobs)
@@ -48,6 +41,6 @@ def compact_many(pools: dict[str, PagePool], refs: PageRefs, seqs: list[SeqKV], 
         pool = pools[cls[0]]
         table.place(cls[0], dst_pages, dst_slots, positions)
         table.compacted(pool, cls, -(-len(positions) // pool.B))
-    for seq in seqs:
+    for seq in seqs:  # (a class left without pages may still list slots of the pages it gave back)
         seq.layers[layer].forget_reusable()
     return moved

@@ -26,8 +26,7 @@ from trtkv.cache.budget import PoolPlan
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
 from trtkv.cache.eviction import (decref_groups, evict_one_by_one, evict_one_each, evict_one_each_layers,
-                                  evict_private,
-                                  evict_private_many)
+                                  evict_private, evict_private_many)
 from trtkv.cache.flush import flush_many
 from trtkv.cache.forks import FORK_MODES, PageRefs
 from trtkv.cache.pool import PagePool

@@ -346,18 +346,12 @@ class PagePool:
         self._valid_dirty = True
         return q
 
-    def compact_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """Move the live slots of ``pages`` (in page, then slot order) to the front of ``pages``; returns
-        their positions, their new pages and slots, and how many tokens' codes were copied. Pages past the
-        live ones end empty (the caller releases them)."""
-        pos, dp, ds, _, moved = self.compact_pages_many([pages])
-        return pos, dp, ds, moved
-
     def compact_pages_many(self, page_lists: list[list[int]]
                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-        """``compact_pages`` of several disjoint page lists (several requests' tables) in one pass: their
-        tokens' positions, new pages and slots concatenated list by list, how many each list keeps, and how
-        many tokens' codes were copied in all."""
+        """Move the live slots of each of several disjoint page lists (in page, then slot order) to the front of
+        that list, in one pass; returns their tokens' positions, new pages and slots concatenated list by list,
+        how many each list keeps, and how many tokens' codes were copied in all. Pages past each list's live
+        ones end empty (the caller releases them)."""
         B = self.B
         lens = np.fromiter(map(len, page_lists), np.int64, len(page_lists))
         pg = np.concatenate(page_lists).astype(np.int64) if len(page_lists) > 1 else np.asarray(page_lists[0],
