@@ -2,8 +2,6 @@
 per format, and whether a lone request's tokens form one dense run of pages (a view instead of a gather)."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
@@ -86,26 +84,53 @@ def _ints(positions) -> list[int]:
 
 
 NO_PAGES = np.empty(0, np.int32)  # a sequence without pages of a format
-REWRITE_SHARE = 8  # a batch's cached block tables are patched row by row when at most 1/8 of its rows changed
 
 
-class _LayerTables(NamedTuple):
-    """One layer's block tables of the last batch read, and what they were built from."""
-    rows: np.ndarray  # the requests' rows in the cache's TableColumns
-    stamps: np.ndarray  # their page-list stamps then (a stamp changes whenever a page list changes)
-    out: list[tuple[PagePool, torch.Tensor]]  # what ``get`` returned
-    formats: tuple[str, ...]  # the layer's pools then
-    host: dict[str, tuple[PagePool, np.ndarray, np.ndarray]]  # per format: pool, table (spare columns), row lengths
-    clock: int  # the columns' page-list clock then (unchanged: no page list of any request changed since)
+class _RowTables:
+    """One layer's block tables, one row per table row of ``TableColumns`` (any request that was read), per
+    format: ``pages [rows, width]`` (-1 padded, spare columns) and ``lens [rows]``; ``seen [rows]`` is each row's
+    page-list stamp when it was last brought up to date (-1: never)."""
+
+    def __init__(self) -> None:
+        self.pages: dict[str, np.ndarray] = {}
+        self.lens: dict[str, np.ndarray] = {}
+        self.seen = np.full(0, -1, np.int64)
+
+    def fit(self, rows: int, fmts) -> None:
+        """Room for rows ``[0, rows)`` and a table for every format of ``fmts``."""
+        have = len(self.seen)
+        if rows > have:
+            grow = max(rows, 2 * have) - have
+            self.seen = np.concatenate([self.seen, np.full(grow, -1, np.int64)])
+            for fmt in self.pages:
+                self.pages[fmt] = np.concatenate([self.pages[fmt], np.full((grow, self.pages[fmt].shape[1]), -1,
+                                                                           np.int32)])
+                self.lens[fmt] = np.concatenate([self.lens[fmt], np.zeros(grow, np.int64)])
+        for fmt in fmts:
+            if fmt not in self.pages:
+                self.pages[fmt] = np.full((len(self.seen), FIRST_TABLE_WIDTH), -1, np.int32)
+                self.lens[fmt] = np.zeros(len(self.seen), np.int64)
+
+    def widen(self, fmt: str, width: int) -> np.ndarray:
+        """Format ``fmt``'s table, at least ``width`` columns wide (doubling)."""
+        bt = self.pages[fmt]
+        if width > bt.shape[1]:
+            grown = np.full((bt.shape[0], max(width, 2 * bt.shape[1])), -1, np.int32)
+            grown[:, : bt.shape[1]] = bt
+            self.pages[fmt] = bt = grown
+        return bt
 
 
 class BlockTableCache:
-    """Each layer's block tables of the last batch read, reused while the batch and its page lists stay the
-    same (a decode step reads every layer's tables; most steps change no page list) and patched row by row
-    where a few changed — found by comparing page-list stamps, one array operation for the batch."""
+    """Each layer's block tables kept per table row: a row is brought up to date only when its page list changed
+    since it was last read (page-list stamps, one array comparison for the batch) — taking a page appended at
+    the end of a format's list in place, rewriting the row from its lists otherwise — and a batch's tables are
+    its rows gathered. Batches that differ from step to step (requests finishing and joining, groups taking
+    turns) reuse every row they share."""
 
     def __init__(self, num_layers: int) -> None:
-        self._last: list[_LayerTables | None] = [None] * num_layers
+        self._tables = [_RowTables() for _ in range(num_layers)]
+        self._last: list[tuple[np.ndarray, int, list] | None] = [None] * num_layers  # rows, clock, what get returned
 
     def get(self, pools: dict[str, PagePool], layer: int, seqs: list[SeqKV], columns: TableColumns,
             rows: np.ndarray) -> list[tuple[PagePool, torch.Tensor]]:
@@ -115,80 +140,58 @@ class BlockTableCache:
             return seqs[0].layers[layer].single_block_tables(lambda flat: [
                 (pools[fmt], torch.from_numpy(pages[None]).to(pools[fmt].device))
                 for fmt, pages in flat.items() if len(pages)])  # (a format whose pages were all released has none)
-        cached = self._last[layer]
+        last = self._last[layer]
         clock = columns.clock
-        if cached is not None and cached.clock == clock and (cached.rows is rows or np.array_equal(cached.rows, rows)):
-            return cached.out  # no page list changed anywhere since, the same requests: no stamps to compare
+        if last is not None and last[1] == clock and (last[0] is rows or np.array_equal(last[0], rows)):
+            return last[2]  # no page list changed anywhere since, the same requests
+        tables = self._tables[layer]
+        tables.fit(int(rows.max()) + 1, pools)
         stamps = columns.stamps(layer, rows)
-        if cached is not None and len(cached.rows) == len(rows):
-            same_row = cached.rows == rows
-            changed = np.flatnonzero(~same_row | (cached.stamps != stamps))
-            if not len(changed):
-                self._last[layer] = cached._replace(rows=rows, clock=clock)
-                return cached.out  # same requests, same page lists
-            if cached.formats == tuple(pools):
-                # rows that only took one page at the end of a format's list since (a page boundary) take it in
-                # place; a few others are rewritten from their page lists; otherwise everything is rebuilt
-                before, fids, pages = columns.appended(layer, rows[changed])
-                append = (fids >= 0) & same_row[changed] & (before == cached.stamps[changed])
-                rest = changed[~append].tolist()
-                if len(rest) * REWRITE_SHARE <= len(rows):
-                    out = self._update(cached.host, changed[append], fids[append], pages[append], columns.fmt_names,
-                                       [seqs[i].layers[layer].pages_of_format() for i in rest], rest)
-                    if out is not None:
-                        self._last[layer] = cached._replace(rows=rows, stamps=stamps, out=out, clock=clock)
-                        return out
-        per_seq = [s.layers[layer].pages_of_format() for s in seqs]
-        host = {}
+        stale = np.flatnonzero(tables.seen[rows] != stamps)
+        if len(stale):
+            self._bring_up_to_date(tables, layer, [seqs[i] for i in stale.tolist()], columns, rows[stale])
+            tables.seen[rows[stale]] = stamps[stale]
         out = []
         for fmt, pool in pools.items():
-            rows_of = [d.get(fmt, NO_PAGES) for d in per_seq]
-            lens = np.fromiter(map(len, rows_of), np.int64, len(rows_of))
-            width = int(lens.max(initial=0))
-            if width == 0:
-                continue
-            bt = np.full((len(seqs), 2 * width + 4), -1, np.int32)  # spare columns: every row takes pages over time
-            _fill_rows(bt, np.arange(len(seqs)), rows_of, lens)
-            host[fmt] = (pool, bt, lens)
-            # a copy: the host table is patched in place later, a tensor handed out stays as it was
-            out.append((pool, torch.from_numpy(bt[:, :width].copy()).to(pool.device)))
-        self._last[layer] = _LayerTables(rows, stamps, out, tuple(pools), host, clock)
+            width = int(tables.lens[fmt][rows].max(initial=0))
+            if width:
+                out.append((pool, torch.from_numpy(tables.pages[fmt][rows, :width]).to(pool.device)))
+        self._last[layer] = (rows, clock, out)
         return out
 
     @staticmethod
-    def _update(host, appended: np.ndarray, fids: np.ndarray, pages: np.ndarray, names: tuple[str, ...],
-                new_rows: list[dict[str, np.ndarray]], changed: list[int]):
-        """The cached tables patched in place: rows ``appended`` take page ``pages[i]`` of format ``fids[i]`` at the
-        end of that format's row, rows ``changed`` are rewritten from ``new_rows`` (their page arrays); or None
-        (rebuild) when a row outgrows its table's spare columns or holds a format the tables lack."""
-        if any(names[f] not in host for f in np.unique(fids).tolist()) or \
-                any(f not in host for d in new_rows for f in d):
-            return None
-        rows = {fmt: [d.get(fmt, NO_PAGES) for d in new_rows] for fmt in host}
-        if any(len(r) > host[fmt][1].shape[1] for fmt, rs in rows.items() for r in rs):
-            return None
-        fid = {fmt: names.index(fmt) if fmt in names else -1 for fmt in host}
-        if len(appended):
-            for fmt, (_, bt, lens) in host.items():
-                sel = appended[fids == fid[fmt]]
-                if len(sel) and int(lens[sel].max()) >= bt.shape[1]:
-                    return None
-        out = []
-        idx = np.asarray(changed, np.int64)
-        for fmt, (pool, bt, lens) in host.items():
-            if len(appended):
-                mine = fids == fid[fmt]
-                sel = appended[mine]
-                bt[sel, lens[sel]] = pages[mine]
-                lens[sel] += 1
-            if len(idx):
-                bt[idx, : int(lens[idx].max(initial=0))] = -1
-                lens[idx] = np.fromiter(map(len, rows[fmt]), np.int64, len(idx))
-                _fill_rows(bt, idx, rows[fmt], lens[idx])
-            width = int(lens.max(initial=0))
-            if width:
-                out.append((pool, torch.from_numpy(bt[:, :width].copy()).to(pool.device)))
-        return out
+    def _bring_up_to_date(tables: _RowTables, layer: int, seqs: list[SeqKV], columns: TableColumns,
+                          rows: np.ndarray) -> None:
+        """Rows ``rows`` (of ``seqs``) whose page lists changed since they were last read: the ones whose last
+        change was one page joining the end of a format's list, right after that read, take it in place; the
+        others are rewritten from their lists."""
+        before, fids, pages = columns.appended(layer, rows)
+        append = (fids >= 0) & (before == tables.seen[rows])
+        names = columns.fmt_names
+        for f in np.unique(fids[append]).tolist():
+            mine = append & (fids == f)
+            at = rows[mine]
+            tables.fit(0, (names[f],))
+            lens = tables.lens[names[f]]
+            bt = tables.widen(names[f], int(lens[at].max()) + 1)
+            bt[at, lens[at]] = pages[mine]
+            lens[at] += 1
+        rest = np.flatnonzero(~append)
+        if not len(rest):
+            return
+        lists = [seqs[i].layers[layer].pages_of_format() for i in rest.tolist()]
+        at = rows[rest]
+        tables.fit(0, {fmt for d in lists for fmt in d})
+        for fmt, lens in tables.lens.items():
+            mine = [d.get(fmt, NO_PAGES) for d in lists]
+            new = np.fromiter(map(len, mine), np.int64, len(mine))
+            bt = tables.widen(fmt, int(new.max(initial=0)))
+            bt[at, : int(lens[at].max(initial=0))] = -1
+            lens[at] = new
+            _fill_rows(bt, at, mine, new)
+
+
+FIRST_TABLE_WIDTH = 16  # pages a row of a layer's block tables holds before its format's table widens
 
 
 def _fill_rows(bt: np.ndarray, at: np.ndarray, rows: list[np.ndarray], lens: np.ndarray) -> None:
