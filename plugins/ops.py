@@ -19,6 +19,7 @@ from plugins.backend import kernel_impl, use_cpu_kernels
 from plugins.buffer_attention.reference import buffer_attention_ref
 from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
+from plugins.lowest_victim.reference import lowest_victim_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, PagedFormat, dense_attention_cpu, paged_attention_ref
 from plugins.residual_append.reference import residual_append_ref
 from plugins.int4_linear.reference import Int4Weight, int4_linear_ref
@@ -35,6 +36,7 @@ SCHEMAS = {
                        "Tensor block_table, int fmt_code, float sm_scale, float scale_k, float scale_v, "
                        "bool return_logits) -> (Tensor, Tensor, Tensor)",
     "kmeans_select": "(Tensor keys, Tensor counts, Tensor k_keep, int iters) -> Tensor",
+    "lowest_victim": "(Tensor scores, Tensor positions, Tensor blocked) -> Tensor",
     "residual_append": "(Tensor(a!) arena_k, Tensor(b!) arena_v, Tensor at, Tensor k, Tensor v) -> ()",
     "buffer_attention": "(Tensor q, Tensor arena_k, Tensor arena_v, Tensor rows, int layer, Tensor counts, "
                         "float sm_scale, Tensor(a!) out, Tensor(b!) lse) -> ()",
@@ -208,6 +210,16 @@ def kmeans_select(keys, counts, k_keep, iters):
     return kmeans_select_ref(keys, counts, k_keep, iters)
 
 
+def lowest_victim(scores: torch.Tensor, positions: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """Per row, the position of the lowest-scored free column, -1 none (see lowest_victim/reference.py): the
+    compiled CPU kernel on CPU, else the reference (a few tensor passes, on any device)."""
+    if use_cpu_kernels(scores):
+        from plugins.cpu_kernels.ops import lowest_victim_cpu
+
+        return lowest_victim_cpu(scores, positions, blocked)
+    return lowest_victim_ref(scores, positions, blocked)
+
+
 def buffer_attention(q, arena_k, arena_v, rows, layer, counts, sm_scale, out, lse) -> None:
     """Merge attention over the residual buffers into the pages' ``out``/``lse`` in place
     (see buffer_attention/reference.py)."""
@@ -245,11 +257,12 @@ def _kmeans_fake(keys, counts, k_keep, iters):
 
 
 _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "paged_attention": paged_attention,
-                   "kmeans_select": kmeans_select, "buffer_attention": buffer_attention,
+                   "kmeans_select": kmeans_select, "lowest_victim": lowest_victim, "buffer_attention": buffer_attention,
                    "residual_append": residual_append, "int8_linear": int8_linear, "int4_linear": _int4_linear_op}
 _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None, "residual_append": lambda *a: None,
                  "buffer_attention": lambda *a: None, "paged_attention": _paged_attention_meta,
-                 "int8_linear": _int8_linear_meta, "int4_linear": _int4_linear_meta}
+                 "int8_linear": _int8_linear_meta, "int4_linear": _int4_linear_meta,
+                 "lowest_victim": lambda scores, positions, blocked: positions.new_empty(positions.shape[:1])}
 for _name, _kernel in _PYTHON_KERNELS.items():
     for _key in ("CPU", "CUDA"):
         _lib.impl(_name, _kernel, _key)

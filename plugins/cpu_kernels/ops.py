@@ -36,6 +36,11 @@ def kmeans_select_cpu(keys, counts, k_keep, iters):
     return cpu_kernels().kmeans_select(keys, counts, k_keep, int(iters))
 
 
+def lowest_victim_cpu(scores, positions, blocked):
+    """Same contract as ``lowest_victim_ref``: ``[M]`` int64 victim positions, -1 none."""
+    return cpu_kernels().lowest_victim(scores, positions, blocked)
+
+
 def buffer_attention_cpu(q, arena_k, arena_v, rows, layer, counts, sm_scale, out, lse):
     """Same contract as ``buffer_attention_ref``; merges into ``out``/``lse`` in place and returns them."""
     cpu_kernels().buffer_attention_merge(q, arena_k, arena_v, rows, int(layer), counts, float(sm_scale), out, lse)

@@ -32,7 +32,8 @@ BUILD_INFO = "_C_build.json"  # beside the compiled modules: [{name, module, cfl
 # (-g -fwrapv -Wall ...), so the compiler sees the same flags either way.
 BASE_CFLAGS = ["-O3", "-fno-trapping-math", "-fopenmp", "-DNDEBUG"]
 LDFLAGS = ["-fopenmp"]
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "kv_write.cpp", "kmeans_select.cpp", "buffer_attention.cpp",
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "kv_write.cpp", "kmeans_select.cpp", "lowest_victim.cpp",
+           "buffer_attention.cpp",
            "rotary.cpp", "residual_append.cpp", "int8_linear.cpp", "int4_linear.cpp",
            "rms_norm.cpp", "registrations.cpp")
 MARCH = {

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from plugins import ops as plugin_ops
 from trtkv.policies.base import KVPolicy, StatsRequest, every_row
 from trtkv.policies.scorers import Scorer, head_mean
 from trtkv.policies.scoring import lowest, sorted_member, top_keep
@@ -325,14 +326,9 @@ class ScorerPolicy(KVPolicy):
         scores = self.scorer.score_cols_layers(handle, cols) if prot is not None else None
         if scores is None:
             return None
-        pos = torch.from_numpy(cols).to(scores.device)
-        s = scores.float().masked_fill(torch.from_numpy(prot.reshape(L, k, c)).to(scores.device) | (pos < 0),
-                                       float("inf"))
-        nan = torch.isnan(s)
-        low = torch.where(nan.any(2, keepdim=True), nan, s == s.min(2, keepdim=True).values)
-        at = torch.where(low, pos, torch.iinfo(torch.int64).max).argmin(2, keepdim=True)
-        victims = pos.gather(2, at)[:, :, 0]
-        return torch.where(torch.isinf(s.gather(2, at)[:, :, 0]), -1, victims).cpu().numpy()
+        pos = torch.from_numpy(cols.reshape(L * k, c)).to(scores.device)
+        blocked = torch.from_numpy(prot.reshape(L * k, c)).to(scores.device)
+        return plugin_ops.lowest_victim(scores.reshape(L * k, c), pos, blocked).reshape(L, k).cpu().numpy()
 
     def protected_cols_at(self, positions: np.ndarray, cols: np.ndarray) -> np.ndarray | None:
         """``protected_rows_at`` over held positions in any order (``cols``, -1 dead columns), when it needs no

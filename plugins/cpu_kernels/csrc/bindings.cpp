@@ -11,6 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("buffer_attention_merge", &trtkv::buffer_attention_merge_cpu,
         "attention over the residual buffers, merged into the pages' (out, lse) in place (CPU)");
   m.def("kmeans_select", &trtkv::kmeans_select_cpu, "batched k-means token selection (CPU)");
+  m.def("lowest_victim", &trtkv::lowest_victim_cpu, "the lowest-scored free column of each row, ties to the oldest (CPU)");
   m.def("residual_append", &trtkv::residual_append_cpu, "a decode step's K/V rows into the residual arena (CPU)");
   m.def("rms_norm", &trtkv::rms_norm_cpu, "RMS normalization of fp32 rows (CPU)");
   m.def("rotary", &trtkv::rotary_cpu, "rotary position embedding of fp32 heads (CPU)");

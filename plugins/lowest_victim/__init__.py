@@ -1,0 +1,1 @@
+"""One victim per row: the lowest-scored free column (a scoring policy's one-token eviction for a batch)."""
