@@ -142,8 +142,8 @@ def source_positions(tables: list[tuple[PagePool, torch.Tensor]], b: int) -> lis
     positions = []
     for pool, bt in tables:
         bt_np = bt.cpu().numpy()
-        pos = pool.slot_pos[np.maximum(bt_np, 0)]  # [b, P, B]
-        pos[bt_np < 0] = -1
+        pos = np.take(pool.slot_pos, np.maximum(bt_np, 0).reshape(-1), axis=0)  # [b * P, B] (take: one copy loop)
+        pos.reshape(*bt_np.shape, -1)[bt_np < 0] = -1
         positions.append(pos.reshape(b, -1))
     return positions
 
