@@ -71,3 +71,21 @@ def test_every_layer_verbs_equal_per_layer_verbs(seed):
         assert torch.equal(stacked.get_rows_layers(rows, q),
                            torch.stack([each.get_rows(layer, rows, q[layer]) for layer in range(L)]))
     assert torch.equal(stacked.data[:, 1:], each.data[:, 1:])  # (row 0 takes the skipped adds: never read)
+
+
+@pytest.mark.parametrize("same_mask", [True, False])
+@pytest.mark.parametrize("same_step", [True, False])
+def test_random_scores_of_every_layer_equal_layer_by_layer(same_mask, same_step):
+    """RandomScorer's all-layer read (one draw per layer for the batch) equals its ``score_rows`` layer by layer."""
+    from trtkv.policies.random import RandomScorer
+    from trtkv.policies.scorers import Scorer
+
+    rng = np.random.default_rng(3)
+    L, k, n = 4, 5, 9
+    steps = np.full(k, 7, np.int64) if same_step else rng.integers(0, 3, k)
+    positions = np.sort(rng.choice(50, (L, k, n)), axis=2)
+    free = np.broadcast_to(rng.random(n) < 0.7, (L, k, n)).copy() if same_mask else rng.random((L, k, n)) < 0.7
+    scorer = RandomScorer(seed=5)
+    got = scorer.score_rows_layers(steps, positions, free)
+    want = Scorer.score_rows_layers(scorer, steps, positions, free)
+    assert torch.equal(got, want)

@@ -169,7 +169,11 @@ class TableColumns:
 
     def positions_rows(self, layer: int, rows: np.ndarray, n: int) -> np.ndarray:
         """``[len(rows), n]`` held positions, ascending, of ``rows`` that each hold exactly ``n``."""
-        return np.nonzero(self._where[layer][rows] >= 0)[1].reshape(len(rows), n)
+        return _held_per_row(np.take(self._where[layer], rows, axis=0), n)
+
+    def positions_rows_all(self, rows: np.ndarray, n: int) -> np.ndarray:
+        """``positions_rows`` of every layer: ``[layers, len(rows), n]``."""
+        return _held_per_row(np.take(self._where, rows, axis=1), n)
 
     def positions_in(self, layer: int, row: int, lo: int, hi: int) -> np.ndarray:
         """Held positions in ``[lo, hi)``, ascending."""
@@ -502,6 +506,15 @@ class TableColumns:
         the end of a format's list; format id -1 for rows whose last change was another."""
         code = self._appended[layer, rows]
         return self._stamp_before[layer, rows], np.where(code >= 0, code & _FMT_MASK, -1), code >> _SLOT_SHIFT
+
+
+def _held_per_row(where: np.ndarray, n: int) -> np.ndarray:
+    """The held columns of each row of position maps ``where [..., width]`` that each hold exactly ``n``:
+    ``[..., n]`` ascending (one flat scan: ``np.nonzero``'s per-axis index arrays cost twice as much)."""
+    width = where.shape[-1]
+    rows = where.size // width if width else 0
+    flat = np.flatnonzero(where.reshape(-1) >= 0).reshape(rows, n)
+    return (flat - (np.arange(rows) * width)[:, None]).reshape(*where.shape[:-1], n)
 
 
 class PositionView(Mapping):

@@ -401,6 +401,10 @@ class KVCacheManager:
         """``[len(seqs), n]`` paged positions, ascending, of ``seqs`` that each hold exactly ``n`` in pages."""
         return self.columns.positions_rows(layer, np.fromiter((s.row for s in seqs), np.int64, len(seqs)), n)
 
+    def live_positions_rows_layers(self, seqs: list[SeqKV], n: int) -> np.ndarray:
+        """``live_positions_rows`` of every layer, ``[L, len(seqs), n]`` (each holds ``n`` in every layer)."""
+        return self.columns.positions_rows_all(self.rows(seqs), n)
+
     def num_paged_many(self, seqs: list[SeqKV], layer: int) -> np.ndarray:
         """Tokens each of ``seqs`` holds in pages in ``layer`` (one array read for the batch)."""
         return self.columns.live_rows(layer, self.rows(seqs))

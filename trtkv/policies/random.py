@@ -65,6 +65,17 @@ class RandomScorer(Scorer):
             out[torch.from_numpy(at)] = sub
         return out
 
+    def score_rows_layers(self, steps: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
+        """``score_rows`` of every layer: with one step and one mask for every row and layer (the usual case) each
+        layer's draw fills its rows at once."""
+        if not ((steps == steps[0]).all() and (free == free[:1, :1]).all()):
+            return super().score_rows_layers(steps, positions, free)
+        out = torch.full(positions.shape, float("inf"))
+        cols = torch.from_numpy(np.flatnonzero(free[0, 0]))
+        draws = torch.stack([self._draw(int(steps[0]), layer, len(cols)) for layer in range(len(positions))])
+        out[:, :, cols] = draws[:, None, :]
+        return out
+
 
 @dataclass
 class RandomPolicy(ScorerPolicy):

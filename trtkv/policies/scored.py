@@ -290,8 +290,7 @@ class ScorerPolicy(KVPolicy):
         if batch is None:  # held positions from the cache
             if any((first.num_paged_many(layer, due) != n).any() for layer in range(L)):
                 return False
-            every = np.arange(k)
-            held = np.stack([first.live_positions_each(layer, due, every, n) for layer in range(L)])
+            held = first.live_positions_layers(due, n)
         else:
             stats = [batch.get(layer) for layer in range(L)]
             if any(bs is None for bs in stats) or len({bs.positions.shape for bs in stats}) != 1 or \

@@ -208,6 +208,9 @@ class RequestContext:
         seqs = self._seqs(reqs)
         return self._cache.live_positions_rows([seqs[i] for i in which.tolist()], layer, n)
 
+    def live_positions_layers(self, reqs: list["RequestContext"], n: int) -> np.ndarray:
+        return self._cache.live_positions_rows_layers(self._seqs(reqs), n)
+
     def _seqs(self, reqs: list["RequestContext"]) -> list[SeqKV]:
         """The cache records of ``reqs``, remembered for the same list (a step's layers pass the same one)."""
         last, seqs = self._seqs_of
