@@ -20,6 +20,7 @@ from plugins.buffer_attention.reference import buffer_attention_ref
 from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
 from plugins.lowest_victim.reference import lowest_victim_ref
+from plugins.scatter_add_rows.reference import scatter_add_rows_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, PagedFormat, dense_attention_cpu, paged_attention_ref
 from plugins.residual_append.reference import residual_append_ref
 from plugins.int4_linear.reference import Int4Weight, int4_linear_ref
@@ -37,6 +38,7 @@ SCHEMAS = {
                        "bool return_logits) -> (Tensor, Tensor, Tensor)",
     "kmeans_select": "(Tensor keys, Tensor counts, Tensor k_keep, int iters) -> Tensor",
     "lowest_victim": "(Tensor scores, Tensor positions, Tensor blocked) -> Tensor",
+    "scatter_add_rows": "(Tensor(a!) data, Tensor rows, Tensor positions, Tensor values, int layer0) -> ()",
     "residual_append": "(Tensor(a!) arena_k, Tensor(b!) arena_v, Tensor at, Tensor k, Tensor v) -> ()",
     "buffer_attention": "(Tensor q, Tensor arena_k, Tensor arena_v, Tensor rows, int layer, Tensor counts, "
                         "float sm_scale, Tensor(a!) out, Tensor(b!) lse) -> ()",
@@ -220,6 +222,18 @@ def lowest_victim(scores: torch.Tensor, positions: torch.Tensor, blocked: torch.
     return lowest_victim_ref(scores, positions, blocked)
 
 
+def scatter_add_rows(data: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+                     layer0: int = 0) -> None:
+    """Add a batch's per-position values into a score table in place (see scatter_add_rows/reference.py): the
+    compiled CPU kernel for a float32 table on CPU, else the reference."""
+    if data.dtype == torch.float32 and data.is_contiguous() and use_cpu_kernels(data):
+        from plugins.cpu_kernels.ops import scatter_add_rows_cpu
+
+        scatter_add_rows_cpu(data, rows, positions, values, layer0)
+        return
+    scatter_add_rows_ref(data, rows, positions, values, layer0)
+
+
 def buffer_attention(q, arena_k, arena_v, rows, layer, counts, sm_scale, out, lse) -> None:
     """Merge attention over the residual buffers into the pages' ``out``/``lse`` in place
     (see buffer_attention/reference.py)."""
@@ -257,9 +271,11 @@ def _kmeans_fake(keys, counts, k_keep, iters):
 
 
 _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "paged_attention": paged_attention,
-                   "kmeans_select": kmeans_select, "lowest_victim": lowest_victim, "buffer_attention": buffer_attention,
+                   "kmeans_select": kmeans_select, "lowest_victim": lowest_victim,
+                   "scatter_add_rows": scatter_add_rows, "buffer_attention": buffer_attention,
                    "residual_append": residual_append, "int8_linear": int8_linear, "int4_linear": _int4_linear_op}
 _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None, "residual_append": lambda *a: None,
+                 "scatter_add_rows": lambda *a: None,
                  "buffer_attention": lambda *a: None, "paged_attention": _paged_attention_meta,
                  "int8_linear": _int8_linear_meta, "int4_linear": _int4_linear_meta,
                  "lowest_victim": lambda scores, positions, blocked: positions.new_empty(positions.shape[:1])}

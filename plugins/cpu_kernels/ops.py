@@ -41,6 +41,11 @@ def lowest_victim_cpu(scores, positions, blocked):
     return cpu_kernels().lowest_victim(scores, positions, blocked)
 
 
+def scatter_add_rows_cpu(data, rows, positions, values, layer0) -> None:
+    """Same contract as ``scatter_add_rows_ref``: adds into ``data`` in place."""
+    cpu_kernels().scatter_add_rows(data, rows, positions, values, int(layer0))
+
+
 def buffer_attention_cpu(q, arena_k, arena_v, rows, layer, counts, sm_scale, out, lse):
     """Same contract as ``buffer_attention_ref``; merges into ``out``/``lse`` in place and returns them."""
     cpu_kernels().buffer_attention_merge(q, arena_k, arena_v, rows, int(layer), counts, float(sm_scale), out, lse)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from plugins import ops as plugin_ops
+
 FIRST_ROWS, FIRST_CAP = 8, 64
 
 
@@ -20,7 +22,7 @@ class RowTable:
         self.num_layers = num_layers
         with torch.inference_mode(False):  # normal tensors: tree search updates them outside inference mode too
             self.data = torch.zeros((num_layers, FIRST_ROWS, FIRST_CAP), dtype=dtype, device=device)
-        self._free = list(range(FIRST_ROWS - 1, 0, -1))  # row 0 takes the skipped columns' adds (never read)
+        self._free = list(range(FIRST_ROWS - 1, 0, -1))  # (row 0 is never handed out)
 
     @property
     def device(self) -> torch.device:
@@ -54,17 +56,15 @@ class RowTable:
         self.data = grown
 
     def add_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor) -> None:
-        """``values [b, n]`` added at ``positions [b, n]`` (distinct per row; -1: skip) of ``rows [b]``. A skipped
-        column adds into row 0, which no request holds: one scatter of the whole array, no masked copies."""
+        """``values [b, n]`` added at ``positions [b, n]`` (distinct per row; -1: skip) of ``rows [b]``, in one
+        ``scatter_add_rows`` (plugins/scatter_add_rows)."""
         top = int(positions.max(initial=-1))
         if top < 0:
             return
         self.ensure(top)
-        flat = rows[:, None] * self.cap + positions
-        if positions.min() < 0:
-            flat[positions < 0] = 0
-        self.data[layer].view(-1).index_add_(0, torch.from_numpy(flat.reshape(-1)).to(self.device),
-                                             values.reshape(-1).to(self.device, self.data.dtype))
+        plugin_ops.scatter_add_rows(self.data, torch.from_numpy(np.ascontiguousarray(rows, np.int64)),
+                                    torch.from_numpy(np.ascontiguousarray(positions, np.int64))[None],
+                                    values[None], layer)
 
     def flat(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Indices into a layer's flattened ``[rows, cap]`` data of ``positions`` (>= 0, any shape) of ``rows``
@@ -94,12 +94,8 @@ class RowTable:
         if top < 0:
             return
         self.ensure(top)
-        flat = self._flat_layers(rows, positions)
-        if positions.min() < 0:  # (into the layer's row 0, which no request holds)
-            flat = np.where(positions < 0, (np.arange(len(positions)) * self.data.shape[1] * self.cap)[:, None, None],
-                            flat)
-        self.data.view(-1).index_add_(0, torch.from_numpy(flat.reshape(-1)).to(self.device),
-                                      values.reshape(-1).to(self.device, self.data.dtype))
+        plugin_ops.scatter_add_rows(self.data, torch.from_numpy(np.ascontiguousarray(rows, np.int64)),
+                                    torch.from_numpy(np.ascontiguousarray(positions, np.int64)), values, 0)
 
     def get_rows_layers(self, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """``get_rows`` of every layer at once: ``[L, b, n]`` scores at ``positions [L, b, n]`` (>= 0)."""

@@ -12,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention over the residual buffers, merged into the pages' (out, lse) in place (CPU)");
   m.def("kmeans_select", &trtkv::kmeans_select_cpu, "batched k-means token selection (CPU)");
   m.def("lowest_victim", &trtkv::lowest_victim_cpu, "the lowest-scored free column of each row, ties to the oldest (CPU)");
+  m.def("scatter_add_rows", &trtkv::scatter_add_rows_cpu,
+        "a batch's per-position evidence added into a score table in every layer, in place (CPU)");
   m.def("residual_append", &trtkv::residual_append_cpu, "a decode step's K/V rows into the residual arena (CPU)");
   m.def("rms_norm", &trtkv::rms_norm_cpu, "RMS normalization of fp32 rows (CPU)");
   m.def("rotary", &trtkv::rotary_cpu, "rotary position embedding of fp32 heads (CPU)");

@@ -22,6 +22,8 @@ void kv_write_groups_cpu(const at::Tensor& k, const at::Tensor& v, const std::ve
 void buffer_attention_merge_cpu(const at::Tensor& q, const at::Tensor& arena_k, const at::Tensor& arena_v,
                                 const at::Tensor& rows, int64_t layer, const at::Tensor& counts, double sm_scale,
                                 at::Tensor& out, at::Tensor& lse);
+void scatter_add_rows_cpu(at::Tensor& data, const at::Tensor& rows, const at::Tensor& positions,
+                          const at::Tensor& values, int64_t layer0);
 at::Tensor lowest_victim_cpu(const at::Tensor& scores, const at::Tensor& positions, const at::Tensor& blocked);
 at::Tensor kmeans_select_cpu(const at::Tensor& keys, const at::Tensor& counts, const at::Tensor& k_keep,
                              int64_t iters);

@@ -1,0 +1,58 @@
+// CPU accumulation of a batch's per-position evidence into a score table (contract:
+// plugins/scatter_add_rows/reference.py).
+//
+// The reference builds flat indices and a mask over [L, b, n] and scatters with index_add_ (five passes and two
+// temporaries of the indices); here each (layer, request) row is one pass that adds its values at its positions.
+// Positions are distinct within a row and rows are distinct, so rows run in parallel without conflicts, and
+// each entry is the same single float add as the reference's.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cstdint>
+
+namespace trtkv {
+
+void scatter_add_rows_cpu(at::Tensor& data, const at::Tensor& rows_in, const at::Tensor& positions_in,
+                          const at::Tensor& values_in, int64_t layer0) {
+  TORCH_CHECK(data.dim() == 3 && data.scalar_type() == at::kFloat && data.is_contiguous(),
+              "scatter_add_rows: data must be a contiguous float32 [layers, rows, cap]");
+  TORCH_CHECK(positions_in.dim() == 3 && values_in.sizes() == positions_in.sizes(),
+              "scatter_add_rows: positions and values must be [L, b, n] of one shape");
+  TORCH_CHECK(rows_in.dim() == 1 && rows_in.size(0) == positions_in.size(1),
+              "scatter_add_rows: rows must be [b], one per request of positions");
+  const int64_t L = positions_in.size(0), b = positions_in.size(1), n = positions_in.size(2);
+  const int64_t R = data.size(1), cap = data.size(2);
+  TORCH_CHECK(layer0 >= 0 && layer0 + L <= data.size(0), "scatter_add_rows: layers out of the table");
+  const at::Tensor rows = rows_in.to(at::kLong).contiguous();
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  const at::Tensor values = values_in.to(at::kFloat).contiguous();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < R, "scatter_add_rows: a row out of the table");
+  const int64_t* p = positions.data_ptr<int64_t>();
+  const float* v = values.data_ptr<float>();
+  float* d = data.data_ptr<float>();
+  constexpr int64_t SERIAL_WORK = 1 << 16;  // entries below which no thread is woken
+  const int64_t grain = n > 0 ? std::max<int64_t>(1, SERIAL_WORK / n) : L * b;
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, L * b, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t li = lo; li < hi; ++li) {
+      const int64_t l = li / b, i = li % b;
+      float* row = d + ((layer0 + l) * R + r[i]) * cap;
+      const int64_t* pr = p + li * n;
+      const float* vr = v + li * n;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = pr[j];
+        if (pos < 0) continue;
+        if (pos >= cap) {
+          bad.store(true, std::memory_order_relaxed);
+          continue;
+        }
+        row[pos] += vr[j];
+      }
+    }
+  });
+  TORCH_CHECK(!bad.load(), "scatter_add_rows: a position past the table's width");
+}
+
+}  // namespace trtkv

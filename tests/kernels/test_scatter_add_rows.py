@@ -1,0 +1,69 @@
+"""A batch's per-position evidence added into a score table: the compiled CPU kernel leaves the torch reference's
+table exactly, over drawn rows, layers, skipped (-1) columns and value dtypes; a bad position is one error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import plugins.ops as plugin_ops
+from plugins.cpu_kernels.ops import scatter_add_rows_cpu
+from plugins.scatter_add_rows.reference import scatter_add_rows_ref
+from cpu_marks import needs_kernels
+
+
+def drawn(layers: int, R: int, cap: int, L: int, b: int, n: int, seed: int, dtype=torch.float32):
+    """A table with history, ``b`` distinct rows, and per (layer, row) ``n`` distinct positions, some skipped."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.rand(layers, R, cap, generator=g)
+    rows = torch.randperm(R, generator=g)[:b]
+    positions = torch.stack([torch.stack([torch.randperm(cap, generator=g)[:n] for _ in range(b)])
+                             for _ in range(L)])
+    positions[torch.rand(L, b, n, generator=g) < 0.2] = -1
+    values = torch.rand(L, b, n, generator=g).to(dtype)
+    return data, rows, positions, values
+
+
+def test_reference_adds_each_value_once():
+    data = torch.zeros(2, 3, 5)
+    scatter_add_rows_ref(data, torch.tensor([2, 0]), torch.tensor([[[4, -1], [0, 1]]]),
+                         torch.tensor([[[1.5, 9.0], [2.0, 3.0]]]), 1)
+    want = torch.zeros(2, 3, 5)
+    want[1, 2, 4], want[1, 0, 0], want[1, 0, 1] = 1.5, 2.0, 3.0
+    assert torch.equal(data, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 5, 7), (32, 256, 64)])  # the last: r1-llama-8b's depth x 256
+@pytest.mark.parametrize("layer0", [0, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_the_reference(shape, layer0, dtype):
+    L, b, n = shape
+    data, rows, positions, values = drawn(L + layer0, b + 3, n + 40, L, b, n, seed=L + b + n + layer0, dtype=dtype)
+    want = data.clone()
+    scatter_add_rows_ref(want, rows, positions, values, layer0)
+    got = data.clone()
+    scatter_add_rows_cpu(got, rows, positions, values, layer0)
+    assert torch.equal(got, want)
+    via_op = data.clone()
+    torch.ops.trtkv.scatter_add_rows(via_op, rows, positions, values, layer0)
+    assert torch.equal(via_op, want)
+
+
+@needs_kernels
+def test_a_position_past_the_width_is_one_error():
+    data, rows, positions, values = drawn(2, 4, 8, 2, 3, 4, seed=0)
+    positions[1, 2, 0] = 8
+    with pytest.raises(RuntimeError, match="past the table's width"):
+        scatter_add_rows_cpu(data, rows, positions, values, 0)
+    with pytest.raises(RuntimeError, match="layers out of the table"):
+        scatter_add_rows_cpu(data, rows, positions.clamp(max=7), values, 1)
+
+
+def test_entry_point_runs_the_reference_for_other_tables():
+    """A float64 table (or one off the CPU kernels) takes the reference: the same adds."""
+    data, rows, positions, values = drawn(2, 6, 12, 2, 4, 5, seed=1)
+    data = data.double()
+    want = data.clone()
+    scatter_add_rows_ref(want, rows, positions, values, 0)
+    plugin_ops.scatter_add_rows(data, rows, positions, values, 0)
+    assert torch.equal(data, want)
