@@ -153,15 +153,14 @@ class MRIScorer(Scorer):
         step = np.fromiter((r.step for r in reqs), np.int64, len(reqs))
         for layer, pos, w, _ in batch_rows_of(batch, rows):
             act = (w.amax(1) if self.head_reduce == "max" else w.mean(1)) >= self.alpha
-            live = pos >= 0
-            if live.all():  # (the usual step: no masking)
-                n = pos.shape[1]
-                self._track(layer, np.repeat(table_rows, n), pos.reshape(-1), np.repeat(prompt, n),
-                            np.repeat(step, n), act.reshape(-1))
-            elif live.any():
-                self._track(layer, np.broadcast_to(table_rows[:, None], pos.shape)[live], pos[live],
-                            np.broadcast_to(prompt[:, None], pos.shape)[live],
-                            np.broadcast_to(step[:, None], pos.shape)[live], act[torch.from_numpy(live).to(act.device)])
+            n = pos.shape[1]
+            dead = pos < 0
+            at_rows, at_pos = np.repeat(table_rows, n), pos.reshape(-1)
+            if dead.any():  # a dead column updates row 0 of the tables, which no request holds (no masked copies)
+                flat_dead = dead.reshape(-1)
+                at_rows = np.where(flat_dead, 0, at_rows)
+                at_pos = np.where(flat_dead, 0, at_pos)
+            self._track(layer, at_rows, at_pos, np.repeat(prompt, n), np.repeat(step, n), act.reshape(-1))
 
     def _track(self, layer: int, rows: np.ndarray, pos: np.ndarray, prompt: np.ndarray, step: np.ndarray,
                act: torch.Tensor) -> None:
