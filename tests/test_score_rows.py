@@ -70,7 +70,7 @@ def test_every_layer_verbs_equal_per_layer_verbs(seed):
         q = np.maximum(pos, 0)
         assert torch.equal(stacked.get_rows_layers(rows, q),
                            torch.stack([each.get_rows(layer, rows, q[layer]) for layer in range(L)]))
-    assert torch.equal(stacked.data[:, 1:], each.data[:, 1:])  # (row 0 takes the skipped adds: never read)
+    assert torch.equal(stacked.data[:, 1:], each.data[:, 1:])  # (row 0: the scratch row, never handed out)
 
 
 @pytest.mark.parametrize("same_mask", [True, False])

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from trtkv.policies.base import BatchLayerStats, StatsRequest, batch_rows_of
-from trtkv.policies.score_rows import RowTable, RowView
+from trtkv.policies.score_rows import SCRATCH_ROW, RowTable, RowView
 from trtkv.policies.scored import Cadence, ScorerPolicy
 from trtkv.policies.scorers import Scorer
 from trtkv.policies.scoring import check_choice, check_positive, head_reduce
@@ -156,9 +156,9 @@ class MRIScorer(Scorer):
             n = pos.shape[1]
             dead = pos < 0
             at_rows, at_pos = np.repeat(table_rows, n), pos.reshape(-1)
-            if dead.any():  # a dead column updates row 0 of the tables, which no request holds (no masked copies)
+            if dead.any():  # a dead column updates the tables' scratch row, which no request holds (no masked copies)
                 flat_dead = dead.reshape(-1)
-                at_rows = np.where(flat_dead, 0, at_rows)
+                at_rows = np.where(flat_dead, SCRATCH_ROW, at_rows)
                 at_pos = np.where(flat_dead, 0, at_pos)
             self._track(layer, at_rows, at_pos, np.repeat(prompt, n), np.repeat(step, n), act.reshape(-1))
 

@@ -15,6 +15,7 @@ import torch
 from plugins import ops as plugin_ops
 
 FIRST_ROWS, FIRST_CAP = 8, 64
+SCRATCH_ROW = 0  # never handed out: a batch's dead columns may read and write it (nobody reads it back)
 
 
 class RowTable:
@@ -22,7 +23,7 @@ class RowTable:
         self.num_layers = num_layers
         with torch.inference_mode(False):  # normal tensors: tree search updates them outside inference mode too
             self.data = torch.zeros((num_layers, FIRST_ROWS, FIRST_CAP), dtype=dtype, device=device)
-        self._free = list(range(FIRST_ROWS - 1, 0, -1))  # (row 0 is never handed out)
+        self._free = list(range(FIRST_ROWS - 1, SCRATCH_ROW, -1))
 
     @property
     def device(self) -> torch.device:
@@ -58,13 +59,7 @@ class RowTable:
     def add_rows(self, layer: int, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor) -> None:
         """``values [b, n]`` added at ``positions [b, n]`` (distinct per row; -1: skip) of ``rows [b]``, in one
         ``scatter_add_rows`` (plugins/scatter_add_rows)."""
-        top = int(positions.max(initial=-1))
-        if top < 0:
-            return
-        self.ensure(top)
-        plugin_ops.scatter_add_rows(self.data, torch.from_numpy(np.ascontiguousarray(rows, np.int64)),
-                                    torch.from_numpy(np.ascontiguousarray(positions, np.int64))[None],
-                                    values[None], layer)
+        self._scatter_add(rows, positions[None], values[None], layer)
 
     def flat(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Indices into a layer's flattened ``[rows, cap]`` data of ``positions`` (>= 0, any shape) of ``rows``
@@ -90,12 +85,17 @@ class RowTable:
 
     def add_rows_layers(self, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor) -> None:
         """``add_rows`` of every layer at once: ``values [L, b, n]`` at ``positions [L, b, n]`` (-1: skip)."""
+        self._scatter_add(rows, positions, values, 0)
+
+    def _scatter_add(self, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor, layer0: int) -> None:
+        """``values [L, b, n]`` added at ``positions [L, b, n]`` (-1: skip) of ``rows [b]`` in layers
+        ``layer0..layer0 + L - 1``; grows the table first."""
         top = int(positions.max(initial=-1))
         if top < 0:
             return
         self.ensure(top)
         plugin_ops.scatter_add_rows(self.data, torch.from_numpy(np.ascontiguousarray(rows, np.int64)),
-                                    torch.from_numpy(np.ascontiguousarray(positions, np.int64)), values, 0)
+                                    torch.from_numpy(np.ascontiguousarray(positions, np.int64)), values, layer0)
 
     def get_rows_layers(self, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """``get_rows`` of every layer at once: ``[L, b, n]`` scores at ``positions [L, b, n]`` (>= 0)."""
