@@ -441,15 +441,20 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
     check_invariants(caches[0])
 
 
-def test_write_plan_takes_every_layers_slots_at_once_and_steps_aside_for_reuse():
-    """A step with no reusable slot anywhere is planned for every layer (page boundaries included), the same as
-    ``write_through`` layer by layer; once a request has an evicted slot in any layer, no plan is made."""
+def test_write_plan_takes_every_layers_slots_at_once_and_reuses_evicted_slots():
+    """Every step is planned for every layer at once (page boundaries included), the same as ``write_through``
+    layer by layer — before and after evictions leave reusable slots in some layers (taken oldest page first)."""
     caches = [make_cache(g=1), make_cache(g=1)]
     cls = WT_CLASSES[0]
     for c in caches:
         for sid in range(3):
             c.add_sequence(sid)
-    for step in range(9):  # two page boundaries (blocks of 4)
+    for step in range(14):  # page boundaries (blocks of 4), then evicted slots to take back
+        if step == 9:
+            oldest = caches[1].seqs[2].layers[L - 1].locate(3)  # (an earlier page than position 5's)
+            for c in caches:
+                c.evict(c.seqs[2], L - 1, [3, 5])  # two slots of one request in the last layer
+                c.evict(c.seqs[0], 0, [6])
         k, v = torch.randn(3, H, D), torch.randn(3, H, D)
         pos = [step] * 3
         plan = caches[1].plan_write_through([caches[1].seqs[s] for s in range(3)], pos, cls)
@@ -458,8 +463,10 @@ def test_write_plan_takes_every_layers_slots_at_once_and_steps_aside_for_reuse()
             caches[0].write_through(layer, [caches[0].seqs[s] for s in range(3)], k, v, pos, cls)
             caches[1].write_planned(plan, layer, k, v)
         assert _state(caches[0]) == _state(caches[1])
-    caches[1].evict(caches[1].seqs[2], L - 1, [3, 5])  # two slots: a reuse heap
-    assert caches[1].plan_write_through([caches[1].seqs[s] for s in range(3)], [9] * 3, cls) is None
+        if step == 9:  # the evicted slots were written again
+            assert caches[1].seqs[2].layers[L - 1].locate(9) == oldest
+            assert not caches[1].seqs[2].layers[0].reusable and caches[1].seqs[2].layers[L - 1].reusable
+    assert not any(t.reusable for s in caches[1].seqs.values() for t in s.layers)
 
 
 @pytest.mark.parametrize("free_at", [None, 40])

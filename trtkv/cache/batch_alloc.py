@@ -3,8 +3,8 @@
 A decode step writes one token of every request; a flush writes whole pages of many. Table by table that is
 Python work per (request, layer); these functions do a batch's allocation with a few array operations on the
 columns (``TableColumns``) and the pool, and reach each table only through its verbs where a row needs its
-own rules (reuse heaps, a full pool). The same slots and state as each table's own ``alloc_one`` (property
-tests in tests/test_cache_properties.py).
+own rules (a full pool). The same slots and state as each table's own ``alloc_slots`` (property tests in
+tests/test_cache_properties.py).
 """
 from __future__ import annotations
 
@@ -22,50 +22,36 @@ __all__ = ["alloc_one_each", "open_fresh_pages", "open_fresh_pages_layers", "add
 
 def alloc_one_each(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
                    pool: PagePool, cls: Cls) -> tuple[np.ndarray, np.ndarray]:
-    """``alloc_one`` for one token of each of ``rows`` (distinct requests, one layer; ``tables(i)``: the
-    table of ``rows[i]``), the same slots in the same state, by array operations: a row whose only reusable
-    slot is the one the columns keep outside the heap takes it back; rows with no reusable slot and no open
-    page get new pages in one pool call, then take their open page's next tail slot; rows with reuse heaps
-    take ``alloc_one``. (Each array operation costs microseconds inside a decode step: a layer of the common
-    case, no reuse anywhere, takes a handful.)"""
+    """One slot of ``cls`` for one token of each of ``rows`` (distinct requests, one layer; ``tables(i)``: the
+    table of ``rows[i]``), as each table's ``alloc_slots`` would give it, by array operations: a reusable slot
+    where the row has one (``ReusableSlots``), else its open page's next tail slot, rows with neither getting
+    new pages in one pool call. (Each array operation costs microseconds inside a decode step: a layer of the
+    common case, nothing reusable, takes a handful.)"""
     n = len(rows)
-    heaped = cols.reusable_rows(layer, rows, cls)  # None: no row of the layer has a reuse heap of cls
-    single = cols.singles(layer, rows, cls)
-    pages = np.full(n, -1, np.int64)
-    slots = np.zeros(n, np.int64)
-    waiting = heaped if heaped is not None else np.zeros(n, bool)  # rows served elsewhere: heaps, kept slots
-    if single is not None:
-        kept = np.flatnonzero((single >= 0) & ~waiting)
-        if len(kept):
-            sp, ss = single[kept] >> 5, single[kept] & 31
-            free = (pool.valid[sp] >> ss.astype(np.int32)) & 1 == 0  # (else refilled: stale, as in the heap)
-            cols.set_singles(layer, rows[kept], cls, np.full(len(kept), -1, np.int64))
-            took = kept[free]
-            pages[took], slots[took] = sp[free], ss[free]
-            waiting = waiting.copy()
-            waiting[took] = True
+    pages, slots = np.full(n, -1, np.int64), np.zeros(n, np.int64)
+    reused = np.zeros(n, bool)
+    counts = cols.reuse.counts(layer, rows, cls)
+    if counts is not None and counts.any():
+        at = np.flatnonzero(counts)
+        p, s = cols.reuse.take_one_each(layer, rows[at], cls, pool.slots_free)
+        got = p >= 0
+        pages[at[got]], slots[at[got]] = p[got], s[got]
+        reused[at[got]] = True
     opens = cols.open_pages(layer, rows, cls)
-    need = np.flatnonzero((opens < 0) & ~waiting)
+    need = np.flatnonzero((opens < 0) & ~reused)
     if len(need):
         open_fresh_pages(tables, cols, layer, rows, need, pool, cls)
         opens = cols.open_pages(layer, rows, cls)
-    fast = ~waiting
-    if fast.all():  # every row takes its open page's tail (the common step)
-        slots = pool.take_tails(opens)
-        closed = np.flatnonzero(slots + 1 >= pool.B)
-        if len(closed):  # a page's last tail slot: it is no longer the class's open page
-            cols.close_rows(layer, rows[closed], cls)
-        return opens, slots
-    if fast.any():
-        start = pool.take_tails(opens[fast])
-        pages[fast] = opens[fast]
-        slots[fast] = start
-        closed = np.flatnonzero(fast)[start + 1 >= pool.B]
-        if len(closed):
-            cols.close_rows(layer, rows[closed], cls)
-    if heaped is not None:
-        for i in np.flatnonzero(heaped).tolist():
-            pages[i], slots[i] = tables(i).alloc_one(pool, cls)
+    if not reused.any():  # every row takes its open page's tail (the common step)
+        pages, slots = opens, pool.take_tails(opens)
+        tail = np.arange(n)
+    else:
+        tail = np.flatnonzero(~reused)
+        pages[tail] = opens[tail]
+        slots[tail] = pool.take_tails(opens[tail])
+    closed = tail[slots[tail] + 1 >= pool.B]
+    if len(closed):  # a page's last tail slot: it is no longer the class's open page
+        cols.close_rows(layer, rows[closed], cls)
     return pages, slots
 
 
@@ -106,8 +92,9 @@ def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, sh
             continue
         for i in need[fresh.full(layer, rows[need])].tolist():  # rows with a full queue take theirs in first
             seqs[i].layers[layer].take_waiting_pages()
-        fresh.add(layer, rows[need], fmt_id, fresh_pages, np.fromiter(islice(order, len(need)), np.int64,
-                                                                      len(need)))
+        orders = np.fromiter(islice(order, len(need)), np.int64, len(need))
+        fresh.add(layer, rows[need], fmt_id, fresh_pages, orders)
+        cols.reuse.note_orders(layer, cls[0], fresh_pages, orders)
         cols.set_opens(layer, rows[need], cls, fresh_pages)
         cols.append_rows(layer, rows[need], cls[0], fresh_pages, np.ones(len(need), bool))
         charge[need] += held_page_bytes(pool)

@@ -1,17 +1,16 @@
 """``BlockTable``: one request's pages in one layer, and where each of its tokens lives.
 
 A table owns, for its request and layer: the pages of every class (format, thought type) in allocation
-order, the open page of each class (never-written tail slots), the heaps of reusable (evicted) slots, the
+order, the open page of each class (never-written tail slots), the reusable (evicted) slots, the
 position map ``position -> (format, page, slot)``, the flat page arrays and cached block tables built from
 the page lists (rebuilt whenever a page list changes), and the bytes its pages cost the request. Every
 change goes through a verb here, so the rules of paging live in one place; the pools' own state (codes,
 validity, fill) changes only through ``PagePool``'s verbs. The position map, live count, open pages and
-reusable-slot flags sit in the cache's ``TableColumns`` (this table's row there), so a decode step's write
-updates them for the whole batch at once (``batch_alloc.py``, ``TableColumns.place_rows``).
+reusable slots sit in the cache's ``TableColumns`` (this table's row there), so a decode step's write
+updates them for the whole batch at once (``batch_alloc.py``, ``TableColumns.place_rows``, ``ReusableSlots``).
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable, Iterator
 from itertools import repeat
 from types import MappingProxyType
@@ -43,7 +42,6 @@ class BlockTable:
         self._order = order
         self._cols, self._row = cols, row  # position map, live count, open pages, reuse flags: this row
         self._page_lists: dict[Cls, list[int]] = {}  # (read through ``_pages``: a page boundary's pages wait)
-        self._reusable: dict[Cls, list[tuple[int, int, int]]] = {}  # heap of (page order, page, slot)
         self._orders: dict[tuple[str, int], int] = {}  # order number of each held page (through ``_page_order``)
         self._flat: dict[str, np.ndarray] | None = None
         self._single_bt: list | None = None  # block tables of this request alone (attention at batch 1)
@@ -101,14 +99,9 @@ class BlockTable:
 
     @property
     def reusable(self) -> dict[Cls, list[tuple[int, int, int]]]:
-        """``class -> [(page order, page, slot), ...]``: the non-empty reuse heaps with the slot kept outside them
-        (a copy)."""
-        out = {cls: list(h) for cls, h in self._reusable.items() if h}
-        for cls in self._cols.single_classes(self.layer):
-            one = self._cols.single(self.layer, self._row, cls)
-            if one is not None and (cls[0], one[0]) in self._page_order:
-                out.setdefault(cls, []).append((self._page_order[(cls[0], one[0])], *one))
-        return out
+        """``class -> [(page order, page, slot), ...]``: the reusable slots of each class, in the order writes take
+        them (a copy)."""
+        return self._cols.reuse.entries(self.layer, self._row)
 
     @property
     def open_page(self) -> dict[Cls, int]:
@@ -182,35 +175,10 @@ class BlockTable:
     def _close(self, cls: Cls) -> None:
         self._cols.set_open(self.layer, self._row, cls, -1)
 
-    def _reuse_changed(self, cls: Cls) -> None:
-        """The reuse heap of ``cls`` changed: the columns' flag follows whether it is empty."""
-        self._cols.set_reusable(self.layer, self._row, cls, bool(self._reusable.get(cls)))
-
-    def _absorb(self, cls: Cls) -> None:
-        """The reusable slot the columns keep outside the heap (``TableColumns.single``) joins the heap."""
-        one = self._cols.single(self.layer, self._row, cls)
-        if one is not None:
-            self._cols.clear_single(self.layer, self._row, cls)
-            no = self._page_order.get((cls[0], one[0]))
-            if no is not None:  # (a page no longer held takes its slot with it, as a stale heap entry would)
-                heapq.heappush(self._reusable.setdefault(cls, []), (no, *one))
-                self._cols.set_reusable(self.layer, self._row, cls, True)
-
     def alloc_slots(self, pool: PagePool, cls: Cls, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Slots for ``n`` tokens of ``cls``: reusable (evicted) slots first (oldest page, lowest slot), then
         the open page's tail, and only then new pages."""
-        self._absorb(cls)
-        heap = self._reusable.get(cls)
-        pages, slots = [], []
-        if heap:
-            order, fmt = self._page_order, cls[0]
-            while heap and len(pages) < n:
-                no, p, s = heapq.heappop(heap)
-                if order.get((fmt, p)) != no or not pool.slot_free(p, s):
-                    continue  # stale entry: page released (maybe reallocated, to any class) or slot refilled
-                pages.append(p)
-                slots.append(s)
-            self._reuse_changed(cls)
+        pages, slots = self._cols.reuse.take(self.layer, self._row, cls, n, pool.slots_free)
         while len(pages) < n:
             p = self._open_of(cls)
             if p is None:
@@ -222,33 +190,9 @@ class BlockTable:
                 self._close(cls)
         return np.asarray(pages, np.int64), np.asarray(slots, np.int64)
 
-    def alloc_one(self, pool: PagePool, cls: Cls) -> tuple[int, int]:
-        """``alloc_slots(pool, cls, 1)`` as two ints, without building arrays (a decode step's write)."""
-        self._absorb(cls)
-        heap = self._reusable.get(cls)
-        if heap:
-            found = None
-            while heap:
-                no, p, s = heapq.heappop(heap)
-                if self._page_order.get((cls[0], p)) == no and pool.slot_free(p, s):
-                    found = int(p), int(s)
-                    break
-            self._reuse_changed(cls)
-            if found is not None:
-                return found
-        p = self._open_of(cls)
-        if p is None:  # a new page: the general path
-            pages, slots = self.alloc_slots(pool, cls, 1)
-            return int(pages[0]), int(slots[0])
-        s, _ = pool.take_tail(p, 1)
-        if pool.tail_full(p):
-            self._close(cls)
-        return int(p), s
-
     def needs_fresh_pages(self, cls: Cls) -> bool:
         """No reusable slot and no open page of ``cls``: a write of whole pages takes fresh pages."""
-        return (not self._reusable.get(cls) and self._open_of(cls) is None
-                and self._cols.single(self.layer, self._row, cls) is None)
+        return self._cols.reuse.count(self.layer, self._row, cls) == 0 and self._open_of(cls) is None
 
     def new_page(self, pool: PagePool, cls: Cls) -> int:
         """A page of ``cls`` from ``pool`` becomes the open page (a full pool names this request)."""
@@ -263,7 +207,8 @@ class BlockTable:
         """Page ``p``, just taken from ``pool``, joins the table as the open page of ``cls``."""
         if cls[1]:
             self._cols.fresh.thoughts = True
-        self._page_order[(cls[0], p)] = next(self._order)
+        self._page_order[(cls[0], p)] = no = next(self._order)
+        self._cols.reuse.note_orders(self.layer, cls[0], p, no)
         self._pages.setdefault(cls, []).append(p)
         self._cols.set_open(self.layer, self._row, cls, p)
         self._pages_changed()
@@ -271,7 +216,8 @@ class BlockTable:
 
     def hold_fresh_page(self, cls: Cls, p: int, cost: int) -> bool:
         """``hold_fresh`` of one page (a batch's page boundary: thousands of tables a step, so no loop or list)."""
-        self._page_order[(cls[0], p)] = next(self._order)
+        self._page_order[(cls[0], p)] = no = next(self._order)
+        self._cols.reuse.note_orders(self.layer, cls[0], p, no)
         held = self._pages.get(cls)
         if held is None:
             self._pages[cls] = [p]
@@ -284,7 +230,8 @@ class BlockTable:
         format's list (the batch's block tables can append them)."""
         fmt = cls[0]
         for p in pages:
-            self._page_order[(fmt, p)] = next(self._order)
+            self._page_order[(fmt, p)] = no = next(self._order)
+            self._cols.reuse.note_orders(self.layer, fmt, p, no)
         held = self._pages.get(cls)
         if held is None:
             self._pages[cls] = list(pages)
@@ -318,40 +265,12 @@ class BlockTable:
 
     # --- freed slots and pages -----------------------------------------------------------------------
     def free_slot(self, pool: PagePool, cls: Cls, p: int, s: int) -> None:
-        """Slot ``s`` of page ``p`` (just evicted) joins its class's reuse heap; the page goes back to the
-        pool when it is left empty and is not the open page."""
-        self._absorb(cls)
-        heapq.heappush(self._reusable.setdefault(cls, []), (self._page_order[(cls[0], p)], p, s))
-        self._cols.set_reusable(self.layer, self._row, cls, True)
+        """Slot ``s`` of page ``p`` (just evicted) becomes reusable; the page goes back to the pool when it is left
+        empty and is not the open page."""
         if pool.live[p] == 0 and self._open_of(cls) != p:
-            self.release_page(pool, cls, p)
-
-    def free_slots(self, pool: PagePool, fmt: str, pl: list[int], sl: list[int], reuse: bool = True) -> None:
-        """``free_slot`` of many evicted slots of one format at once. ``reuse=False`` (a compaction follows and
-        forgets every reusable slot): only the emptied pages go back."""
-        uniq = list(dict.fromkeys(pl))
-        classes = pool.page_class[uniq].tolist()
-        if not reuse:
-            self._release_empty(pool, fmt, uniq, classes)
-            return
-        order = {p: self._page_order[(fmt, p)] for p in uniq}
-        if len(set(classes)) == 1:  # one class (the common case): the heap entries in one pass
-            by_cls = {classes[0]: list(zip(map(order.__getitem__, pl), pl, sl))}
+            self.release_page(pool, cls, p)  # (its reusable slots go with it)
         else:
-            cls_of, by_cls = dict(zip(uniq, classes)), {}
-            for p, s in zip(pl, sl):
-                by_cls.setdefault(cls_of[p], []).append((order[p], p, s))
-        for c, freed in by_cls.items():  # pops come out the same whichever way the heap is built (entries differ)
-            self._absorb((fmt, c))
-            heap = self._reusable.setdefault((fmt, c), [])
-            if len(freed) > len(heap):
-                heap.extend(freed)
-                heapq.heapify(heap)
-            else:
-                for item in freed:
-                    heapq.heappush(heap, item)
-            self._cols.set_reusable(self.layer, self._row, (fmt, c), bool(heap))
-        self._release_empty(pool, fmt, uniq, classes)
+            self._cols.reuse.push(self.layer, np.array([self._row]), cls, np.array([p]), np.array([s]))
 
     def _release_empty(self, pool: PagePool, fmt: str, pages: list[int], classes: list[int]) -> None:
         for p, c, live in zip(pages, classes, pool.live[pages].tolist()):
@@ -373,18 +292,14 @@ class BlockTable:
         """Page ``p``'s order number and bytes go (the caller updates the page list)."""
         del self._page_order[(cls[0], p)]
         self._account.add(-held_page_bytes(pool))
-        one = self._cols.single(self.layer, self._row, cls)
-        if one is not None and one[0] == p:  # its reusable slot goes with it
-            self._cols.clear_single(self.layer, self._row, cls)
+        self._cols.reuse.drop_page(self.layer, self._row, cls, p)  # its reusable slots go with it
 
     # --- shared pages (cache/forks.py) ---------------------------------------------------------------
     def seal(self) -> None:
         """No more writes into the current pages; the tokens are no longer one dense run (a sealed, partly
         filled page leaves unwritten slots), so attention must not take the dense-view fast path."""
         self._cols.close_all(self.layer, self._row)
-        self._reusable.clear()
-        self._cols.clear_reusable(self.layer, self._row)
-        self._cols.clear_singles(self.layer, self._row)
+        self._cols.reuse.clear(self.layer, self._row)
         self._cols.set_holes(self.layer, self._row)
 
     def copy_from(self, parent: BlockTable) -> None:
@@ -402,7 +317,9 @@ class BlockTable:
         pages = self._pages[cls]
         pages[pages.index(old)] = new
         del self._page_order[(cls[0], old)]
-        self._page_order[(cls[0], new)] = next(self._order)
+        self._cols.reuse.drop_page(self.layer, self._row, cls, old)
+        self._page_order[(cls[0], new)] = no = next(self._order)
+        self._cols.reuse.note_orders(self.layer, cls[0], new, no)
         for s, pos in enumerate(slot_positions.tolist()):
             if pos >= 0 and self.locate(pos) == (cls[0], old, s):
                 self.place_one(cls[0], new, s, pos)
@@ -427,9 +344,7 @@ class BlockTable:
             self._unhold(pool, cls, p)
             pool.release_page(p)
         self._pages[cls] = pages = pages[:keep]
-        self._reusable[cls] = []
-        self._cols.clear_single(self.layer, self._row, cls)
-        self._reuse_changed(cls)
+        self._cols.reuse.clear(self.layer, self._row, cls)
         self._close(cls)
         if pages and not pool.tail_full(pages[-1]):
             self._cols.set_open(self.layer, self._row, cls, pages[-1])
@@ -437,9 +352,7 @@ class BlockTable:
 
     def forget_reusable(self) -> None:
         """No slot of any class is reusable any more (a compaction gathered every class's tokens)."""
-        self._reusable.clear()
-        self._cols.clear_reusable(self.layer, self._row)
-        self._cols.clear_singles(self.layer, self._row)
+        self._cols.reuse.clear(self.layer, self._row)
 
     def _pages_changed(self) -> None:
         self._flat = self._single_bt = None

@@ -3,7 +3,7 @@ row per request.
 
 A decode step writes one token of every request of the batch into every layer. Kept in one object per
 (request, layer), that is Python work for requests × layers objects a step (8,192 at 32 layers × 256). Here
-the position maps, live counts, open pages, reusable-slot flags and page-list stamps of one layer are
+the position maps, live counts, open pages, reusable slots and page-list stamps of one layer are
 columns indexed by the request's row, so a batch's write is a few array operations per layer.
 ``BlockTable`` still owns one request's paging rules and reaches its row only through the verbs here; the
 batch verbs take an array of rows (distinct requests).
@@ -18,8 +18,8 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from trtkv.cache.fresh_pages import FreshPages
+from trtkv.cache.reuse import Cls, ReusableSlots
 
-Cls = tuple[str, int]  # (format name, thought class)
 Where = tuple[str, int, int]  # (format, page, slot)
 
 NOT_HELD = -1
@@ -42,10 +42,6 @@ class TableColumns:
         self._live = np.zeros((num_layers, FIRST_ROWS), np.int64)
         # per class, [layers, rows] like ``_live``:
         self._open: dict[Cls, np.ndarray] = {}  # open page, -1 none
-        self._reuse: dict[Cls, np.ndarray] = {}  # reuse heap not empty
-        # one reusable slot kept outside the heap (page << 5 | slot, -1 none): a one-token eviction a step and the
-        # next write taking that slot back (a sliding window, a scorer's victim) stay array operations
-        self._single: dict[Cls, np.ndarray] = {}
         self._holes = np.zeros((num_layers, FIRST_ROWS), bool)  # an eviction ever hit the table
         self._evicted = np.zeros(FIRST_ROWS, np.int64)  # tokens evicted per request, summed over layers
         self._stamp = np.zeros((num_layers, FIRST_ROWS), np.int64)  # changes whenever a page list changes
@@ -59,6 +55,7 @@ class TableColumns:
         self._fmt_ids: dict[str, int] = {}
         self._fmt_names: list[str] = []
         self.fresh = FreshPages(num_layers, FIRST_ROWS)  # a page boundary's pages, until each table reads its lists
+        self.reuse = ReusableSlots(num_layers, FIRST_ROWS)  # evicted slots waiting to be written again
 
     # --- rows -------------------------------------------------------------------------------------
     def acquire(self) -> int:
@@ -71,10 +68,6 @@ class TableColumns:
         self._where[:, row] = NOT_HELD
         for col in self._open.values():
             col[:, row] = -1
-        for col in self._reuse.values():
-            col[:, row] = False
-        for col in self._single.values():
-            col[:, row] = -1
         self._live[:, row] = 0
         self._holes[:, row] = False
         self._evicted[row] = 0
@@ -82,6 +75,7 @@ class TableColumns:
         self._stamp[:, row] = self._clock
         self._appended[:, row] = -1
         self.fresh.clear_row(row)
+        self.reuse.clear_row(row)
         self._free.append(row)
         if len(self._free) > 1 and self._free[-1] > self._free[-2]:
             self._free.sort(reverse=True)
@@ -90,9 +84,8 @@ class TableColumns:
         old, new = self._rows, 2 * self._rows
         L, width = self.num_layers, self._where.shape[2]
         self._where = np.concatenate([self._where, np.full((L, new - old, width), NOT_HELD, np.int32)], axis=1)
-        for table, fill in ((self._open, -1), (self._reuse, False), (self._single, -1)):
-            for cls, col in table.items():
-                table[cls] = np.concatenate([col, np.full((L, new - old), fill, col.dtype)], axis=1)
+        for cls, col in self._open.items():
+            self._open[cls] = np.concatenate([col, np.full((L, new - old), -1, col.dtype)], axis=1)
         self._holes = np.concatenate([self._holes, np.zeros((self.num_layers, new - old), bool)], axis=1)
         self._evicted = np.concatenate([self._evicted, np.zeros(new - old, np.int64)])
         self._live = np.concatenate([self._live, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
@@ -101,6 +94,7 @@ class TableColumns:
         self._stamp_before = np.concatenate([self._stamp_before, np.zeros((self.num_layers, new - old), np.int64)],
                                             axis=1)
         self.fresh.grow_rows(new)
+        self.reuse.grow_rows(new)
         self._free = list(range(new - 1, old - 1, -1)) + self._free
         self._rows = new
 
@@ -334,19 +328,6 @@ class TableColumns:
         self._holes[layers[:, None], rows[None, :]] = True
         return (layer, j, *self.decode_many(codes))
 
-    def reusable_at(self, layers: np.ndarray, rows: np.ndarray, cls: Cls) -> np.ndarray:
-        """Whether row ``rows[i]`` has a non-empty reuse heap of ``cls`` in layer ``layers[i]``."""
-        col = self._reuse.get(cls)
-        return np.zeros(len(rows), bool) if col is None else col[layers, rows]
-
-    def singles_at(self, layers: np.ndarray, rows: np.ndarray, cls: Cls) -> np.ndarray:
-        """``singles`` of row ``rows[i]`` in layer ``layers[i]`` (-1 none)."""
-        col = self._single.get(cls)
-        return np.full(len(rows), -1, np.int64) if col is None else col[layers, rows]
-
-    def set_singles_at(self, layers: np.ndarray, rows: np.ndarray, cls: Cls, packed: np.ndarray) -> None:
-        self._class_col(self._single, cls, -1, np.int64)[layers, rows] = packed
-
     def evicted(self, row: int) -> int:
         return int(self._evicted[row])
 
@@ -364,8 +345,9 @@ class TableColumns:
         w = self._where[layer]
         w[dst] = w[src]
         self._live[layer, dst] = self._live[layer, src]
+        self.reuse.clear(layer, dst)
 
-    # --- open pages and reusable slots --------------------------------------------------------------
+    # --- open pages --------------------------------------------------------------
     def _col(self, table: dict[Cls, np.ndarray], layer: int, cls: Cls, fill, dtype) -> np.ndarray:
         """Layer ``layer``'s column of ``cls`` (a view)."""
         return self._class_col(table, cls, fill, dtype)[layer]
@@ -411,68 +393,6 @@ class TableColumns:
         ``closed[l, j]``."""
         layer, j = np.nonzero(closed)
         self._open[cls][layer, rows[j]] = -1
-
-    def set_reusable(self, layer: int, row: int, cls: Cls, any_left: bool) -> None:
-        col = self._reuse.get(cls)
-        if col is None:
-            if not any_left:
-                return
-            col = self._col(self._reuse, layer, cls, False, bool)
-            col[row] = any_left
-            return
-        col[layer, row] = any_left
-
-    def clear_reusable(self, layer: int, row: int) -> None:
-        for col in self._reuse.values():
-            col[layer, row] = False
-
-    def reusable_rows(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray | None:
-        """Which rows have a non-empty reuse heap of ``cls``; None when none has."""
-        col = self._reuse.get(cls)
-        if col is None:
-            return None
-        got = col[layer, rows]
-        return got if got.any() else None
-
-    def heaps_anywhere(self, rows: np.ndarray, cls: Cls) -> bool:
-        """Whether any of ``rows`` has a non-empty reuse heap of ``cls`` in any layer."""
-        heap = self._reuse.get(cls)
-        return heap is not None and bool(heap[:, rows].any())
-
-    def single(self, layer: int, row: int, cls: Cls) -> tuple[int, int] | None:
-        col = self._single.get(cls)
-        v = -1 if col is None else col.item(layer, row)
-        return None if v < 0 else (v >> 5, v & _SLOT_MASK)
-
-    def single_classes(self, layer: int) -> list[Cls]:
-        return list(self._single)
-
-    def clear_single(self, layer: int, row: int, cls: Cls) -> None:
-        col = self._single.get(cls)
-        if col is not None:
-            col[layer, row] = -1
-
-    def clear_singles(self, layer: int, row: int) -> None:
-        for col in self._single.values():
-            col[layer, row] = -1
-
-    def singles(self, layer: int, rows: np.ndarray, cls: Cls) -> np.ndarray | None:
-        """``page << 5 | slot`` of each row's reusable slot kept outside the heap, -1 none; None when no layer
-        ever kept one of ``cls``."""
-        col = self._single.get(cls)
-        return None if col is None else col[layer, rows]
-
-    def singles_all(self, rows: np.ndarray, cls: Cls) -> np.ndarray | None:
-        """``singles`` of every layer: ``[layers, len(rows)]``."""
-        col = self._single.get(cls)
-        return None if col is None else col[:, rows]
-
-    def set_singles(self, layer: int, rows: np.ndarray, cls: Cls, packed: np.ndarray) -> None:
-        self._col(self._single, layer, cls, -1, np.int64)[rows] = packed
-
-    def clear_singles_at(self, layers: np.ndarray, rows: np.ndarray, cls: Cls) -> None:
-        """No kept reusable slot of ``cls`` for row ``rows[i]`` in layer ``layers[i]`` any more."""
-        self._single[cls][layers, rows] = -1
 
     # --- page-list stamps (BlockTableCache: which rows' block tables changed) -------------------------
     def touch(self, layer: int, row: int) -> None:

@@ -7,7 +7,7 @@ H2O/R-KV event); pages shared by forked sequences, and evictions of a few tokens
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -58,9 +58,10 @@ def evict_one_by_one(pools: dict[str, PagePool], refs: PageRefs, seqs: Mapping[i
 
 def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer: int,
                        items: list[tuple[SeqKV, np.ndarray]], reuse: bool = True) -> list[int]:
-    """``evict_private`` of several requests in one layer (``pools``: that layer's) — a batch's anneal: the
-    position maps, one key-group read and one validity update per format for all of them; the reuse heaps and
-    page releases request by request, in order, so the end state is that of evicting each in turn."""
+    """``evict_private`` of several requests in one layer (``pools``: that layer's) — a batch's event: the
+    position maps, one key-group read, one validity update and one addition of reusable slots per format for all
+    of them; emptied pages go back request by request, in order, so the end state is that of evicting each in
+    turn."""
     slot = {}  # a request listed twice (two segments annealed at once) is one request here, at its first place
     for seq, _ in items:
         slot.setdefault(id(seq), (len(slot), seq))
@@ -75,12 +76,12 @@ def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer:
     owner = owner_of_item[item]
     order = np.argsort(owner, kind="stable")  # request by request, each in the order its victims were listed
     owner, fids, pages, slots = owner[order], fids[order], pages[order], slots[order]
+    seq_rows = np.fromiter((seq.row for seq in seqs), np.int64, len(seqs))
     names = columns.fmt_names
     for f in sorted(np.unique(fids).tolist(), key=names.__getitem__):  # formats by name, as listed before
         fmt, pool = names[f], pools[names[f]]
         sel = fids == f
         o, p, sl = (owner, pages, slots) if sel.all() else (owner[sel], pages[sel], slots[sel])
-        bounds = np.concatenate([[0], np.cumsum(np.bincount(o, minlength=len(seqs)))])
         gids = None
         if pool.group_specs:
             kg = pool.k_group
@@ -88,27 +89,47 @@ def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer:
                 kg[torch.from_numpy(p).to(kg.device), torch.from_numpy(sl).to(kg.device)].cpu().numpy()
         pool.mark_evicted_many(p, sl)
         if gids is not None:
-            decref_groups_many(seqs, pool, gids, bounds)
-        pl, sll = p.tolist(), sl.tolist()
-        for i, seq in enumerate(seqs):
-            lo, hi = bounds[i], bounds[i + 1]
-            if lo < hi:
-                seq.layers[layer].free_slots(pool, fmt, pl[lo:hi], sll[lo:hi], reuse)
+            decref_groups_many(seqs, pool, gids, np.concatenate([[0], np.cumsum(np.bincount(o, minlength=len(seqs)))]))
+        _free_slots(pool, columns, layer, fmt, seq_rows[o], p, sl, reuse,
+                    lambda i, c, q, o=o, pool=pool, fmt=fmt: seqs[o[i]].layers[layer].release_page(pool, (fmt, c), q))
     return counts
+
+
+def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np.ndarray, pages: np.ndarray,
+                slots: np.ndarray, reuse: bool, release: Callable[[int, int, int], None]) -> None:
+    """Slots just evicted (slot ``slots[i]`` of page ``pages[i]``, row ``rows[i]`` in ``layer``, an int or an
+    array) become reusable by their rows (``reuse``); a page left empty that is not its class's open page goes
+    back to the pool (``release(i, class, page)``, at each page's first victim, in victim order), taking its
+    slots with it."""
+    classes = pool.page_class[pages] if np.ndim(layer) == 0 else pool.page_class[layer, pages]
+    live = pool.live[pages] if np.ndim(layer) == 0 else pool.live[layer, pages]
+    empty = live == 0
+    for c in np.unique(classes).tolist():
+        at = np.flatnonzero(classes == c)
+        li = layer if np.ndim(layer) == 0 else layer[at]
+        gone = empty[at] & (columns.open_pages(li, rows[at], (fmt, c)) != pages[at])
+        empty[at] = gone
+        if reuse:
+            keep = at[~gone]
+            columns.reuse.push(li if np.ndim(layer) == 0 else layer[keep], rows[keep], (fmt, c), pages[keep],
+                               slots[keep])
+    rel = np.flatnonzero(empty)
+    if not len(rel):
+        return
+    li = np.zeros(len(rel), np.int64) if np.ndim(layer) == 0 else layer[rel]
+    _, first = np.unique(np.stack([li, rows[rel], pages[rel]]), axis=1, return_index=True)
+    for i in rel[np.sort(first)].tolist():
+        release(i, int(classes[i]), int(pages[i]))
 
 
 def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int, seqs: list[SeqKV],
                    rows: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Evict ``positions[i]`` (-1: nothing) of ``seqs[i]`` (distinct requests at ``rows`` of the columns, pages no
     other sequence holds) in one layer by array operations: a sliding window's or a scorer's one victim a step
-    for the whole batch.
-    The freed slot is kept in the columns outside the reuse heap (``TableColumns.single``) where the heap is
-    empty, the page keeps live tokens and no slot is kept already; other victims join their heaps through
-    ``BlockTable.free_slot``, request by request. Same end state as evicting each in turn. Returns the
-    requests' rows and 1/0 a request (the caller counts the evictions)."""
+    for the whole batch. Same end state as evicting each in turn. Returns the requests' rows and 1/0 a request
+    (the caller counts the evictions)."""
     held, fids, pages, slots = columns.forget_rows(layer, rows, positions)
     idx = np.flatnonzero(held)
-    slow: list[tuple[int, str, int, int, int]] = []
     names = columns.fmt_names
     for f in sorted(np.unique(fids).tolist(), key=names.__getitem__):  # formats by name, as listed before
         fmt = names[f]
@@ -123,21 +144,9 @@ def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int
         pool.mark_evicted_distinct(pg, sl)  # one victim a request: distinct pages
         if gids is not None:
             decref_groups_many([seqs[i] for i in who.tolist()], pool, gids, np.arange(len(sel) + 1))
-        classes = pool.page_class[pg]
-        for c in np.unique(classes).tolist():
-            cs = np.flatnonzero(classes == c)
-            cls, r = (fmt, c), rows[who[cs]]
-            keep = pool.live[pg[cs]] > 0  # (an emptied page goes back to the pool: free_slot's path)
-            heaped, single = columns.reusable_rows(layer, r, cls), columns.singles(layer, r, cls)
-            if heaped is not None:
-                keep &= ~heaped
-            if single is not None:
-                keep &= single < 0
-            columns.set_singles(layer, r[keep], cls, pg[cs[keep]] << 5 | sl[cs[keep]])
-            slow += [(i, fmt, c, p, s) for i, p, s in zip(who[cs[~keep]].tolist(), pg[cs[~keep]].tolist(),
-                                                          sl[cs[~keep]].tolist())]
-    for i, fmt, c, p, s in sorted(slow):  # in request order: pages released as evicting in turn releases them
-        seqs[i].layers[layer].free_slot(pools[fmt], (fmt, c), p, s)
+        _free_slots(pool, columns, layer, fmt, rows[who], pg, sl, True,
+                    lambda i, c, p, who=who, pool=pool, fmt=fmt: seqs[who[i]].layers[layer].release_page(
+                        pool, (fmt, c), p))
     return rows, held.astype(np.int64)
 
 
@@ -148,7 +157,6 @@ def evict_one_each_layers(pools: PoolSet, columns: TableColumns, layers: np.ndar
     without a key-scale arena. Layer by layer, the same end state (layers share nothing). Returns the evictions
     of each request, summed over the layers."""
     layer, item, fids, pages, slots = columns.forget_rows_all(layers, rows, positions)
-    slow: list[tuple[int, int, str, int, int, int]] = []
     names = columns.fmt_names
     for f in sorted(np.unique(fids).tolist(), key=names.__getitem__):
         fmt = names[f]
@@ -156,18 +164,9 @@ def evict_one_each_layers(pools: PoolSet, columns: TableColumns, layers: np.ndar
         sel = np.flatnonzero(fids == f)
         li, who, pg, sl = layer[sel], item[sel], pages[sel], slots[sel]
         stack.mark_evicted_distinct(li, pg, sl)
-        classes = stack.page_class[li, pg]
-        for c in np.unique(classes).tolist():
-            cs = np.flatnonzero(classes == c)
-            cls, lc, r = (fmt, c), li[cs], rows[who[cs]]
-            keep = (stack.live[lc, pg[cs]] > 0) & ~columns.reusable_at(lc, r, cls) & \
-                (columns.singles_at(lc, r, cls) < 0)
-            columns.set_singles_at(lc[keep], r[keep], cls, pg[cs[keep]] << 5 | sl[cs[keep]])
-            out = cs[~keep]
-            slow += zip(li[out].tolist(), who[out].tolist(), [fmt] * len(out), [c] * len(out), pg[out].tolist(),
-                        sl[out].tolist())
-    for lyr, i, fmt, c, p, s in sorted(slow):  # layer by layer, in request order (evict_one_each's order)
-        seqs[i].layers[lyr].free_slot(pools.pool(lyr, fmt), (fmt, c), p, s)
+        _free_slots(stack, columns, li, fmt, rows[who], pg, sl, True,
+                    lambda i, c, p, who=who, li=li, fmt=fmt: seqs[who[i]].layers[li[i]].release_page(
+                        pools.pool(int(li[i]), fmt), (fmt, c), p))
     return np.bincount(item, minlength=len(seqs))
 
 

@@ -225,6 +225,11 @@ class PagePool:
     def slot_free(self, p: int, s: int) -> bool:
         return not self.valid.item(p) >> s & 1
 
+    def slots_free(self, _layers, pages: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Whether slot ``slots[i]`` of page ``pages[i]`` holds no live token (``ReusableSlots``' check; this pool
+        is one layer's, ``_layers`` says which)."""
+        return (self.valid[pages] >> np.asarray(slots, np.int32)) & 1 == 0
+
     def take_tail(self, p: int, want: int) -> tuple[int, int]:
         """Up to ``want`` never-written tail slots of page ``p``: ``(first slot, count)``."""
         start = int(self.hwm[p])

@@ -6,11 +6,10 @@ with each format's slot state stacked over the layers (``SlotStack``) and the ta
 ``[layers, rows]``, the step does them once for every layer, and each layer's write is then its kernel call.
 
 The same slots and state as ``write_through`` layer after layer (``batch_alloc.alloc_one_each``): a request's
-one reusable slot kept outside its heap is taken back (a sliding window's or a scorer's one eviction a step),
-else its open page's next tail slot, opening fresh pages layer by layer in layer order. The plan is made when
-the step's first layer writes, and only when nothing between two layers' writes changes another layer's
-tables (the policy has no ``before_attention``, there are no host tiers) and no request of the batch has a
-reuse heap of the class in any layer (heaps pop request by request: ``write_through``).
+reusable slot where it has one (a sliding window's or a scorer's evictions), else its open page's next tail
+slot, opening fresh pages layer by layer in layer order. The plan is made when the step's first layer writes,
+and only when nothing between two layers' writes changes another layer's tables (the policy has no
+``before_attention``, there are no host tiers).
 """
 from __future__ import annotations
 
@@ -46,10 +45,10 @@ def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV],
         for layer in range(columns.num_layers):
             pools.pool(layer, fmt)
         stack = pools.stack(fmt)
-    if stack is None or columns.heaps_anywhere(rows, cls):
+    if stack is None:
         return None
     device = pools.pool(0, fmt).device
-    took = _take_kept_slots(stack, columns, rows, cls)
+    took = _take_reusable(stack, columns, rows, cls)
     opens = columns.open_pages_all(rows, cls)
     short = (opens < 0) if took is None else (opens < 0) & ~took[0]
     if short.any():  # page boundaries: fresh pages, layer by layer
@@ -96,24 +95,23 @@ def _plan_on(device: torch.device, cls: Cls, pages: np.ndarray, slots: np.ndarra
     return WritePlan(cls, pages_t, slots_t)
 
 
-def _take_kept_slots(stack, columns: TableColumns, rows: np.ndarray, cls: Cls
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """Each request's reusable slot kept outside its heap, in every layer, taken back where still free (a stale
-    one, refilled since, is dropped): ``(taken [layers, n], pages, slots)`` with the taken entries filled; None
-    when no request keeps one in any layer."""
-    single = columns.singles_all(rows, cls)
-    if single is None:
+def _take_reusable(stack, columns: TableColumns, rows: np.ndarray, cls: Cls
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Each request's next reusable slot in every layer (``ReusableSlots``; a slot refilled since it was freed is
+    dropped): ``(taken [layers, n], pages, slots)`` with the taken entries filled; None when no request has one
+    in any layer."""
+    counts = columns.reuse.counts(slice(None), rows, cls)
+    if counts is None:
         return None
-    li, j = np.nonzero(single >= 0)
+    li, j = np.nonzero(counts)
     if not len(li):
         return None
-    sp, ss = single[li, j] >> 5, single[li, j] & 31
-    free = stack.slots_free(li, sp, ss)
-    columns.clear_singles_at(li, rows[j], cls)
-    taken = np.zeros(single.shape, bool)
-    pages = np.full(single.shape, -1, np.int64)
-    slots = np.zeros(single.shape, np.int64)
-    li, j = li[free], j[free]
+    p, s = columns.reuse.take_one_each(li, rows[j], cls, stack.slots_free)
+    got = p >= 0
+    taken = np.zeros(counts.shape, bool)
+    pages = np.full(counts.shape, -1, np.int64)
+    slots = np.zeros(counts.shape, np.int64)
+    li, j = li[got], j[got]
     taken[li, j] = True
-    pages[li, j], slots[li, j] = sp[free], ss[free]
+    pages[li, j], slots[li, j] = p[got], s[got]
     return taken, pages, slots

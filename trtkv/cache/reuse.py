@@ -1,0 +1,210 @@
+"""``ReusableSlots``: every block table's evicted slots waiting to be written again, as arrays.
+
+A table writes a new token into a reusable slot of its class before any tail slot, oldest page first (the
+cache-wide order in which pages joined tables), lowest slot first. Kept as a Python heap per (request, layer,
+class), a batch's eviction event pushes and a decode step pops request by request: 8,192 tables a step at
+32 layers × 256. Here each class's reusable slots are one array ``[layers, rows, width]`` of sorted keys
+``order << 31 | page << 5 | slot`` with a read head and an end per (layer, row): an event adds the victims of
+every request of a layer in one sort, a step takes one slot for every (layer, request) in a few gathers.
+
+A slot taken back is checked against the pool (a slot written since it was freed, as a duplicate entry is, is
+skipped and dropped); a page leaving a table takes its entries with it (``drop_page``), so an entry always
+names a page its table holds. The order number of every page handed to a table is kept here too
+(``note_orders``): the keys need it, and pages shared by forked tables carry one number in all of them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+Cls = tuple[str, int]  # (format name, thought class)
+FreeCheck = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]  # (layers, pages, slots) -> slot is free
+
+_PAGE_SHIFT, _ORDER_SHIFT = 5, 31
+_SLOT_MASK, _PAGE_MASK = 31, (1 << 26) - 1
+_NONE = np.iinfo(np.int64).max  # past every key: the unused tail of a row
+FIRST_WIDTH, FIRST_PAGES = 8, 64
+
+
+def pack(orders: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    return (np.asarray(orders, np.int64) << _ORDER_SHIFT) | (np.asarray(pages, np.int64) << _PAGE_SHIFT) | slots
+
+
+def unpack(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(orders, pages, slots)`` of ``keys``."""
+    return keys >> _ORDER_SHIFT, (keys >> _PAGE_SHIFT) & _PAGE_MASK, keys & _SLOT_MASK
+
+
+class ReusableSlots:
+    """Per class, ``keys [layers, rows, width]`` sorted within ``[head, end)`` of each (layer, row)."""
+
+    def __init__(self, num_layers: int, rows: int) -> None:
+        self.num_layers, self._rows = num_layers, rows
+        self._keys: dict[Cls, np.ndarray] = {}
+        self._head: dict[Cls, np.ndarray] = {}
+        self._end: dict[Cls, np.ndarray] = {}
+        self._orders: dict[str, np.ndarray] = {}  # per format, [layers, pages]: each page's order number
+
+    # --- rows -----------------------------------------------------------------------------------------
+    def grow_rows(self, rows: int) -> None:
+        extra = rows - self._rows
+        for cls, keys in self._keys.items():
+            L, _, W = keys.shape
+            self._keys[cls] = np.concatenate([keys, np.full((L, extra, W), _NONE, np.int64)], axis=1)
+            self._head[cls] = np.concatenate([self._head[cls], np.zeros((L, extra), np.int64)], axis=1)
+            self._end[cls] = np.concatenate([self._end[cls], np.zeros((L, extra), np.int64)], axis=1)
+        self._rows = rows
+
+    def clear_row(self, row: int) -> None:
+        """Nothing reusable for ``row`` in any layer (its request is freed)."""
+        for cls in self._keys:
+            self._head[cls][:, row] = self._end[cls][:, row] = 0
+
+    def clear(self, layer: int, row: int, cls: Cls | None = None) -> None:
+        """Nothing reusable for ``row`` in ``layer``, of ``cls`` or of every class (a seal, a compaction)."""
+        for c in ([cls] if cls is not None else list(self._keys)):
+            if c in self._keys:
+                self._head[c][layer, row] = self._end[c][layer, row] = 0
+
+    # --- page order numbers ---------------------------------------------------------------------------
+    def note_orders(self, layer, fmt: str, pages, orders) -> None:
+        """Page ``pages[i]`` of ``fmt`` in layer ``layers[i]`` (or ``layer``) joined a table as ``orders[i]``."""
+        arr = self._orders.get(fmt)
+        top = int(np.max(pages)) if np.ndim(pages) else int(pages)
+        if arr is None or top >= arr.shape[1]:
+            width = max(FIRST_PAGES, top + 1, 0 if arr is None else 2 * arr.shape[1])
+            grown = np.zeros((self.num_layers, width), np.int64)
+            if arr is not None:
+                grown[:, :arr.shape[1]] = arr
+            self._orders[fmt] = arr = grown
+        arr[layer, pages] = orders
+
+    def order_of(self, layer, fmt: str, pages) -> np.ndarray:
+        return self._orders[fmt][layer, pages]
+
+    # --- what is reusable ------------------------------------------------------------------------------
+    def count(self, layer: int, row: int, cls: Cls) -> int:
+        """Entries of ``row``'s ``cls`` in ``layer`` (slots written since they were freed included)."""
+        head = self._head.get(cls)
+        return 0 if head is None else self._end[cls].item(layer, row) - head.item(layer, row)
+
+    def counts(self, layers, rows: np.ndarray, cls: Cls) -> np.ndarray | None:
+        """``count`` of each of ``rows`` in ``layers`` (an int, an array like ``rows``, or a slice); None when no
+        table ever had a reusable slot of ``cls``."""
+        head = self._head.get(cls)
+        return None if head is None else self._end[cls][layers, rows] - head[layers, rows]
+
+    def entries(self, layer: int, row: int) -> dict[Cls, list[tuple[int, int, int]]]:
+        """``class -> [(page order, page, slot), ...]`` of ``row`` in ``layer``, ascending (non-empty classes)."""
+        out = {}
+        for cls, keys in self._keys.items():
+            h, e = self._head[cls].item(layer, row), self._end[cls].item(layer, row)
+            if e > h:
+                out[cls] = list(zip(*(a.tolist() for a in unpack(keys[layer, row, h:e]))))
+        return out
+
+    # --- adding ------------------------------------------------------------------------------------------
+    def _class(self, cls: Cls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if cls not in self._keys:
+            self._keys[cls] = np.full((self.num_layers, self._rows, FIRST_WIDTH), _NONE, np.int64)
+            self._head[cls] = np.zeros((self.num_layers, self._rows), np.int64)
+            self._end[cls] = np.zeros((self.num_layers, self._rows), np.int64)
+        return self._keys[cls], self._head[cls], self._end[cls]
+
+    def _widen(self, cls: Cls, width: int) -> np.ndarray:
+        keys = self._keys[cls]
+        if width > keys.shape[2]:
+            L, R, W = keys.shape
+            grown = np.full((L, R, max(2 * W, width)), _NONE, np.int64)
+            grown[:, :, :W] = keys
+            self._keys[cls] = keys = grown
+        return keys
+
+    def push(self, layers, rows: np.ndarray, cls: Cls, pages: np.ndarray, slots: np.ndarray) -> None:
+        """Slot ``slots[i]`` of page ``pages[i]`` is reusable by row ``rows[i]`` in layer ``layers[i]`` (``layers``
+        an int or an array; (layer, row) pairs may repeat)."""
+        if not len(rows):
+            return
+        keys_new = pack(self._orders[cls[0]][layers, pages], pages, slots)
+        keys, head, end = self._class(cls)
+        lin = np.asarray(layers, np.int64) * self._rows + rows
+        order = np.lexsort((keys_new, lin))
+        lin, keys_new = lin[order], keys_new[order]
+        u, start, cnt = np.unique(lin, return_index=True, return_counts=True)
+        ul, ur = np.divmod(u, self._rows)
+        h = head[ul, ur]
+        old = end[ul, ur] - h
+        total = old + cnt
+        keys = self._widen(cls, int(total.max()))
+        mo, mc = int(old.max()), int(cnt.max())
+        buf = np.full((len(u), mo + mc), _NONE, np.int64)
+        if mo:
+            j = np.arange(mo)
+            at = np.minimum(h[:, None] + j, keys.shape[2] - 1)
+            buf[:, :mo] = np.where(j < old[:, None], keys[ul[:, None], ur[:, None], at], _NONE)
+        grp = np.repeat(np.arange(len(u)), cnt)
+        buf[grp, mo + np.arange(len(lin)) - np.repeat(start, cnt)] = keys_new
+        if mo:
+            buf.sort(axis=1)
+        width = min(buf.shape[1], keys.shape[2])
+        keys[ul[:, None], ur[:, None], np.arange(width)] = buf[:, :width]
+        head[ul, ur] = 0
+        end[ul, ur] = total
+
+    def drop_page(self, layer: int, row: int, cls: Cls, page: int) -> None:
+        """``page`` left ``row``'s table in ``layer``: its entries go."""
+        if cls not in self._keys:
+            return
+        keys, head, end = self._keys[cls], self._head[cls], self._end[cls]
+        h, e = head.item(layer, row), end.item(layer, row)
+        if e == h:
+            return
+        live = keys[layer, row, h:e]
+        kept = live[(live >> _PAGE_SHIFT) & _PAGE_MASK != page]
+        if len(kept) < e - h:
+            keys[layer, row, :len(kept)] = kept
+            head[layer, row], end[layer, row] = 0, len(kept)
+
+    # --- taking back ---------------------------------------------------------------------------------------
+    def take(self, layer: int, row: int, cls: Cls, n: int, free: FreeCheck) -> tuple[list[int], list[int]]:
+        """Up to ``n`` reusable slots of ``row`` in ``layer``, oldest page first: ``(pages, slots)``; entries whose
+        slot is no longer free are dropped on the way."""
+        if self.count(layer, row, cls) == 0:
+            return [], []
+        keys, head, end = self._keys[cls], self._head[cls], self._end[cls]
+        h, e = head.item(layer, row), end.item(layer, row)
+        _, p, s = unpack(keys[layer, row, h:e])
+        ok = free(np.full(len(p), layer), p, s)
+        # a slot may be listed twice (freed, refilled, freed again): it is taken once
+        if len(p) > 1:
+            code = p << _PAGE_SHIFT | s
+            _, first = np.unique(code, return_index=True)
+            dup = np.ones(len(p), bool)
+            dup[first] = False
+            ok &= ~dup
+        idx = np.flatnonzero(ok)[:n]
+        used = (int(idx[-1]) + 1) if len(idx) == n else e - h
+        head[layer, row] = h + used
+        return p[idx].tolist(), s[idx].tolist()
+
+    def take_one_each(self, layers, rows: np.ndarray, cls: Cls, free: FreeCheck) -> tuple[np.ndarray, np.ndarray]:
+        """One reusable slot for each (``layers[i]``, ``rows[i]``) pair (distinct; ``layers`` an int or an array):
+        ``(pages, slots)``, page -1 where none is left."""
+        n = len(rows)
+        pages, slots = np.full(n, -1, np.int64), np.zeros(n, np.int64)
+        if cls not in self._keys:
+            return pages, slots
+        keys, head, end = self._keys[cls], self._head[cls], self._end[cls]
+        li = np.broadcast_to(np.asarray(layers, np.int64), (n,))
+        act = np.flatnonzero(end[li, rows] > head[li, rows])
+        while len(act):
+            la, ra = li[act], rows[act]
+            h = head[la, ra]
+            _, p, s = unpack(keys[la, ra, h])
+            head[la, ra] = h + 1
+            ok = free(la, p, s)
+            pages[act[ok]], slots[act[ok]] = p[ok], s[ok]
+            act = act[~ok]
+            act = act[end[li[act], rows[act]] > head[li[act], rows[act]]]
+        return pages, slots
