@@ -21,6 +21,7 @@ from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
 from plugins.lowest_victim.reference import lowest_victim_ref
 from plugins.scatter_add_rows.reference import scatter_add_rows_ref
+from plugins.mri_track.reference import mri_track_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, PagedFormat, dense_attention_cpu, paged_attention_ref
 from plugins.residual_append.reference import residual_append_ref
 from plugins.int4_linear.reference import Int4Weight, int4_linear_ref
@@ -39,6 +40,8 @@ SCHEMAS = {
     "kmeans_select": "(Tensor keys, Tensor counts, Tensor k_keep, int iters) -> Tensor",
     "lowest_victim": "(Tensor scores, Tensor positions, Tensor blocked) -> Tensor",
     "scatter_add_rows": "(Tensor(a!) data, Tensor rows, Tensor positions, Tensor values, int layer0) -> ()",
+    "mri_track": "(Tensor(a!) ts, Tensor(b!) mri, int layer, Tensor rows, Tensor positions, Tensor act, "
+                 "Tensor prompt, Tensor step) -> ()",
     "residual_append": "(Tensor(a!) arena_k, Tensor(b!) arena_v, Tensor at, Tensor k, Tensor v) -> ()",
     "buffer_attention": "(Tensor q, Tensor arena_k, Tensor arena_v, Tensor rows, int layer, Tensor counts, "
                         "float sm_scale, Tensor(a!) out, Tensor(b!) lse) -> ()",
@@ -234,6 +237,18 @@ def scatter_add_rows(data: torch.Tensor, rows: torch.Tensor, positions: torch.Te
     scatter_add_rows_ref(data, rows, positions, values, layer0)
 
 
+def mri_track(ts: torch.Tensor, mri: torch.Tensor, layer: int, rows: torch.Tensor, positions: torch.Tensor,
+              act: torch.Tensor, prompt: torch.Tensor, step: torch.Tensor) -> None:
+    """LazyEviction's tracking update of a batch in one layer, in place (see mri_track/reference.py): the compiled
+    CPU kernel for contiguous int32 tables on CPU, else the reference."""
+    if ts.dtype == mri.dtype == torch.int32 and ts.is_contiguous() and mri.is_contiguous() and use_cpu_kernels(ts):
+        from plugins.cpu_kernels.ops import mri_track_cpu
+
+        mri_track_cpu(ts, mri, layer, rows, positions, act, prompt, step)
+        return
+    mri_track_ref(ts, mri, layer, rows, positions, act, prompt, step)
+
+
 def buffer_attention(q, arena_k, arena_v, rows, layer, counts, sm_scale, out, lse) -> None:
     """Merge attention over the residual buffers into the pages' ``out``/``lse`` in place
     (see buffer_attention/reference.py)."""
@@ -272,10 +287,10 @@ def _kmeans_fake(keys, counts, k_keep, iters):
 
 _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "paged_attention": paged_attention,
                    "kmeans_select": kmeans_select, "lowest_victim": lowest_victim,
-                   "scatter_add_rows": scatter_add_rows, "buffer_attention": buffer_attention,
+                   "scatter_add_rows": scatter_add_rows, "mri_track": mri_track, "buffer_attention": buffer_attention,
                    "residual_append": residual_append, "int8_linear": int8_linear, "int4_linear": _int4_linear_op}
 _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None, "residual_append": lambda *a: None,
-                 "scatter_add_rows": lambda *a: None,
+                 "scatter_add_rows": lambda *a: None, "mri_track": lambda *a: None,
                  "buffer_attention": lambda *a: None, "paged_attention": _paged_attention_meta,
                  "int8_linear": _int8_linear_meta, "int4_linear": _int4_linear_meta,
                  "lowest_victim": lambda scores, positions, blocked: positions.new_empty(positions.shape[:1])}

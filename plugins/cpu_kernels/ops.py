@@ -46,6 +46,11 @@ def scatter_add_rows_cpu(data, rows, positions, values, layer0) -> None:
     cpu_kernels().scatter_add_rows(data, rows, positions, values, int(layer0))
 
 
+def mri_track_cpu(ts, mri, layer, rows, positions, act, prompt, step) -> None:
+    """Same contract as ``mri_track_ref``: updates ``ts`` and ``mri`` in place."""
+    cpu_kernels().mri_track(ts, mri, int(layer), rows, positions, act, prompt, step)
+
+
 def buffer_attention_cpu(q, arena_k, arena_v, rows, layer, counts, sm_scale, out, lse):
     """Same contract as ``buffer_attention_ref``; merges into ``out``/``lse`` in place and returns them."""
     cpu_kernels().buffer_attention_merge(q, arena_k, arena_v, rows, int(layer), counts, float(sm_scale), out, lse)

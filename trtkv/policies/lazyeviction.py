@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from plugins import ops as plugin_ops
 from trtkv.policies.base import BatchLayerStats, StatsRequest, batch_rows_of
-from trtkv.policies.score_rows import SCRATCH_ROW, RowTable, RowView
+from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scored import Cadence, ScorerPolicy
 from trtkv.policies.scorers import Scorer
 from trtkv.policies.scoring import check_choice, check_positive, head_reduce
@@ -142,45 +143,24 @@ class MRIScorer(Scorer):
 
     def observe_batch(self, reqs, memos, batch: dict[int, BatchLayerStats], rows: np.ndarray) -> None:
         """``observe`` of a decode step in batch form (row ``rows[i]`` of each layer's statistics is ``reqs[i]``'s):
-        per layer, every request's held tokens are read, updated where activated and written back in one pass."""
+        per layer, every request's held tokens updated where activated in one ``mri_track`` (plugins/mri_track)."""
         if not batch:
             return
         device = next(iter(batch.values())).weights.device
         for r, m in zip(reqs, memos):
             self._rows(r, m, device)
-        table_rows = np.fromiter((m.ts.row for m in memos), np.int64, len(memos))
-        prompt = np.fromiter((m.prompt_len for m in memos), np.int64, len(memos))
-        step = np.fromiter((r.step for r in reqs), np.int64, len(reqs))
+        table_rows = torch.from_numpy(np.fromiter((m.ts.row for m in memos), np.int64, len(memos)))
+        prompt = torch.from_numpy(np.fromiter((m.prompt_len for m in memos), np.int64, len(memos)))
+        step = torch.from_numpy(np.fromiter((r.step for r in reqs), np.int64, len(reqs)))
         for layer, pos, w, _ in batch_rows_of(batch, rows):
             act = (w.amax(1) if self.head_reduce == "max" else w.mean(1)) >= self.alpha
-            n = pos.shape[1]
-            dead = pos < 0
-            at_rows, at_pos = np.repeat(table_rows, n), pos.reshape(-1)
-            if dead.any():  # a dead column updates the tables' scratch row, which no request holds (no masked copies)
-                flat_dead = dead.reshape(-1)
-                at_rows = np.where(flat_dead, SCRATCH_ROW, at_rows)
-                at_pos = np.where(flat_dead, 0, at_pos)
-            self._track(layer, at_rows, at_pos, np.repeat(prompt, n), np.repeat(step, n), act.reshape(-1))
-
-    def _track(self, layer: int, rows: np.ndarray, pos: np.ndarray, prompt: np.ndarray, step: np.ndarray,
-               act: torch.Tensor) -> None:
-        """``track`` of held tokens ``pos [m]`` (distinct per row) of table ``rows [m]`` (their requests' prompt
-        lengths and steps ``[m]``) in one layer: one read, one update where ``act``, one write of each table
-        (unchanged values are written back as they were). A layer at a time: its arrays stay in cache."""
-        dev = self._ts.device
-        flat_ts = self._ts.flat(rows, pos)
-        self._mri.ensure(int(pos.max()))  # (the two tables grow alike: one index serves both)
-        flat_mri = flat_ts if self._mri.data.shape == self._ts.data.shape else self._mri.flat(rows, pos)
-        created = torch.from_numpy(created_at(pos, prompt).astype(np.int32)).to(dev)
-        now = torch.from_numpy(step.astype(np.int32)).to(dev) - created  # TS minus creation, if activated now
-        ts_rel, mri = self._ts.take(layer, flat_ts), self._mri.take(layer, flat_mri)
-        act = act.to(dev)
-        if bool(act.all()):  # (alpha well under 1/n: every token is activated, the usual step)
-            self._mri.put(layer, flat_mri, torch.maximum(mri, now - ts_rel))
-            self._ts.put(layer, flat_ts, now)
-            return
-        self._mri.put(layer, flat_mri, torch.where(act, torch.maximum(mri, now - ts_rel), mri))
-        self._ts.put(layer, flat_ts, torch.where(act, now, ts_rel))
+            top = int(pos.max(initial=-1))
+            if top < 0:
+                continue
+            self._ts.ensure(top)
+            self._mri.ensure(top)
+            plugin_ops.mri_track(self._ts.data, self._mri.data, layer, table_rows,
+                                 torch.from_numpy(np.ascontiguousarray(pos, np.int64)), act, prompt, step)
 
     def rows_of(self, layer: int, memos: list[MRIMemo], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """``(TS, MRI)`` ``[k, n]`` of ``positions [k, n]`` of the ``k`` requests of ``memos``, in one read each."""

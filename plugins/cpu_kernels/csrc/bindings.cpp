@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lowest_victim", &trtkv::lowest_victim_cpu, "the lowest-scored free column of each row, ties to the oldest (CPU)");
   m.def("scatter_add_rows", &trtkv::scatter_add_rows_cpu,
         "a batch's per-position evidence added into a score table in every layer, in place (CPU)");
+  m.def("mri_track", &trtkv::mri_track_cpu,
+        "LazyEviction's tracking update of a batch in one layer, in place (CPU)");
   m.def("residual_append", &trtkv::residual_append_cpu, "a decode step's K/V rows into the residual arena (CPU)");
   m.def("rms_norm", &trtkv::rms_norm_cpu, "RMS normalization of fp32 rows (CPU)");
   m.def("rotary", &trtkv::rotary_cpu, "rotary position embedding of fp32 heads (CPU)");

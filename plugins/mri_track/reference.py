@@ -1,0 +1,26 @@
+"""LazyEviction's tracking update of one decode step for a batch, in one layer (trtkv/policies/lazyeviction.py).
+
+Contract: ``ts, mri [layers, R, cap]`` int32, updated in place — per table row and position, TS minus the token's
+creation step and the maximum recurrence interval; ``layer``; ``rows [b]`` int64 (distinct table rows);
+``positions [b, n]`` int64 (distinct per row, < cap; -1: a dead column, skipped); ``act [b, n]`` bool (the token
+was activated this step); ``prompt [b]`` and ``step [b]`` int64. For every held entry with
+``created = max(pos - prompt + 1, 0)`` and ``now = step - created`` (int32): where ``act``,
+``mri = max(mri, now - ts)`` and ``ts = now``; everything else is left as it was.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def mri_track_ref(ts: torch.Tensor, mri: torch.Tensor, layer: int, rows: torch.Tensor, positions: torch.Tensor,
+                  act: torch.Tensor, prompt: torch.Tensor, step: torch.Tensor) -> None:
+    dev = ts.device
+    pos = positions.to(dev)
+    hit = (pos >= 0) & act.to(dev)
+    at_rows = rows.to(dev)[:, None].expand_as(pos)[hit]
+    at_pos = pos[hit]
+    created = (pos - prompt.to(dev)[:, None] + 1).clamp(min=0)
+    now = (step.to(dev)[:, None] - created)[hit].to(ts.dtype)
+    ts_l, mri_l = ts[layer], mri[layer]
+    mri_l[at_rows, at_pos] = torch.maximum(mri_l[at_rows, at_pos], now - ts_l[at_rows, at_pos])
+    ts_l[at_rows, at_pos] = now
