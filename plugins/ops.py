@@ -228,8 +228,8 @@ def lowest_victim(scores: torch.Tensor, positions: torch.Tensor, blocked: torch.
 def scatter_add_rows(data: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
                      layer0: int = 0) -> None:
     """Add a batch's per-position values into a score table in place (see scatter_add_rows/reference.py): the
-    compiled CPU kernel for a float32 table on CPU, else the reference."""
-    if data.dtype == torch.float32 and data.is_contiguous() and use_cpu_kernels(data):
+    compiled CPU kernel for a float32 or float64 table on CPU, else the reference."""
+    if data.dtype in (torch.float32, torch.float64) and data.is_contiguous() and use_cpu_kernels(data):
         from plugins.cpu_kernels.ops import scatter_add_rows_cpu
 
         scatter_add_rows_cpu(data, rows, positions, values, layer0)

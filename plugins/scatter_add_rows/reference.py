@@ -1,9 +1,10 @@
 """A batch's per-position evidence added into a score table (H2O's accumulated attention) in every layer at once.
 
-Contract: ``data [layers, rows, cap]`` (float32, updated in place), ``rows [b]`` int64 (the requests' table rows,
-distinct), ``positions [L, b, n]`` int64 (per layer and request, distinct positions < cap; -1: skip) and
+Contract: ``data [layers, rows, cap]`` (float32 or float64, updated in place), ``rows [b]`` int64 (the requests'
+table rows, distinct), ``positions [L, b, n]`` int64 (per layer and request, distinct positions < cap; -1: skip) and
 ``values [L, b, n]`` (any float dtype): ``data[layer0 + l, rows[i], positions[l, i, j]] += values[l, i, j]`` for
-every entry with a position, each one float32 add (so the result is the same whatever the order of entries).
+every entry with a position, each one add in ``data``'s dtype (so the result is the same whatever the order of
+entries).
 """
 from __future__ import annotations
 

@@ -11,10 +11,11 @@ from plugins.scatter_add_rows.reference import scatter_add_rows_ref
 from cpu_marks import needs_kernels
 
 
-def drawn(layers: int, R: int, cap: int, L: int, b: int, n: int, seed: int, dtype=torch.float32):
+def drawn(layers: int, R: int, cap: int, L: int, b: int, n: int, seed: int, dtype=torch.float32,
+          table=torch.float32):
     """A table with history, ``b`` distinct rows, and per (layer, row) ``n`` distinct positions, some skipped."""
     g = torch.Generator().manual_seed(seed)
-    data = torch.rand(layers, R, cap, generator=g)
+    data = torch.rand(layers, R, cap, generator=g, dtype=torch.float64).to(table)
     rows = torch.randperm(R, generator=g)[:b]
     positions = torch.stack([torch.stack([torch.randperm(cap, generator=g)[:n] for _ in range(b)])
                              for _ in range(L)])
@@ -35,10 +36,12 @@ def test_reference_adds_each_value_once():
 @needs_kernels
 @pytest.mark.parametrize("shape", [(1, 1, 1), (3, 5, 7), (32, 256, 64)])  # the last: r1-llama-8b's depth x 256
 @pytest.mark.parametrize("layer0", [0, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_the_reference(shape, layer0, dtype):
+@pytest.mark.parametrize("dtype,table", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                         (torch.float64, torch.float64)])  # (the last: tiered's fp64 score sums)
+def test_kernel_matches_the_reference(shape, layer0, dtype, table):
     L, b, n = shape
-    data, rows, positions, values = drawn(L + layer0, b + 3, n + 40, L, b, n, seed=L + b + n + layer0, dtype=dtype)
+    data, rows, positions, values = drawn(L + layer0, b + 3, n + 40, L, b, n, seed=L + b + n + layer0, dtype=dtype,
+                                          table=table)
     want = data.clone()
     scatter_add_rows_ref(want, rows, positions, values, layer0)
     got = data.clone()

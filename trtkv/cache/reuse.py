@@ -7,8 +7,7 @@ class), a batch's eviction event pushes and a decode step pops request by reques
 ``order << 31 | page << 5 | slot`` with a read head and an end per (layer, row): an event adds the victims of
 every request of a layer in one sort, a step takes one slot for every (layer, request) in a few gathers.
 
-A slot taken back is checked against the pool (a slot written since it was freed, as a duplicate entry is, is
-skipped and dropped); a page leaving a table takes its entries with it (``drop_page``), so an entry always
+A slot taken back is checked against the pool (an entry whose slot was written since is skipped and dropped); a page leaving a table takes its entries with it (``drop_page``), so an entry always
 names a page its table holds. The order number of every page handed to a table is kept here too
 (``note_orders``): the keys need it, and pages shared by forked tables carry one number in all of them.
 """
@@ -169,20 +168,13 @@ class ReusableSlots:
     # --- taking back ---------------------------------------------------------------------------------------
     def take(self, layer: int, row: int, cls: Cls, n: int, free: FreeCheck) -> tuple[list[int], list[int]]:
         """Up to ``n`` reusable slots of ``row`` in ``layer``, oldest page first: ``(pages, slots)``; entries whose
-        slot is no longer free are dropped on the way."""
+        slot is no longer free are dropped on the way (``free(layer, pages, slots)``)."""
         if self.count(layer, row, cls) == 0:
             return [], []
         keys, head, end = self._keys[cls], self._head[cls], self._end[cls]
         h, e = head.item(layer, row), end.item(layer, row)
         _, p, s = unpack(keys[layer, row, h:e])
-        ok = free(np.full(len(p), layer), p, s)
-        # a slot may be listed twice (freed, refilled, freed again): it is taken once
-        if len(p) > 1:
-            code = p << _PAGE_SHIFT | s
-            _, first = np.unique(code, return_index=True)
-            dup = np.ones(len(p), bool)
-            dup[first] = False
-            ok &= ~dup
+        ok = free(layer, p, s)
         idx = np.flatnonzero(ok)[:n]
         used = (int(idx[-1]) + 1) if len(idx) == n else e - h
         head[layer, row] = h + used
