@@ -7,9 +7,10 @@ class), a batch's eviction event pushes and a decode step pops request by reques
 ``order << 31 | page << 5 | slot`` with a read head and an end per (layer, row): an event adds the victims of
 every request of a layer in one sort, a step takes one slot for every (layer, request) in a few gathers.
 
-A slot taken back is checked against the pool (an entry whose slot was written since is skipped and dropped); a page leaving a table takes its entries with it (``drop_page``), so an entry always
-names a page its table holds. The order number of every page handed to a table is kept here too
-(``note_orders``): the keys need it, and pages shared by forked tables carry one number in all of them.
+A slot taken back is checked against the pool (an entry whose slot was written since is skipped and dropped);
+a page leaving a table takes its entries with it (``drop_page``), so an entry always names a page its table
+holds. The order number of every page handed to a table is kept here too (``note_orders``): the keys need it,
+and pages shared by forked tables carry one number in all of them.
 """
 from __future__ import annotations
 
