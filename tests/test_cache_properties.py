@@ -376,10 +376,10 @@ wt_op = st.one_of(st.tuples(st.just("add")), _step, _step, _step, _step,  # most
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(wt_op, min_size=20, max_size=40), cls_i=st.integers(0, len(WT_CLASSES) - 1))
 def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
-    """``write_through`` (one slot per request from ``alloc_one``, one slot mark for the batch) leaves exactly
-    the state of writing each request's token with ``write`` (``alloc_slots(.., 1)``): slots chosen, reuse
-    heaps, open pages, stored values. ``evict_many`` of one victim per request (array operations, the freed
-    slot kept outside the reuse heap) leaves the state of evicting each in turn. A third cache takes each step's
+    """``write_through`` (one slot per request for the batch, one slot mark for the batch) leaves exactly
+    the state of writing each request's token with ``write`` (``alloc_slots(.., 1)``): slots chosen, reusable
+    slots, open pages, stored values. ``evict_many`` of one victim per request (array operations) leaves the
+    state of evicting each in turn. A third cache takes each step's
     slots for every layer at once (``plan_write_through``, layer by layer where it does not apply) and evicts one
     victim a request in every layer at once (``evict_one_each_layers``): the same."""
     caches = [make_cache(g=1, max_pages=256) for _ in range(3)]  # (16 requests never fill the pools)

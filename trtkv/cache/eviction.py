@@ -25,7 +25,7 @@ def evict_private(pools: dict[str, PagePool], columns: TableColumns, layer: int,
                   reuse: bool = True) -> int:
     """Eviction from pages no other sequence holds, per format as array operations over the victims
     (the same end state as evicting them one by one, which ``KVCacheManager._evict_each`` does). ``reuse=False``:
-    a compaction follows, the freed slots join no reuse heap."""
+    a compaction follows, the freed slots are not made reusable."""
     return evict_private_many(pools, columns, layer, [(seq, positions)], reuse)[0]
 
 

@@ -3,7 +3,7 @@
 A child sequence references its parent's pages (never copied). Rules, all executed here so the rest of the
 cache stays single-owner:
 
-* **Sealing.** At a fork both sides drop their open page and their reusable-slot heaps: nobody ever writes
+* **Sealing.** At a fork both sides drop their open page and their reusable slots: nobody ever writes
   into a shared page. The child starts its own tokens on a *new* page, so a partly filled last page stays
   shared with its unused tail (at most one such page per fork and layer; nothing is copied).
 * **Sharers.** ``PageRefs`` records, for every page referenced by two or more sequences, their ids. A page

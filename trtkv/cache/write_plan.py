@@ -74,7 +74,7 @@ def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV],
 def plan_each_layer(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV], rows: np.ndarray,
                     positions: np.ndarray, cls: Cls) -> WritePlan:
     """The plan of a step ``plan_write_through`` does not cover: ``write_through``'s allocation and records, layer
-    after layer (reuse heaps pop request by request), without the codes. The same slots and state as
+    after layer, without the codes. The same slots and state as
     ``write_through`` when nothing between two layers' writes changes the tables."""
     pages, slots = [], []
     for layer in range(columns.num_layers):
