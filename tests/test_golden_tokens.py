@@ -17,7 +17,9 @@ with either kernel (docs/benchmarks.md). The AVX2 recording was re-taken the sam
 code-domain task (csrc/code_attention_avx2.h): its tokens then equal the AVX-512 recording's (thinkv and
 thinkv-tbq all 48, kivi 45 of 48; the float-tile task's AVX2 tokens differed from token 10 / 33). The AMD Zen 4
 (AVX-512 with VBMI, oneDNN-packed weights) recording of 2026-11-27 equals the Xeon AVX-512 one for thinkv and
-thinkv-tbq (all 48 tokens) and for kivi up to token 24.
+thinkv-tbq (all 48 tokens) and for kivi up to token 24. The Xeon with AMX (key ``5cc481fdf9``) was recorded on
+2026-12-02 with the tree before reusable slots became arrays (0cd9967): all 48 tokens of each case equal the
+``93ef453b80`` AVX-512 oneDNN recording's.
 """
 from __future__ import annotations
 
