@@ -76,7 +76,8 @@ def softmax_weights_(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def _finite_lse(lse: torch.Tensor) -> torch.Tensor:
     # a row with no live key has lse = -inf: subtract 0 there instead, so its weights are exp(-inf) = 0, not NaN
-    return torch.where(torch.isinf(lse), 0.0, lse)
+    # (one kernel; NaN stays NaN)
+    return lse.nan_to_num(nan=math.nan, posinf=0.0, neginf=0.0)
 
 
 def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: torch.Tensor, sm_scale: float,
