@@ -101,22 +101,24 @@ def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np
     array) become reusable by their rows (``reuse``); a page left empty that is not its class's open page goes
     back to the pool (``release(i, class, page)``, at each page's first victim, in victim order), taking its
     slots with it."""
-    classes = pool.page_class[pages] if np.ndim(layer) == 0 else pool.page_class[layer, pages]
-    live = pool.live[pages] if np.ndim(layer) == 0 else pool.live[layer, pages]
-    empty = live == 0
+    one_layer = np.ndim(layer) == 0  # (a layer's PagePool; else a SlotStack and each victim's layer)
+    at_page = pages if one_layer else (layer, pages)
+    classes, empty = pool.page_class[at_page], pool.live[at_page] == 0
+
+    def layers_of(idx: np.ndarray):
+        return layer if one_layer else layer[idx]
+
     for c in np.unique(classes).tolist():
         at = np.flatnonzero(classes == c)
-        li = layer if np.ndim(layer) == 0 else layer[at]
-        gone = empty[at] & (columns.open_pages(li, rows[at], (fmt, c)) != pages[at])
+        gone = empty[at] & (columns.open_pages(layers_of(at), rows[at], (fmt, c)) != pages[at])
         empty[at] = gone
         if reuse:
             keep = at[~gone]
-            columns.reuse.push(li if np.ndim(layer) == 0 else layer[keep], rows[keep], (fmt, c), pages[keep],
-                               slots[keep])
+            columns.reuse.push(layers_of(keep), rows[keep], (fmt, c), pages[keep], slots[keep])
     rel = np.flatnonzero(empty)
     if not len(rel):
         return
-    li = np.zeros(len(rel), np.int64) if np.ndim(layer) == 0 else layer[rel]
+    li = np.zeros(len(rel), np.int64) if one_layer else layer[rel]
     _, first = np.unique(np.stack([li, rows[rel], pages[rel]]), axis=1, return_index=True)
     for i in rel[np.sort(first)].tolist():
         release(i, int(classes[i]), int(pages[i]))

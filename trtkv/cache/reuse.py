@@ -80,9 +80,6 @@ class ReusableSlots:
             self._orders[fmt] = arr = grown
         arr[layer, pages] = orders
 
-    def order_of(self, layer, fmt: str, pages) -> np.ndarray:
-        return self._orders[fmt][layer, pages]
-
     # --- what is reusable ------------------------------------------------------------------------------
     def count(self, layer: int, row: int, cls: Cls) -> int:
         """Entries of ``row``'s ``cls`` in ``layer`` (slots written since they were freed included)."""

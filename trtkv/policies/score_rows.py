@@ -15,7 +15,7 @@ import torch
 from plugins import ops as plugin_ops
 
 FIRST_ROWS, FIRST_CAP = 8, 64
-SCRATCH_ROW = 0  # never handed out: a batch's dead columns may read and write it (nobody reads it back)
+SCRATCH_ROW = 0  # never handed out (a batch path may point its dead columns at it: nobody reads it back)
 
 
 class RowTable:
