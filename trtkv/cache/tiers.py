@@ -63,6 +63,8 @@ class TierStore:
         self.demote, self.demote_fmt = parse_demote(getattr(cfg, "demote", "none"))
         self.seqs: dict[int, SeqTiers] = {}
         self.transfer_bytes_total = 0
+        self.records = 0  # bumped when a request's record appears or goes (staging's batch of host records)
+        self.layer_versions = np.zeros(cfg.num_layers, np.int64)  # bumped with any request's version[layer]
 
     # --- records ------------------------------------------------------------------------------
     def record(self, seq: SeqKV) -> SeqTiers:
@@ -71,6 +73,7 @@ class TierStore:
             L = self.dev.cfg.num_layers
             st = SeqTiers(self.host.add_sequence(seq.seq_id), [{} for _ in range(L)], [0] * L)
             self.seqs[seq.seq_id] = st
+            self.records += 1
         return st
 
     def has_host(self, seq: SeqKV) -> bool:
@@ -81,11 +84,16 @@ class TierStore:
         st = self.seqs.pop(seq_id, None)
         if st is not None:
             self.host.free_sequence(seq_id)
+            self.records += 1
 
     # --- queries ------------------------------------------------------------------------------
     def host_positions(self, seq: SeqKV, layer: int) -> np.ndarray:
         st = self.seqs.get(seq.seq_id)
         return np.empty(0, np.int64) if st is None else self.host.live_positions(st.host, layer)
+
+    def host_records(self, seqs: list[SeqKV]) -> list[SeqKV | None]:
+        """Each request's host-tier record (a request of the host cache), None where it has none."""
+        return [st.host if st is not None else None for st in map(self.seqs.get, (s.seq_id for s in seqs))]
 
     def host_bytes(self, seq: SeqKV) -> int:
         st = self.seqs.get(seq.seq_id)
@@ -277,7 +285,7 @@ class TierStore:
         finally:
             self.host.free_sequence(tmp.seq_id)
         self._check_cap(seq, layer, [], before)
-        st.version[layer] += 1
+        self._changed(st, layer)
         return len(positions)
 
     def _drop_host(self, seq: SeqKV, layer: int, positions: list[int]) -> int:
@@ -291,7 +299,7 @@ class TierStore:
 
     def _free_host(self, st: SeqTiers, layer: int, positions: list[int]) -> None:
         self.host.evict(st.host, layer, positions, counted=False)
-        st.version[layer] += 1
+        self._changed(st, layer)
 
     def _check_cap(self, seq: SeqKV, layer: int, positions: list[int], before: int) -> None:
         """Host-memory exhaustion: undo the host copies just made and fail with one clear line."""
@@ -307,20 +315,26 @@ class TierStore:
                             f"with this move); raise --host-kv-memory, lower the batch size or evict more "
                             f"(e.g. --set evict_ratio=... or demote=none)", seq_id=seq.seq_id)
 
-    def _moved(self, st: SeqTiers, layer: int, nbytes: int, seconds: float) -> None:
+    def _changed(self, st: SeqTiers, layer: int) -> None:
         st.version[layer] += 1
+        self.layer_versions[layer] += 1
+
+    def _moved(self, st: SeqTiers, layer: int, nbytes: int, seconds: float) -> None:
+        self._changed(st, layer)
         st.transfer_bytes += nbytes
         st.move_bytes += nbytes
         st.move_seconds += seconds
         self.transfer_bytes_total += nbytes
         st.peak_host_bytes = max(st.peak_host_bytes, st.host.kv_bytes)
 
-    def add_staged(self, seq_id: int, nbytes: int, seconds: float) -> None:
-        st = self.seqs.get(seq_id)
-        if st is not None:
-            st.transfer_bytes += nbytes
-            st.move_seconds += seconds
-            self.transfer_bytes_total += nbytes
+    def add_staged(self, seq_ids: list[int], nbytes: np.ndarray, seconds: np.ndarray) -> None:
+        """A step's staging of requests ``seq_ids``: bytes copied to the device and the time it took, each."""
+        for sid, nb, sec in zip(seq_ids, nbytes.tolist(), seconds.tolist()):
+            st = self.seqs.get(sid)
+            if st is not None and (nb or sec):
+                st.transfer_bytes += nb
+                st.move_seconds += sec
+                self.transfer_bytes_total += nb
 
     # --- invariants (tests) -------------------------------------------------------------------
     def check(self, seq: SeqKV) -> None:

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from trtkv.cache.manager import KVCacheManager, SeqKV
-from trtkv.cache.reads import NO_PAGES
 
 
 class StagedPool:
@@ -48,8 +47,8 @@ class StagedPool:
 class _Stage:
     sources: list  # [(StagedPool, block_table, LayerScales)]
     versions: tuple
+    nbytes: np.ndarray  # bytes staged per request (batch order)
     event: object = None  # CUDA: the copy-done event the compute stream waits on
-    nbytes: list | None = None  # bytes staged per request (batch order)
     seconds: float = 0.0
 
 
@@ -91,11 +90,19 @@ class HostStaging:
         self.copy_seconds = 0.0  # CPU: wall time of the copies; CUDA: host-side issue time (see copy_events)
         self.copy_events: list[tuple] = []  # CUDA: (start, end) timing events on the copy stream
         self.bytes_staged = 0
-        self.step_bytes: dict[int, int] = {}  # this step's staged bytes per request (CUDA time attribution)
+        self.step_bytes = np.zeros(0, np.int64)  # this step's staged bytes per request of the batch
+        self.step_seconds = np.zeros(0)  # CPU: this step's copy time per request (each layer's, shared by bytes)
+        self._records: tuple | None = None  # (TierStore.records, host records, their batch rows) of the batch
 
-    def active(self, seqs: list[SeqKV]) -> bool:
-        t = self.cache.tiers if self.cache.has_tiers else None
-        return t is not None and any(t.has_host(s) for s in seqs)
+    def _host_batch(self) -> tuple[list, np.ndarray]:
+        """The batch's host-tier records (requests of the host cache) and their rows in the batch: looked up once
+        a step, again only when a record appeared or went (a policy may demote in ``before_attention``)."""
+        tiers = self.cache.tiers
+        if self._records is None or self._records[0] != tiers.records:
+            recs = tiers.host_records(self.batch)
+            rows = np.fromiter((i for i, r in enumerate(recs) if r is not None), np.int64)
+            self._records = (tiers.records, [recs[i] for i in rows.tolist()], rows)
+        return self._records[1], self._records[2]
 
     def staging_bytes(self) -> int:
         """Device bytes the staging pools hold now (both parities)."""
@@ -106,11 +113,14 @@ class HostStaging:
         self.batch = list(seqs)
         self.pending.clear()
         self.stepping = False
+        self._records = None
+        self.step_bytes = np.zeros(len(seqs), np.int64)
+        self.step_seconds = np.zeros(len(seqs))
 
     def sources(self, layer: int, num_layers: int) -> list | None:
-        """The engine's per-layer call: None while no request of the batch has host tokens (checked per
+        """The engine's per-layer call: None while no request of the batch has a host-tier record (checked per
         layer: a policy may demote in ``before_attention``, and those tokens are attended at once)."""
-        if not self.active(self.batch):
+        if not self.cache.has_tiers or not len(self._host_batch()[1]):
             return None
         self.stepping = True
         return self.acquire(layer, num_layers)
@@ -141,20 +151,20 @@ class HostStaging:
         self.pending.clear()
         if self.cuda:  # host pools may be written after the step (tier events): no copy may be in flight
             self.copy_stream.synchronize()
-        if self.cuda and self.copy_events:
+        seconds = self.step_seconds
+        if self.cuda and self.copy_events:  # copy-stream time, attributed by bytes staged
             torch.cuda.current_stream(self.device).synchronize()
             step_s = sum(a.elapsed_time(b) for a, b in self.copy_events) / 1e3
             self.copy_seconds += step_s
             self.copy_events.clear()
-            total = sum(self.step_bytes.values())
-            for sid, nb in self.step_bytes.items():  # copy-stream time, attributed by bytes staged
-                self.cache.tiers.add_staged(sid, 0, step_s * nb / total if total else 0.0)
-        self.step_bytes.clear()
+            total = int(self.step_bytes.sum())
+            seconds = step_s * self.step_bytes / total if total else np.zeros(len(self.batch))
+        self.cache.tiers.add_staged([s.seq_id for s in self.batch], self.step_bytes, seconds)
 
     # --- staging -----------------------------------------------------------------------------------
-    def _versions(self, layer: int) -> tuple:
-        t = self.cache.tiers if self.cache.has_tiers else None
-        return tuple(t.seqs[s.seq_id].version[layer] if s.seq_id in t.seqs else -1 for s in self.batch)
+    def _versions(self, layer: int) -> tuple[int, int]:
+        tiers = self.cache.tiers
+        return tiers.records, int(tiers.layer_versions[layer])
 
     def _stage(self, layer: int) -> _Stage:
         tiers = self.cache.tiers
@@ -162,7 +172,7 @@ class HostStaging:
         buf = self.buffers[layer % 2]
         t0 = time.perf_counter()
         b = len(self.batch)
-        sources, nbytes = [], [0] * b
+        sources, nbytes = [], np.zeros(b, np.int64)
         stream_ctx = None
         if self.cuda:
             if buf.copy_done is not None:
@@ -172,14 +182,12 @@ class HostStaging:
                 self.copy_stream.wait_event(buf.attn_done)  # do not overwrite what layer l-2 still reads
             start = torch.cuda.Event(enable_timing=True)
             start.record(self.copy_stream)
-        for fmt, hpool in host.pools[layer].items():
-            rows = []
-            for s in self.batch:
-                st = tiers.seqs.get(s.seq_id)
-                rows.append(st.host.layers[layer].pages_of_format().get(fmt, NO_PAGES) if st is not None else NO_PAGES)
-            flat = np.concatenate(rows) if rows else NO_PAGES
-            if not len(flat):
-                continue
+        records, at = self._host_batch()
+        for hpool, host_bt in host.block_tables(layer, records) if records else ():
+            fmt = hpool.fmt.name
+            table = host_bt.numpy()
+            held = table >= 0
+            flat = table[held]  # the batch's host pages, request by request, each in its table order
             n = len(flat)
             idx = torch.from_numpy(flat.astype(np.int64))
             like = [*hpool.fields, hpool.k_group[:, None]]
@@ -205,15 +213,14 @@ class HostStaging:
                 valid = torch.from_numpy(hpool.valid[flat].copy())
             fields = [d[:n] for d in dst[:-1]]
             k_group = dst[-1][:n, 0]
-            bt = np.full((b, max(len(r) for r in rows)), -1, np.int32)
-            at = 0
-            for i, r in enumerate(rows):
-                bt[i, :len(r)] = np.arange(at, at + len(r))
-                at += len(r)
-                nbytes[i] += len(r) * hpool.page_bytes
+            staged_table = np.full((b, table.shape[1]), -1, np.int32)  # the staged pool's pages, in flat's order
+            mine = np.full(table.shape, -1, np.int32)
+            mine[held] = np.arange(n, dtype=np.int32)
+            staged_table[at] = mine
+            nbytes[at] += held.sum(1) * hpool.page_bytes
             staged = StagedPool(hpool.fmt, hpool.B, hpool.H, hpool.D, fields, groups, k_group, valid,
                                 hpool.slot_pos[flat])
-            sources.append((staged, torch.from_numpy(bt).to(self.device), host.layer_scales(layer, fmt)))
+            sources.append((staged, torch.from_numpy(staged_table).to(self.device), host.layer_scales(layer, fmt)))
         stage = _Stage(sources, self._versions(layer), nbytes=nbytes)
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
@@ -225,13 +232,11 @@ class HostStaging:
         return stage
 
     def _account(self, stage: _Stage) -> None:
-        tiers = self.cache.tiers
-        total = sum(stage.nbytes or ())
+        total = int(stage.nbytes.sum())
         self.bytes_staged += total
         if not self.cuda:
             self.copy_seconds += stage.seconds
-        for s, nb in zip(self.batch, stage.nbytes or ()):
-            if nb:
-                self.step_bytes[s.seq_id] = self.step_bytes.get(s.seq_id, 0) + nb
-                share = stage.seconds * nb / total if total else 0.0
-                tiers.add_staged(s.seq_id, nb, share if not self.cuda else 0.0)
+        if total:
+            self.step_bytes += stage.nbytes
+            if not self.cuda:
+                self.step_seconds += stage.seconds * stage.nbytes / total
