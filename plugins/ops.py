@@ -22,6 +22,7 @@ from plugins.kv_write.reference import kv_write_ref
 from plugins.lowest_victim.reference import lowest_victim_ref
 from plugins.scatter_add_rows.reference import scatter_add_rows_ref
 from plugins.mri_track.reference import mri_track_ref
+from plugins.head_sums.reference import head_sums_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, PagedFormat, dense_attention_cpu, paged_attention_ref
 from plugins.residual_append.reference import residual_append_ref
 from plugins.int4_linear.reference import Int4Weight, int4_linear_ref
@@ -40,6 +41,7 @@ SCHEMAS = {
     "kmeans_select": "(Tensor keys, Tensor counts, Tensor k_keep, int iters) -> Tensor",
     "lowest_victim": "(Tensor scores, Tensor positions, Tensor blocked) -> Tensor",
     "scatter_add_rows": "(Tensor(a!) data, Tensor rows, Tensor positions, Tensor values, int layer0) -> ()",
+    "head_sums": "(Tensor logits, Tensor lse) -> Tensor",
     "mri_track": "(Tensor(a!) ts, Tensor(b!) mri, int layer, Tensor rows, Tensor positions, Tensor act, "
                  "Tensor prompt, Tensor step) -> ()",
     "residual_append": "(Tensor(a!) arena_k, Tensor(b!) arena_v, Tensor at, Tensor k, Tensor v) -> ()",
@@ -237,6 +239,16 @@ def scatter_add_rows(data: torch.Tensor, rows: torch.Tensor, positions: torch.Te
     scatter_add_rows_ref(data, rows, positions, values, layer0)
 
 
+def head_sums(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """A decode step's attention weights summed over query heads, ``[b, n]`` (see head_sums/reference.py): the
+    compiled CPU kernel on CPU, else the reference."""
+    if use_cpu_kernels(logits):
+        from plugins.cpu_kernels.ops import head_sums_cpu
+
+        return head_sums_cpu(logits, lse)
+    return head_sums_ref(logits, lse)
+
+
 def mri_track(ts: torch.Tensor, mri: torch.Tensor, layer: int, rows: torch.Tensor, positions: torch.Tensor,
               act: torch.Tensor, prompt: torch.Tensor, step: torch.Tensor) -> None:
     """LazyEviction's tracking update of a batch in one layer, in place (see mri_track/reference.py): the compiled
@@ -287,13 +299,16 @@ def _kmeans_fake(keys, counts, k_keep, iters):
 
 _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "paged_attention": paged_attention,
                    "kmeans_select": kmeans_select, "lowest_victim": lowest_victim,
-                   "scatter_add_rows": scatter_add_rows, "mri_track": mri_track, "buffer_attention": buffer_attention,
+                   "scatter_add_rows": scatter_add_rows, "mri_track": mri_track, "head_sums": head_sums,
+                   "buffer_attention": buffer_attention,
                    "residual_append": residual_append, "int8_linear": int8_linear, "int4_linear": _int4_linear_op}
 _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None, "residual_append": lambda *a: None,
                  "scatter_add_rows": lambda *a: None, "mri_track": lambda *a: None,
                  "buffer_attention": lambda *a: None, "paged_attention": _paged_attention_meta,
                  "int8_linear": _int8_linear_meta, "int4_linear": _int4_linear_meta,
-                 "lowest_victim": lambda scores, positions, blocked: positions.new_empty(positions.shape[:1])}
+                 "lowest_victim": lambda scores, positions, blocked: positions.new_empty(positions.shape[:1]),
+                 "head_sums": lambda logits, lse: logits.new_empty((logits.shape[0], logits.shape[2]),
+                                                                   dtype=torch.float32)}
 for _name, _kernel in _PYTHON_KERNELS.items():
     for _key in ("CPU", "CUDA"):
         _lib.impl(_name, _kernel, _key)

@@ -90,9 +90,10 @@ def test_position_table_add_layers_matches_add():
 def test_live_first_views_keep_each_rows_live_columns_in_slot_order():
     pos = np.array([[5, -1, 7, 2], [-1, -1, 9, 1], [3, 4, 6, 8]])
     w = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)
-    p2, w2, lg2, counts = live_first(pos, w, -w)
+    p2, w2, lg2, s2, counts = live_first(pos, w, -w, w.sum(1))
     assert counts == [3, 2, 4]
-    for i, (rw, rl) in enumerate(zip(live_views(w2, counts), live_views(lg2, counts))):
+    for i, (rw, rl, rs) in enumerate(zip(live_views(w2, counts), live_views(lg2, counts), live_views(s2, counts))):
         cols = np.flatnonzero(pos[i] >= 0)
         assert p2[i, :counts[i]].tolist() == pos[i, cols].tolist()
         assert torch.equal(rw, w[i][:, cols]) and torch.equal(rl, -w[i][:, cols])
+        assert torch.equal(rs, w[i].sum(0)[cols])

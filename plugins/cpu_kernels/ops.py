@@ -46,6 +46,11 @@ def scatter_add_rows_cpu(data, rows, positions, values, layer0) -> None:
     cpu_kernels().scatter_add_rows(data, rows, positions, values, int(layer0))
 
 
+def head_sums_cpu(logits, lse):
+    """Same contract as ``head_sums_ref``: ``[b, n]`` fp32."""
+    return cpu_kernels().head_sums(logits, lse)
+
+
 def mri_track_cpu(ts, mri, layer, rows, positions, act, prompt, step) -> None:
     """Same contract as ``mri_track_ref``: updates ``ts`` and ``mri`` in place."""
     cpu_kernels().mri_track(ts, mri, int(layer), rows, positions, act, prompt, step)

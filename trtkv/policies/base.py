@@ -54,6 +54,7 @@ class LayerStats:
     sparsity_heads: torch.Tensor | None = None  # [H] fraction of weights < 1% of the row max, per KV head
     sparsity: float | None = None  # ThinKV: max-pool G query heads, softmax, mean over KV heads, then fraction
     query: torch.Tensor | None = None  # [Hq, D] post-RoPE query of this decode step (StatsRequest.queries)
+    head_sums: torch.Tensor | None = None  # decode: [n] the weights summed over query heads (plugins/head_sums)
 
 
 @dataclass
@@ -61,8 +62,10 @@ class BatchLayerStats:
     """A decode step's attention weights of one layer for the whole batch (``KVPolicy.batch_stats``): row ``i``
     is the batch's request ``i``, its columns the kernel's slots in block-table order (no per-layer reorder)."""
     positions: np.ndarray  # [b, n] positions of the attended keys, -1 for a dead or absent slot (anywhere)
-    weights: torch.Tensor  # [b, Hq, n] softmax weights, 0 at the dead slots
+    weights: torch.Tensor | None  # [b, Hq, n] softmax weights, 0 at the dead slots (None: ``batch_weights`` False)
     counts: np.ndarray  # [b] live columns of each row
+    head_sums: torch.Tensor  # [b, n] the weights summed over query heads (plugins/head_sums), 0 at the dead slots
+    heads: int  # Hq, the query heads summed
 
 
 def every_row(rows: np.ndarray, b: int) -> bool:
@@ -70,17 +73,22 @@ def every_row(rows: np.ndarray, b: int) -> bool:
     return len(rows) == b and bool((rows == np.arange(b)).all())
 
 
-def batch_rows_of(batch: dict[int, BatchLayerStats], rows: np.ndarray
+def batch_rows_of(batch: dict[int, BatchLayerStats], rows: np.ndarray, weights: bool = False
                   ) -> list[tuple[int, np.ndarray, torch.Tensor, np.ndarray]]:
-    """Each layer's ``(layer, positions, weights, counts)`` of ``rows`` of the batch, in that order (every row in
-    order, the usual case: the arrays themselves, no gather)."""
+    """Each layer's ``(layer, positions, head sums, counts)`` of ``rows`` of the batch, in that order (every row
+    in order, the usual case: the arrays themselves, no gather); ``weights``: the per-head weights instead of their
+    sums."""
     if not batch:
         return []
     if every_row(rows, len(next(iter(batch.values())).counts)):
-        return [(layer, bs.positions, bs.weights, bs.counts) for layer, bs in batch.items()]
+        return [(layer, bs.positions, bs.weights if weights else bs.head_sums, bs.counts)
+                for layer, bs in batch.items()]
     idx = torch.from_numpy(rows)
-    return [(layer, bs.positions[rows], bs.weights[idx.to(bs.weights.device)], bs.counts[rows])
-            for layer, bs in batch.items()]
+    out = []
+    for layer, bs in batch.items():
+        w = bs.weights if weights else bs.head_sums
+        out.append((layer, bs.positions[rows], w[idx.to(w.device)], bs.counts[rows]))
+    return out
 
 
 @dataclass
@@ -239,6 +247,8 @@ class KVPolicy:
     # Whether the policy takes a decode step's attention weights in batch form (``StepStats.batch``) when every
     # request of the step asks for the weights alone in every layer (see ScorerPolicy).
     batch_stats = False
+    # Whether it reads the per-head weights of that batch form, or only their sums over heads (``head_sums``).
+    batch_weights = True
 
     def before_attention(self, req: PolicyRequest, layer: int) -> None:
         pass

@@ -43,7 +43,7 @@ from trtkv.policies.base import BatchLayerStats, StatsRequest, batch_rows_of
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scored import Cadence, ScorerPolicy
 from trtkv.policies.scorers import Scorer
-from trtkv.policies.scoring import check_choice, check_positive, head_reduce
+from trtkv.policies.scoring import check_choice, check_positive, head_reduce, head_sums
 
 SCORES = ("sigmoid", "exp", "tanh", "inverse")
 
@@ -137,23 +137,33 @@ class MRIScorer(Scorer):
             pos = ls.positions
             created = created_at(torch.from_numpy(np.asarray(pos, np.int64)), memo.prompt_len).to(memo.ts.device)
             ts, mri = track(t, memo.ts.get(layer, pos) + created, memo.mri.get(layer, pos),
-                            head_reduce(ls.weights, self.head_reduce) >= self.alpha)
+                            self._reduced(ls) >= self.alpha)
             memo.ts.set(layer, pos, ts - created)
             memo.mri.set(layer, pos, mri)
+
+    def _reduced(self, ls) -> torch.Tensor:
+        """A step's ``[n]`` weights reduced over query heads: the mean from the statistics' own sums (as the batch
+        form's), the maximum from the per-head weights."""
+        return head_reduce(ls.weights, "max") if self.head_reduce == "max" else head_sums(ls) / ls.weights.shape[0]
+
+    @property
+    def batch_weights(self) -> bool:
+        return self.head_reduce == "max"  # the mean comes from the weights' sums over heads
 
     def observe_batch(self, reqs, memos, batch: dict[int, BatchLayerStats], rows: np.ndarray) -> None:
         """``observe`` of a decode step in batch form (row ``rows[i]`` of each layer's statistics is ``reqs[i]``'s):
         per layer, every request's held tokens updated where activated in one ``mri_track`` (plugins/mri_track)."""
         if not batch:
             return
-        device = next(iter(batch.values())).weights.device
+        first = next(iter(batch.values()))
+        device, heads = first.head_sums.device, first.heads
         for r, m in zip(reqs, memos):
             self._rows(r, m, device)
         table_rows = torch.from_numpy(np.fromiter((m.ts.row for m in memos), np.int64, len(memos)))
         prompt = torch.from_numpy(np.fromiter((m.prompt_len for m in memos), np.int64, len(memos)))
         step = torch.from_numpy(np.fromiter((r.step for r in reqs), np.int64, len(reqs)))
-        for layer, pos, w, _ in batch_rows_of(batch, rows):
-            act = (w.amax(1) if self.head_reduce == "max" else w.mean(1)) >= self.alpha
+        for layer, pos, w, _ in batch_rows_of(batch, rows, weights=self.head_reduce == "max"):
+            act = (w.amax(1) if self.head_reduce == "max" else w / heads) >= self.alpha
             top = int(pos.max(initial=-1))
             if top < 0:
                 continue

@@ -138,6 +138,10 @@ class ScorerPolicy(KVPolicy):
         else request by request)."""
         return self.scorer.batches
 
+    @property
+    def batch_weights(self) -> bool:
+        return self.scorer.batch_weights
+
     def on_request_finish(self, req) -> None:
         self.scorer.release(req.state.memo)
 

@@ -86,9 +86,15 @@ def accumulate_attention(table, req, stats, phase: str):
         return table
     if table is None:
         table = PositionTable(req.num_layers, device=next(iter(stats.layers.values())).weights.device)
-    table.add_layers([(layer, ls.positions, ls.weights.sum(dim=(0, 1)) if phase == "prefill" else ls.weights.sum(0))
+    table.add_layers([(layer, ls.positions, ls.weights.sum(dim=(0, 1)) if phase == "prefill" else head_sums(ls))
                       for layer, ls in stats.layers.items()])
     return table
+
+
+def head_sums(ls) -> torch.Tensor:
+    """A decode step's ``[n]`` weights summed over query heads: the statistics' own sums (``plugins/head_sums``,
+    what the batch form carries too) where they came with them."""
+    return ls.head_sums if ls.head_sums is not None else ls.weights.sum(0)
 
 
 # --- attention reductions ---------------------------------------------------------------------

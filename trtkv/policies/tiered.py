@@ -45,7 +45,7 @@ import torch
 from trtkv.policies.base import KVPolicy, ReportColumn, StatsRequest, StepStats, batch_rows_of
 from trtkv.policies.request import PolicyRequest
 from trtkv.policies.score_rows import RowTable, RowView
-from trtkv.policies.scoring import check_choice
+from trtkv.policies.scoring import check_choice, head_sums
 
 ACCOUNTING = ("per_event", "cumulative")
 
@@ -105,6 +105,7 @@ class TieredPolicy(KVPolicy):
 
     # --- hooks ------------------------------------------------------------------------------------
     batch_stats = True  # a decode step's accumulation for the whole batch (on_decode_step_end_batch)
+    batch_weights = False  # of the weights' sums over heads
 
     def on_request_init(self, req: PolicyRequest) -> None:
         req.state.score = self._scores.acquire()
@@ -144,7 +145,7 @@ class TieredPolicy(KVPolicy):
         for ls in stats.layers.values():
             if ls.weights is None or not len(ls.positions):
                 continue
-            col = ls.weights.float().sum(0)
+            col = head_sums(ls).float()
             if not bool(torch.isfinite(col).all()):
                 continue
             parts.append((np.asarray(ls.positions, np.int64), col.double()))
@@ -159,8 +160,8 @@ class TieredPolicy(KVPolicy):
         """``_accumulate`` of every request of a decode step whose statistics came in batch form (``rows[i]``:
         ``reqs[i]``'s row of them): the same sums, added layer by layer for the whole batch."""
         layers = []  # (positions, column sums fp64, whether the layer counts for the row)
-        for _, pos, w, counts in batch_rows_of(batch, rows):
-            col = w.float().sum(1)
+        for _, pos, sums, counts in batch_rows_of(batch, rows):
+            col = sums.float()
             layers.append((pos, col.double().cpu(), torch.isfinite(col).all(1).cpu().numpy() & (counts > 0)))
         counted = np.sum([live for _, _, live in layers], axis=0) if layers else np.zeros(len(reqs), np.int64)
         for i in np.flatnonzero(counted == 0).tolist():

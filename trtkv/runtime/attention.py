@@ -82,15 +82,17 @@ def _finite_lse(lse: torch.Tensor) -> torch.Tensor:
 
 def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: torch.Tensor, sm_scale: float,
                      want_stats: list[bool], want_sparsity: list[bool], staged: list | None = None,
-                     clock=None, batch_form: bool = False, shards: HeadShards | None = None
+                     clock=None, batch_form: bool = False, shards: HeadShards | None = None,
+                     batch_weights: bool = True
                      ) -> tuple[torch.Tensor, list[LayerStats | None] | BatchLayerStats | None]:
     """``staged``: the host tiers' pages of this layer copied to the device (``runtime/staging.py``), as
     ``(pool, block_table, scales)``; attended by the same plugin and merged like another format.
     ``clock`` (``trtkv bench --profile``): kernels and merge are "attention", block tables and positions
     "bookkeeping", the statistics the policy asked for "policy". ``batch_form`` (every request wants the
     weights alone): the statistics come back as one ``BatchLayerStats`` instead of one ``LayerStats`` a
-    request. ``shards`` (tensor parallelism): the statistics cover every rank's heads (one gather of the logits
-    and log-sum-exps), so every rank's policy sees what one rank would."""
+    request (``batch_weights`` False: their sums over heads alone). ``shards`` (tensor parallelism): the
+    statistics cover every rank's heads (one gather of the logits and log-sum-exps), so every rank's policy sees
+    what one rank would."""
     lap = clock.switch if clock is not None else _no_clock
     parts, logit_parts = [], []
     any_stats = any(want_stats) or any(want_sparsity)
@@ -132,7 +134,7 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         logits = logit_parts[0][0] if len(logit_parts) == 1 else torch.cat([lg for lg, _ in logit_parts], dim=-1)
         positions = np.concatenate([p for _, p in logit_parts], axis=1)
         stats = layer_statistics(logits, lse, positions, cache.cfg.num_kv_heads, want_stats, want_sparsity,
-                                 batch_form, shards)
+                                 batch_form, shards, batch_weights)
     lap("bookkeeping")
     return out, stats
 
@@ -151,11 +153,14 @@ def source_positions(tables: list[tuple[PagePool, torch.Tensor]], b: int) -> lis
 
 def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndarray, num_kv_heads: int,
                      want_stats: list[bool], want_sparsity: list[bool], batch_form: bool = False,
-                     shards: HeadShards | None = None) -> list[LayerStats | None] | BatchLayerStats:
+                     shards: HeadShards | None = None, batch_weights: bool = True
+                     ) -> list[LayerStats | None] | BatchLayerStats:
     """A layer's statistics from its attention logits ``[b, Hq, n]`` (scaled, -inf where dead; taken over: the
     batch form computes its weights in place of them), log-sum-exps ``[b, Hq]`` and the columns' positions ``[b, n]``:
-    one ``BatchLayerStats`` (``batch_form``: every request wants the weights alone) or one ``LayerStats`` for each
-    request that asked (None for the others)."""
+    one ``BatchLayerStats`` (``batch_form``: every request wants the weights alone; ``batch_weights`` False: their
+    sums over heads alone) or one ``LayerStats`` for each request that asked (None for the others). Both forms
+    carry the weights' sums over heads from one kernel (``plugins/head_sums``), so a policy that reads them decides
+    the same in either."""
     b = logits.shape[0]
     lse_all = lse
     if shards is not None:  # one collective: the log-sum-exps ride as one more column
@@ -163,45 +168,51 @@ def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndar
         logits, lse_all, num_kv_heads = both[..., :-1], both[..., -1], shards.num_kv_heads
     if batch_form:  # (every request asked for the weights alone: EngineCore._batch_form)
         # in place of the logits nothing else reads; slot order kept (dead columns: -1, weight 0)
-        w = softmax_weights_(logits, lse_all)
-        return BatchLayerStats(positions=positions, weights=w, counts=(positions >= 0).sum(1))
+        sums = plugin_ops.head_sums(logits, lse_all)
+        w = softmax_weights_(logits, lse_all) if batch_weights else None
+        return BatchLayerStats(positions=positions, weights=w, counts=(positions >= 0).sum(1), head_sums=sums,
+                               heads=logits.shape[1])
     stats: list[LayerStats | None] = [None] * b
     want = [i for i in range(b) if want_stats[i] or want_sparsity[i]]
     rows = torch.tensor(want) if len(want) < b else None
     sparse = any(want_sparsity[i] for i in want)
     lg_w = logits if rows is None else logits[rows]
-    w, sh, u = batch_row_stats(lg_w, lse_all if rows is None else lse_all[rows], num_kv_heads, sparse)
+    lse_w = lse_all if rows is None else lse_all[rows]
+    sums = plugin_ops.head_sums(lg_w, lse_w)
+    w, sh, u = batch_row_stats(lg_w, lse_w, num_kv_heads, sparse)
     u = u.tolist() if sparse else [None] * len(want)
-    pos_w, w, lg_w, counts = live_first(positions if rows is None else positions[want], w, lg_w)
-    w_rows, lg_rows = live_views(w, counts), live_views(lg_w, counts)
+    pos_w, w, lg_w, sums, counts = live_first(positions if rows is None else positions[want], w, lg_w, sums)
+    w_rows, lg_rows, sum_rows = live_views(w, counts), live_views(lg_w, counts), live_views(sums, counts)
     sh_rows = sh.unbind(0) if sparse else [None] * len(want)
     for j, i in enumerate(want):  # each request's live columns: views, no per-request gather
         stats[i] = LayerStats(positions=pos_w[j, :counts[j]], weights=w_rows[j], logits=lg_rows[j],
-                              sparsity_heads=sh_rows[j], sparsity=u[j])
+                              sparsity_heads=sh_rows[j], sparsity=u[j], head_sums=sum_rows[j])
     return stats
 
 
-def live_first(positions: np.ndarray, weights: torch.Tensor, logits: torch.Tensor):
+def live_first(positions: np.ndarray, weights: torch.Tensor, logits: torch.Tensor, sums: torch.Tensor):
     """Reorder a batch's columns so each row's live slots (position >= 0) come first, in slot order:
-    ``positions [b, n]``, ``weights, logits [b, Hq, n]`` -> the same reordered, and live counts ``[b]``.
-    Row ``i``'s statistics are then the views ``[..., :counts[i]]`` (one gather for the batch)."""
+    ``positions [b, n]``, ``weights, logits [b, Hq, n]``, ``sums [b, n]`` -> the same reordered, and live counts
+    ``[b]``. Row ``i``'s statistics are then the views ``[..., :counts[i]]`` (one gather for the batch)."""
     live = positions >= 0
     counts = live.sum(1).tolist()
     if min(counts, default=0) == positions.shape[1]:
-        return positions, weights, logits, counts
+        return positions, weights, logits, sums, counts
     order = np.argsort(~live, axis=1, kind="stable")
-    idx = torch.from_numpy(order).to(logits.device)[:, None, :].expand(-1, logits.shape[1], -1)
-    return np.take_along_axis(positions, order, 1), weights.gather(2, idx), logits.gather(2, idx), counts
+    cols = torch.from_numpy(order).to(logits.device)
+    idx = cols[:, None, :].expand(-1, logits.shape[1], -1)
+    return (np.take_along_axis(positions, order, 1), weights.gather(2, idx), logits.gather(2, idx),
+            sums.gather(1, cols), counts)
 
 
 def live_views(x: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
-    """``x [b, Hq, n]`` (live columns first) -> row ``i``'s ``[Hq, counts[i]]`` views, without a Python-level
+    """``x [b, ..., n]`` (live columns first) -> row ``i``'s ``[..., counts[i]]`` views, without a Python-level
     tensor index per row (each costs microseconds; a batch of 16 over 30 layers asks 480 a step)."""
     if not counts:
         return []
     top = max(counts)
     rows = x[..., :top].unbind(0)
-    return [r if c == top else r.narrow(1, 0, c) for r, c in zip(rows, counts)]
+    return [r if c == top else r.narrow(-1, 0, c) for r, c in zip(rows, counts)]
 
 
 def _empty_partial(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

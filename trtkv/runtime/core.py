@@ -244,7 +244,8 @@ class EngineCore:
         logits, layer_logits, layer_queries = self.device_step.run(plan)
         if clk is not None:
             clk.switch("policy")
-        fill_statistics(step, plan, wants, layer_logits, layer_queries, self.cache.cfg.num_kv_heads)
+        fill_statistics(step, plan, wants, layer_logits, layer_queries, self.cache.cfg.num_kv_heads,
+                        self.policy.batch_weights)
         return logits
 
     def abort_decode(self, step: DecodeStep) -> None:
@@ -348,7 +349,8 @@ class EngineCore:
         out, lstats = decode_attention(cache, layer, seqs, q, self.sm_scale,
                                        [True] * len(seqs) if force else want_w,
                                        [True] * len(seqs) if force and fs.sparsity else want_s, staged, clk,
-                                       batch_form=step.batch is not None, shards=self.shards)
+                                       batch_form=step.batch is not None, shards=self.shards,
+                                       batch_weights=self.policy.batch_weights)
         if staged is not None:
             self.staging.release(layer)
         if step.batch is not None:

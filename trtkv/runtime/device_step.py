@@ -267,16 +267,17 @@ class DeviceStep:
 
 
 def fill_statistics(step, plan: StepPlan, wants: list[tuple], layer_logits: list, layer_queries: list,
-                    num_kv_heads: int) -> None:
+                    num_kv_heads: int, batch_weights: bool = True) -> None:
     """Give a decode step (``EngineCore``'s ``DecodeStep``) the statistics its policy asked for from the program's
     outputs, as the eager layers would have: ``wants[layer]`` is ``(weights, sparsity, queries, any)`` flags per
-    request."""
+    request; ``batch_weights``: the policy's (``KVPolicy.batch_weights``)."""
     found, found_q = iter(layer_logits), iter(layer_queries)
     for layer, (want_w, want_s, want_q, _) in enumerate(wants):
         if plan.want[layer]:
             lg, lse = next(found)
             positions = np.concatenate(source_positions(plan.tables[layer], len(step.seqs)), axis=1)
-            ls = layer_statistics(lg, lse, positions, num_kv_heads, want_w, want_s, step.batch is not None)
+            ls = layer_statistics(lg, lse, positions, num_kv_heads, want_w, want_s, step.batch is not None,
+                                  batch_weights=batch_weights)
             if step.batch is not None:
                 step.batch[layer] = ls
                 continue

@@ -53,6 +53,8 @@ class Scorer:
     # score_rows(layer, handle[sel], positions [k, n], free [k, n]) -> [k, n] (``free``: the candidates, the
     # rest are masked after), so one-victim events go through it too (scorers/h2o.py)
     batches: ClassVar[bool] = False
+    # observe_batch reads the batch form's per-head weights; False: only their sums over heads (``head_sums``)
+    batch_weights: ClassVar[bool] = True
     # score_rows reads what the scorer keeps (not only a step's statistics in batch form): one-victim events
     # may take the batch path whichever way the step's statistics came
     rows_any_step: ClassVar[bool] = False

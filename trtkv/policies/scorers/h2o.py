@@ -24,6 +24,7 @@ class H2OScorer(Scorer):
     name = "h2o"
     Memo = H2OMemo
     batches = True  # observe_batch and score_rows
+    batch_weights = False  # observe_batch adds the weights' sums over heads
     rows_any_step = True  # the scores are the table's
 
     def __init__(self, prefill_queries: int = 0):
@@ -52,16 +53,16 @@ class H2OScorer(Scorer):
         """``observe`` of a decode step in batch form: row ``rows[i]`` of each layer's statistics is ``reqs[i]``'s."""
         if not batch:
             return
-        device = next(iter(batch.values())).weights.device
+        device = next(iter(batch.values())).head_sums.device
         table_rows = np.fromiter((self._row(r, m, device).row for r, m in zip(reqs, memos)), np.int64, len(reqs))
         layers = batch_rows_of(batch, rows)
         if [lyr for lyr, *_ in layers] == list(range(self._table.num_layers)) and \
                 len({pos.shape for _, pos, _, _ in layers}) == 1:  # every layer one width: one scatter
             self._table.add_rows_layers(table_rows, np.stack([pos for _, pos, _, _ in layers]),
-                                        torch.stack([w.sum(1) for _, _, w, _ in layers]))
+                                        torch.stack([sums for _, _, sums, _ in layers]))
             return
-        for layer, pos, w, _ in layers:
-            self._table.add_rows(layer, table_rows, pos, w.sum(1))
+        for layer, pos, sums, _ in layers:
+            self._table.add_rows(layer, table_rows, pos, sums)
 
     def batch_rows(self, reqs, memos) -> np.ndarray:
         """What ``score_rows`` takes for these requests (once a step): their table rows."""

@@ -10,13 +10,13 @@ import numpy as np
 import torch
 
 from trtkv.policies.base import StatsRequest, every_row
-from trtkv.policies.scoring import lookup
+from trtkv.policies.scoring import head_sums, lookup
 from trtkv.policies.scorers.base import Scorer
 
 
 @dataclass
 class TOVAMemo:
-    rows: dict = field(default_factory=dict)  # layer -> (positions [n], row [Hq, n]) of the latest observed step
+    rows: dict = field(default_factory=dict)  # layer -> (positions [n], head-mean row [n]) of the latest step
     batch: dict | None = None  # or that step's statistics in batch form (layer -> BatchLayerStats) ...
     batch_row: int = -1  # ... and this request's row of them
 
@@ -39,6 +39,7 @@ class TOVAScorer(Scorer):
     name = "tova"
     Memo = TOVAMemo
     batches = True  # observe_batch, batch_rows and score_rows: the batch's step in one gather a layer
+    batch_weights = False  # the weights' sums over heads are all it reads
 
     def __init__(self) -> None:
         self._batch: dict | None = None  # the latest step's statistics in batch form
@@ -52,7 +53,8 @@ class TOVAScorer(Scorer):
         if stats.layers:
             memo.batch = None
         for layer, ls in stats.layers.items():
-            memo.rows[layer] = (ls.positions, ls.weights[-1] if phase == "prefill" else ls.weights)
+            memo.rows[layer] = (ls.positions, ls.weights[-1].mean(0) if phase == "prefill"
+                                else head_sums(ls) / ls.weights.shape[0])
 
     def observe_batch(self, reqs, memos, batch: dict, rows: np.ndarray) -> None:
         """A decode step's statistics in batch form: each request keeps a reference and its row."""
@@ -86,14 +88,14 @@ class TOVAScorer(Scorer):
         if memo.batch is not None and layer in memo.batch:
             bs, i = memo.batch[layer], memo.batch_row
             live = bs.positions[i] >= 0
-            return lookup(bs.positions[i][live], bs.weights[i].mean(0)[torch.from_numpy(live)])(positions)
+            return lookup(bs.positions[i][live], (bs.head_sums[i] / bs.heads)[torch.from_numpy(live)])(positions)
         pos, row = memo.rows[layer]
-        return lookup(pos, row.mean(0))(positions)
+        return lookup(pos, row)(positions)
 
 
 def _head_mean_rows(bs, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
     """Positions ``[k, n]`` and head-averaged weights ``[k, n]`` of ``rows`` of one layer's statistics in batch
     form (every row in order, a step's usual events: the arrays themselves, no gathered copy)."""
     if every_row(rows, len(bs.counts)):
-        return bs.positions, bs.weights.float().mean(1)
-    return bs.positions[rows], bs.weights[torch.from_numpy(rows)].float().mean(1)
+        return bs.positions, bs.head_sums / bs.heads
+    return bs.positions[rows], bs.head_sums[torch.from_numpy(rows)] / bs.heads
