@@ -14,6 +14,10 @@
 
 namespace trtkv {
 
+// 512-bit vectors where the CPU has them (GCC's default for -march=native on Xeons is 256): the loop is the
+// exponential's arithmetic, so twice the lanes is nearly twice the speed
+#pragma GCC push_options
+#pragma GCC target("prefer-vector-width=512")
 at::Tensor head_sums_cpu(const at::Tensor& logits_in, const at::Tensor& lse_in) {
   TORCH_CHECK(logits_in.dim() == 3, "head_sums: logits must be [b, Hq, n]");
   TORCH_CHECK(lse_in.dim() == 2 && lse_in.size(0) == logits_in.size(0) && lse_in.size(1) == logits_in.size(1),
@@ -29,14 +33,16 @@ at::Tensor head_sums_cpu(const at::Tensor& logits_in, const at::Tensor& lse_in) 
   const int64_t per_row = std::max<int64_t>(1, Hq * n);
   at::parallel_for(0, b, std::max<int64_t>(1, SERIAL_WORK / per_row), [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
-      float* acc = o + i * n;
+      float* __restrict acc = o + i * n;
       for (int64_t h = 0; h < Hq; ++h) {
         const float l = ls[i * Hq + h];
         const float m = std::isinf(l) ? 0.0f : l;  // a row with no live key: its weights exp(-inf) = 0
-        const float* row = lg + (i * Hq + h) * n;
+        const float* __restrict row = lg + (i * Hq + h) * n;
         if (h == 0) {
+#pragma omp simd
           for (int64_t j = 0; j < n; ++j) acc[j] = exp_neg(row[j] - m);
         } else {
+#pragma omp simd
           for (int64_t j = 0; j < n; ++j) acc[j] += exp_neg(row[j] - m);
         }
       }
@@ -44,5 +50,6 @@ at::Tensor head_sums_cpu(const at::Tensor& logits_in, const at::Tensor& lse_in) 
   });
   return out;
 }
+#pragma GCC pop_options
 
 }  // namespace trtkv
