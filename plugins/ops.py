@@ -21,6 +21,7 @@ from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_ref
 from plugins.lowest_victim.reference import lowest_victim_ref
 from plugins.scatter_add_rows.reference import scatter_add_rows_ref
+from plugins.gather_rows.reference import gather_rows_ref
 from plugins.mri_track.reference import mri_track_ref
 from plugins.head_sums.reference import head_sums_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, PagedFormat, dense_attention_cpu, paged_attention_ref
@@ -42,6 +43,7 @@ SCHEMAS = {
     "lowest_victim": "(Tensor scores, Tensor positions, Tensor blocked) -> Tensor",
     "scatter_add_rows": "(Tensor(a!) data, Tensor rows, Tensor positions, Tensor values, int layer0) -> ()",
     "head_sums": "(Tensor logits, Tensor lse) -> Tensor",
+    "gather_rows": "(Tensor data, Tensor rows, Tensor positions, int layer0) -> Tensor",
     "mri_track": "(Tensor(a!) ts, Tensor(b!) mri, int layer, Tensor rows, Tensor positions, Tensor act, "
                  "Tensor prompt, Tensor step) -> ()",
     "residual_append": "(Tensor(a!) arena_k, Tensor(b!) arena_v, Tensor at, Tensor k, Tensor v) -> ()",
@@ -239,6 +241,16 @@ def scatter_add_rows(data: torch.Tensor, rows: torch.Tensor, positions: torch.Te
     scatter_add_rows_ref(data, rows, positions, values, layer0)
 
 
+def gather_rows(data: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, layer0: int = 0) -> torch.Tensor:
+    """A batch's per-position values read from a score table in every layer (see gather_rows/reference.py): the
+    compiled CPU kernel for a contiguous float32, float64 or int32 table on CPU, else the reference."""
+    if data.dtype in (torch.float32, torch.float64, torch.int32) and data.is_contiguous() and use_cpu_kernels(data):
+        from plugins.cpu_kernels.ops import gather_rows_cpu
+
+        return gather_rows_cpu(data, rows, positions, layer0)
+    return gather_rows_ref(data, rows, positions, layer0)
+
+
 def head_sums(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """A decode step's attention weights summed over query heads, ``[b, n]`` (see head_sums/reference.py): the
     compiled CPU kernel on CPU, else the reference."""
@@ -300,6 +312,7 @@ def _kmeans_fake(keys, counts, k_keep, iters):
 _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "paged_attention": paged_attention,
                    "kmeans_select": kmeans_select, "lowest_victim": lowest_victim,
                    "scatter_add_rows": scatter_add_rows, "mri_track": mri_track, "head_sums": head_sums,
+                   "gather_rows": gather_rows,
                    "buffer_attention": buffer_attention,
                    "residual_append": residual_append, "int8_linear": int8_linear, "int4_linear": _int4_linear_op}
 _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None, "residual_append": lambda *a: None,
@@ -307,6 +320,7 @@ _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None
                  "buffer_attention": lambda *a: None, "paged_attention": _paged_attention_meta,
                  "int8_linear": _int8_linear_meta, "int4_linear": _int4_linear_meta,
                  "lowest_victim": lambda scores, positions, blocked: positions.new_empty(positions.shape[:1]),
+                 "gather_rows": lambda data, rows, positions, layer0: data.new_empty(positions.shape),
                  "head_sums": lambda logits, lse: logits.new_empty((logits.shape[0], logits.shape[2]),
                                                                    dtype=torch.float32)}
 for _name, _kernel in _PYTHON_KERNELS.items():

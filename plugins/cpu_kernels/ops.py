@@ -46,6 +46,11 @@ def scatter_add_rows_cpu(data, rows, positions, values, layer0) -> None:
     cpu_kernels().scatter_add_rows(data, rows, positions, values, int(layer0))
 
 
+def gather_rows_cpu(data, rows, positions, layer0):
+    """Same contract as ``gather_rows_ref``: ``[L, b, n]`` of ``data``'s dtype."""
+    return cpu_kernels().gather_rows(data, rows, positions, int(layer0))
+
+
 def head_sums_cpu(logits, lse):
     """Same contract as ``head_sums_ref``: ``[b, n]`` fp32."""
     return cpu_kernels().head_sums(logits, lse)

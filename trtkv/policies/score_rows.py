@@ -98,15 +98,11 @@ class RowTable:
                                     torch.from_numpy(np.ascontiguousarray(positions, np.int64)), values, layer0)
 
     def get_rows_layers(self, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """``get_rows`` of every layer at once: ``[L, b, n]`` scores at ``positions [L, b, n]`` (>= 0)."""
+        """``get_rows`` of every layer at once: ``[L, b, n]`` scores at ``positions [L, b, n]`` (-1: a dead column,
+        read as 0), in one pass (``gather_rows``)."""
         self.ensure(int(positions.max(initial=0)))
-        flat = torch.from_numpy(self._flat_layers(rows, positions).reshape(-1)).to(self.device)
-        return self.data.view(-1).index_select(0, flat).view(positions.shape)
-
-    def _flat_layers(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Indices into the flattened data of ``positions [L, b, n]`` of ``rows [b]`` in layers ``0..L-1``."""
-        base = (np.arange(len(positions))[:, None] * self.data.shape[1] + rows[None, :]) * self.cap
-        return base[:, :, None] + positions
+        return plugin_ops.gather_rows(self.data, torch.from_numpy(np.ascontiguousarray(rows, np.int64)),
+                                      torch.from_numpy(np.ascontiguousarray(positions, np.int64)), 0)
 
 
 class RowView:

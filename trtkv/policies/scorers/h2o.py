@@ -76,7 +76,7 @@ class H2OScorer(Scorer):
         return self._table.get_rows_layers(rows, positions)
 
     def score_cols_layers(self, rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
-        return self._table.get_rows_layers(rows, np.maximum(cols, 0))
+        return self._table.get_rows_layers(rows, cols)
 
     def release(self, memo) -> None:
         if memo.acc is not None:
