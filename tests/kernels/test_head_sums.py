@@ -41,7 +41,8 @@ def test_kernel_matches_the_reference(shape):
     assert got.shape == (b, n) and got.dtype == torch.float32
     assert torch.allclose(got, want, rtol=4 * Hq * 2 ** -23, atol=1e-30)
     assert torch.equal(got == 0, want == 0)  # dead columns are exactly 0
-    assert torch.equal(torch.ops.trtkv.head_sums(logits, lse), got)
+    op = torch.ops.trtkv.head_sums(logits, lse)  # the kernel, or the reference where another backend is forced
+    assert torch.equal(op, got) or torch.equal(op, want)
 
 
 @needs_kernels
