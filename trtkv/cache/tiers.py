@@ -76,10 +76,6 @@ class TierStore:
             self.records += 1
         return st
 
-    def has_host(self, seq: SeqKV) -> bool:
-        st = self.seqs.get(seq.seq_id)
-        return st is not None and st.host.kv_bytes > 0  # host pages exist iff host tokens do
-
     def free(self, seq_id: int) -> None:
         st = self.seqs.pop(seq_id, None)
         if st is not None:

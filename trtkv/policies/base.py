@@ -54,7 +54,7 @@ class LayerStats:
     sparsity_heads: torch.Tensor | None = None  # [H] fraction of weights < 1% of the row max, per KV head
     sparsity: float | None = None  # ThinKV: max-pool G query heads, softmax, mean over KV heads, then fraction
     query: torch.Tensor | None = None  # [Hq, D] post-RoPE query of this decode step (StatsRequest.queries)
-    head_sums: torch.Tensor | None = None  # decode: [n] the weights summed over query heads (plugins/head_sums)
+    head_sums: torch.Tensor | None = None  # decode: [n] the weights summed over query heads (``batch_weights`` False)
 
 
 @dataclass
@@ -64,7 +64,8 @@ class BatchLayerStats:
     positions: np.ndarray  # [b, n] positions of the attended keys, -1 for a dead or absent slot (anywhere)
     weights: torch.Tensor | None  # [b, Hq, n] softmax weights, 0 at the dead slots (None: ``batch_weights`` False)
     counts: np.ndarray  # [b] live columns of each row
-    head_sums: torch.Tensor  # [b, n] the weights summed over query heads (plugins/head_sums), 0 at the dead slots
+    head_sums: torch.Tensor | None  # [b, n] the weights summed over query heads, 0 at the dead slots (None:
+    # ``batch_weights`` True)
     heads: int  # Hq, the query heads summed
 
 
@@ -247,7 +248,8 @@ class KVPolicy:
     # Whether the policy takes a decode step's attention weights in batch form (``StepStats.batch``) when every
     # request of the step asks for the weights alone in every layer (see ScorerPolicy).
     batch_stats = False
-    # Whether it reads the per-head weights of that batch form, or only their sums over heads (``head_sums``).
+    # Whether it reads the per-head weights of that batch form; False: it reads only their sums over heads, which
+    # then come from one kernel in either form (``head_sums``).
     batch_weights = True
 
     def before_attention(self, req: PolicyRequest, layer: int) -> None:

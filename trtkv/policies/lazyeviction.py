@@ -156,7 +156,7 @@ class MRIScorer(Scorer):
         if not batch:
             return
         first = next(iter(batch.values()))
-        device, heads = first.head_sums.device, first.heads
+        device, heads = (first.weights if self.batch_weights else first.head_sums).device, first.heads
         for r, m in zip(reqs, memos):
             self._rows(r, m, device)
         table_rows = torch.from_numpy(np.fromiter((m.ts.row for m in memos), np.int64, len(memos)))

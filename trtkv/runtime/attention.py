@@ -90,7 +90,8 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     ``clock`` (``trtkv bench --profile``): kernels and merge are "attention", block tables and positions
     "bookkeeping", the statistics the policy asked for "policy". ``batch_form`` (every request wants the
     weights alone): the statistics come back as one ``BatchLayerStats`` instead of one ``LayerStats`` a
-    request (``batch_weights`` False: their sums over heads alone). ``shards`` (tensor parallelism): the
+    request (``batch_weights`` False: the policy reads the weights' sums over heads, in either form, and the
+    batch form carries those alone). ``shards`` (tensor parallelism): the
     statistics cover every rank's heads (one gather of the logits and log-sum-exps), so every rank's policy sees
     what one rank would."""
     lap = clock.switch if clock is not None else _no_clock
@@ -157,10 +158,10 @@ def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndar
                      ) -> list[LayerStats | None] | BatchLayerStats:
     """A layer's statistics from its attention logits ``[b, Hq, n]`` (scaled, -inf where dead; taken over: the
     batch form computes its weights in place of them), log-sum-exps ``[b, Hq]`` and the columns' positions ``[b, n]``:
-    one ``BatchLayerStats`` (``batch_form``: every request wants the weights alone; ``batch_weights`` False: their
-    sums over heads alone) or one ``LayerStats`` for each request that asked (None for the others). Both forms
-    carry the weights' sums over heads from one kernel (``plugins/head_sums``), so a policy that reads them decides
-    the same in either."""
+    one ``BatchLayerStats`` (``batch_form``: every request wants the weights alone) or one ``LayerStats`` for each
+    request that asked (None for the others). ``batch_weights`` False (the policy reads the weights' sums over
+    heads): both forms carry those sums from one kernel (``plugins/head_sums``), so the policy decides the same in
+    either, and the batch form carries nothing else; True: no sums are computed."""
     b = logits.shape[0]
     lse_all = lse
     if shards is not None:  # one collective: the log-sum-exps ride as one more column
@@ -168,7 +169,7 @@ def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndar
         logits, lse_all, num_kv_heads = both[..., :-1], both[..., -1], shards.num_kv_heads
     if batch_form:  # (every request asked for the weights alone: EngineCore._batch_form)
         # in place of the logits nothing else reads; slot order kept (dead columns: -1, weight 0)
-        sums = plugin_ops.head_sums(logits, lse_all)
+        sums = None if batch_weights else plugin_ops.head_sums(logits, lse_all)
         w = softmax_weights_(logits, lse_all) if batch_weights else None
         return BatchLayerStats(positions=positions, weights=w, counts=(positions >= 0).sum(1), head_sums=sums,
                                heads=logits.shape[1])
@@ -178,11 +179,12 @@ def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndar
     sparse = any(want_sparsity[i] for i in want)
     lg_w = logits if rows is None else logits[rows]
     lse_w = lse_all if rows is None else lse_all[rows]
-    sums = plugin_ops.head_sums(lg_w, lse_w)
+    sums = None if batch_weights else plugin_ops.head_sums(lg_w, lse_w)
     w, sh, u = batch_row_stats(lg_w, lse_w, num_kv_heads, sparse)
     u = u.tolist() if sparse else [None] * len(want)
     pos_w, w, lg_w, sums, counts = live_first(positions if rows is None else positions[want], w, lg_w, sums)
-    w_rows, lg_rows, sum_rows = live_views(w, counts), live_views(lg_w, counts), live_views(sums, counts)
+    w_rows, lg_rows = live_views(w, counts), live_views(lg_w, counts)
+    sum_rows = [None] * len(want) if sums is None else live_views(sums, counts)
     sh_rows = sh.unbind(0) if sparse else [None] * len(want)
     for j, i in enumerate(want):  # each request's live columns: views, no per-request gather
         stats[i] = LayerStats(positions=pos_w[j, :counts[j]], weights=w_rows[j], logits=lg_rows[j],
@@ -190,10 +192,10 @@ def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndar
     return stats
 
 
-def live_first(positions: np.ndarray, weights: torch.Tensor, logits: torch.Tensor, sums: torch.Tensor):
+def live_first(positions: np.ndarray, weights: torch.Tensor, logits: torch.Tensor, sums: torch.Tensor | None):
     """Reorder a batch's columns so each row's live slots (position >= 0) come first, in slot order:
-    ``positions [b, n]``, ``weights, logits [b, Hq, n]``, ``sums [b, n]`` -> the same reordered, and live counts
-    ``[b]``. Row ``i``'s statistics are then the views ``[..., :counts[i]]`` (one gather for the batch)."""
+    ``positions [b, n]``, ``weights, logits [b, Hq, n]``, ``sums [b, n]`` (or None) -> the same reordered, and live
+    counts ``[b]``. Row ``i``'s statistics are then the views ``[..., :counts[i]]`` (one gather for the batch)."""
     live = positions >= 0
     counts = live.sum(1).tolist()
     if min(counts, default=0) == positions.shape[1]:
@@ -202,7 +204,7 @@ def live_first(positions: np.ndarray, weights: torch.Tensor, logits: torch.Tenso
     cols = torch.from_numpy(order).to(logits.device)
     idx = cols[:, None, :].expand(-1, logits.shape[1], -1)
     return (np.take_along_axis(positions, order, 1), weights.gather(2, idx), logits.gather(2, idx),
-            sums.gather(1, cols), counts)
+            None if sums is None else sums.gather(1, cols), counts)
 
 
 def live_views(x: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
