@@ -676,6 +676,25 @@ def test_block_tables_follow_a_page_joining_the_middle_of_its_format():
     assert bt[0].tolist() == [p for c in (("fp32", 0), ("fp32", 1)) for p in seqs[0].layers[0].pages[c]]
 
 
+def test_block_tables_of_a_layer_survive_another_layers_page_change():
+    """A layer whose page lists did not change hands back the tables it built (the same tensors) while another
+    layer's lists change; its own change is seen."""
+    cache = make_cache(g=1)
+    for sid in range(3):
+        cache.add_sequence(sid)
+    seqs = [cache.seqs[s] for s in sorted(cache.seqs)]
+    k = v = torch.ones(len(seqs), H, D)
+    for pos in range(5):  # two pages each
+        for layer in range(L):
+            cache.write_through(layer, seqs, k, v, [pos] * len(seqs), ("fp32", 0))
+    before = [cache.block_tables(layer, seqs) for layer in range(L)]
+    cache.evict_many(1, [(s, [0, 1, 2, 3]) for s in seqs])  # layer 1's first pages go
+    assert all(a is b for (_, a), (_, b) in zip(cache.block_tables(0, seqs), before[0]))
+    (_, bt), = cache.block_tables(1, seqs)
+    assert bt.tolist() != before[1][0][1].tolist()
+    _check_block_tables(cache)
+
+
 def test_block_tables_follow_a_flushed_page_joining_the_middle_of_its_format():
     """The same for a batch's flush into fresh whole pages (one group a page)."""
     g = 4

@@ -51,6 +51,7 @@ class TableColumns:
         self._appended = np.full((num_layers, FIRST_ROWS), -1, np.int64)
         self._stamp_before = np.zeros((num_layers, FIRST_ROWS), np.int64)
         self._clock = 0
+        self._layer_clock = np.zeros(num_layers, np.int64)  # the latest stamp handed out in each layer
         self._free = list(range(FIRST_ROWS - 1, -1, -1))  # a stack: the lowest free row on top
         self._fmt_ids: dict[str, int] = {}
         self._fmt_names: list[str] = []
@@ -73,6 +74,7 @@ class TableColumns:
         self._evicted[row] = 0
         self._clock += 1
         self._stamp[:, row] = self._clock
+        self._layer_clock[:] = self._clock
         self._appended[:, row] = -1
         self.fresh.clear_row(row)
         self.reuse.clear_row(row)
@@ -398,11 +400,13 @@ class TableColumns:
     def touch(self, layer: int, row: int) -> None:
         self._clock += 1
         self._stamp[layer, row] = self._clock
+        self._layer_clock[layer] = self._clock
         self._appended[layer, row] = -1
 
     def touch_rows(self, layer: int, rows: np.ndarray) -> None:
         self._stamp[layer, rows] = self._clock + 1 + np.arange(len(rows))
         self._clock += len(rows)
+        self._layer_clock[layer] = self._clock
         self._appended[layer, rows] = -1
 
     def append_rows(self, layer: int, rows: np.ndarray, fmt: str, pages: np.ndarray, at_end: np.ndarray) -> None:
@@ -413,10 +417,10 @@ class TableColumns:
         code = (np.asarray(pages, np.int64) << _SLOT_SHIFT) | self.fmt_id(fmt)  # (a format id fits 3 bits)
         self._appended[layer, rows] = np.where(at_end, code, -1)
 
-    @property
-    def clock(self) -> int:
-        """Changes whenever any row's page list changes (the latest stamp handed out)."""
-        return self._clock
+    def layer_clock(self, layer: int) -> int:
+        """Changes whenever a row's page list in ``layer`` changes (the latest stamp handed out there): layers
+        whose pages change at different steps (per-layer budgets) keep each other's block tables."""
+        return int(self._layer_clock[layer])
 
     def stamps(self, layer: int, rows: np.ndarray) -> np.ndarray:
         return self._stamp[layer, rows]

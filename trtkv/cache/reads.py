@@ -141,9 +141,9 @@ class BlockTableCache:
                 (pools[fmt], torch.from_numpy(pages[None]).to(pools[fmt].device))
                 for fmt, pages in flat.items() if len(pages)])  # (a format whose pages were all released has none)
         last = self._last[layer]
-        clock = columns.clock
+        clock = columns.layer_clock(layer)
         if last is not None and last[1] == clock and (last[0] is rows or np.array_equal(last[0], rows)):
-            return last[2]  # no page list changed anywhere since, the same requests
+            return last[2]  # no page list of this layer changed since, the same requests
         tables = self._tables[layer]
         tables.fit(int(rows.max()) + 1, pools)
         stamps = columns.stamps(layer, rows)
