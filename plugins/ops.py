@@ -24,6 +24,7 @@ from plugins.scatter_add_rows.reference import scatter_add_rows_ref
 from plugins.gather_rows.reference import gather_rows_ref
 from plugins.mri_track.reference import mri_track_ref
 from plugins.head_sums.reference import head_sums_ref
+from plugins.table_positions.reference import table_positions_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, PagedFormat, dense_attention_cpu, paged_attention_ref
 from plugins.residual_append.reference import residual_append_ref
 from plugins.int4_linear.reference import Int4Weight, int4_linear_ref
@@ -43,6 +44,7 @@ SCHEMAS = {
     "lowest_victim": "(Tensor scores, Tensor positions, Tensor blocked) -> Tensor",
     "scatter_add_rows": "(Tensor(a!) data, Tensor rows, Tensor positions, Tensor values, int layer0) -> ()",
     "head_sums": "(Tensor logits, Tensor lse) -> Tensor",
+    "table_positions": "(Tensor slot_pos, Tensor block_table) -> Tensor",
     "gather_rows": "(Tensor data, Tensor rows, Tensor positions, int layer0) -> Tensor",
     "mri_track": "(Tensor(a!) ts, Tensor(b!) mri, int layer, Tensor rows, Tensor positions, Tensor act, "
                  "Tensor prompt, Tensor step) -> ()",
@@ -261,6 +263,16 @@ def head_sums(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return head_sums_ref(logits, lse)
 
 
+def table_positions(slot_pos: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The token position behind every column of a layer's paged-attention logits, ``[b, P * B]`` (see
+    table_positions/reference.py): the compiled CPU kernel on CPU, else the reference."""
+    if slot_pos.dtype == torch.int64 and slot_pos.is_contiguous() and use_cpu_kernels(slot_pos):
+        from plugins.cpu_kernels.ops import table_positions_cpu
+
+        return table_positions_cpu(slot_pos, block_table)
+    return table_positions_ref(slot_pos, block_table)
+
+
 def mri_track(ts: torch.Tensor, mri: torch.Tensor, layer: int, rows: torch.Tensor, positions: torch.Tensor,
               act: torch.Tensor, prompt: torch.Tensor, step: torch.Tensor) -> None:
     """LazyEviction's tracking update of a batch in one layer, in place (see mri_track/reference.py): the compiled
@@ -312,6 +324,7 @@ def _kmeans_fake(keys, counts, k_keep, iters):
 _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "paged_attention": paged_attention,
                    "kmeans_select": kmeans_select, "lowest_victim": lowest_victim,
                    "scatter_add_rows": scatter_add_rows, "mri_track": mri_track, "head_sums": head_sums,
+                   "table_positions": table_positions,
                    "gather_rows": gather_rows,
                    "buffer_attention": buffer_attention,
                    "residual_append": residual_append, "int8_linear": int8_linear, "int4_linear": _int4_linear_op}
@@ -321,6 +334,8 @@ _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None
                  "int8_linear": _int8_linear_meta, "int4_linear": _int4_linear_meta,
                  "lowest_victim": lambda scores, positions, blocked: positions.new_empty(positions.shape[:1]),
                  "gather_rows": lambda data, rows, positions, layer0: data.new_empty(positions.shape),
+                 "table_positions": lambda slot_pos, block_table: slot_pos.new_empty(
+                     (block_table.shape[0], block_table.shape[1] * slot_pos.shape[1])),
                  "head_sums": lambda logits, lse: logits.new_empty((logits.shape[0], logits.shape[2]),
                                                                    dtype=torch.float32)}
 for _name, _kernel in _PYTHON_KERNELS.items():

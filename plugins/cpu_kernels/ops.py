@@ -56,6 +56,11 @@ def head_sums_cpu(logits, lse):
     return cpu_kernels().head_sums(logits, lse)
 
 
+def table_positions_cpu(slot_pos, block_table):
+    """Same contract as ``table_positions_ref``: ``[b, P * B]`` int64."""
+    return cpu_kernels().table_positions(slot_pos, block_table)
+
+
 def mri_track_cpu(ts, mri, layer, rows, positions, act, prompt, step) -> None:
     """Same contract as ``mri_track_ref``: updates ``ts`` and ``mri`` in place."""
     cpu_kernels().mri_track(ts, mri, int(layer), rows, positions, act, prompt, step)

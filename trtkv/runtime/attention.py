@@ -142,14 +142,9 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
 
 def source_positions(tables: list[tuple[PagePool, torch.Tensor]], b: int) -> list[np.ndarray]:
     """The token position of every column a layer's attention logits have, per format's block table ``[b, P]``:
-    ``[b, P * B]`` each, -1 where a slot or a table entry holds no token."""
-    positions = []
-    for pool, bt in tables:
-        bt_np = bt.cpu().numpy()
-        pos = np.take(pool.slot_pos, np.maximum(bt_np, 0).reshape(-1), axis=0)  # [b * P, B] (take: one copy loop)
-        pos.reshape(*bt_np.shape, -1)[bt_np < 0] = -1
-        positions.append(pos.reshape(b, -1))
-    return positions
+    ``[b, P * B]`` each, -1 where a slot or a table entry holds no token (``plugins/table_positions``)."""
+    return [plugin_ops.table_positions(torch.from_numpy(pool.slot_pos), bt.cpu()).numpy().reshape(b, -1)
+            for pool, bt in tables]
 
 
 def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndarray, num_kv_heads: int,

@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a batch's per-position values read from a score table in every layer (CPU)");
   m.def("head_sums", &trtkv::head_sums_cpu,
         "a decode step's attention weights summed over query heads, from logits and log-sum-exps (CPU)");
+  m.def("table_positions", &trtkv::table_positions_cpu,
+        "the token position behind every column of a layer's paged-attention logits (CPU)");
   m.def("mri_track", &trtkv::mri_track_cpu,
         "LazyEviction's tracking update of a batch in one layer, in place (CPU)");
   m.def("residual_append", &trtkv::residual_append_cpu, "a decode step's K/V rows into the residual arena (CPU)");

@@ -1,0 +1,56 @@
+"""The token positions behind a layer's paged-attention columns: the compiled CPU kernel equals the torch reference
+exactly (int32 and int64 block tables, -1 padded), the reference is the pool read entry by entry, and bad input is
+one error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugins.cpu_kernels.ops import table_positions_cpu
+from plugins.table_positions.reference import table_positions_ref
+from cpu_marks import needs_kernels
+
+
+def drawn(cap: int, B: int, b: int, P: int, seed: int, dtype=torch.int32):
+    g = torch.Generator().manual_seed(seed)
+    slot_pos = torch.randint(-1, 5000, (cap, B), generator=g)
+    bt = torch.randint(0, cap, (b, P), generator=g)
+    bt[torch.rand(b, P, generator=g) < 0.2] = -1
+    return slot_pos, bt.to(dtype)
+
+
+def test_reference_is_the_pool_entry_by_entry():
+    slot_pos, bt = drawn(9, 4, 3, 5, seed=0)
+    got = table_positions_ref(slot_pos, bt)
+    assert got.shape == (3, 20) and got.dtype == torch.int64
+    for i in range(3):
+        for p in range(5):
+            for s in range(4):
+                page = int(bt[i, p])
+                assert got[i, p * 4 + s] == (slot_pos[page, s] if page >= 0 else -1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (7, 4, 3, 2), (4096, 16, 256, 6), (10, 8, 0, 3), (10, 8, 4, 0)])
+def test_kernel_matches_the_reference(shape, dtype):
+    cap, B, b, P = shape
+    slot_pos, bt = drawn(cap, B, b, P, seed=sum(shape), dtype=dtype)
+    want = table_positions_ref(slot_pos, bt)
+    got = table_positions_cpu(slot_pos, bt)
+    assert got.dtype == torch.int64 and got.shape == (b, P * B) and torch.equal(got, want)
+    assert torch.equal(torch.ops.trtkv.table_positions(slot_pos, bt), want)
+    assert torch.equal(table_positions_cpu(slot_pos, bt.t().contiguous().t()), want)  # a strided table
+
+
+@needs_kernels
+def test_bad_input_is_one_error():
+    slot_pos, bt = drawn(6, 4, 3, 2, seed=0)
+    bad = bt.clone()
+    bad[1, 1] = 6
+    with pytest.raises(RuntimeError, match="a page past the pool"):
+        table_positions_cpu(slot_pos, bad)
+    with pytest.raises(RuntimeError, match="int64"):
+        table_positions_cpu(slot_pos.int(), bt)
+    with pytest.raises(RuntimeError, match=r"int32 or int64 \[b, P\]"):
+        table_positions_cpu(slot_pos, bt.float())
