@@ -310,12 +310,9 @@ class ScorerPolicy(KVPolicy):
                 return True
             held = np.sort(cols, axis=2)[:, :, -n:]
         prot = self.protected_rows_at(np.tile(position, L), held.reshape(L * k, n)).reshape(L, k, n)
-        scores = self.scorer.score_rows_layers(handle, held, ~prot).float()
-        scores = scores.masked_fill(torch.from_numpy(prot).to(scores.device), float("inf"))
-        best = torch.argmin(scores, dim=2, keepdim=True)
-        if torch.isinf(scores.gather(2, best)).any():
+        victims = _lowest_victims(self.scorer.score_rows_layers(handle, held, ~prot), held, prot)
+        if (victims < 0).any():
             return False
-        victims = np.take_along_axis(held, best.cpu().numpy(), 2)[:, :, 0]
         first.evict_each_layers(np.arange(L), due, victims)
         return True
 
@@ -329,9 +326,7 @@ class ScorerPolicy(KVPolicy):
         scores = self.scorer.score_cols_layers(handle, cols) if prot is not None else None
         if scores is None:
             return None
-        pos = torch.from_numpy(cols.reshape(L * k, c)).to(scores.device)
-        blocked = torch.from_numpy(prot.reshape(L * k, c)).to(scores.device)
-        return plugin_ops.lowest_victim(scores.reshape(L * k, c), pos, blocked).reshape(L, k).cpu().numpy()
+        return _lowest_victims(scores, cols, prot.reshape(L, k, c))
 
     def protected_cols_at(self, positions: np.ndarray, cols: np.ndarray) -> np.ndarray | None:
         """``protected_rows_at`` over held positions in any order (``cols``, -1 dead columns), when it needs no
@@ -431,3 +426,13 @@ def first_minima(scores: list) -> list[int]:
             return torch.argmin(torch.stack(scores), dim=1).tolist()
         return np.argmin(np.stack(scores), axis=1).tolist()
     return [int(torch.argmin(s)) if isinstance(s, torch.Tensor) else int(np.argmin(s)) for s in scores]
+
+
+def _lowest_victims(scores: torch.Tensor, cols: np.ndarray, blocked: np.ndarray) -> np.ndarray:
+    """Each ``[L, k]`` row's lowest-scored free column's position (``scores``, ``cols``, ``blocked``: ``[L, k, c]``;
+    ties and NaN to the oldest position, as the first minimum over ascending positions takes it): one
+    ``lowest_victim`` pass instead of a mask, an argmin and a gather over the stack. -1: no finite candidate."""
+    L, k, c = cols.shape
+    pos = torch.from_numpy(cols.reshape(L * k, c)).to(scores.device)
+    prot = torch.from_numpy(blocked.reshape(L * k, c)).to(scores.device)
+    return plugin_ops.lowest_victim(scores.reshape(L * k, c), pos, prot).reshape(L, k).cpu().numpy()
