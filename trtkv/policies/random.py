@@ -70,10 +70,12 @@ class RandomScorer(Scorer):
         layer's draw fills its rows at once."""
         if not ((steps == steps[0]).all() and (free == free[:1, :1]).all()):
             return super().score_rows_layers(steps, positions, free)
-        out = torch.full(positions.shape, float("inf"))
-        cols = torch.from_numpy(np.flatnonzero(free[0, 0]))
+        cols = np.flatnonzero(free[0, 0])
         draws = torch.stack([self._draw(int(steps[0]), layer, len(cols)) for layer in range(len(positions))])
-        out[:, :, cols] = draws[:, None, :]
+        if len(cols) == positions.shape[2]:  # nothing protected: every row of a layer reads its draw (a view)
+            return draws[:, None, :].expand(positions.shape)
+        out = torch.full(positions.shape, float("inf"))
+        out[:, :, torch.from_numpy(cols)] = draws[:, None, :]
         return out
 
 
