@@ -147,6 +147,24 @@ def source_positions(tables: list[tuple[PagePool, torch.Tensor]], b: int) -> lis
             for pool, bt in tables]
 
 
+_NO_POSITIONS = np.empty(0, np.int64)
+_NO_POSITIONS.flags.writeable = False  # shared by the query-only statistics
+
+
+def attach_queries(stats: list, layer: int, q: torch.Tensor, want_q: list[bool]) -> None:
+    """Give each request that asked for it (``want_q[i]``) its row of the step's post-RoPE queries ``q [b, Hq, D]``
+    in ``stats[i].layers[layer]`` (Expected Attention's, AMS's query statistics): the rows as views cut in one
+    call, a request without other statistics in this layer getting query-only ones."""
+    rows = q.float().unbind(0)
+    for i, want in enumerate(want_q):
+        if want:
+            st = stats[i].layers.get(layer)
+            if st is None:
+                stats[i].layers[layer] = LayerStats(positions=_NO_POSITIONS, query=rows[i])
+            else:
+                st.query = rows[i]
+
+
 def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndarray, num_kv_heads: int,
                      want_stats: list[bool], want_sparsity: list[bool], batch_form: bool = False,
                      shards: HeadShards | None = None, batch_weights: bool = True

@@ -22,8 +22,8 @@ from trtkv.cache.tiers import tier_stats
 from trtkv.cache.write_plan import WritePlan
 from trtkv.distributed.group import HeadShards
 from trtkv.models.decoder import DecoderModel
-from trtkv.policies.base import KVPolicy, LayerStats, StatsRequest, StepStats
-from trtkv.runtime.attention import decode_attention, prefill_stats
+from trtkv.policies.base import KVPolicy, StatsRequest, StepStats
+from trtkv.runtime.attention import attach_queries, decode_attention, prefill_stats
 from trtkv.runtime.context import RequestContext
 from trtkv.runtime.device_step import DeviceStep, fill_statistics, plan_step
 from trtkv.runtime.observers import EngineObserver, PhaseClock, merge_stats_requests
@@ -366,9 +366,8 @@ class EngineCore:
                     step.stats[i].layers[layer] = ls
                 if force:
                     step.forced[i].layers[layer] = ls
-            if want_q[i]:  # the step's post-RoPE query (Expected Attention's query statistics)
-                st = step.stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
-                st.query = q[i].float()
+        if any(want_q):  # the step's post-RoPE query (Expected Attention's, AMS's query statistics)
+            attach_queries(step.stats, layer, q, want_q)
         return out
 
     def _batch_form(self, step: DecodeStep) -> bool:

@@ -33,8 +33,7 @@ from plugins.paged_attention.reference import merge_partials
 from trtkv.cache.manager import KVCacheManager
 from trtkv.cache.write_plan import WritePlan
 from trtkv.errors import TrtkvError
-from trtkv.policies.base import LayerStats
-from trtkv.runtime.attention import layer_statistics, source_positions
+from trtkv.runtime.attention import attach_queries, layer_statistics, source_positions
 
 
 @dataclasses.dataclass
@@ -285,7 +284,4 @@ def fill_statistics(step, plan: StepPlan, wants: list[tuple], layer_logits: list
                 if st is not None:
                     step.stats[i].layers[layer] = st
         if plan.queries[layer]:  # the step's post-RoPE query (Expected Attention's query statistics)
-            q = next(found_q)
-            for i in np.flatnonzero(want_q).tolist():
-                st = step.stats[i].layers.setdefault(layer, LayerStats(positions=np.empty(0, np.int64)))
-                st.query = q[i]
+            attach_queries(step.stats, layer, next(found_q), want_q)
