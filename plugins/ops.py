@@ -25,6 +25,7 @@ from plugins.gather_rows.reference import gather_rows_ref
 from plugins.mri_track.reference import mri_track_ref
 from plugins.head_sums.reference import head_sums_ref
 from plugins.table_positions.reference import table_positions_ref
+from plugins.held_columns.reference import held_columns_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, PagedFormat, dense_attention_cpu, paged_attention_ref
 from plugins.residual_append.reference import residual_append_ref
 from plugins.int4_linear.reference import Int4Weight, int4_linear_ref
@@ -45,6 +46,7 @@ SCHEMAS = {
     "scatter_add_rows": "(Tensor(a!) data, Tensor rows, Tensor positions, Tensor values, int layer0) -> ()",
     "head_sums": "(Tensor logits, Tensor lse) -> Tensor",
     "table_positions": "(Tensor slot_pos, Tensor block_table) -> Tensor",
+    "held_columns": "(Tensor where, Tensor rows, int n) -> Tensor",
     "gather_rows": "(Tensor data, Tensor rows, Tensor positions, int layer0) -> Tensor",
     "mri_track": "(Tensor(a!) ts, Tensor(b!) mri, int layer, Tensor rows, Tensor positions, Tensor act, "
                  "Tensor prompt, Tensor step) -> ()",
@@ -273,6 +275,16 @@ def table_positions(slot_pos: torch.Tensor, block_table: torch.Tensor) -> torch.
     return table_positions_ref(slot_pos, block_table)
 
 
+def held_columns(where: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The held columns of a batch's position-map rows in every layer, ascending, ``[layers, k, n]`` (see
+    held_columns/reference.py): the compiled CPU kernel for a contiguous int32 map on CPU, else the reference."""
+    if where.dtype == torch.int32 and where.is_contiguous() and use_cpu_kernels(where):
+        from plugins.cpu_kernels.ops import held_columns_cpu
+
+        return held_columns_cpu(where, rows, n)
+    return held_columns_ref(where, rows, n)
+
+
 def mri_track(ts: torch.Tensor, mri: torch.Tensor, layer: int, rows: torch.Tensor, positions: torch.Tensor,
               act: torch.Tensor, prompt: torch.Tensor, step: torch.Tensor) -> None:
     """LazyEviction's tracking update of a batch in one layer, in place (see mri_track/reference.py): the compiled
@@ -324,7 +336,7 @@ def _kmeans_fake(keys, counts, k_keep, iters):
 _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "paged_attention": paged_attention,
                    "kmeans_select": kmeans_select, "lowest_victim": lowest_victim,
                    "scatter_add_rows": scatter_add_rows, "mri_track": mri_track, "head_sums": head_sums,
-                   "table_positions": table_positions,
+                   "table_positions": table_positions, "held_columns": held_columns,
                    "gather_rows": gather_rows,
                    "buffer_attention": buffer_attention,
                    "residual_append": residual_append, "int8_linear": int8_linear, "int4_linear": _int4_linear_op}
@@ -334,6 +346,8 @@ _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None
                  "int8_linear": _int8_linear_meta, "int4_linear": _int4_linear_meta,
                  "lowest_victim": lambda scores, positions, blocked: positions.new_empty(positions.shape[:1]),
                  "gather_rows": lambda data, rows, positions, layer0: data.new_empty(positions.shape),
+                 "held_columns": lambda where, rows, n: rows.new_empty((where.shape[0], rows.shape[0], n),
+                                                                       dtype=torch.int64),
                  "table_positions": lambda slot_pos, block_table: slot_pos.new_empty(
                      (block_table.shape[0], block_table.shape[1] * slot_pos.shape[1])),
                  "head_sums": lambda logits, lse: logits.new_empty((logits.shape[0], logits.shape[2]),

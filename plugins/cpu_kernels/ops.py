@@ -61,6 +61,11 @@ def table_positions_cpu(slot_pos, block_table):
     return cpu_kernels().table_positions(slot_pos, block_table)
 
 
+def held_columns_cpu(where, rows, n):
+    """Same contract as ``held_columns_ref``: ``[layers, k, n]`` int64."""
+    return cpu_kernels().held_columns(where, rows, int(n))
+
+
 def mri_track_cpu(ts, mri, layer, rows, positions, act, prompt, step) -> None:
     """Same contract as ``mri_track_ref``: updates ``ts`` and ``mri`` in place."""
     cpu_kernels().mri_track(ts, mri, int(layer), rows, positions, act, prompt, step)

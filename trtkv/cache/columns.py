@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import numpy as np
+import torch
 
+from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.fresh_pages import FreshPages
 from trtkv.cache.reuse import Cls, ReusableSlots
 
@@ -165,11 +167,11 @@ class TableColumns:
 
     def positions_rows(self, layer: int, rows: np.ndarray, n: int) -> np.ndarray:
         """``[len(rows), n]`` held positions, ascending, of ``rows`` that each hold exactly ``n``."""
-        return _held_per_row(np.take(self._where[layer], rows, axis=0), n)
+        return _held_columns(self._where[layer:layer + 1], rows, n)[0]
 
     def positions_rows_all(self, rows: np.ndarray, n: int) -> np.ndarray:
         """``positions_rows`` of every layer: ``[layers, len(rows), n]``."""
-        return _held_per_row(np.take(self._where, rows, axis=1), n)
+        return _held_columns(self._where, rows, n)
 
     def positions_in(self, layer: int, row: int, lo: int, hi: int) -> np.ndarray:
         """Held positions in ``[lo, hi)``, ascending."""
@@ -432,13 +434,10 @@ class TableColumns:
         return self._stamp_before[layer, rows], np.where(code >= 0, code & _FMT_MASK, -1), code >> _SLOT_SHIFT
 
 
-def _held_per_row(where: np.ndarray, n: int) -> np.ndarray:
-    """The held columns of each row of position maps ``where [..., width]`` that each hold exactly ``n``:
-    ``[..., n]`` ascending (one flat scan: ``np.nonzero``'s per-axis index arrays cost twice as much)."""
-    width = where.shape[-1]
-    rows = where.size // width if width else 0
-    flat = np.flatnonzero(where.reshape(-1) >= 0).reshape(rows, n)
-    return (flat - (np.arange(rows) * width)[:, None]).reshape(*where.shape[:-1], n)
+def _held_columns(where: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
+    """The held columns, ascending, of rows ``rows`` of position maps ``where [layers, rows, width]`` that each hold
+    exactly ``n``: ``[layers, len(rows), n]`` (``plugins/held_columns``: one scan of each row in place)."""
+    return plugin_ops.held_columns(torch.from_numpy(where), torch.from_numpy(np.asarray(rows, np.int64)), n).numpy()
 
 
 class PositionView(Mapping):

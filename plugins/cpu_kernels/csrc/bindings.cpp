@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a decode step's attention weights summed over query heads, from logits and log-sum-exps (CPU)");
   m.def("table_positions", &trtkv::table_positions_cpu,
         "the token position behind every column of a layer's paged-attention logits (CPU)");
+  m.def("held_columns", &trtkv::held_columns_cpu,
+        "the held columns of a batch's position-map rows in every layer, ascending (CPU)");
   m.def("mri_track", &trtkv::mri_track_cpu,
         "LazyEviction's tracking update of a batch in one layer, in place (CPU)");
   m.def("residual_append", &trtkv::residual_append_cpu, "a decode step's K/V rows into the residual arena (CPU)");

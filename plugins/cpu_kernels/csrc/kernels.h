@@ -30,6 +30,7 @@ at::Tensor gather_rows_cpu(const at::Tensor& data, const at::Tensor& rows, const
                            int64_t layer0);
 at::Tensor head_sums_cpu(const at::Tensor& logits, const at::Tensor& lse);
 at::Tensor table_positions_cpu(const at::Tensor& slot_pos, const at::Tensor& block_table);
+at::Tensor held_columns_cpu(const at::Tensor& where, const at::Tensor& rows, int64_t n);
 at::Tensor lowest_victim_cpu(const at::Tensor& scores, const at::Tensor& positions, const at::Tensor& blocked);
 at::Tensor kmeans_select_cpu(const at::Tensor& keys, const at::Tensor& counts, const at::Tensor& k_keep,
                              int64_t iters);
