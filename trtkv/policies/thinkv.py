@@ -146,9 +146,6 @@ class ThinKVPolicy(KVPolicy):
         if self.avg_bits is not None and not self.avg_bits > 0:
             raise ValueError(f"avg_bits must be positive, got {self.avg_bits}")
         self._formats = {} if not self.tbq or self.precision_is_auto() else parse_precision(self.precision)
-        # the requests of a step's batch that anneal (their ops are set before its first layer and fixed until its
-        # end): found once a step, not in every layer
-        self._annealing: tuple[list, list] | None = None
         if self.tau <= 0 or self.group <= 0 or self.tau % self.group:
             raise ValueError(f"group ({self.group}) must divide tau ({self.tau})")
         if self.group < 2:
@@ -354,9 +351,7 @@ class ThinKVPolicy(KVPolicy):
         """Apply this step's anneals in this layer (after its flush): k-means keeps ``target`` tokens.
         Ops on distinct segments of every request share batched k-means calls; a segment annealed twice in
         a step (case 1, then case 2) is processed again in a later round, from its survivors."""
-        if layer == 0 or self._annealing is None or self._annealing[0] is not reqs:  # (a step: one list, layer 0 first)
-            self._annealing = (reqs, [req for req in reqs if req.state.ops])
-        pending = [(req, list(req.state.ops)) for req in self._annealing[1]]
+        pending = [(req, list(req.state.ops)) for req in reqs if req.state.ops]
         while pending:
             rounds, later = [], []
             for req, ops in pending:
