@@ -60,6 +60,7 @@ class DecodeStep:
     threads: int = 1  # the caller's intra-op threads (decode_layer narrows them for the small ops)
     attn_slots: int = 0  # live (token, KV head) pairs the step's attention reads, per layer (layer 0's)
     plan: WritePlan | None = None  # every layer's write-through slots, allocated when layer 0 writes
+    acts: bool = True  # the policy's before_attention_batch does something this step (asked once, after its begin)
 
 
 class EngineCore:
@@ -233,7 +234,7 @@ class EngineCore:
         queries = tuple(any(w[2]) for w in wants)
         if ((step.write_cls is not None if self.g == 1 else not any(want) and not any(queries))
                 and not self.cache.has_tiers and self.shards is None and step.forced is None
-                and not self._observers_watch_layers and not self.policy.acts_before_attention(step.ctxs)):
+                and not self._observers_watch_layers and not step.acts):
             plan = plan_step(self.cache, step.seqs, step.positions, step.write_cls, step.ids, step.cos, step.sin,
                              want, queries, self.device_step.memo)
         if plan is None:
@@ -274,6 +275,7 @@ class EngineCore:
                           sreqs=sreqs, ids=torch.tensor([r.generated[-1] for r in reqs], device=self.device),
                           cos=cos, sin=sin, stats=[StepStats(step=c.step) for c in ctxs], forced_req=fs,
                           forced=[StepStats(step=c.step) for c in ctxs] if fs is not None else None)
+        step.acts = self.policy.acts_before_attention(ctxs)
         first = classes[0][:2] if classes else None
         step.write_cls = first if all(cl[:2] == first for cl in classes) else None
         if not any(sr is not None and sr.layers is not None for sr in sreqs):  # the same flags in every layer
@@ -314,7 +316,7 @@ class EngineCore:
             if step.write_cls is not None:
                 # every layer's slots at once when nothing the policy does between two layers' writes changes another
                 # layer's tables (trtkv/cache/write_plan.py)
-                if layer == 0 and step.plan is None and not (pol.acts_before_attention(step.ctxs) or cache.has_tiers):
+                if layer == 0 and step.plan is None and not (step.acts or cache.has_tiers):
                     step.plan = cache.plan_write_through(seqs, positions, step.write_cls)
                 if step.plan is not None:
                     cache.write_planned(step.plan, layer, k, v)
@@ -335,11 +337,12 @@ class EngineCore:
                 finally:
                     if narrow:
                         torch.set_num_threads(self.small_ops_threads)
-        if clk is not None:
-            clk.switch("policy")
-        pol.before_attention_batch(step.ctxs, layer)
-        if clk is not None:
-            clk.switch("bookkeeping")
+        if step.acts:  # (a step without anneals: no per-layer call that scans the batch for nothing)
+            if clk is not None:
+                clk.switch("policy")
+            pol.before_attention_batch(step.ctxs, layer)
+            if clk is not None:
+                clk.switch("bookkeeping")
         for o in self.observers:
             o.before_attention(step.reqs, layer)
         fs = step.forced_req
