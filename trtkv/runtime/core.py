@@ -274,8 +274,8 @@ class EngineCore:
         step = DecodeStep(reqs=reqs, ctxs=ctxs, seqs=[c.seq for c in ctxs], positions=positions, classes=classes,
                           sreqs=sreqs, ids=torch.tensor([r.generated[-1] for r in reqs], device=self.device),
                           cos=cos, sin=sin, stats=[StepStats(step=c.step) for c in ctxs], forced_req=fs,
-                          forced=[StepStats(step=c.step) for c in ctxs] if fs is not None else None)
-        step.acts = self.policy.acts_before_attention(ctxs)
+                          forced=[StepStats(step=c.step) for c in ctxs] if fs is not None else None,
+                          acts=self.policy.acts_before_attention(ctxs))
         first = classes[0][:2] if classes else None
         step.write_cls = first if all(cl[:2] == first for cl in classes) else None
         if not any(sr is not None and sr.layers is not None for sr in sreqs):  # the same flags in every layer
@@ -337,7 +337,7 @@ class EngineCore:
                 finally:
                     if narrow:
                         torch.set_num_threads(self.small_ops_threads)
-        if step.acts:  # (a step without anneals: no per-layer call that scans the batch for nothing)
+        if step.acts:  # (a step where the policy does nothing before attention: no call a layer)
             if clk is not None:
                 clk.switch("policy")
             pol.before_attention_batch(step.ctxs, layer)
