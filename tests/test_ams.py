@@ -332,8 +332,8 @@ def test_11_recomputed_rows_equal_kernel_rows(engine_factory, load_engine, tiny_
         check(req, layer, pos, w, rows)
         return type(pol).select_layer(pol, req, layer, pos, buf, rec, H_)
 
-    def window_evidence(reqs, layer, pos, keys):  # requests selected together
-        w, recs, rows = type(pol).window_evidence(pol, reqs, layer, pos, keys)
+    def window_evidence(reqs, layer, pos, keys, queries):  # requests selected together
+        w, recs, rows = type(pol).window_evidence(pol, reqs, layer, pos, keys, queries)
         for j, req in enumerate(reqs):
             check(req, layer, pos[j], w, rows[j, -w:])
         return w, recs, rows
@@ -471,14 +471,14 @@ def test_batched_events_select_what_one_by_one_does(ams, monkeypatch, params):
         if batched:
             orig = AMSPolicy._select_rows
 
-            def spy(self, layer, reqs, pos, H):
+            def spy(self, layer, reqs, pos, H, queries):
                 together.append(len(reqs))
-                return orig(self, layer, reqs, pos, H)
+                return orig(self, layer, reqs, pos, H, queries)
             monkeypatch.setattr(AMSPolicy, "_select_rows", spy)
         else:  # request by request, each layer through select_layer
             monkeypatch.setattr(AMSPolicy, "on_decode_step_end_batch", KVPolicy.on_decode_step_end_batch)
-            monkeypatch.setattr(AMSPolicy, "_select_rows", lambda self, layer, reqs, pos, H: [
-                self.select_layer(r, layer, p, np.empty(0, np.int64), r.state.queries[layer], H)
+            monkeypatch.setattr(AMSPolicy, "_select_rows", lambda self, layer, reqs, pos, H, queries: [
+                self.select_layer(r, layer, p, np.empty(0, np.int64), r.state.queries.of(layer), H)
                 for r, p in zip(reqs, pos)])
         with Probe(eng, record_sets=True) as probe:
             res = eng.generate(BATCH_PROMPTS, BATCH_PARAMS)
@@ -608,3 +608,36 @@ def test_top_in_segments_equals_each_segments_top():
         q = [int(rng.integers(-1, b - a + 2)) for a, b in segs]
         want = np.concatenate([_top(np.arange(a, b)[~is_must[a:b]], g, qi) for (a, b), qi in zip(segs, q)])
         assert np.array_equal(np.sort(_top_in_segments(segs, q, is_must, g)), np.sort(want))
+
+
+def test_step_queries_shared_by_the_batch():
+    """The step's queries reach each request that asked, by its row of one shared record (no copy per request)."""
+    from trtkv.policies.ams_queries import EventQueries, QueryLog
+    from trtkv.policies.base import StepStats
+    from trtkv.runtime.attention import attach_queries
+
+    g = torch.Generator().manual_seed(0)
+    logs = [QueryLog() for _ in range(3)]
+    for step in range(4):
+        stats = [StepStats(step=step) for _ in range(3)]
+        qs = [torch.randn(3, 4, 8, generator=g) for _ in range(2)]
+        attach_queries(stats, 0, qs[0], [True, False, True])
+        attach_queries(stats, 1, qs[1], [True, True, True])
+        assert stats[0].queries is stats[2].queries and stats[1].row == 1
+        assert stats[1].query(0) is None and torch.equal(stats[2].query(0), qs[0][2])
+        for i, (log, st) in enumerate(zip(logs, stats)):
+            log.add(100 + step, st)
+    window = EventQueries(logs)
+    assert window.aligned
+    assert window.counts(0).tolist() == [4, 0, 4] and window.counts(1).tolist() == [4, 4, 4]
+    for layer, idx in ((0, [0, 2]), (1, [2, 1]), (1, [0, 1, 2])):
+        q, pos = window.last(layer, idx, 3)
+        want = [log.of(layer)[-3:] for log in (logs[i] for i in idx)]
+        assert torch.equal(q, torch.stack([torch.stack([x for _, x in rec]) for rec in want]))
+        assert pos.tolist() == [[p for p, _ in rec] for rec in want] == [[101, 102, 103]] * len(idx)
+    # logs of different steps (continuous batching): read request by request, the same queries
+    logs[1].entries.pop(0)
+    window = EventQueries(logs)
+    assert not window.aligned and window.counts(1).tolist() == [4, 3, 4]
+    q, pos = window.last(1, [0, 1], 3)
+    assert torch.equal(q[1], torch.stack([x for _, x in logs[1].of(1)[-3:]])) and pos[1].tolist() == [101, 102, 103]

@@ -21,6 +21,7 @@ from trtkv.cache import reads
 from trtkv.cache.eviction import evict_private
 from trtkv.cache.fresh_pages import DEPTH
 from trtkv.cache.manager import CacheConfig, KVCacheManager
+from trtkv.errors import OutOfKVMemory
 from trtkv.runtime.attention import decode_attention
 
 H, D, L = 2, 16, 2
@@ -712,3 +713,64 @@ def test_block_tables_follow_a_flushed_page_joining_the_middle_of_its_format():
         _check_block_tables(cache)
     (_, bt), = cache.block_tables(0, seqs)
     assert bt[0].tolist() == [p for c in (("nvfp4", 0), ("nvfp4", 1)) for p in seqs[0].layers[0].pages[c]]
+
+
+many_op = st.one_of(st.tuples(st.just("add")),
+                    st.tuples(st.just("alloc"), st.integers(0, len(WT_CLASSES) - 1),
+                              st.lists(st.integers(0, 11), min_size=6, max_size=6)),
+                    st.tuples(st.just("alloc"), st.integers(0, len(WT_CLASSES) - 1),
+                              st.lists(st.integers(0, 11), min_size=6, max_size=6)),
+                    st.tuples(st.just("evict"), st.integers(0, 5), st.integers(0, 1),
+                              st.lists(st.integers(0, 200), min_size=1, max_size=6)),
+                    st.tuples(st.just("free"), st.integers(0, 5)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(many_op, min_size=5, max_size=30), full=st.booleans())
+def test_alloc_slots_each_matches_alloc_slots_in_turn(ops, full):
+    """``alloc_slots_each`` (several slots for each request of a batch, new pages in one pool call: a host tier's
+    moves) hands out the slots and leaves the state of each request's ``alloc_slots`` in turn: reusable slots
+    first, open tails, new pages in request order; page order, open pages, bytes, block tables. A small pool
+    (``full``) sends the batch back to table by table."""
+    caches = [make_cache(g=1, max_pages=12 if full else 256) for _ in range(2)]
+    next_pos: dict[int, int] = {}
+    for o in ops:
+        ids = sorted(caches[0].seqs)
+        if o[0] == "add" and len(ids) >= 6:
+            continue
+        if o[0] == "add" or not ids:
+            add_everywhere(caches, next_pos)
+            continue
+        if o[0] == "alloc":
+            cls, layer = WT_CLASSES[o[1]], o[1] % L
+            counts = np.array(o[2][:len(ids)], np.int64)
+            pos = {sid: list(range(next_pos[sid], next_pos[sid] + n)) for sid, n in zip(ids, counts.tolist())}
+            got = []
+            try:
+                for sid, n in zip(ids, counts.tolist()):
+                    got.append(caches[0].alloc_slots(caches[0].seqs[sid], layer, cls, n))
+            except OutOfKVMemory:
+                with pytest.raises(OutOfKVMemory):
+                    caches[1].alloc_slots_each([caches[1].seqs[s] for s in ids], layer, cls, counts)
+                return  # (a full pool mid-batch: both raise; the states may differ only past this point)
+            pages, slots = caches[1].alloc_slots_each([caches[1].seqs[s] for s in ids], layer, cls, counts)
+            assert pages.tolist() == np.concatenate([p for p, _ in got]).tolist()
+            assert slots.tolist() == np.concatenate([s for _, s in got]).tolist()
+            for c in caches:  # the tokens land in the slots (both caches the same)
+                at = 0
+                for sid, n in zip(ids, counts.tolist()):
+                    c.record_written(c.seqs[sid], layer, c.pool(layer, cls[0]), cls[0], pages[at:at + n],
+                                     slots[at:at + n], pos[sid])
+                    at += n
+            for sid, n in zip(ids, counts.tolist()):
+                next_pos[sid] += n
+        elif o[0] == "evict":
+            sid = ids[o[1] % len(ids)]
+            for c in caches:
+                c.evict(c.seqs[sid], o[2], [p % max(1, next_pos[sid]) for p in o[3]])
+        elif len(ids) > 1:
+            for c in caches:
+                c.free_sequence(ids[o[1] % len(ids)])
+        assert _state(caches[0]) == _state(caches[1])
+        _check_block_tables(caches[1])
+    check_invariants(caches[1])

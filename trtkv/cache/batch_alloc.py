@@ -17,7 +17,8 @@ from trtkv.cache.block_table import BlockTable, held_page_bytes
 from trtkv.cache.columns import Cls, TableColumns
 from trtkv.cache.pool import PagePool
 
-__all__ = ["alloc_one_each", "open_fresh_pages", "open_fresh_pages_layers", "add_full_pages_each"]
+__all__ = ["alloc_one_each", "alloc_slots_each", "open_fresh_pages", "open_fresh_pages_layers",
+           "add_full_pages_each"]
 
 
 def alloc_one_each(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
@@ -53,6 +54,74 @@ def alloc_one_each(tables: Callable[[int], BlockTable], cols: TableColumns, laye
     if len(closed):  # a page's last tail slot: it is no longer the class's open page
         cols.close_rows(layer, rows[closed], cls)
     return pages, slots
+
+
+def alloc_slots_each(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
+                     pool: PagePool, cls: Cls, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``counts[i]`` slots of ``cls`` for each of ``rows`` (distinct requests, one layer; ``tables(i)``: the table of
+    ``rows[i]``), the ones each table's ``alloc_slots`` would give in turn: its reusable slots first, then its open
+    page's tail, then new pages - taken from the pool in one call, in row order (a host tier's batch of moves).
+    Returns ``(pages, slots)`` of every row's slots, concatenated in row order."""
+    counts = np.asarray(counts, np.int64)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    pages, slots = np.empty(int(bounds[-1]), np.int64), np.empty(int(bounds[-1]), np.int64)
+    got = np.zeros(len(rows), np.int64)
+    reusable = cols.reuse.counts(layer, rows, cls)
+    if reusable is not None:  # (each row's own reusable slots: rows with any, one by one)
+        for i in np.flatnonzero((reusable > 0) & (counts > 0)).tolist():
+            p, sl = cols.reuse.take(layer, int(rows[i]), cls, int(counts[i]), pool.slots_free)
+            pages[bounds[i]:bounds[i] + len(p)], slots[bounds[i]:bounds[i] + len(p)] = p, sl
+            got[i] = len(p)
+    opens = cols.open_pages(layer, rows, cls)
+    at = np.flatnonzero((counts > got) & (opens >= 0))
+    if len(at):  # the open pages' tails
+        start = pool.hwm[opens[at]].astype(np.int64)
+        take = np.minimum(pool.B - start, counts[at] - got[at])
+        pool.hwm[opens[at]] = start + take
+        _fill(pages, slots, bounds[at] + got[at], take, opens[at], start)
+        got[at] += take
+        full = at[start + take >= pool.B]
+        if len(full):
+            cols.close_rows(layer, rows[full], cls)
+    need = np.flatnonzero(counts > got)
+    if not len(need):
+        return pages, slots
+    rest = counts[need] - got[need]
+    per = -(-rest // pool.B)  # new pages each
+    fresh = pool.alloc_pages(int(per.sum()), cls[1])
+    if fresh is None:  # the pool lacks them (or grows): table by table, a full pool names its request
+        for i, n in zip(need.tolist(), rest.tolist()):
+            p, sl = tables(i).alloc_slots(pool, cls, n)
+            pages[bounds[i] + got[i]:bounds[i + 1]], slots[bounds[i] + got[i]:bounds[i + 1]] = p, sl
+        return pages, slots
+    # row i's tokens fill its new pages in order: the k-th token at (page k // B, slot k % B)
+    k = np.arange(int(rest.sum())) - np.repeat(np.cumsum(rest) - rest, rest)
+    first = np.repeat(np.cumsum(per) - per, rest)
+    dst = np.concatenate([np.arange(bounds[i] + got[i], bounds[i + 1]) for i in need.tolist()])
+    pages[dst], slots[dst] = fresh[first + k // pool.B], k % pool.B
+    pool.mark_full(fresh)
+    last = fresh[np.cumsum(per) - 1]
+    partial = rest % pool.B != 0
+    pool.hwm[last[partial]] = rest[partial] % pool.B
+    cost = held_page_bytes(pool)
+    split = np.split(fresh, np.cumsum(per)[:-1])
+    at_end = np.fromiter((tables(i).hold_fresh(cls, ps.tolist(), cost * len(ps))
+                          for i, ps in zip(need.tolist(), split)), bool, len(need))
+    if partial.any():  # a last page with tail left stays the class's open page (as ``new_page`` made it)
+        cols.set_opens(layer, rows[need[partial]], cls, last[partial])
+    if (per == 1).all():
+        cols.append_rows(layer, rows[need], cls[0], fresh, at_end)
+    else:
+        cols.touch_rows(layer, rows[need])
+    return pages, slots
+
+
+def _fill(pages: np.ndarray, slots: np.ndarray, at: np.ndarray, n: np.ndarray, page: np.ndarray,
+          start: np.ndarray) -> None:
+    """``pages[at[i]:at[i] + n[i]] = page[i]``, ``slots[...] = start[i], start[i] + 1, ...`` for every i."""
+    idx = np.repeat(at - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+    pages[idx] = np.repeat(page, n)
+    slots[idx] = np.repeat(start - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
 
 
 def open_fresh_pages(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,

@@ -20,7 +20,7 @@ import torch
 from plugins.formats import LayerScales
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache import compaction, reads
-from trtkv.cache.batch_alloc import alloc_one_each
+from trtkv.cache.batch_alloc import alloc_one_each, alloc_slots_each
 from trtkv.cache.block_table import ENTRY_BYTES, Cls, held_page_bytes
 from trtkv.cache.budget import PoolPlan
 from trtkv.cache.columns import TableColumns
@@ -183,6 +183,13 @@ class KVCacheManager:
         """Reuse evicted slots of the same class first (oldest page, lowest slot), then the open page's
         tail, and only then new pages (``BlockTable.alloc_slots``)."""
         return seq.layers[layer].alloc_slots(self.pool(layer, cls[0]), cls, n)
+
+    def alloc_slots_each(self, seqs: list[SeqKV], layer: int, cls: Cls, counts: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """``alloc_slots`` of ``counts[i]`` slots for each of ``seqs`` (distinct) in turn, by array operations
+        (``batch_alloc.alloc_slots_each``): the slots concatenated in request order."""
+        return alloc_slots_each(lambda i: seqs[i].layers[layer], self.columns, layer, self.rows(seqs),
+                                self.pool(layer, cls[0]), cls, counts)
 
     def write(self, seq: SeqKV, layer: int, k: torch.Tensor, v: torch.Tensor, positions: list[int],
               cls: Cls, seg: int = -1) -> None:

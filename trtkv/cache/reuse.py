@@ -167,7 +167,7 @@ class ReusableSlots:
     def take(self, layer: int, row: int, cls: Cls, n: int, free: FreeCheck) -> tuple[list[int], list[int]]:
         """Up to ``n`` reusable slots of ``row`` in ``layer``, oldest page first: ``(pages, slots)``; entries whose
         slot is no longer free are dropped on the way (``free(layer, pages, slots)``)."""
-        if self.count(layer, row, cls) == 0:
+        if n <= 0 or self.count(layer, row, cls) == 0:
             return [], []
         keys, head, end = self._keys[cls], self._head[cls], self._end[cls]
         h, e = head.item(layer, row), end.item(layer, row)

@@ -386,8 +386,9 @@ def _raw_copy(src: CacheLike, sseq: SeqKV, dst: CacheLike, dseq: SeqKV, layer: i
 def _raw_copy_many(src: CacheLike, sseqs: list[SeqKV], dst: CacheLike, dseqs: list[SeqKV], layer: int,
                    positions: list[np.ndarray]) -> list[int]:
     """``_raw_copy`` of ``positions[i]`` from ``sseqs[i]`` to ``dseqs[i]`` (formats without key-scale groups):
-    slots allocated job by job, each job's classes in the order its tokens list them (as one copy each in turn
-    would), the codes of every job in one gather and scatter a format. Returns each job's bytes moved."""
+    slots allocated as one copy each in turn would (all jobs at once when one class is moved; else job by job,
+    each job's classes in the order its tokens list them), the codes of every job in one gather and scatter a
+    format. Returns each job's bytes moved."""
     names, fids, pages, slots, _ = src.locate_many(sseqs, layer, positions)
     pos = np.concatenate(positions)
     classes = np.empty(len(pos), np.int64)
@@ -397,13 +398,16 @@ def _raw_copy_many(src: CacheLike, sseqs: list[SeqKV], dst: CacheLike, dseqs: li
         spool = src.pools[layer][names[f]]
         classes[sel] = spool.page_class[pages[sel]]
         segs[sel] = spool.slot_seg[pages[sel], slots[sel]]
-    dst_pages, dst_slots = np.empty_like(pages), np.empty_like(slots)
     bounds = np.concatenate([[0], np.cumsum([len(p) for p in positions])])
-    for j in range(len(positions)):
-        lo, hi = int(bounds[j]), int(bounds[j + 1])
-        for f, c in dict.fromkeys(zip(fids[lo:hi].tolist(), classes[lo:hi].tolist())):
-            sel = lo + np.flatnonzero((fids[lo:hi] == f) & (classes[lo:hi] == c))
-            dst_pages[sel], dst_slots[sel] = dst.alloc_slots(dseqs[j], layer, (names[f], c), len(sel))
+    if len(pos) and (fids == fids[0]).all() and (classes == classes[0]).all():  # one class: every job at once
+        dst_pages, dst_slots = dst.alloc_slots_each(dseqs, layer, (names[fids[0]], int(classes[0])), np.diff(bounds))
+    else:
+        dst_pages, dst_slots = np.empty_like(pages), np.empty_like(slots)
+        for j in range(len(positions)):
+            lo, hi = int(bounds[j]), int(bounds[j + 1])
+            for f, c in dict.fromkeys(zip(fids[lo:hi].tolist(), classes[lo:hi].tolist())):
+                sel = lo + np.flatnonzero((fids[lo:hi] == f) & (classes[lo:hi] == c))
+                dst_pages[sel], dst_slots[sel] = dst.alloc_slots(dseqs[j], layer, (names[f], c), len(sel))
     job = np.repeat(np.arange(len(positions)), np.diff(bounds))
     moved = np.zeros(len(positions), np.int64)
     for f in np.unique(fids).tolist():

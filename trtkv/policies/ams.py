@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trtkv.policies.ams_queries import EventQueries, QueryLog
 from trtkv.policies.ams_selection import (allocate, ams_select, fixed_segments, must_keep, segment,  # noqa: F401
                                           select)
 from trtkv.policies.base import KVPolicy, StatsRequest
@@ -127,7 +128,7 @@ class CreditRows:
 
 @dataclass
 class AMSState:
-    queries: list = field(default_factory=list)  # per layer: [(position, q [Hq, D])] of the evidence window
+    queries: QueryLog = field(default_factory=QueryLog)  # the decode steps buffered since the last event
     credit: RowView | None = None  # EMA credit per layer and position: this request's row of the policy's table
     memo: Any = None  # the wrapped scorer's own observations (scorers that need them)
     events: int = 0
@@ -229,7 +230,7 @@ class AMSPolicy(KVPolicy):
                                                       sparsity=extra.sparsity, queries=True)
 
     def on_request_init(self, req) -> None:
-        req.state.queries = [[] for _ in range(req.num_layers)]
+        req.state.queries = QueryLog()
         req.state.memo = self._scorer.new_memo()
 
     def on_request_finish(self, req) -> None:
@@ -249,11 +250,7 @@ class AMSPolicy(KVPolicy):
 
     def _record(self, req, stats) -> bool:
         """Buffer the step's queries (and the scorer's observations); whether an event is due now."""
-        qs = req.state.queries
-        written = req.position - 1  # the token this step wrote
-        for layer, ls in stats.layers.items():
-            if ls.query is not None:
-                qs[layer].append((written, ls.query))
+        req.state.queries.add(req.position - 1, stats)  # (the token this step wrote)
         if not self._scorer.evidence_suffices:
             self._scorer.observe(req, req.state.memo, stats, "decode")
         return self.cadence.is_event(req.step)
@@ -265,20 +262,23 @@ class AMSPolicy(KVPolicy):
         evidence and mass computation for all of them); each layer's evictions go to the cache in one call."""
         H = reqs[0].num_kv_heads
         acted = np.zeros(len(reqs), bool)
+        window = EventQueries([req.state.queries for req in reqs])
         for layer in range(reqs[0].num_layers):
             T = reqs[0].num_live_many(layer, reqs)
             paged = reqs[0].num_paged_many(layer, reqs)
+            counts = window.counts(layer)
             groups: dict[tuple[int, int], list[int]] = {}
             victims = {}
             for i in np.flatnonzero(T > self.budget).tolist():
-                n_rec = min(len(reqs[i].state.queries[layer]), max(self._w_eff(int(T[i])), KVPRESS_WINDOW))
+                n_rec = min(int(counts[i]), max(self._w_eff(int(T[i])), KVPRESS_WINDOW))
                 if paged[i] == T[i] and n_rec:
                     groups.setdefault((int(T[i]), n_rec), []).append(i)
                 else:  # residual-buffer tokens (never evicted) or no evidence: alone
                     victims[i] = self._lone_victims(reqs[i], layer, H)
-            for (n, _), idx in groups.items():
+            for (n, m), idx in groups.items():
                 pos = reqs[0].live_positions_each(layer, reqs, np.asarray(idx), n)
-                for i, p, keep in zip(idx, pos, self._select_rows(layer, [reqs[i] for i in idx], pos, H)):
+                keeps = self._select_rows(layer, [reqs[i] for i in idx], pos, H, window.last(layer, idx, m))
+                for i, p, keep in zip(idx, pos, keeps):
                     victims[i] = np.delete(p, keep)
             if victims:
                 order = sorted(victims)
@@ -289,23 +289,25 @@ class AMSPolicy(KVPolicy):
                 req.state.events += 1
             else:
                 req.state.noops += 1  # no-op: KV and credit unchanged (spec §2.1)
-            req.state.queries = [[] for _ in range(req.num_layers)]
+            req.state.queries = QueryLog()
             self._scorer.reset(req.state.memo)
 
     def _lone_victims(self, req, layer: int, H: int) -> np.ndarray:
         pos = req.all_positions(layer)
-        keep = self.select_layer(req, layer, pos, req.buffered_positions(layer), req.state.queries[layer], H)
+        keep = self.select_layer(req, layer, pos, req.buffered_positions(layer), req.state.queries.of(layer), H)
         return np.setdiff1d(req.live_positions(layer), pos[keep])
 
     def _w_eff(self, T: int) -> int:
         return max(1, min(self.window, self.n_buf - 1, T - 1, self.budget))
 
-    def _select_rows(self, layer: int, reqs: list, pos: np.ndarray, H: int) -> list[np.ndarray]:
-        """``select_layer`` of requests whose tokens in ``layer`` are all paged at ``pos [k, T]``, the same
-        number of queries buffered: evidence and masses for all of them at once, the segments per request."""
+    def _select_rows(self, layer: int, reqs: list, pos: np.ndarray, H: int,
+                     queries: tuple[torch.Tensor, np.ndarray]) -> list[np.ndarray]:
+        """``select_layer`` of requests whose tokens in ``layer`` are all paged at ``pos [k, T]``, with their last
+        queries ``(q [k, m, Hq, D], positions [k, m])``: evidence and masses for all of them at once, the segments
+        per request."""
         T = pos.shape[1]
         keys, values = reqs[0].kv_rows(layer, reqs, pos)
-        w_eff, recs, rows_all = self.window_evidence(reqs, layer, pos, keys)
+        w_eff, recs, rows_all = self.window_evidence(reqs, layer, pos, keys, queries)
         m_used = self._masses_rows(reqs, layer, pos, rows_all[:, -w_eff:], H).cpu().numpy()
         g_rows = self._scorer.score_evidence_rows(rows_all, H)
         g_rows = None if g_rows is None else g_rows.cpu().numpy()
@@ -314,7 +316,8 @@ class AMSPolicy(KVPolicy):
             if g_rows is not None:
                 g = g_rows[j]
             else:
-                ev = Evidence(rows=rows_all[j], queries=recs[j], keys=keys[j], values=values[j])
+                rec = list(zip(recs[1][j].tolist(), recs[0][j].unbind(0)))
+                ev = Evidence(rows=rows_all[j], queries=rec, keys=keys[j], values=values[j])
                 g = head_mean(self._scorer.score(req, layer, pos[j], req.state.memo, ev))
                 g = (g if isinstance(g, torch.Tensor) else torch.as_tensor(g)).cpu().numpy()
             keep, _ = ams_select(m_used[j], g, self.budget, delta=self.delta, l_min=self.l_min,
@@ -324,17 +327,13 @@ class AMSPolicy(KVPolicy):
             keeps.append(keep)
         return keeps
 
-    def window_evidence(self, reqs: list, layer: int, pos: np.ndarray, keys: torch.Tensor
-                        ) -> tuple[int, list[list], torch.Tensor]:
+    def window_evidence(self, reqs: list, layer: int, pos: np.ndarray, keys: torch.Tensor,
+                        queries: tuple[torch.Tensor, np.ndarray]) -> tuple[int, tuple, torch.Tensor]:
         """``evidence`` of requests with the same number of buffered queries, keys ``[k, T, H, D]`` at ``pos
-        [k, T]``: (w_eff, each one's queries used, rows of them ``[k, max(w_eff, 8), Hq, T]``)."""
-        w_eff = self._w_eff(pos.shape[1])
-        m = min(len(reqs[0].state.queries[layer]), max(w_eff, KVPRESS_WINDOW))
-        recs = [r.state.queries[layer][-m:] for r in reqs]
-        q = torch.stack([q for rec in recs for _, q in rec])
-        rows = window_rows(q.view(len(reqs), m, *q.shape[1:]), np.array([[p for p, _ in rec] for rec in recs]),
-                           keys, pos, self._scale(keys))
-        return w_eff, recs, rows
+        [k, T]``, their last min(buffered, max(w_eff, 8)) queries ``(q [k, m, Hq, D], positions [k, m])``:
+        (w_eff, those queries, their rows ``[k, m, Hq, T]``)."""
+        q, q_pos = queries
+        return self._w_eff(pos.shape[1]), queries, window_rows(q, q_pos, keys, pos, self._scale(keys))
 
     def evidence(self, req, layer: int, pos: np.ndarray, rec: list, keys: torch.Tensor, H: int):
         """(w_eff, window rows ``[w_eff, Hq, T]``, rows of the last max(w_eff, 8) queries) for one layer."""

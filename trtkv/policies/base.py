@@ -43,7 +43,7 @@ class StatsRequest:
     weights: bool = False  # per-slot attention weights (per query head) with their token positions
     sparsity: bool = False  # per-KV-head sparsity and ThinKV's averaged-row sparsity
     prefill_window: int = 0  # prefill: weights of the last w prompt queries over the prompt
-    queries: bool = False  # decode: the step's post-RoPE query ``[Hq, D]`` (LayerStats.query)
+    queries: bool = False  # decode: the step's post-RoPE query ``[Hq, D]`` (StepStats.query)
 
 
 @dataclass
@@ -53,7 +53,6 @@ class LayerStats:
     logits: torch.Tensor | None = None  # [Hq, n] scaled logits, -inf at dead slots
     sparsity_heads: torch.Tensor | None = None  # [H] fraction of weights < 1% of the row max, per KV head
     sparsity: float | None = None  # ThinKV: max-pool G query heads, softmax, mean over KV heads, then fraction
-    query: torch.Tensor | None = None  # [Hq, D] post-RoPE query of this decode step (StatsRequest.queries)
     head_sums: torch.Tensor | None = None  # decode: [n] the weights summed over query heads (``batch_weights`` False)
 
 
@@ -97,7 +96,29 @@ class StepStats:
     step: int  # decode index i (token at position prompt_len + i); -1 for prefill
     layers: dict[int, LayerStats] = field(default_factory=dict)
     batch: dict[int, BatchLayerStats] | None = None  # batch-form statistics instead of ``layers`` (shared)
-    row: int = -1  # this request's row in ``batch``
+    row: int = -1  # this request's row in ``batch`` and ``queries``
+    queries: StepQueries | None = None  # the step's queries (StatsRequest.queries; shared by the batch)
+
+    def query(self, layer: int) -> torch.Tensor | None:
+        """This request's post-RoPE query ``[Hq, D]`` of ``layer`` at this decode step, if it asked for it."""
+        return None if self.queries is None else self.queries.of(layer, self.row)
+
+
+@dataclass
+class StepQueries:
+    """A decode step's post-RoPE queries, one record for the whole batch (a policy keeps a reference, not a copy
+    per request and layer): per layer the queries ``[b, Hq, D]`` and which rows asked for them."""
+
+    layers: dict[int, tuple[torch.Tensor, np.ndarray]] = field(default_factory=dict)
+
+    def of(self, layer: int, row: int) -> torch.Tensor | None:
+        got = self.layers.get(layer)
+        return None if got is None or not got[1][row] else got[0][row]
+
+    def wanted(self, layer: int, rows: np.ndarray) -> bool:
+        """Whether every one of ``rows`` asked for ``layer``'s query."""
+        got = self.layers.get(layer)
+        return got is not None and bool(got[1][rows].all())
 
 
 class ReportColumn(NamedTuple):

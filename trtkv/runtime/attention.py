@@ -13,7 +13,7 @@ from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.
 from trtkv.cache.manager import KVCacheManager, SeqKV
 from trtkv.cache.pool import PagePool
 from trtkv.distributed.group import HeadShards
-from trtkv.policies.base import BatchLayerStats, LayerStats
+from trtkv.policies.base import BatchLayerStats, LayerStats, StepQueries
 
 LN_ONE_PERCENT = math.log(0.01)
 
@@ -147,22 +147,16 @@ def source_positions(tables: list[tuple[PagePool, torch.Tensor]], b: int) -> lis
             for pool, bt in tables]
 
 
-_NO_POSITIONS = np.empty(0, np.int64)
-_NO_POSITIONS.flags.writeable = False  # shared by the query-only statistics
-
-
 def attach_queries(stats: list, layer: int, q: torch.Tensor, want_q: list[bool]) -> None:
-    """Give each request that asked for it (``want_q[i]``) its row of the step's post-RoPE queries ``q [b, Hq, D]``
-    in ``stats[i].layers[layer]`` (Expected Attention's, AMS's query statistics): the rows as views cut in one
-    call, a request without other statistics in this layer getting query-only ones."""
-    rows = q.float().unbind(0)
-    for i, want in enumerate(want_q):
-        if want:
-            st = stats[i].layers.get(layer)
-            if st is None:
-                stats[i].layers[layer] = LayerStats(positions=_NO_POSITIONS, query=rows[i])
-            else:
-                st.query = rows[i]
+    """Give the requests that asked for it (``want_q[i]``) the step's post-RoPE queries ``q [b, Hq, D]`` of ``layer``
+    (Expected Attention's, AMS's query statistics): one ``StepQueries`` record for the step, shared by the batch's
+    ``StepStats`` (each reads its row), so a layer costs one entry, not a view per request."""
+    sq = stats[0].queries
+    if sq is None:  # the step's first layer with queries
+        sq = StepQueries()
+        for i, st in enumerate(stats):
+            st.queries, st.row = sq, i
+    sq.layers[layer] = (q.float(), np.asarray(want_q, bool))
 
 
 def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndarray, num_kv_heads: int,
