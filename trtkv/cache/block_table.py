@@ -282,6 +282,23 @@ class BlockTable:
         self.drop_page(pool, cls, p)
         pool.release_page(p)
 
+    def release_pages(self, pool: PagePool, cls: Cls, pages: list[int]) -> None:
+        """``release_page`` of several empty pages of ``cls`` (an event's emptied pages: the lists and the
+        columns updated once)."""
+        if len(pages) == 1:
+            return self.release_page(pool, cls, pages[0])
+        gone = set(pages)
+        held = self._pages[cls]
+        held[:] = [p for p in held if p not in gone]
+        order = self._page_order
+        for p in pages:
+            del order[(cls[0], p)]
+        self._account.add(-held_page_bytes(pool) * len(pages))
+        self._cols.reuse.drop_page(self.layer, self._row, cls, pages)
+        self._pages_changed()
+        for p in pages:
+            pool.release_page(p)
+
     def drop_page(self, pool: PagePool, cls: Cls, p: int) -> None:
         """Stop holding page ``p`` (its pool page stays with whoever else holds it)."""
         self._pages[cls].remove(p)

@@ -91,16 +91,16 @@ def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer:
         if gids is not None:
             decref_groups_many(seqs, pool, gids, np.concatenate([[0], np.cumsum(np.bincount(o, minlength=len(seqs)))]))
         _free_slots(pool, columns, layer, fmt, seq_rows[o], p, sl, reuse,
-                    lambda i, c, q, o=o, pool=pool, fmt=fmt: seqs[o[i]].layers[layer].release_page(pool, (fmt, c), q))
+                    lambda i, c, q, o=o, pool=pool, fmt=fmt: seqs[o[i]].layers[layer].release_pages(pool, (fmt, c), q))
     return counts
 
 
 def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np.ndarray, pages: np.ndarray,
-                slots: np.ndarray, reuse: bool, release: Callable[[int, int, int], None]) -> None:
+                slots: np.ndarray, reuse: bool, release: Callable[[int, int, list[int]], None]) -> None:
     """Slots just evicted (slot ``slots[i]`` of page ``pages[i]``, row ``rows[i]`` in ``layer``, an int or an
     array) become reusable by their rows (``reuse``); a page left empty that is not its class's open page goes
-    back to the pool (``release(i, class, page)``, at each page's first victim, in victim order), taking its
-    slots with it."""
+    back to the pool, taking its slots with it: ``release(i, class, pages)`` once for each table and class, ``i``
+    its first such victim (the pool's free pages end the same as releasing each page in victim order)."""
     one_layer = np.ndim(layer) == 0  # (a layer's PagePool; else a SlotStack and each victim's layer)
     at_page = pages if one_layer else (layer, pages)
     classes, empty = pool.page_class[at_page], pool.live[at_page] == 0
@@ -120,8 +120,14 @@ def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np
         return
     li = np.zeros(len(rel), np.int64) if one_layer else layer[rel]
     _, first = np.unique(np.stack([li, rows[rel], pages[rel]]), axis=1, return_index=True)
-    for i in rel[np.sort(first)].tolist():
-        release(i, int(classes[i]), int(pages[i]))
+    at = rel[np.sort(first)]  # each emptied page at its first victim, in victim order
+    tables: dict[tuple[int, int, int], tuple[int, list[int]]] = {}  # a table's emptied pages of a class, together
+    keys = zip(np.zeros(len(at), np.int64).tolist() if one_layer else layer[at].tolist(), rows[at].tolist(),
+               classes[at].tolist())
+    for i, key, p in zip(at.tolist(), keys, pages[at].tolist()):
+        tables.setdefault(key, (i, []))[1].append(p)
+    for (_, _, c), (i, ps) in tables.items():
+        release(i, c, ps)
 
 
 def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int, seqs: list[SeqKV],
@@ -147,7 +153,7 @@ def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int
         if gids is not None:
             decref_groups_many([seqs[i] for i in who.tolist()], pool, gids, np.arange(len(sel) + 1))
         _free_slots(pool, columns, layer, fmt, rows[who], pg, sl, True,
-                    lambda i, c, p, who=who, pool=pool, fmt=fmt: seqs[who[i]].layers[layer].release_page(
+                    lambda i, c, p, who=who, pool=pool, fmt=fmt: seqs[who[i]].layers[layer].release_pages(
                         pool, (fmt, c), p))
     return rows, held.astype(np.int64)
 
@@ -167,7 +173,7 @@ def evict_one_each_layers(pools: PoolSet, columns: TableColumns, layers: np.ndar
         li, who, pg, sl = layer[sel], item[sel], pages[sel], slots[sel]
         stack.mark_evicted_distinct(li, pg, sl)
         _free_slots(stack, columns, li, fmt, rows[who], pg, sl, True,
-                    lambda i, c, p, who=who, li=li, fmt=fmt: seqs[who[i]].layers[li[i]].release_page(
+                    lambda i, c, p, who=who, li=li, fmt=fmt: seqs[who[i]].layers[li[i]].release_pages(
                         pools.pool(int(li[i]), fmt), (fmt, c), p))
     return np.bincount(item, minlength=len(seqs))
 

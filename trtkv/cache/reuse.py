@@ -149,8 +149,8 @@ class ReusableSlots:
         head[ul, ur] = 0
         end[ul, ur] = total
 
-    def drop_page(self, layer: int, row: int, cls: Cls, page: int) -> None:
-        """``page`` left ``row``'s table in ``layer``: its entries go."""
+    def drop_page(self, layer: int, row: int, cls: Cls, page: int | list[int]) -> None:
+        """``page`` (or several) left ``row``'s table in ``layer``: its entries go."""
         if cls not in self._keys:
             return
         keys, head, end = self._keys[cls], self._head[cls], self._end[cls]
@@ -158,7 +158,8 @@ class ReusableSlots:
         if e == h:
             return
         live = keys[layer, row, h:e]
-        kept = live[(live >> _PAGE_SHIFT) & _PAGE_MASK != page]
+        of = (live >> _PAGE_SHIFT) & _PAGE_MASK
+        kept = live[of != page] if isinstance(page, int) else live[~np.isin(of, page)]
         if len(kept) < e - h:
             keys[layer, row, :len(kept)] = kept
             head[layer, row], end[layer, row] = 0, len(kept)
