@@ -333,10 +333,10 @@ def test_11_recomputed_rows_equal_kernel_rows(engine_factory, load_engine, tiny_
         return type(pol).select_layer(pol, req, layer, pos, buf, rec, H_)
 
     def window_evidence(reqs, layer, pos, keys, queries):  # requests selected together
-        w, recs, rows = type(pol).window_evidence(pol, reqs, layer, pos, keys, queries)
+        w, rows = type(pol).window_evidence(pol, reqs, layer, pos, keys, queries)
         for j, req in enumerate(reqs):
             check(req, layer, pos[j], w, rows[j, -w:])
-        return w, recs, rows
+        return w, rows
 
     core = eng.make_core(observers=[KernelRows()])
     core.policy.select_layer = select_layer

@@ -95,10 +95,9 @@ def alloc_slots_each(tables: Callable[[int], BlockTable], cols: TableColumns, la
             pages[bounds[i] + got[i]:bounds[i + 1]], slots[bounds[i] + got[i]:bounds[i + 1]] = p, sl
         return pages, slots
     # row i's tokens fill its new pages in order: the k-th token at (page k // B, slot k % B)
-    k = np.arange(int(rest.sum())) - np.repeat(np.cumsum(rest) - rest, rest)
-    first = np.repeat(np.cumsum(per) - per, rest)
-    dst = np.concatenate([np.arange(bounds[i] + got[i], bounds[i + 1]) for i in need.tolist()])
-    pages[dst], slots[dst] = fresh[first + k // pool.B], k % pool.B
+    k = _ranks(rest)
+    dst = np.repeat(bounds[need] + got[need], rest) + k
+    pages[dst], slots[dst] = fresh[np.repeat(np.cumsum(per) - per, rest) + k // pool.B], k % pool.B
     pool.mark_full(fresh)
     last = fresh[np.cumsum(per) - 1]
     partial = rest % pool.B != 0
@@ -119,9 +118,14 @@ def alloc_slots_each(tables: Callable[[int], BlockTable], cols: TableColumns, la
 def _fill(pages: np.ndarray, slots: np.ndarray, at: np.ndarray, n: np.ndarray, page: np.ndarray,
           start: np.ndarray) -> None:
     """``pages[at[i]:at[i] + n[i]] = page[i]``, ``slots[...] = start[i], start[i] + 1, ...`` for every i."""
-    idx = np.repeat(at - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
-    pages[idx] = np.repeat(page, n)
-    slots[idx] = np.repeat(start - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+    k = _ranks(n)
+    idx = np.repeat(at, n) + k
+    pages[idx], slots[idx] = np.repeat(page, n), np.repeat(start, n) + k
+
+
+def _ranks(n: np.ndarray) -> np.ndarray:
+    """``0..n[0]-1, 0..n[1]-1, ...``: each element's place in its run of a concatenation of runs ``n``."""
+    return np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
 
 
 def open_fresh_pages(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,

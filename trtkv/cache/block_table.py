@@ -290,11 +290,7 @@ class BlockTable:
         gone = set(pages)
         held = self._pages[cls]
         held[:] = [p for p in held if p not in gone]
-        order = self._page_order
-        for p in pages:
-            del order[(cls[0], p)]
-        self._account.add(-held_page_bytes(pool) * len(pages))
-        self._cols.reuse.drop_page(self.layer, self._row, cls, pages)
+        self._unhold(pool, cls, pages)
         self._pages_changed()
         for p in pages:
             pool.release_page(p)
@@ -305,11 +301,14 @@ class BlockTable:
         self._unhold(pool, cls, p)
         self._pages_changed()
 
-    def _unhold(self, pool: PagePool, cls: Cls, p: int) -> None:
-        """Page ``p``'s order number and bytes go (the caller updates the page list)."""
-        del self._page_order[(cls[0], p)]
-        self._account.add(-held_page_bytes(pool))
-        self._cols.reuse.drop_page(self.layer, self._row, cls, p)  # its reusable slots go with it
+    def _unhold(self, pool: PagePool, cls: Cls, p: int | list[int]) -> None:
+        """Page ``p``'s (or several pages') order number and bytes go (the caller updates the page list)."""
+        pages = p if isinstance(p, list) else [p]
+        order = self._page_order
+        for q in pages:
+            del order[(cls[0], q)]
+        self._account.add(-held_page_bytes(pool) * len(pages))
+        self._cols.reuse.drop_page(self.layer, self._row, cls, p)  # their reusable slots go with them
 
     # --- shared pages (cache/forks.py) ---------------------------------------------------------------
     def seal(self) -> None:

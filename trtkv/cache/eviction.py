@@ -120,10 +120,10 @@ def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np
         return
     li = np.zeros(len(rel), np.int64) if one_layer else layer[rel]
     _, first = np.unique(np.stack([li, rows[rel], pages[rel]]), axis=1, return_index=True)
-    at = rel[np.sort(first)]  # each emptied page at its first victim, in victim order
+    first = np.sort(first)
+    at = rel[first]  # each emptied page at its first victim, in victim order
     tables: dict[tuple[int, int, int], tuple[int, list[int]]] = {}  # a table's emptied pages of a class, together
-    keys = zip(np.zeros(len(at), np.int64).tolist() if one_layer else layer[at].tolist(), rows[at].tolist(),
-               classes[at].tolist())
+    keys = zip(li[first].tolist(), rows[at].tolist(), classes[at].tolist())
     for i, key, p in zip(at.tolist(), keys, pages[at].tolist()):
         tables.setdefault(key, (i, []))[1].append(p)
     for (_, _, c), (i, ps) in tables.items():

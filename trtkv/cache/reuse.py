@@ -159,7 +159,7 @@ class ReusableSlots:
             return
         live = keys[layer, row, h:e]
         of = (live >> _PAGE_SHIFT) & _PAGE_MASK
-        kept = live[of != page] if isinstance(page, int) else live[~np.isin(of, page)]
+        kept = live[~np.isin(of, page)] if isinstance(page, list) else live[of != page]
         if len(kept) < e - h:
             keys[layer, row, :len(kept)] = kept
             head[layer, row], end[layer, row] = 0, len(kept)

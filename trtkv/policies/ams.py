@@ -307,7 +307,7 @@ class AMSPolicy(KVPolicy):
         per request."""
         T = pos.shape[1]
         keys, values = reqs[0].kv_rows(layer, reqs, pos)
-        w_eff, recs, rows_all = self.window_evidence(reqs, layer, pos, keys, queries)
+        w_eff, rows_all = self.window_evidence(reqs, layer, pos, keys, queries)
         m_used = self._masses_rows(reqs, layer, pos, rows_all[:, -w_eff:], H).cpu().numpy()
         g_rows = self._scorer.score_evidence_rows(rows_all, H)
         g_rows = None if g_rows is None else g_rows.cpu().numpy()
@@ -316,7 +316,7 @@ class AMSPolicy(KVPolicy):
             if g_rows is not None:
                 g = g_rows[j]
             else:
-                rec = list(zip(recs[1][j].tolist(), recs[0][j].unbind(0)))
+                rec = list(zip(queries[1][j].tolist(), queries[0][j].unbind(0)))
                 ev = Evidence(rows=rows_all[j], queries=rec, keys=keys[j], values=values[j])
                 g = head_mean(self._scorer.score(req, layer, pos[j], req.state.memo, ev))
                 g = (g if isinstance(g, torch.Tensor) else torch.as_tensor(g)).cpu().numpy()
@@ -328,12 +328,12 @@ class AMSPolicy(KVPolicy):
         return keeps
 
     def window_evidence(self, reqs: list, layer: int, pos: np.ndarray, keys: torch.Tensor,
-                        queries: tuple[torch.Tensor, np.ndarray]) -> tuple[int, tuple, torch.Tensor]:
+                        queries: tuple[torch.Tensor, np.ndarray]) -> tuple[int, torch.Tensor]:
         """``evidence`` of requests with the same number of buffered queries, keys ``[k, T, H, D]`` at ``pos
         [k, T]``, their last min(buffered, max(w_eff, 8)) queries ``(q [k, m, Hq, D], positions [k, m])``:
-        (w_eff, those queries, their rows ``[k, m, Hq, T]``)."""
+        (w_eff, the queries' rows ``[k, m, Hq, T]``)."""
         q, q_pos = queries
-        return self._w_eff(pos.shape[1]), queries, window_rows(q, q_pos, keys, pos, self._scale(keys))
+        return self._w_eff(pos.shape[1]), window_rows(q, q_pos, keys, pos, self._scale(keys))
 
     def evidence(self, req, layer: int, pos: np.ndarray, rec: list, keys: torch.Tensor, H: int):
         """(w_eff, window rows ``[w_eff, Hq, T]``, rows of the last max(w_eff, 8) queries) for one layer."""

@@ -32,9 +32,6 @@ class QueryLog:
                 out.append((pos, q))
         return out
 
-    def __len__(self) -> int:
-        return len(self.entries)
-
 
 class EventQueries:
     """The buffered queries of an event's requests (``logs``, one per request), layer by layer."""
