@@ -63,3 +63,22 @@ def test_skipped_special_tokens_keep_the_window_short():
     for n in range(1, len(ids) + 1):
         det.push(ids[:n])
     assert det.text == "xx" and det.read - det.prefix <= 6
+
+
+def test_engine_text_is_decoded_when_read_and_cut_at_stop_strings(engine_factory, load_engine, tiny_ckpt):
+    """A request's text is decoded when read (a step that nobody reads decodes nothing) and is what a full decode
+    of its ids gives; a stop string found in it ends the request and cuts the text before it, on the offline and
+    the streaming path alike, and later reads do not bring the cut-off text back."""
+    from trtkv.runtime.sampling import SamplingParams
+
+    eng = load_engine(engine_factory(tiny_ckpt))
+    [free] = eng.generate("hello world", SamplingParams(max_tokens=24, ignore_eos=True))
+    assert free.text == eng.core.decode_text(free.token_ids) and free.finish_reason == "length"
+    cut = next(i for i in range(1, len(free.text)) if free.text[i:i + 2].isalpha())  # (text before: U+FFFD)
+    stop = free.text[cut:cut + 2]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,))
+    [out] = eng.generate("hello world", params)
+    assert out.finish_reason == "stop" and out.text == free.text[:cut]
+    assert out.token_ids == free.token_ids[:len(out.token_ids)] and len(out.token_ids) < len(free.token_ids)
+    streamed = list(eng.stream("hello world", params))
+    assert "".join(ev.text for ev in streamed) == out.text and streamed[-1].result.text == out.text

@@ -442,11 +442,10 @@ class EngineCore:
         else:
             if req.detok is None:
                 req.detok = IncrementalDetokenizer(self.decode_text)
-            req.text = req.detok.push(req.generated)
-            for s in p.stop:
+            for s in p.stop:  # (only stop strings need the text every step)
                 at = req.text.find(s, max(0, req.emitted_chars - len(s)))
                 if at >= 0:
-                    req.text = req.text[:at]
+                    req.cut_text(at)
                     req.finish_reason = "stop"
                     break
         if req.finish_reason is None and len(req.generated) >= req.max_new:

@@ -73,7 +73,8 @@ class Request:
         self.max_new = min(params.max_tokens, max_positions - len(prompt_ids))
         self.generated: list[int] = []
         self.forced_tokens: list[int] | None = None  # teacher forcing (eval): appended instead of sampled tokens
-        self.text = ""
+        self._text = ""
+        self._text_cut = False  # a stop string cut the text: it no longer follows the ids
         self.detok: IncrementalDetokenizer | None = None
         self.emitted_chars = 0
         self.emitted_tokens = 0
@@ -93,6 +94,19 @@ class Request:
         self.kv_pages: dict[str, int] | None = None  # pages per (layer, format) pool admission reserves
         self.kv_groups: dict[str, int] | None = None  # key-scale groups per arena admission reserves (if any)
         self.error: str | None = None  # why the request failed (finish_reason "error")
+
+    @property
+    def text(self) -> str:
+        """The output's text so far. Decoded when read, not token by token: a step whose text nobody reads (no
+        stop strings, no stream) decodes nothing."""
+        if self.detok is not None and not self._text_cut and self.detok.read < len(self.generated):
+            self._text = self.detok.push(self.generated)
+        return self._text
+
+    def cut_text(self, at: int) -> None:
+        """End the text at ``at`` (before a stop string); later tokens no longer change it."""
+        self._text = self.text[:at]
+        self._text_cut = True
 
     @property
     def prompt_len(self) -> int:
