@@ -539,14 +539,16 @@ flush_op = st.one_of(st.tuples(st.just("add")), _fstep, _fstep, _fstep, _fstep, 
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(flush_op, min_size=20, max_size=60), block=st.sampled_from([2, 4, 8]))
-def test_batched_flush_matches_one_write_per_request(ops, block):
+@given(ops=st.lists(flush_op, min_size=20, max_size=60), block=st.sampled_from([2, 4, 8]), uniform=st.booleans())
+def test_batched_flush_matches_one_write_per_request(ops, block, uniform):
     """``flush_many`` (the batch's full buffers of one layer: fresh pages taken in one call, one kernel call per
     format, one slot mark) leaves exactly the state of writing each request's group with ``write`` in batch
     order: slots (reused, open-page tails, fresh pages), key-scale groups, stored codes, bytes, and the batch's
     cached block tables (fresh pages appended in place) equal tables built anew. Page ages
     (``page_seq``, the reuse order) are compared as ranks within each table: the batched path numbers one
-    format's pages before the next format's, which orders no table differently."""
+    format's pages before the next format's, which orders no table differently. ``uniform``: every request of a
+    step in one class of thought 0 (a KIVI batch: whole fresh pages flushed by array operations, waiting in
+    ``FreshPages``)."""
     g = 4
     # pages for the worst case (30 requests x 30 steps x one page per `block` tokens), so no pool runs out
     batched, each = make_cache(block=block, g=g, max_pages=512), make_cache(block=block, g=g, max_pages=512)
@@ -563,7 +565,8 @@ def test_batched_flush_matches_one_write_per_request(ops, block):
                 next_pos[sid] += 1
             gen = torch.Generator().manual_seed(sum(pos) + len(ids))
             k, v = torch.randn(len(ids), H, D, generator=gen) * 3, torch.randn(len(ids), H, D, generator=gen)
-            classes = [FLUSH_CLASSES[o[1][i % 4]] for i in range(len(ids))]
+            classes = [FLUSH_CLASSES[(0, 2, 3)[o[1][0] % 3]]] * len(ids) if uniform else \
+                [FLUSH_CLASSES[o[1][i % 4]] for i in range(len(ids))]
             for i, sid in enumerate(ids):
                 tokens[sid].append((k[i], v[i]))
             for layer in range(L):

@@ -175,18 +175,39 @@ def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, sh
         seqs[i].account.add(int(charge[i]))
 
 
+def add_fresh_pages_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool, cls: Cls,
+                         pages: np.ndarray, order: Iterator[int]) -> None:
+    """``add_full_pages_each`` while the pages may wait (``cls`` of thought 0 and no table ever held another): the
+    ``[G, per]`` pages just taken from ``pool`` and filled at once join ``seqs[i]``'s table (row ``rows[i]``) in
+    ``layer`` as ``FreshPages`` entries, numbered table after table as ``hold_fresh`` numbers them, and the batch's
+    block tables take them in place; each request is charged once."""
+    G, per = pages.shape
+    fresh = cols.fresh
+    for i in np.flatnonzero(fresh.full(layer, rows, per)).tolist():  # rows with a full queue take theirs in first
+        seqs[i].layers[layer].take_waiting_pages()
+    orders = np.fromiter(islice(order, G * per), np.int64, G * per).reshape(G, per)
+    fmt_id = cols.fmt_id(cls[0])
+    for j in range(per):
+        fresh.add(layer, rows, fmt_id, pages[:, j], orders[:, j])
+    cols.reuse.note_orders(layer, cls[0], pages.reshape(-1), orders.reshape(-1))
+    cols.append_rows(layer, rows, cls[0], pages, np.ones(G, bool))
+    cost = per * held_page_bytes(pool)
+    for s in seqs:
+        s.account.add(cost)
+
+
 def add_full_pages_each(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
                         pool: PagePool, classes: list[Cls], pages: np.ndarray) -> None:
     """Pages just taken from ``pool`` and filled at once (a batch's flush of whole pages): ``tables[i]``
-    (distinct, rows ``rows``) holds ``pages[i]`` (a row of ``[G, per]``), never open. With one page each, the
-    columns record it as appended, so the batch's block tables take it in place."""
+    (distinct, rows ``rows``) holds ``pages[i]`` (a row of ``[G, per]``), never open. In one format, the
+    columns record them as appended, so the batch's block tables take them in place."""
     per = pages.shape[1]
     cost = per * held_page_bytes(pool)
     at_end = np.fromiter((t.hold_fresh(cls, ps, cost)
                           for t, cls, ps in zip(tables, classes, pages.tolist())), bool, len(tables))
     fmts = {cls[0] for cls in classes}
-    if per == 1 and len(fmts) == 1:
-        cols.append_rows(layer, rows, fmts.pop(), pages[:, 0], at_end)
+    if len(fmts) == 1:
+        cols.append_rows(layer, rows, fmts.pop(), pages, at_end)
     else:
         cols.touch_rows(layer, rows)
 

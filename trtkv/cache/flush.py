@@ -4,15 +4,19 @@ A decode step fills every request's buffer on the same step (they all started fl
 the whole batch flushes together: one ``kv_write_groups`` call per format writes every request's group, and
 the slots are marked live in one array operation, instead of one kernel call, one allocation record and one
 validity update per request. Slots are allocated request by request, in batch order, exactly as a flush of
-each would.
+each would. In the common flush — one class, whole fresh pages for every request, no thought classes in the
+cache — the pages, their order numbers and the key-scale groups are taken by array operations and the pages
+wait in the columns (``FreshPages``) instead of joining each table's lists.
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from plugins import ops as plugin_ops
-from trtkv.cache.batch_alloc import add_full_pages_each
+from trtkv.cache.batch_alloc import add_fresh_pages_each, add_full_pages_each
 from trtkv.cache.block_table import Cls
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool import PagePool
@@ -22,42 +26,80 @@ from trtkv.cache.sequence import SeqKV
 
 
 def flush_many(pools: PoolSet, arena: ResidualArena, columns: TableColumns, layer: int, seqs: list[SeqKV],
-               classes: list[Cls], segs: list[int], clock=None) -> None:
+               classes: list[Cls], segs: list[int], order: Iterator[int], clock=None) -> None:
     """Write the buffered tokens of ``seqs`` in ``layer`` to pages, request ``i`` as one group of class
     ``classes[i]`` (segment ``segs[i]``); requests of one format with equal fill share a kernel call.
-    ``clock``: the decode-step profile clock (the kernel's time is "kv_write")."""
-    calls: dict[tuple[str, int], list[int]] = {}
-    for i, s in enumerate(seqs):
-        n = s.buffered(layer)
-        if n:
-            calls.setdefault((classes[i][0], n), []).append(i)
+    ``order``: the cache's page numbering; ``clock``: the decode-step profile clock (the kernel's time is
+    "kv_write")."""
+    fill = arena.fill[np.fromiter((s.residual.row for s in seqs), np.int64, len(seqs)), layer]
+    one_fmt = all(c[0] == classes[0][0] for c in classes)
+    if one_fmt and len(seqs) and (fill == fill[0]).all():  # (a lockstep batch: every buffer full at once)
+        calls = {(classes[0][0], int(fill[0])): range(len(seqs))} if fill[0] else {}
+    else:
+        calls: dict[tuple[str, int], list[int]] = {}
+        for i, n in enumerate(fill.tolist()):
+            if n:
+                calls.setdefault((classes[i][0], n), []).append(i)
     for (fmt, n), idx in calls.items():
-        _flush_call(pools, arena, columns, layer, fmt, n, [seqs[i] for i in idx], [classes[i] for i in idx],
-                    [segs[i] for i in idx], clock)
+        every = len(idx) == len(seqs)
+        _flush_call(pools, arena, columns, layer, fmt, n, seqs if every else [seqs[i] for i in idx],
+                    classes if every else [classes[i] for i in idx], segs if every else [segs[i] for i in idx],
+                    order, clock)
 
 
 def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, layer: int, fmt: str, n: int,
-                seqs: list[SeqKV], classes: list[Cls], segs: list[int], clock) -> None:
+                seqs: list[SeqKV], classes: list[Cls], segs: list[int], order: Iterator[int], clock) -> None:
     pool = pools.pool(layer, fmt)
-    pages, slots = _alloc(columns, layer, pool, n, seqs, classes)
-    gids = [s.alloc_group(layer, pool, n) for s in seqs]
     G = len(seqs)
+    rows = np.fromiter((s.row for s in seqs), np.int64, G)
+    fresh = _alloc_fresh(columns, layer, pool, n, seqs, rows, classes, order)
+    if fresh is not None:
+        pg, sl, gids = fresh
+    else:
+        pages, slots = _alloc(columns, layer, pool, n, seqs, classes)
+        gids = [s.alloc_group(layer, pool, n) for s in seqs]
+        pg, sl = np.concatenate(pages), np.concatenate(slots)
     k, v = _buffers(arena, seqs, layer, n)
-    pg, sl = np.concatenate(pages), np.concatenate(slots)
     sc = pools.layer_scales(layer, fmt)
     clk = clock
     prev = clk.switch("kv_write") if clk is not None else None
     plugin_ops.kv_write_groups(k, v, pool.fields, pool.group_fields, pool.k_group,
                                torch.from_numpy(pg).view(G, n).to(pool.device),
                                torch.from_numpy(sl).view(G, n).to(pool.device),
-                               torch.tensor(gids, dtype=torch.int64), pool.fmt.code, sc.k, sc.v)
+                               torch.as_tensor(gids, dtype=torch.int64), pool.fmt.code, sc.k, sc.v)
     if clk is not None:
         clk.switch(prev)
     positions = arena.take_rows(layer, np.fromiter((s.residual.row for s in seqs), np.int64, G), n)  # [G, n]
     seg = segs[0] if all(x == segs[0] for x in segs) else np.repeat(np.asarray(segs, np.int64), n)
     pool.mark_written(pg, sl, positions.reshape(-1), seg)
-    columns.place_groups(layer, np.fromiter((s.row for s in seqs), np.int64, G), fmt, pg.reshape(G, n),
-                         sl.reshape(G, n), positions)
+    columns.place_groups(layer, rows, fmt, pg.reshape(G, n), sl.reshape(G, n), positions)
+
+
+def _alloc_fresh(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs: list[SeqKV], rows: np.ndarray,
+                 classes: list[Cls], order: Iterator[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The common flush by array operations: every request of one class of thought 0 (and no table ever held
+    another), no reusable slot and no open page of it, ``n`` a whole number of pages that the pool and the
+    key-scale arena have. ``(pages, slots, key-scale groups)``, the ones ``_alloc`` and each request's
+    ``alloc_group`` give, with the same tables, order numbers and bytes; None (nothing done) otherwise."""
+    cls, B = classes[0], pool.B
+    if n % B or cls[1] or columns.fresh.thoughts or any(c != cls for c in classes):
+        return None
+    reusable = columns.reuse.counts(layer, rows, cls)
+    if (reusable is not None and reusable.any()) or (columns.open_pages(layer, rows, cls) >= 0).any():
+        return None
+    G, per = len(seqs), n // B
+    if pool.free_pages < G * per:
+        return None
+    gids = pool.alloc_groups(G, n)
+    if gids is None:
+        return None
+    got = pool.alloc_pages(G * per, cls[1])
+    pool.mark_full(got)
+    add_fresh_pages_each(seqs, columns, layer, rows, pool, cls, got.reshape(G, per), order)
+    if pool.group_specs:
+        for s in seqs:
+            s.add_bytes(pool.group_bytes)
+    return np.repeat(got, B), np.tile(np.arange(B, dtype=np.int64), G * per), gids
 
 
 def _buffers(arena: ResidualArena, seqs: list[SeqKV], layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

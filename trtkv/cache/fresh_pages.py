@@ -36,9 +36,9 @@ class FreshPages:
         self._fmt[layer, rows, n] = fmt_id
         self._n[layer, rows] = n + 1
 
-    def full(self, layer: int, rows: np.ndarray) -> np.ndarray:
-        """Which of ``rows`` can take no more waiting pages in ``layer``."""
-        return self._n[layer, rows] >= DEPTH
+    def full(self, layer: int, rows: np.ndarray, more: int = 1) -> np.ndarray:
+        """Which of ``rows`` cannot take ``more`` waiting pages in ``layer``."""
+        return self._n[layer, rows] + more > DEPTH
 
     def waiting(self, layer: int, row: int) -> bool:
         return self._n.item(layer, row) > 0

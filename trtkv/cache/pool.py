@@ -196,6 +196,26 @@ class PagePool:
         self.peak_groups = max(self.peak_groups, self.groups_in_use)
         return g
 
+    def alloc_groups(self, count: int, refs: int) -> np.ndarray | None:
+        """``count`` arena entries of ``refs`` references each, the ids ``count`` calls of ``alloc_group`` hand out,
+        in that order (-1 each without an arena); None (nothing taken) when the arena lacks them or would grow."""
+        if not self.group_specs:
+            return np.full(count, -1, np.int64)
+        reused = min(count, len(self.group_free))
+        if self.group_fresh + count - reused > self.group_capacity:
+            return None
+        got = np.empty(count, np.int64)
+        if reused:
+            got[:reused] = self.group_free[::-1][:reused]
+            del self.group_free[len(self.group_free) - reused:]
+        got[reused:] = np.arange(self.group_fresh, self.group_fresh + count - reused)
+        self.group_fresh += count - reused
+        if self.group_fresh > self.groups_ready:
+            self._init_groups(self.group_fresh)
+        self.group_ref[got] = refs
+        self.peak_groups = max(self.peak_groups, self.groups_in_use)
+        return got
+
     def decref_group(self, g: int, n: int = 1) -> bool:
         """Drop ``n`` references; True when the group's arena entry was freed."""
         if g < 0:

@@ -170,12 +170,15 @@ class BlockTableCache:
         names = columns.fmt_names
         for f in np.unique(fids[append]).tolist():
             mine = append & (fids == f)
-            at = rows[mine]
+            at, new = rows[mine], pages[mine]
+            count = (new >= 0).sum(axis=1)
             tables.fit(0, (names[f],))
             lens = tables.lens[names[f]]
-            bt = tables.widen(names[f], int(lens[at].max()) + 1)
-            bt[at, lens[at]] = pages[mine]
-            lens[at] += 1
+            bt = tables.widen(names[f], int((lens[at] + count).max()))
+            for j in range(int(count.max())):
+                has = count > j
+                bt[at[has], lens[at[has]] + j] = new[has, j]
+            lens[at] += count
         rest = np.flatnonzero(~append)
         if not len(rest):
             return
