@@ -547,8 +547,8 @@ def test_batched_flush_matches_one_write_per_request(ops, block, uniform):
     cached block tables (fresh pages appended in place) equal tables built anew. Page ages
     (``page_seq``, the reuse order) are compared as ranks within each table: the batched path numbers one
     format's pages before the next format's, which orders no table differently. ``uniform``: every request of a
-    step in one class of thought 0 (a KIVI batch: whole fresh pages flushed by array operations, waiting in
-    ``FreshPages``)."""
+    step in one class (a KIVI or ThinKV batch: whole fresh pages flushed by array operations, waiting in
+    ``FreshPages`` while no thought class but 0 was seen)."""
     g = 4
     # pages for the worst case (30 requests x 30 steps x one page per `block` tokens), so no pool runs out
     batched, each = make_cache(block=block, g=g, max_pages=512), make_cache(block=block, g=g, max_pages=512)
@@ -565,7 +565,7 @@ def test_batched_flush_matches_one_write_per_request(ops, block, uniform):
                 next_pos[sid] += 1
             gen = torch.Generator().manual_seed(sum(pos) + len(ids))
             k, v = torch.randn(len(ids), H, D, generator=gen) * 3, torch.randn(len(ids), H, D, generator=gen)
-            classes = [FLUSH_CLASSES[(0, 2, 3)[o[1][0] % 3]]] * len(ids) if uniform else \
+            classes = [FLUSH_CLASSES[o[1][0]]] * len(ids) if uniform else \
                 [FLUSH_CLASSES[o[1][i % 4]] for i in range(len(ids))]
             for i, sid in enumerate(ids):
                 tokens[sid].append((k[i], v[i]))

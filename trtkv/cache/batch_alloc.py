@@ -197,17 +197,22 @@ def add_fresh_pages_each(seqs: list, cols: TableColumns, layer: int, rows: np.nd
 
 
 def add_full_pages_each(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
-                        pool: PagePool, classes: list[Cls], pages: np.ndarray) -> None:
+                        pool: PagePool, classes: list[Cls], pages: np.ndarray, order: Iterator[int]) -> None:
     """Pages just taken from ``pool`` and filled at once (a batch's flush of whole pages): ``tables[i]``
-    (distinct, rows ``rows``) holds ``pages[i]`` (a row of ``[G, per]``), never open. In one format, the
-    columns record them as appended, so the batch's block tables take them in place."""
-    per = pages.shape[1]
+    (distinct, rows ``rows``) holds ``pages[i]`` (a row of ``[G, per]``), never open, numbered from ``order``
+    table after table as ``hold_fresh`` numbers them (noted in one call a format). In one format, the columns
+    record them as appended, so the batch's block tables take them in place."""
+    G, per = pages.shape
+    orders = np.fromiter(islice(order, G * per), np.int64, G * per).reshape(G, per)
+    fmts = [cls[0] for cls in classes]
+    for fmt in dict.fromkeys(fmts):
+        mine = slice(None) if len(set(fmts)) == 1 else np.asarray([f == fmt for f in fmts])
+        cols.reuse.note_orders(layer, fmt, pages[mine].reshape(-1), orders[mine].reshape(-1))
     cost = per * held_page_bytes(pool)
-    at_end = np.fromiter((t.hold_fresh(cls, ps, cost)
-                          for t, cls, ps in zip(tables, classes, pages.tolist())), bool, len(tables))
-    fmts = {cls[0] for cls in classes}
-    if len(fmts) == 1:
-        cols.append_rows(layer, rows, fmts.pop(), pages, at_end)
+    at_end = np.fromiter((t.hold_numbered(cls, ps, os, cost)
+                          for t, cls, ps, os in zip(tables, classes, pages.tolist(), orders.tolist())), bool, G)
+    if len(set(fmts)) == 1:
+        cols.append_rows(layer, rows, fmts[0], pages, at_end)
     else:
         cols.touch_rows(layer, rows)
 

@@ -12,7 +12,7 @@ updates them for the whole batch at once (``batch_alloc.py``, ``TableColumns.pla
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from itertools import repeat
+from itertools import islice, repeat
 from types import MappingProxyType
 
 import numpy as np
@@ -228,10 +228,16 @@ class BlockTable:
     def hold_fresh(self, cls: Cls, pages: list[int], cost: int) -> bool:
         """Pages just taken from the pool join ``cls``'s list (``cost``: their bytes); True when they end their
         format's list (the batch's block tables can append them)."""
-        fmt = cls[0]
-        for p in pages:
-            self._page_order[(fmt, p)] = no = next(self._order)
-            self._cols.reuse.note_orders(self.layer, fmt, p, no)
+        orders = list(islice(self._order, len(pages)))
+        if pages:
+            self._cols.reuse.note_orders(self.layer, cls[0], np.asarray(pages, np.int64),
+                                         np.asarray(orders, np.int64))
+        return self.hold_numbered(cls, pages, orders, cost)
+
+    def hold_numbered(self, cls: Cls, pages: list[int], orders: list[int], cost: int) -> bool:
+        """``hold_fresh`` of pages the caller numbered (``orders``, taken from this table's page numbering, and
+        noted with the reusable slots): a batch's flush numbers every table's pages at once."""
+        self._page_order.update(zip(zip(repeat(cls[0]), pages), orders))
         held = self._pages.get(cls)
         if held is None:
             self._pages[cls] = list(pages)

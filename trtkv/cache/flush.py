@@ -56,7 +56,7 @@ def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, lay
     if fresh is not None:
         pg, sl, gids = fresh
     else:
-        pages, slots = _alloc(columns, layer, pool, n, seqs, classes)
+        pages, slots = _alloc(columns, layer, pool, n, seqs, classes, order)
         gids = [s.alloc_group(layer, pool, n) for s in seqs]
         pg, sl = np.concatenate(pages), np.concatenate(slots)
     k, v = _buffers(arena, seqs, layer, n)
@@ -77,12 +77,13 @@ def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, lay
 
 def _alloc_fresh(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs: list[SeqKV], rows: np.ndarray,
                  classes: list[Cls], order: Iterator[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The common flush by array operations: every request of one class of thought 0 (and no table ever held
-    another), no reusable slot and no open page of it, ``n`` a whole number of pages that the pool and the
-    key-scale arena have. ``(pages, slots, key-scale groups)``, the ones ``_alloc`` and each request's
-    ``alloc_group`` give, with the same tables, order numbers and bytes; None (nothing done) otherwise."""
+    """The common flush by array operations: every request of one class, no reusable slot and no open page of
+    it, ``n`` a whole number of pages that the pool and the key-scale arena have. ``(pages, slots, key-scale
+    groups)``, the ones ``_alloc`` and each request's ``alloc_group`` give, with the same tables, order numbers
+    and bytes; None (nothing done) otherwise. The pages wait in ``FreshPages`` while they may (thought 0, and no
+    table ever held another), else join each table's lists."""
     cls, B = classes[0], pool.B
-    if n % B or cls[1] or columns.fresh.thoughts or any(c != cls for c in classes):
+    if n % B or any(c != cls for c in classes):
         return None
     reusable = columns.reuse.counts(layer, rows, cls)
     if (reusable is not None and reusable.any()) or (columns.open_pages(layer, rows, cls) >= 0).any():
@@ -95,7 +96,11 @@ def _alloc_fresh(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs
         return None
     got = pool.alloc_pages(G * per, cls[1])
     pool.mark_full(got)
-    add_fresh_pages_each(seqs, columns, layer, rows, pool, cls, got.reshape(G, per), order)
+    if cls[1] or columns.fresh.thoughts:
+        add_full_pages_each([s.layers[layer] for s in seqs], columns, layer, rows, pool, classes,
+                            got.reshape(G, per), order)
+    else:
+        add_fresh_pages_each(seqs, columns, layer, rows, pool, cls, got.reshape(G, per), order)
     if pool.group_specs:
         for s in seqs:
             s.add_bytes(pool.group_bytes)
@@ -112,8 +117,8 @@ def _buffers(arena: ResidualArena, seqs: list[SeqKV], layer: int, n: int) -> tup
     return arena.k[rows, layer, :n], arena.v[rows, layer, :n]
 
 
-def _alloc(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs: list[SeqKV], classes: list[Cls]
-           ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _alloc(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs: list[SeqKV], classes: list[Cls],
+           order: Iterator[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Slots for ``n`` tokens of each request, as ``BlockTable.alloc_slots`` of each in turn would choose
     them. The common case — a group exactly filling fresh pages (no reusable slot, no open page of the class)
     — takes a run of consecutive such requests' pages from the pool in one call; the others go through
@@ -132,7 +137,7 @@ def _alloc(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs: list
             for j in run:
                 pages[j], slots[j] = seqs[j].layers[layer].alloc_slots(pool, classes[j], n)
         else:
-            _give_pages(columns, layer, pool, seqs, classes, run, got, per, pages, slots)
+            _give_pages(columns, layer, pool, seqs, classes, run, got, per, pages, slots, order)
         run.clear()
 
     for j in range(len(seqs)):
@@ -149,7 +154,7 @@ def _alloc(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs: list
 
 
 def _give_pages(columns: TableColumns, layer: int, pool: PagePool, seqs: list[SeqKV], classes: list[Cls],
-                run: list[int], got: np.ndarray, per: int, pages: list, slots: list) -> None:
+                run: list[int], got: np.ndarray, per: int, pages: list, slots: list, order: Iterator[int]) -> None:
     """Record ``per`` fresh pages of ``got`` (whole, in order) in each of the ``run`` requests' tables."""
     B = pool.B
     pool.mark_full(got)
@@ -157,7 +162,7 @@ def _give_pages(columns: TableColumns, layer: int, pool: PagePool, seqs: list[Se
     full_slots = np.tile(np.arange(B, dtype=np.int64), per)
     rows = np.fromiter((seqs[j].row for j in run), np.int64, len(run))
     add_full_pages_each([seqs[j].layers[layer] for j in run], columns, layer, rows, pool,
-                                   [classes[j] for j in run], got.reshape(len(run), per))
+                        [classes[j] for j in run], got.reshape(len(run), per), order)
     for i, j in enumerate(run):
         pages[j] = every_slot[i * per * B:(i + 1) * per * B]
         slots[j] = full_slots
