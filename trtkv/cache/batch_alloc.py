@@ -143,16 +143,11 @@ def open_fresh_pages(tables: Callable[[int], BlockTable], cols: TableColumns, la
 def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, short: np.ndarray,
                             pool_of: Callable[[int], PagePool], cls: Cls, order: Iterator[int]) -> None:
     """``open_fresh_pages`` for ``rows[short[l]]`` in each layer ``l`` (``seqs[i]``: the request of ``rows[i]``,
-    ``pool_of(l)``: the layer's pool, ``order``: the cache's page numbering), layer by layer. While no table
-    holds a thought class, the pages wait in the columns (``FreshPages``) instead of joining every table's
-    lists, and each request is charged once for all its layers."""
+    ``pool_of(l)``: the layer's pool, ``order``: the cache's page numbering), layer by layer. The pages wait in
+    the columns (``FreshPages``) instead of joining every table's lists, and each request is charged once for
+    all its layers."""
     fresh = cols.fresh
     layers = np.flatnonzero(short.any(1)).tolist()
-    if cls[1] or fresh.thoughts:
-        for layer in layers:
-            open_fresh_pages(lambda i, layer=layer: seqs[i].layers[layer], cols, layer, rows,
-                             np.flatnonzero(short[layer]), pool_of(layer), cls)
-        return
     charge = np.zeros(len(rows), np.int64)
     fmt_id = cols.fmt_id(cls[0])
     for layer in layers:
@@ -166,10 +161,11 @@ def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, sh
         for i in need[fresh.full(layer, rows[need])].tolist():  # rows with a full queue take theirs in first
             seqs[i].layers[layer].take_waiting_pages()
         orders = np.fromiter(islice(order, len(need)), np.int64, len(need))
-        fresh.add(layer, rows[need], fmt_id, fresh_pages, orders)
+        at_end = fresh.list_classes(layer, rows[need], fmt_id, cls[1])
+        fresh.add(layer, rows[need], fmt_id, fresh_pages, orders, cls[1])
         cols.reuse.note_orders(layer, cls[0], fresh_pages, orders)
         cols.set_opens(layer, rows[need], cls, fresh_pages)
-        cols.append_rows(layer, rows[need], cls[0], fresh_pages, np.ones(len(need), bool))
+        cols.append_rows(layer, rows[need], cls[0], fresh_pages, at_end)
         charge[need] += held_page_bytes(pool)
     for i in np.flatnonzero(charge).tolist():
         seqs[i].account.add(int(charge[i]))
@@ -177,20 +173,21 @@ def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, sh
 
 def add_fresh_pages_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool, cls: Cls,
                          pages: np.ndarray, order: Iterator[int]) -> None:
-    """``add_full_pages_each`` while the pages may wait (``cls`` of thought 0 and no table ever held another): the
-    ``[G, per]`` pages just taken from ``pool`` and filled at once join ``seqs[i]``'s table (row ``rows[i]``) in
-    ``layer`` as ``FreshPages`` entries, numbered table after table as ``hold_fresh`` numbers them, and the batch's
-    block tables take them in place; each request is charged once."""
+    """``add_full_pages_each`` of one class as ``FreshPages`` entries: the ``[G, per]`` pages just taken from
+    ``pool`` and filled at once join ``seqs[i]``'s table (row ``rows[i]``) in ``layer``, numbered table after
+    table as ``hold_fresh`` numbers them, and the batch's block tables take them in place; each request is charged
+    once."""
     G, per = pages.shape
     fresh = cols.fresh
     for i in np.flatnonzero(fresh.full(layer, rows, per)).tolist():  # rows with a full queue take theirs in first
         seqs[i].layers[layer].take_waiting_pages()
     orders = np.fromiter(islice(order, G * per), np.int64, G * per).reshape(G, per)
     fmt_id = cols.fmt_id(cls[0])
+    at_end = fresh.list_classes(layer, rows, fmt_id, cls[1])
     for j in range(per):
-        fresh.add(layer, rows, fmt_id, pages[:, j], orders[:, j])
+        fresh.add(layer, rows, fmt_id, pages[:, j], orders[:, j], cls[1])
     cols.reuse.note_orders(layer, cls[0], pages.reshape(-1), orders.reshape(-1))
-    cols.append_rows(layer, rows, cls[0], pages, np.ones(G, bool))
+    cols.append_rows(layer, rows, cls[0], pages, at_end)
     cost = per * held_page_bytes(pool)
     for s in seqs:
         s.account.add(cost)

@@ -73,14 +73,19 @@ class BlockTable:
         """The pages waiting for this table join its lists (their bytes were charged and the batch's block
         tables took them when they were given)."""
         names = self._cols.fmt_names
-        fids, pages, orders = self._cols.fresh.take(self.layer, self._row)
-        one = len(set(fids)) == 1  # (the common case: every page in one pass)
-        for f in dict.fromkeys(fids):
-            mine = range(len(fids)) if one else [i for i, g in enumerate(fids) if g == f]
+        fids, classes, pages, orders = self._cols.fresh.take(self.layer, self._row)
+        keys = list(zip(fids, classes))
+        one = len(set(keys)) == 1  # (the common case: every page in one pass)
+        for f, c in dict.fromkeys(keys):
+            mine = range(len(keys)) if one else [i for i, key in enumerate(keys) if key == (f, c)]
             fmt, held = names[f], [pages[i] for i in mine]
             self._orders.update(zip(zip(repeat(fmt), held), (orders[i] for i in mine)))
-            self._page_lists.setdefault((fmt, 0), []).extend(held)
+            self._page_lists.setdefault((fmt, c), []).extend(held)
         self._flat = self._single_bt = None
+
+    def _list(self, cls: Cls) -> None:
+        """``cls`` joins this table's classes (FreshPages keeps their order, which block tables follow)."""
+        self._cols.fresh.list_class(self.layer, self._row, self._cols.fmt_id(cls[0]), cls[1])
 
     # --- what the table holds (read-only views) ------------------------------------------------------
     @property
@@ -205,11 +210,14 @@ class BlockTable:
 
     def _adopt_open_page(self, pool: PagePool, cls: Cls, p: int) -> None:
         """Page ``p``, just taken from ``pool``, joins the table as the open page of ``cls``."""
-        if cls[1]:
-            self._cols.fresh.thoughts = True
         self._page_order[(cls[0], p)] = no = next(self._order)
         self._cols.reuse.note_orders(self.layer, cls[0], p, no)
-        self._pages.setdefault(cls, []).append(p)
+        held = self._pages.get(cls)
+        if held is None:
+            self._list(cls)
+            self._pages[cls] = [p]
+        else:
+            held.append(p)
         self._cols.set_open(self.layer, self._row, cls, p)
         self._pages_changed()
         self._account.add(held_page_bytes(pool))
@@ -220,6 +228,7 @@ class BlockTable:
         self._cols.reuse.note_orders(self.layer, cls[0], p, no)
         held = self._pages.get(cls)
         if held is None:
+            self._list(cls)
             self._pages[cls] = [p]
         else:
             held.append(p)
@@ -240,6 +249,7 @@ class BlockTable:
         self._page_order.update(zip(zip(repeat(cls[0]), pages), orders))
         held = self._pages.get(cls)
         if held is None:
+            self._list(cls)
             self._pages[cls] = list(pages)
         else:
             held.extend(pages)
@@ -250,8 +260,6 @@ class BlockTable:
         its format's pages."""
         self._flat = self._single_bt = None
         self._account.add(cost)
-        if cls[1]:
-            self._cols.fresh.thoughts = True
         return len(self._pages) == 1 or [c for c in self._pages if c[0] == cls[0]][-1] == cls
 
     # --- the position map ----------------------------------------------------------------------------
@@ -328,6 +336,8 @@ class BlockTable:
         """Hold exactly ``parent``'s pages and tokens, by reference (a fork; the bytes are charged by the
         caller, once for all layers)."""
         self._pages = {cls: list(pages) for cls, pages in parent.pages.items()}
+        for cls in self._page_lists:
+            self._list(cls)
         self._page_order = dict(parent.page_seq)
         self._cols.copy_row(self.layer, parent._row, self._row)  # noqa: SLF001
         self._cols.set_holes(self.layer, self._row)
@@ -351,6 +361,8 @@ class BlockTable:
         """Hold page ``p`` of another table (with that table's order number); False when already held."""
         if (cls[0], p) in self._page_order:
             return False
+        if cls not in self._pages:
+            self._list(cls)
         self._pages.setdefault(cls, []).append(p)
         self._page_order[(cls[0], p)] = order
         self._pages_changed()

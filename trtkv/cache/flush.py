@@ -4,9 +4,9 @@ A decode step fills every request's buffer on the same step (they all started fl
 the whole batch flushes together: one ``kv_write_groups`` call per format writes every request's group, and
 the slots are marked live in one array operation, instead of one kernel call, one allocation record and one
 validity update per request. Slots are allocated request by request, in batch order, exactly as a flush of
-each would. In the common flush — one class, whole fresh pages for every request, no thought classes in the
-cache — the pages, their order numbers and the key-scale groups are taken by array operations and the pages
-wait in the columns (``FreshPages``) instead of joining each table's lists.
+each would. In the common flush — one class, whole fresh pages for every request — the pages, their order
+numbers and the key-scale groups are taken by array operations and the pages wait in the columns
+(``FreshPages``) instead of joining each table's lists.
 """
 from __future__ import annotations
 
@@ -80,8 +80,7 @@ def _alloc_fresh(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs
     """The common flush by array operations: every request of one class, no reusable slot and no open page of
     it, ``n`` a whole number of pages that the pool and the key-scale arena have. ``(pages, slots, key-scale
     groups)``, the ones ``_alloc`` and each request's ``alloc_group`` give, with the same tables, order numbers
-    and bytes; None (nothing done) otherwise. The pages wait in ``FreshPages`` while they may (thought 0, and no
-    table ever held another), else join each table's lists."""
+    and bytes; None (nothing done) otherwise. The pages wait in ``FreshPages``."""
     cls, B = classes[0], pool.B
     if n % B or any(c != cls for c in classes):
         return None
@@ -96,11 +95,7 @@ def _alloc_fresh(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs
         return None
     got = pool.alloc_pages(G * per, cls[1])
     pool.mark_full(got)
-    if cls[1] or columns.fresh.thoughts:
-        add_full_pages_each([s.layers[layer] for s in seqs], columns, layer, rows, pool, classes,
-                            got.reshape(G, per), order)
-    else:
-        add_fresh_pages_each(seqs, columns, layer, rows, pool, cls, got.reshape(G, per), order)
+    add_fresh_pages_each(seqs, columns, layer, rows, pool, cls, got.reshape(G, per), order)
     if pool.group_specs:
         for s in seqs:
             s.add_bytes(pool.group_bytes)

@@ -1,14 +1,16 @@
-"""``FreshPages``: pages a batch's page boundary gave to block tables, not yet in their Python page lists.
+"""``FreshPages``: pages a batch's page boundary or flush gave to block tables, not yet in their Python page lists.
 
-Every request of a lockstep batch fills its open page on the same step, so at 32 layers × 256 requests a page
-boundary hands out 8,192 pages; appending each to its table's lists (and numbering it) is Python work per
-(request, layer). Here a boundary records the pages, their format and their order numbers per (layer, row) as
-array writes, and a table moves its row's entries into its lists the first time it reads them
+Every request of a lockstep batch fills its open page (or its residual buffer) on the same step, so at 32 layers
+× 256 requests a page boundary hands out 8,192 pages; appending each to its table's lists (and numbering it) is
+Python work per (request, layer). Here a boundary records the pages, their format, class and order numbers per
+(layer, row) as array writes, and a table moves its row's entries into its lists the first time it reads them
 (``BlockTable``: page lists, order numbers, flat page arrays). The batch's block tables take the pages in place
 meanwhile (``TableColumns.append_rows``), so a decode step reads no table's lists and the entries wait.
 
-Only pages of thought class 0 wait here, and only while no table of the cache has held another class: then
-every format's pages are one list per table and a fresh page always ends its format's list.
+A format's block table is its class lists joined in the order the table first listed each class, so a page
+ends its format's pages only when its class is the format's last listed one: ``list_classes`` keeps that
+order per (layer, row) — the tables report each class they list (``list_class``), and a batch that gives pages
+of a class lists it for every row at once — and says where the given pages end their format's pages.
 """
 from __future__ import annotations
 
@@ -18,22 +20,27 @@ DEPTH = 16  # pages a row may have waiting; a table whose row is full takes them
 
 
 class FreshPages:
-    """Per layer and table row, the pages waiting to join the row's lists, in the order they were given."""
+    """Per layer and table row, the pages waiting to join the row's lists, in the order they were given, and the
+    classes each row's table lists per format."""
 
     def __init__(self, num_layers: int, rows: int) -> None:
         self._n = np.zeros((num_layers, rows), np.int64)
         self._page = np.zeros((num_layers, rows, DEPTH), np.int32)
         self._order = np.zeros((num_layers, rows, DEPTH), np.int64)
         self._fmt = np.zeros((num_layers, rows, DEPTH), np.int8)
-        self.thoughts = False  # a table has held a page of a thought class other than 0: nothing waits any more
+        self._cls = np.zeros((num_layers, rows, DEPTH), np.int16)
+        self._listed: dict[tuple[int, int], np.ndarray] = {}  # (format id, class) -> [layers, rows] listed
+        self._last: dict[int, np.ndarray] = {}  # format id -> [layers, rows] its class listed last, -1 none
 
-    def add(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray, orders: np.ndarray) -> None:
-        """Page ``pages[i]`` (format ``fmt_id``, order number ``orders[i]``) joins row ``rows[i]`` (distinct, none
-        of them ``full``)."""
+    def add(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray, orders: np.ndarray,
+            cls: int = 0) -> None:
+        """Page ``pages[i]`` (format ``fmt_id``, class ``cls``, order number ``orders[i]``) joins row ``rows[i]``
+        (distinct, none of them ``full``)."""
         n = self._n[layer, rows]
         self._page[layer, rows, n] = pages
         self._order[layer, rows, n] = orders
         self._fmt[layer, rows, n] = fmt_id
+        self._cls[layer, rows, n] = cls
         self._n[layer, rows] = n + 1
 
     def full(self, layer: int, rows: np.ndarray, more: int = 1) -> np.ndarray:
@@ -43,20 +50,57 @@ class FreshPages:
     def waiting(self, layer: int, row: int) -> bool:
         return self._n.item(layer, row) > 0
 
-    def take(self, layer: int, row: int) -> tuple[list[int], list[int], list[int]]:
-        """Format ids, pages and order numbers of the pages waiting for ``row`` in ``layer``, oldest first; they
-        wait no more."""
+    def take(self, layer: int, row: int) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Format ids, classes, pages and order numbers of the pages waiting for ``row`` in ``layer``, oldest
+        first; they wait no more."""
         n = self._n.item(layer, row)
         self._n[layer, row] = 0
-        return (self._fmt[layer, row, :n].tolist(), self._page[layer, row, :n].tolist(),
-                self._order[layer, row, :n].tolist())
+        return (self._fmt[layer, row, :n].tolist(), self._cls[layer, row, :n].tolist(),
+                self._page[layer, row, :n].tolist(), self._order[layer, row, :n].tolist())
 
+    # --- the classes each table lists, in order ------------------------------------------------------------
+    def _columns(self, fmt_id: int, cls: int) -> tuple[np.ndarray, np.ndarray]:
+        listed = self._listed.get((fmt_id, cls))
+        if listed is None:
+            listed = self._listed[(fmt_id, cls)] = np.zeros(self._n.shape, bool)
+        last = self._last.get(fmt_id)
+        if last is None:
+            last = self._last[fmt_id] = np.full(self._n.shape, -1, np.int16)
+        return listed, last
+
+    def list_class(self, layer: int, row: int, fmt_id: int, cls: int) -> None:
+        """Row ``row``'s table in ``layer`` lists class ``cls`` of format ``fmt_id`` (after any it listed before)."""
+        listed, last = self._columns(fmt_id, cls)
+        if not listed.item(layer, row):
+            listed[layer, row] = True
+            last[layer, row] = cls
+
+    def list_classes(self, layer: int, rows: np.ndarray, fmt_id: int, cls: int) -> np.ndarray:
+        """``list_class`` for every one of ``rows``; returns whether pages of the class joining each row end its
+        format's pages (the class is, or becomes, the format's last listed)."""
+        listed, last = self._columns(fmt_id, cls)
+        known = listed[layer, rows]
+        at_end = ~known | (last[layer, rows] == cls)
+        new = rows[~known]
+        listed[layer, new] = True
+        last[layer, new] = cls
+        return at_end
+
+    # --- rows ---------------------------------------------------------------------------------------------
     def clear_row(self, row: int) -> None:
         self._n[:, row] = 0
+        for listed in self._listed.values():
+            listed[:, row] = False
+        for last in self._last.values():
+            last[:, row] = -1
 
     def grow_rows(self, rows: int) -> None:
         extra = rows - self._n.shape[1]
         self._n = np.concatenate([self._n, np.zeros((self._n.shape[0], extra), np.int64)], axis=1)
-        self._page, self._order, self._fmt = (
+        self._page, self._order, self._fmt, self._cls = (
             np.concatenate([a, np.zeros((a.shape[0], extra, a.shape[2]), a.dtype)], axis=1)
-            for a in (self._page, self._order, self._fmt))
+            for a in (self._page, self._order, self._fmt, self._cls))
+        for key, listed in self._listed.items():
+            self._listed[key] = np.concatenate([listed, np.zeros((listed.shape[0], extra), bool)], axis=1)
+        for key, last in self._last.items():
+            self._last[key] = np.concatenate([last, np.full((last.shape[0], extra), -1, np.int16)], axis=1)
