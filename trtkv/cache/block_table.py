@@ -210,28 +210,16 @@ class BlockTable:
 
     def _adopt_open_page(self, pool: PagePool, cls: Cls, p: int) -> None:
         """Page ``p``, just taken from ``pool``, joins the table as the open page of ``cls``."""
-        self._page_order[(cls[0], p)] = no = next(self._order)
-        self._cols.reuse.note_orders(self.layer, cls[0], p, no)
-        held = self._pages.get(cls)
-        if held is None:
-            self._list(cls)
-            self._pages[cls] = [p]
-        else:
-            held.append(p)
+        self._number(cls, p)
+        self._join(cls, [p])
         self._cols.set_open(self.layer, self._row, cls, p)
         self._pages_changed()
         self._account.add(held_page_bytes(pool))
 
     def hold_fresh_page(self, cls: Cls, p: int, cost: int) -> bool:
-        """``hold_fresh`` of one page (a batch's page boundary: thousands of tables a step, so no loop or list)."""
-        self._page_order[(cls[0], p)] = no = next(self._order)
-        self._cols.reuse.note_orders(self.layer, cls[0], p, no)
-        held = self._pages.get(cls)
-        if held is None:
-            self._list(cls)
-            self._pages[cls] = [p]
-        else:
-            held.append(p)
+        """``hold_fresh`` of one page."""
+        self._number(cls, p)
+        self._join(cls, [p])
         return self._held_fresh(cls, cost)
 
     def hold_fresh(self, cls: Cls, pages: list[int], cost: int) -> bool:
@@ -247,13 +235,22 @@ class BlockTable:
         """``hold_fresh`` of pages the caller numbered (``orders``, taken from this table's page numbering, and
         noted with the reusable slots): a batch's flush numbers every table's pages at once."""
         self._page_order.update(zip(zip(repeat(cls[0]), pages), orders))
+        self._join(cls, pages)
+        return self._held_fresh(cls, cost)
+
+    def _number(self, cls: Cls, p: int) -> None:
+        """Page ``p`` of ``cls`` takes the next order number of the cache's page numbering."""
+        self._page_order[(cls[0], p)] = no = next(self._order)
+        self._cols.reuse.note_orders(self.layer, cls[0], p, no)
+
+    def _join(self, cls: Cls, pages: list[int]) -> None:
+        """``pages`` join the end of ``cls``'s list; a class new to the table is listed after the others."""
         held = self._pages.get(cls)
         if held is None:
             self._list(cls)
             self._pages[cls] = list(pages)
         else:
             held.extend(pages)
-        return self._held_fresh(cls, cost)
 
     def _held_fresh(self, cls: Cls, cost: int) -> bool:
         """After fresh pages joined ``cls``'s list: cached views dropped, ``cost`` charged; whether that list ends
@@ -361,9 +358,7 @@ class BlockTable:
         """Hold page ``p`` of another table (with that table's order number); False when already held."""
         if (cls[0], p) in self._page_order:
             return False
-        if cls not in self._pages:
-            self._list(cls)
-        self._pages.setdefault(cls, []).append(p)
+        self._join(cls, [p])
         self._page_order[(cls[0], p)] = order
         self._pages_changed()
         self._account.add(held_page_bytes(pool))
