@@ -54,6 +54,7 @@ class RKVPolicy(ScorerPolicy):
     sim_threshold: float = 0.5
     n_sink: int = 4
     compaction: bool = True
+    batched_events = False  # its cuts are many tokens a request, scored on each request's keys: one by one
 
     def __post_init__(self) -> None:
         super().__post_init__()

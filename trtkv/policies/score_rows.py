@@ -6,6 +6,7 @@ and reads the batch's candidate scores in one gather instead of one call per req
 ``RowView`` is one request's row with the ``PositionTable`` verbs (``get``, ``add``, ``add_layers``,
 ``set``), so per-request paths (prefill, a lone event) read and write the same numbers. Copying a view
 (``copy.deepcopy``: a forked request's state) gives the copy a row of its own holding the same values.
+``HeadRows`` is one request's rows, one per KV head (scores kept per head).
 """
 from __future__ import annotations
 
@@ -160,4 +161,44 @@ class RowView:
     def __deepcopy__(self, memo) -> RowView:
         twin = self.table.acquire()
         self.table.data[:, twin.row] = self.table.data[:, self.row]
+        return twin
+
+
+class HeadRows:
+    """One request's rows of a ``RowTable``, one per KV head: ``PositionTable``'s ``get`` and ``add`` over ``[H, n]``
+    values (R-KV's importance), so a decode step adds the batch's ``[b, H, n]`` in one scatter of ``b * H`` rows.
+    Copying it (``copy.deepcopy``: a forked request's state) gives the copy rows of its own holding the same values."""
+
+    def __init__(self, table: RowTable, rows: np.ndarray) -> None:
+        self.table, self.rows = table, rows
+
+    @classmethod
+    def acquire(cls, table: RowTable, heads: int) -> HeadRows:
+        return cls(table, np.fromiter((table.acquire().row for _ in range(heads)), np.int64, heads))
+
+    def _index(self, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        if len(pos):
+            self.table.ensure(int(pos.max()))  # (first: it may grow the table)
+        device = self.table.device
+        return torch.from_numpy(self.rows).to(device), torch.from_numpy(pos).to(device)
+
+    def get(self, layer: int, positions) -> torch.Tensor:
+        rows, idx = self._index(positions)
+        return self.table.data[layer].index_select(0, rows).index_select(-1, idx)
+
+    def add(self, layer: int, positions, values: torch.Tensor) -> None:
+        """Add ``values [H, n]`` at distinct ``positions [n]``."""
+        rows, idx = self._index(positions)
+        self.table.data[layer].index_put_((rows[:, None], idx[None, :]),
+                                          values.to(self.table.device, self.table.data.dtype), accumulate=True)
+
+    def release(self) -> None:
+        for row in self.rows.tolist():
+            self.table.release(row)
+        self.rows = self.rows[:0]
+
+    def __deepcopy__(self, memo) -> HeadRows:
+        twin = HeadRows.acquire(self.table, len(self.rows))
+        self.table.data[:, twin.rows] = self.table.data[:, self.rows]
         return twin
