@@ -627,9 +627,16 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
             assert torch.equal(x, y)
     for sid in ids:  # a segment's members: live positions in a range, short or wider than what is held
         seq, live = caches[0].seqs[sid], caches[0].live_positions(caches[0].seqs[sid], 1)
-        for lo, hi in ((0, 5), (3, 40), (-2, 1000), (30, 10), (next_pos[sid] - 7, next_pos[sid] + 3)):
+        ranges = ((0, 5), (3, 40), (-2, 1000), (30, 10), (next_pos[sid] - 7, next_pos[sid] + 3))
+        for lo, hi in ranges:
             want_in = live[(live >= lo) & (live < hi)]
             assert np.array_equal(caches[0].live_positions_in(seq, 1, lo, hi), want_in)
+    # every request's ranges in one read (a ThinKV anneal's segments): what each range alone gives
+    jobs = [(caches[0].seqs[sid], lo, hi) for sid in ids for lo, hi in ((0, 5), (3, 40), (-2, 1000), (30, 10))]
+    many = caches[0].live_positions_in_many([s for s, _, _ in jobs], 1, np.array([lo for _, lo, _ in jobs]),
+                                            np.array([hi for _, _, hi in jobs]))
+    for (seq, lo, hi), got in zip(jobs, many, strict=True):
+        assert np.array_equal(got, caches[0].live_positions_in(seq, 1, lo, hi))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -420,6 +420,11 @@ class KVCacheManager:
         """Paged positions in ``[lo, hi)``, ascending."""
         return self.columns.positions_in(layer, seq.row, int(lo), int(hi))
 
+    def live_positions_in_many(self, seqs: list[SeqKV], layer: int, lo: np.ndarray, hi: np.ndarray) -> list[np.ndarray]:
+        """``live_positions_in`` of each ``(seqs[i], lo[i], hi[i])`` (a request may appear more than once)."""
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        return self.columns.positions_in_many(layer, rows, np.asarray(lo, np.int64), np.asarray(hi, np.int64))
+
     def locate_many(self, seqs: list[SeqKV], layer: int, positions: list[np.ndarray]
                     ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Where ``positions[i]`` of ``seqs[i]`` are paged in ``layer`` (``reads.locate_many``)."""

@@ -90,6 +90,9 @@ class PolicyRequest(Protocol):
     def live_positions_each(self, layer: int, reqs: list["PolicyRequest"], which: np.ndarray, n: int) -> np.ndarray:
         """``[len(which), n]``: ``live_positions(layer)`` of ``reqs[which[i]]``, which each hold exactly ``n``
         paged tokens, in one array read."""
+    def live_positions_in_many(self, layer: int, reqs: list["PolicyRequest"], lo: np.ndarray, hi: np.ndarray
+                               ) -> list[np.ndarray]:
+        """``live_positions_in(layer, lo[i], hi[i])`` of each ``reqs[i]`` (a request may repeat), in one array read."""
     def live_positions_layers(self, reqs: list["PolicyRequest"], n: int) -> np.ndarray:
         """``[L, len(reqs), n]``: ``live_positions_each`` of every request in every layer, where each holds exactly
         ``n`` paged tokens in every layer, in one array read."""

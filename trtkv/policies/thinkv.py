@@ -368,11 +368,16 @@ class ThinKVPolicy(KVPolicy):
     def _anneal_layer(self, layer: int, rounds) -> None:
         """One round of anneals of several requests: their k-means jobs run in one call per job shape."""
         calls: dict[tuple[int, int], list] = {}  # (padded rows, clusters) -> [(req, jobs)]
+        every = [(req, seg) for req, ops in rounds for seg, _ in ops]
+        if not every:
+            return
+        found = iter(every[0][0].live_positions_in_many(  # every segment's live members, one read for the round
+            layer, [req for req, _ in every],
+            np.fromiter((req.prompt_len + seg.start for req, seg in every), np.int64, len(every)),
+            np.fromiter((req.prompt_len + seg.end(self.tau) for req, seg in every), np.int64, len(every))))
         for req, ops in rounds:
-            P = req.prompt_len
             jobs = []
-            for seg, target in ops:
-                members = req.live_positions_in(layer, P + seg.start, P + seg.end(self.tau))
+            for (_, target), members in zip(ops, found):
                 if len(members) > target:
                     jobs.append((members, target))
             if jobs:  # requests batch only with requests of the same padded shape, so every job's

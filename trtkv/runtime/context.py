@@ -208,6 +208,13 @@ class RequestContext:
         seqs = self._seqs(reqs)
         return self._cache.live_positions_rows([seqs[i] for i in which.tolist()], layer, n)
 
+    def live_positions_in_many(self, layer: int, reqs: list["RequestContext"], lo: np.ndarray, hi: np.ndarray
+                               ) -> list[np.ndarray]:
+        """``live_positions_in`` of each ``(reqs[i], lo[i], hi[i])`` of this one's batch (a request may repeat)."""
+        if any(req._cache is not self._cache for req in reqs):
+            raise ValueError("live_positions_in_many: every request must share this request's cache")
+        return self._cache.live_positions_in_many([req._seq for req in reqs], layer, lo, hi)
+
     def live_positions_layers(self, reqs: list["RequestContext"], n: int) -> np.ndarray:
         return self._cache.live_positions_rows_layers(self._seqs(reqs), n)
 
