@@ -68,6 +68,20 @@ class BatchLayerStats:
     heads: int  # Hq, the query heads summed
 
 
+class StepBatch(dict):
+    """A decode step's statistics in batch form, ``layer -> BatchLayerStats``, filled layer by layer. After the
+    step, ``positions_layers()`` is every layer's positions stacked once for whoever reads them all."""
+
+    def positions_layers(self) -> np.ndarray | None:
+        """``[L, b, n]`` positions of layers ``0..L-1`` (None unless every layer is here, all of one width)."""
+        stacked = self.__dict__.get("_stacked")
+        if stacked is None:
+            layers = [self.get(layer) for layer in range(len(self))]
+            ok = all(bs is not None for bs in layers) and len({bs.positions.shape for bs in layers}) == 1
+            stacked = self._stacked = np.stack([bs.positions for bs in layers]) if ok and layers else False
+        return None if stacked is False else stacked
+
+
 def every_row(rows: np.ndarray, b: int) -> bool:
     """Whether ``rows`` are all ``b`` rows of a batch's statistics, in order (then no gather is needed)."""
     return len(rows) == b and bool((rows == np.arange(b)).all())

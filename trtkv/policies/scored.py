@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from plugins import ops as plugin_ops
-from trtkv.policies.base import KVPolicy, StatsRequest, every_row
+from trtkv.policies.base import KVPolicy, StatsRequest, StepBatch, every_row
 from trtkv.policies.scorers import Scorer, head_mean
 from trtkv.policies.scoring import lowest, sorted_member, top_keep
 
@@ -300,8 +300,10 @@ class ScorerPolicy(KVPolicy):
             if any(bs is None for bs in stats) or len({bs.positions.shape for bs in stats}) != 1 or \
                     any((bs.counts[rows] != n).any() for bs in stats):
                 return False
-            every = every_row(rows, len(stats[0].counts))
-            cols = np.stack([bs.positions if every else bs.positions[rows] for bs in stats])
+            stacked = batch.positions_layers() if isinstance(batch, StepBatch) else None
+            if stacked is None:
+                stacked = np.stack([bs.positions for bs in stats])
+            cols = stacked if every_row(rows, len(stats[0].counts)) else stacked[:, rows]
             victims = self._victims_in_columns(np.tile(position, L), handle, cols)
             if victims is not None:
                 if (victims < 0).any():

@@ -22,7 +22,7 @@ from trtkv.cache.tiers import tier_stats
 from trtkv.cache.write_plan import WritePlan
 from trtkv.distributed.group import HeadShards
 from trtkv.models.decoder import DecoderModel
-from trtkv.policies.base import KVPolicy, StatsRequest, StepStats
+from trtkv.policies.base import KVPolicy, StatsRequest, StepBatch, StepStats
 from trtkv.runtime.attention import attach_queries, decode_attention, prefill_stats
 from trtkv.runtime.context import RequestContext
 from trtkv.runtime.device_step import DeviceStep, fill_statistics, plan_step
@@ -281,7 +281,7 @@ class EngineCore:
         if not any(sr is not None and sr.layers is not None for sr in sreqs):  # the same flags in every layer
             step.wants = self._wants(sreqs, 0)
             if self._batch_form(step):
-                step.batch = {}
+                step.batch = StepBatch()
                 for i, st in enumerate(step.stats):
                     st.batch, st.row = step.batch, i
         if self.small_ops_threads:  # only CPU narrows threads (decode_layer), so only CPU needs the size
