@@ -345,7 +345,9 @@ class KVCacheManager:
         if (counted and self.cfg.eviction != "compact" and max(map(len, (p for _, p in items)), default=0) <= 1
                 and all(s.fork_mode is None for s, _ in items) and len({id(s) for s, _ in items}) == len(items)):
             return self.evict_one_each(layer, [s for s, _ in items], [p[0] if p else -1 for _, p in items])
-        if any(s.fork_mode is not None for s, _ in items) or sum(map(len, (p for _, p in items))) < EVICT_BATCH_MIN:
+        repeated = len({id(s) for s, _ in items}) != len(items)  # compaction after each of its jobs, not once
+        if any(s.fork_mode is not None for s, _ in items) or sum(map(len, (p for _, p in items))) < EVICT_BATCH_MIN \
+                or (repeated and self.cfg.eviction == "compact"):
             return [self.evict(s, layer, p) if counted else self.evict(s, layer, p, False) for s, p in items]
         counts = evict_private_many(self.pools[layer], self.columns, layer, items, self.cfg.eviction != "compact")
         for (seq, _), n in zip(items, counts):
