@@ -146,7 +146,6 @@ def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, sh
     ``pool_of(l)``: the layer's pool, ``order``: the cache's page numbering), layer by layer. The pages wait in
     the columns (``FreshPages``) instead of joining every table's lists, and each request is charged once for
     all its layers."""
-    fresh = cols.fresh
     layers = np.flatnonzero(short.any(1)).tolist()
     charge = np.zeros(len(rows), np.int64)
     fmt_id = cols.fmt_id(cls[0])
@@ -158,14 +157,9 @@ def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, sh
             for i in need.tolist():
                 seqs[i].layers[layer].new_page(pool, cls)
             continue
-        for i in need[fresh.full(layer, rows[need])].tolist():  # rows with a full queue take theirs in first
-            seqs[i].layers[layer].take_waiting_pages()
-        orders = np.fromiter(islice(order, len(need)), np.int64, len(need))
-        at_end = fresh.list_classes(layer, rows[need], fmt_id, cls[1])
-        fresh.add(layer, rows[need], fmt_id, fresh_pages, orders, cls[1])
-        cols.reuse.note_orders(layer, cls[0], fresh_pages, orders)
+        _queue_pages([seqs[i].layers[layer] for i in need.tolist()], cols, layer, rows[need], fmt_id, cls,
+                     fresh_pages[:, None], order)
         cols.set_opens(layer, rows[need], cls, fresh_pages)
-        cols.append_rows(layer, rows[need], cls[0], fresh_pages, at_end)
         charge[need] += held_page_bytes(pool)
     for i in np.flatnonzero(charge).tolist():
         seqs[i].account.add(int(charge[i]))
@@ -177,20 +171,27 @@ def add_fresh_pages_each(seqs: list, cols: TableColumns, layer: int, rows: np.nd
     ``pool`` and filled at once join ``seqs[i]``'s table (row ``rows[i]``) in ``layer``, numbered table after
     table as ``hold_fresh`` numbers them, and the batch's block tables take them in place; each request is charged
     once."""
-    G, per = pages.shape
+    _queue_pages([s.layers[layer] for s in seqs], cols, layer, rows, cols.fmt_id(cls[0]), cls, pages, order)
+    cost = pages.shape[1] * held_page_bytes(pool)
+    for s in seqs:
+        s.account.add(cost)
+
+
+def _queue_pages(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray, fmt_id: int, cls: Cls,
+                 pages: np.ndarray, order: Iterator[int]) -> None:
+    """Pages ``pages[i]`` (``[n, per]``, in order) of ``cls`` wait in ``FreshPages`` for ``tables[i]`` (row
+    ``rows[i]``), numbered from ``order`` table after table; the batch's block tables take them in place. Rows whose
+    queue cannot take ``per`` more take theirs in first. Bytes are the caller's."""
+    n, per = pages.shape
     fresh = cols.fresh
-    for i in np.flatnonzero(fresh.full(layer, rows, per)).tolist():  # rows with a full queue take theirs in first
-        seqs[i].layers[layer].take_waiting_pages()
-    orders = np.fromiter(islice(order, G * per), np.int64, G * per).reshape(G, per)
-    fmt_id = cols.fmt_id(cls[0])
+    for i in np.flatnonzero(fresh.full(layer, rows, per)).tolist():
+        tables[i].take_waiting_pages()
+    orders = np.fromiter(islice(order, n * per), np.int64, n * per).reshape(n, per)
     at_end = fresh.list_classes(layer, rows, fmt_id, cls[1])
     for j in range(per):
         fresh.add(layer, rows, fmt_id, pages[:, j], orders[:, j], cls[1])
     cols.reuse.note_orders(layer, cls[0], pages.reshape(-1), orders.reshape(-1))
-    cols.append_rows(layer, rows, cls[0], pages, at_end)
-    cost = per * held_page_bytes(pool)
-    for s in seqs:
-        s.account.add(cost)
+    cols.append_rows(layer, rows, cls[0], pages if per > 1 else pages[:, 0], at_end)
 
 
 def add_full_pages_each(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
@@ -202,13 +203,14 @@ def add_full_pages_each(tables: list[BlockTable], cols: TableColumns, layer: int
     G, per = pages.shape
     orders = np.fromiter(islice(order, G * per), np.int64, G * per).reshape(G, per)
     fmts = [cls[0] for cls in classes]
+    one_fmt = len(set(fmts)) == 1
     for fmt in dict.fromkeys(fmts):
-        mine = slice(None) if len(set(fmts)) == 1 else np.asarray([f == fmt for f in fmts])
+        mine = slice(None) if one_fmt else np.asarray([f == fmt for f in fmts])
         cols.reuse.note_orders(layer, fmt, pages[mine].reshape(-1), orders[mine].reshape(-1))
     cost = per * held_page_bytes(pool)
     at_end = np.fromiter((t.hold_numbered(cls, ps, os, cost)
                           for t, cls, ps, os in zip(tables, classes, pages.tolist(), orders.tolist())), bool, G)
-    if len(set(fmts)) == 1:
+    if one_fmt:
         cols.append_rows(layer, rows, fmts[0], pages, at_end)
     else:
         cols.touch_rows(layer, rows)
