@@ -56,22 +56,19 @@ def alloc_one_each(tables: Callable[[int], BlockTable], cols: TableColumns, laye
     return pages, slots
 
 
-def alloc_slots_each(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
-                     pool: PagePool, cls: Cls, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``counts[i]`` slots of ``cls`` for each of ``rows`` (distinct requests, one layer; ``tables(i)``: the table of
-    ``rows[i]``), the ones each table's ``alloc_slots`` would give in turn: its reusable slots first, then its open
-    page's tail, then new pages - taken from the pool in one call, in row order (a host tier's batch of moves).
-    Returns ``(pages, slots)`` of every row's slots, concatenated in row order."""
+def alloc_slots_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool, cls: Cls,
+                     counts: np.ndarray, order: Iterator[int]) -> tuple[np.ndarray, np.ndarray]:
+    """``counts[i]`` slots of ``cls`` for each of ``rows`` (distinct requests ``seqs``, one layer; ``order``: the
+    cache's page numbering), the ones each table's ``alloc_slots`` would give in turn: its reusable slots first,
+    then its open page's tail, then new pages - taken from the pool in one call, in row order (a host tier's
+    batch of moves). Returns ``(pages, slots)`` of every row's slots, concatenated in row order."""
     counts = np.asarray(counts, np.int64)
     bounds = np.concatenate([[0], np.cumsum(counts)])
     pages, slots = np.empty(int(bounds[-1]), np.int64), np.empty(int(bounds[-1]), np.int64)
-    got = np.zeros(len(rows), np.int64)
-    reusable = cols.reuse.counts(layer, rows, cls)
-    if reusable is not None:  # (each row's own reusable slots: rows with any, one by one)
-        for i in np.flatnonzero((reusable > 0) & (counts > 0)).tolist():
-            p, sl = cols.reuse.take(layer, int(rows[i]), cls, int(counts[i]), pool.slots_free)
-            pages[bounds[i]:bounds[i] + len(p)], slots[bounds[i]:bounds[i] + len(p)] = p, sl
-            got[i] = len(p)
+    p, sl, got = cols.reuse.take_each(layer, rows, cls, counts, pool.slots_free)
+    if len(p):  # each row's own reusable slots
+        dst = np.repeat(bounds[:-1], got) + _ranks(got)
+        pages[dst], slots[dst] = p, sl
     opens = cols.open_pages(layer, rows, cls)
     at = np.flatnonzero((counts > got) & (opens >= 0))
     if len(at):  # the open pages' tails
@@ -89,9 +86,9 @@ def alloc_slots_each(tables: Callable[[int], BlockTable], cols: TableColumns, la
     rest = counts[need] - got[need]
     per = -(-rest // pool.B)  # new pages each
     fresh = pool.alloc_pages(int(per.sum()), cls[1])
-    if fresh is None:  # the pool lacks them (or grows): table by table, a full pool names its request
+    if fresh is None:  # the pool lacks them: table by table, a full pool names its request
         for i, n in zip(need.tolist(), rest.tolist()):
-            p, sl = tables(i).alloc_slots(pool, cls, n)
+            p, sl = seqs[i].layers[layer].alloc_slots(pool, cls, n)
             pages[bounds[i] + got[i]:bounds[i + 1]], slots[bounds[i] + got[i]:bounds[i + 1]] = p, sl
         return pages, slots
     # row i's tokens fill its new pages in order: the k-th token at (page k // B, slot k % B)
@@ -103,15 +100,17 @@ def alloc_slots_each(tables: Callable[[int], BlockTable], cols: TableColumns, la
     partial = rest % pool.B != 0
     pool.hwm[last[partial]] = rest[partial] % pool.B
     cost = held_page_bytes(pool)
-    split = np.split(fresh, np.cumsum(per)[:-1])
-    at_end = np.fromiter((tables(i).hold_fresh(cls, ps.tolist(), cost * len(ps))
-                          for i, ps in zip(need.tolist(), split)), bool, len(need))
+    if (per == 1).all():  # one new page each: they wait in FreshPages, as a page boundary's do
+        _queue_pages([seqs[i].layers[layer] for i in need.tolist()], cols, layer, rows[need], cols.fmt_id(cls[0]),
+                     cls, fresh[:, None], order)
+        for i in need.tolist():
+            seqs[i].account.add(cost)
+    else:
+        for i, ps in zip(need.tolist(), np.split(fresh, np.cumsum(per)[:-1])):
+            seqs[i].layers[layer].hold_fresh(cls, ps.tolist(), cost * len(ps))
+        cols.touch_rows(layer, rows[need])
     if partial.any():  # a last page with tail left stays the class's open page (as ``new_page`` made it)
         cols.set_opens(layer, rows[need[partial]], cls, last[partial])
-    if (per == 1).all():
-        cols.append_rows(layer, rows[need], cls[0], fresh, at_end)
-    else:
-        cols.touch_rows(layer, rows[need])
     return pages, slots
 
 
@@ -133,7 +132,7 @@ def open_fresh_pages(tables: Callable[[int], BlockTable], cols: TableColumns, la
     """A fresh open page of ``cls`` for each of ``rows[need]`` (``tables(i)``: the table of ``rows[i]``), taken
     from ``pool`` in one call when it has them all."""
     fresh = pool.alloc_pages(len(need), cls[1])
-    if fresh is None:  # the pool lacks them (or grows): one by one, a full pool names its request
+    if fresh is None:  # the pool lacks them: one by one, a full pool names its request
         for i in need.tolist():
             tables(i).new_page(pool, cls)
     else:
@@ -153,7 +152,7 @@ def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, sh
         need = np.flatnonzero(short[layer])
         pool = pool_of(layer)
         fresh_pages = pool.alloc_pages(len(need), cls[1])
-        if fresh_pages is None:  # the pool lacks them (or grows): one by one, a full pool names its request
+        if fresh_pages is None:  # the pool lacks them: one by one, a full pool names its request
             for i in need.tolist():
                 seqs[i].layers[layer].new_page(pool, cls)
             continue

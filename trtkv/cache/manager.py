@@ -188,8 +188,8 @@ class KVCacheManager:
                          ) -> tuple[np.ndarray, np.ndarray]:
         """``alloc_slots`` of ``counts[i]`` slots for each of ``seqs`` (distinct) in turn, by array operations
         (``batch_alloc.alloc_slots_each``): the slots concatenated in request order."""
-        return alloc_slots_each(lambda i: seqs[i].layers[layer], self.columns, layer, self.rows(seqs),
-                                self.pool(layer, cls[0]), cls, counts)
+        return alloc_slots_each(seqs, self.columns, layer, self.rows(seqs), self.pool(layer, cls[0]), cls, counts,
+                                self._page_order)
 
     def write(self, seq: SeqKV, layer: int, k: torch.Tensor, v: torch.Tensor, positions: list[int],
               cls: Cls, seg: int = -1) -> None:

@@ -147,9 +147,12 @@ class PagePool:
 
     def alloc_pages(self, count: int, page_class: int) -> np.ndarray | None:
         """``count`` pages at once, the same ones ``count`` calls of ``alloc_page`` would hand out, in that
-        order; None (nothing allocated) when the pool lacks them."""
+        order (a growable pool grows as those calls would); None (nothing allocated) when the pool lacks them."""
         if count > self.free_pages:
-            return None
+            if not self.growable:
+                return None
+            while count > self.free_pages:
+                self._grow_pages()
         reused = [heapq.heappop(self.free) for _ in range(min(count, len(self.free)))]
         fresh = np.arange(self.fresh, self.fresh + count - len(reused), dtype=np.int64)
         if len(fresh):

@@ -179,6 +179,34 @@ class ReusableSlots:
         head[layer, row] = h + used
         return p[idx].tolist(), s[idx].tolist()
 
+    def take_each(self, layer: int, rows: np.ndarray, cls: Cls, counts: np.ndarray, free: FreeCheck
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``take`` of up to ``counts[i]`` slots for each of ``rows`` (distinct) in ``layer``, by array operations:
+        ``(pages, slots, got)``, every row's slots concatenated in row order, ``got[i]`` of them row ``i``'s."""
+        n = len(rows)
+        got = np.zeros(n, np.int64)
+        if cls not in self._keys or not n:
+            return np.empty(0, np.int64), np.empty(0, np.int64), got
+        keys, head, end = self._keys[cls], self._head[cls], self._end[cls]
+        h = head[layer, rows]
+        width = np.where(counts > 0, end[layer, rows] - h, 0)
+        if not width.any():
+            return np.empty(0, np.int64), np.empty(0, np.int64), got
+        row_of = np.repeat(np.arange(n), width)
+        starts = np.cumsum(width) - width
+        k = np.arange(int(width.sum())) - np.repeat(starts, width)  # each entry's place in its row's queue
+        _, p, s = unpack(keys[layer, rows[row_of], h[row_of] + k])
+        ok = free(layer, p, s)
+        seen = np.cumsum(ok)  # free entries so far; a row's own rank subtracts those before the row
+        before = np.concatenate([[0], seen])[starts]
+        taken = ok & (seen - np.repeat(before, width) <= counts[row_of])
+        got = np.bincount(row_of[taken], minlength=n).astype(np.int64)
+        last = np.zeros(n, np.int64)
+        np.maximum.at(last, row_of[taken], k[taken] + 1)
+        # a row that got all it asked for stops after its last taken entry; else its whole queue was read
+        head[layer, rows] = h + np.where((got == counts) & (counts > 0), last, width)
+        return p[taken], s[taken], got
+
     def take_one_each(self, layers, rows: np.ndarray, cls: Cls, free: FreeCheck) -> tuple[np.ndarray, np.ndarray]:
         """One reusable slot for each (``layers[i]``, ``rows[i]``) pair (distinct; ``layers`` an int or an array):
         ``(pages, slots)``, page -1 where none is left."""

@@ -426,7 +426,8 @@ def _raw_copy_many(src: CacheLike, sseqs: list[SeqKV], dst: CacheLike, dseqs: li
 
 def _split(mask: np.ndarray, positions: list[np.ndarray]) -> list[np.ndarray]:
     """A concatenated per-position array cut back into one piece per job."""
-    return np.split(mask, np.cumsum([len(p) for p in positions])[:-1]) if positions else []
+    ends = np.cumsum([len(p) for p in positions]).tolist()
+    return [mask[a:b] for a, b in zip([0, *ends], ends)]  # (np.split costs microseconds a piece)
 
 
 def _encode_copy(src: CacheLike, sseq: SeqKV, dst: CacheLike, dseq: SeqKV, layer: int,
