@@ -12,6 +12,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hst
 from policy_matrix import Probe, masked_reference_logits, one_thread
 
 from trtkv.api import SamplingParams
@@ -20,6 +22,7 @@ from trtkv.policies import make_policy
 from trtkv.policies.ams import (allocate, ams_select, ea_log_expectation, expected_attention_scores, keydiff_scores,
                                 must_keep, rkv_scores, rope_average, segment, select, tova_scores, unrotate,
                                 usage, window_rows)
+from trtkv.policies.ams_selection_rows import ams_keep_rows
 from trtkv.policies.scoring import cosine_redundancy, normalize_mass
 
 assert one_thread  # autouse: one intra-op thread for this module
@@ -118,6 +121,32 @@ def test_5_segments_partition_and_bounds():
         assert all(b - a >= l_min for a, b in segs[:-1])
         assert all(b - a <= l_max + l_min - 1 for a, b in segs)
         assert len(segs) <= math.ceil(1 / delta - 1e-9) + math.ceil(T / l_max)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=hst.integers(0, 2 ** 31), k=hst.integers(1, 9), T=hst.integers(2, 400), keep=hst.floats(0.05, 1.1),
+       delta=hst.sampled_from([0.02, 0.1, 0.3, 1.0]), l_min=hst.integers(1, 40), l_max=hst.integers(1, 300),
+       q_min=hst.integers(0, 8), n_sink=hst.integers(0, 8), n_last=hst.integers(0, 40),
+       ablation=hst.sampled_from(["none", "fixed_segments", "no_mass", "global_topk"]),
+       mode=hst.sampled_from(["reserve", "reserve", "reference"]), ties=hst.booleans(), odd=hst.booleans())
+def test_keep_rows_match_one_request_at_a_time(seed, k, T, keep, delta, l_min, l_max, q_min, n_sink, n_last, ablation,
+                                               mode, ties, odd):
+    """``ams_keep_rows`` (every request's selection of a layer by array operations) keeps what ``ams_select`` keeps
+    for each row: sparse and zero masses, tied scores, NaN and negative masses (the reference's path)."""
+    rng = np.random.default_rng(seed)
+    T_keep = max(1, int(T * keep))
+    mu = rng.gamma(0.3, 1.0, (k, T)) * (rng.random((k, T)) < 0.7)
+    g = rng.normal(size=(k, T))
+    if ties:
+        g = np.round(g, 1)
+    if odd:
+        mu[0] = 0.0
+        mu[-1, rng.integers(0, T)] = -0.5 if k > 1 else np.nan
+    cfg = dict(delta=delta, l_min=l_min, l_max=l_max, q_min=q_min, n_sink=n_sink, n_last=n_last, mode=mode,
+               ablation=ablation)
+    mask = ams_keep_rows(mu, g, T_keep, **cfg)
+    for j in range(k):
+        assert np.flatnonzero(mask[j]).tolist() == ams_select(mu[j], g[j], T_keep, **cfg)[0].tolist()
 
 
 # --- 6-7: mass and EMA credit (a fake request drives the policy's event code) ---------------------
@@ -477,9 +506,10 @@ def test_batched_events_select_what_one_by_one_does(ams, monkeypatch, params):
             monkeypatch.setattr(AMSPolicy, "_select_rows", spy)
         else:  # request by request, each layer through select_layer
             monkeypatch.setattr(AMSPolicy, "on_decode_step_end_batch", KVPolicy.on_decode_step_end_batch)
-            monkeypatch.setattr(AMSPolicy, "_select_rows", lambda self, layer, reqs, pos, H, queries: [
-                self.select_layer(r, layer, p, np.empty(0, np.int64), r.state.queries.of(layer), H)
-                for r, p in zip(reqs, pos)])
+            monkeypatch.setattr(AMSPolicy, "_select_rows", lambda self, layer, reqs, pos, H, queries: np.stack([
+                np.isin(np.arange(len(p)), self.select_layer(r, layer, p, np.empty(0, np.int64),
+                                                             r.state.queries.of(layer), H))
+                for r, p in zip(reqs, pos)]))
         with Probe(eng, record_sets=True) as probe:
             res = eng.generate(BATCH_PROMPTS, BATCH_PARAMS)
         monkeypatch.undo()

@@ -60,6 +60,7 @@ import torch
 from trtkv.policies.ams_queries import EventQueries, QueryLog
 from trtkv.policies.ams_selection import (allocate, ams_select, fixed_segments, must_keep, segment,  # noqa: F401
                                           select)
+from trtkv.policies.ams_selection_rows import ams_keep_rows
 from trtkv.policies.base import KVPolicy, StatsRequest
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scored import Cadence
@@ -279,7 +280,7 @@ class AMSPolicy(KVPolicy):
                 pos = reqs[0].live_positions_each(layer, reqs, np.asarray(idx), n)
                 keeps = self._select_rows(layer, [reqs[i] for i in idx], pos, H, window.last(layer, idx, m))
                 for i, p, keep in zip(idx, pos, keeps):
-                    victims[i] = np.delete(p, keep)
+                    victims[i] = p[~keep]
             if victims:
                 order = sorted(victims)
                 reqs[0].evict_many(layer, [(reqs[i], victims[i]) for i in order])
@@ -301,31 +302,33 @@ class AMSPolicy(KVPolicy):
         return max(1, min(self.window, self.n_buf - 1, T - 1, self.budget))
 
     def _select_rows(self, layer: int, reqs: list, pos: np.ndarray, H: int,
-                     queries: tuple[torch.Tensor, np.ndarray]) -> list[np.ndarray]:
+                     queries: tuple[torch.Tensor, np.ndarray]) -> np.ndarray:
         """``select_layer`` of requests whose tokens in ``layer`` are all paged at ``pos [k, T]``, with their last
-        queries ``(q [k, m, Hq, D], positions [k, m])``: evidence and masses for all of them at once, the segments
-        per request."""
+        queries ``(q [k, m, Hq, D], positions [k, m])``: evidence, masses and the selection for all of them at once
+        (``ams_keep_rows``). Returns the keep mask ``[k, T]``."""
         T = pos.shape[1]
         keys, values = reqs[0].kv_rows(layer, reqs, pos)
         w_eff, rows_all = self.window_evidence(reqs, layer, pos, keys, queries)
         m_used = self._masses_rows(reqs, layer, pos, rows_all[:, -w_eff:], H).cpu().numpy()
         g_rows = self._scorer.score_evidence_rows(rows_all, H)
-        g_rows = None if g_rows is None else g_rows.cpu().numpy()
-        keeps = []
-        for j, req in enumerate(reqs):
-            if g_rows is not None:
-                g = g_rows[j]
-            else:
-                rec = list(zip(queries[1][j].tolist(), queries[0][j].unbind(0)))
-                ev = Evidence(rows=rows_all[j], queries=rec, keys=keys[j], values=values[j])
-                g = head_mean(self._scorer.score(req, layer, pos[j], req.state.memo, ev))
-                g = (g if isinstance(g, torch.Tensor) else torch.as_tensor(g)).cpu().numpy()
-            keep, _ = ams_select(m_used[j], g, self.budget, delta=self.delta, l_min=self.l_min,
-                                 l_max=self.l_max, q_min=self.q_min, n_sink=self.n_sink, n_last=self.n_last,
-                                 mode=self.mode, ablation=self.ablation)
-            req.state.window_mass.append(float(m_used[j][T - w_eff:].sum() / max(m_used[j].sum(), 1e-30)))
-            keeps.append(keep)
-        return keeps
+        if g_rows is None:  # a scorer without a batch form: request by request
+            g_rows = torch.stack([self._score_one(req, layer, pos[j], rows_all[j], keys[j], values[j],
+                                                  (queries[0][j], queries[1][j])) for j, req in enumerate(reqs)])
+        keep = ams_keep_rows(m_used, g_rows.cpu().numpy(), self.budget, delta=self.delta, l_min=self.l_min,
+                             l_max=self.l_max, q_min=self.q_min, n_sink=self.n_sink, n_last=self.n_last,
+                             mode=self.mode, ablation=self.ablation)
+        share = m_used[:, T - w_eff:].sum(1) / np.maximum(m_used.sum(1), 1e-30)
+        for req, w in zip(reqs, share.tolist()):
+            req.state.window_mass.append(w)
+        return keep
+
+    def _score_one(self, req, layer: int, pos: np.ndarray, rows: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor, queries: tuple[torch.Tensor, np.ndarray]) -> torch.Tensor:
+        """The scorer's scores of one request's slots (head mean), from its evidence."""
+        rec = list(zip(queries[1].tolist(), queries[0].unbind(0)))
+        ev = Evidence(rows=rows, queries=rec, keys=keys, values=values)
+        g = head_mean(self._scorer.score(req, layer, pos, req.state.memo, ev))
+        return (g if isinstance(g, torch.Tensor) else torch.as_tensor(g)).cpu()
 
     def window_evidence(self, reqs: list, layer: int, pos: np.ndarray, keys: torch.Tensor,
                         queries: tuple[torch.Tensor, np.ndarray]) -> tuple[int, torch.Tensor]:
