@@ -365,19 +365,45 @@ class BlockTable:
         return True
 
     # --- compaction (cache/compaction.py) ------------------------------------------------------------
-    def compacted(self, pool: PagePool, cls: Cls, keep: int) -> None:
-        """After ``pool.compact_pages_many`` moved this class's live tokens to its first ``keep`` pages: release
-        the rest, forget reusable slots, and leave the last kept page open if it has tail slots."""
-        pages = self._pages[cls]
-        for p in pages[keep:]:
-            self._unhold(pool, cls, p)
-            pool.release_page(p)
-        self._pages[cls] = pages = pages[:keep]
-        self._cols.reuse.clear(self.layer, self._row, cls)
-        self._close(cls)
-        if pages and not pool.tail_full(pages[-1]):
-            self._cols.set_open(self.layer, self._row, cls, pages[-1])
-        self._pages_changed()
+    @staticmethod
+    def compacted_each(pool: PagePool, fmt: str, jobs: list[tuple[BlockTable, Cls]], positions: np.ndarray,
+                       pages: np.ndarray, slots: np.ndarray, counts: np.ndarray) -> None:
+        """After ``pool.compact_pages_many`` moved the live tokens of each job's (one layer's table, class of
+        ``fmt``; distinct) pages to its first pages: job ``j``'s ``counts[j]`` tokens (``positions, pages, slots``
+        concatenated job by job) take their places, pages past them go back to the pool, reusable slots are
+        forgotten and a last kept page with tail slots stays open - ``compacted`` of each job in turn, by array
+        operations where they are the batch's."""
+        if not jobs:
+            return
+        cols, layer = jobs[0][0]._cols, jobs[0][0].layer  # noqa: SLF001 (tables of one cache and layer)
+        cost = held_page_bytes(pool)
+        cut = [table._cut(cls, -(-n // pool.B), cost) for (table, cls), n in zip(jobs, counts.tolist())]  # noqa: SLF001
+        rows = np.fromiter((row for row, _, _ in cut), np.int64, len(cut))
+        lasts = np.fromiter((last for _, last, _ in cut), np.int64, len(cut))
+        gone = [p for _, _, drop in cut for p in drop]
+        cols.place_each(layer, np.repeat(rows, counts), fmt, pages, slots, positions)
+        pool.release_pages(np.asarray(gone, np.int64))
+        kept = lasts >= 0
+        lasts[kept] = np.where(pool.hwm[lasts[kept]] < pool.B, lasts[kept], -1)  # (a full last page closes)
+        classes = [cls for _, cls in jobs]
+        for cls in dict.fromkeys(classes):
+            at = np.fromiter((c == cls for c in classes), bool, len(classes))
+            cols.reuse.clear(layer, rows[at], cls)
+            cols.set_opens(layer, rows[at], cls, lasts[at])
+        cols.touch_rows(layer, np.asarray(list(dict.fromkeys(rows.tolist())), np.int64))
+
+    def _cut(self, cls: Cls, keep: int, cost: int) -> tuple[int, int, list[int]]:
+        """``cls`` keeps its first ``keep`` pages (the rest's order numbers and ``cost`` each go; the caller
+        releases them): ``(row, last kept page or -1, the pages cut)``."""
+        held = self._pages[cls]
+        drop = held[keep:]
+        if drop:
+            for p in drop:
+                del self._orders[(cls[0], p)]
+            self._account.add(-cost * len(drop))
+            self._page_lists[cls] = held = held[:keep]
+        self._flat = self._single_bt = None
+        return self._row, (held[-1] if held else -1), drop
 
     def forget_reusable(self) -> None:
         """No slot of any class is reusable any more (a compaction gathered every class's tokens)."""

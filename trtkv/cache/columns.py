@@ -231,6 +231,17 @@ class TableColumns:
         w[row, pos] = self._codes(fmt, pages, slots)
         self._live[layer, row] += new
 
+    def place_each(self, layer: int, rows: np.ndarray, fmt: str, pages: np.ndarray, slots: np.ndarray,
+                   positions: np.ndarray) -> None:
+        """``place`` of token ``i`` of row ``rows[i]`` (rows repeat; positions distinct within a row): a batch's
+        compaction."""
+        if not len(positions):
+            return
+        w = self._widen(layer, int(positions.max()))
+        new = w[rows, positions] < 0
+        w[rows, positions] = self._codes(fmt, pages, slots)
+        np.add.at(self._live[layer], rows[new], 1)
+
     def place_one(self, layer: int, row: int, fmt: str, p: int, s: int, pos: int) -> None:
         w = self._widen(layer, pos)
         if w.item(row, pos) < 0:

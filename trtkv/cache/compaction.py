@@ -2,8 +2,8 @@
 the front of its pages and release the emptied pages. It copies K/V codes; the in-place mode never does."""
 from __future__ import annotations
 
-import numpy as np
 
+from trtkv.cache.block_table import BlockTable
 from trtkv.cache.forks import PageRefs
 from trtkv.cache.pool import PagePool
 from trtkv.cache.sequence import SeqKV
@@ -28,19 +28,13 @@ def compact_many(pools: dict[str, PagePool], refs: PageRefs, seqs: list[SeqKV], 
                 refs.make_private(pools[cls[0]], seqs[0], layer, cls[0], p)
     jobs = [(seq.layers[layer], cls, list(pages)) for seq in seqs
             for cls, pages in list(seq.layers[layer].pages.items())]
-    placed: list = [None] * len(jobs)
     moved = 0
     for fmt in dict.fromkeys(cls[0] for _, cls, _ in jobs):
-        idx = [j for j, (_, cls, _) in enumerate(jobs) if cls[0] == fmt]
-        pos, dst_pages, dst_slots, counts, n = pools[fmt].compact_pages_many([jobs[j][2] for j in idx])
+        mine = [job for job in jobs if job[1][0] == fmt]
+        pos, dst_pages, dst_slots, counts, n = pools[fmt].compact_pages_many([pages for _, _, pages in mine])
         moved += n
-        cuts = np.cumsum(counts)[:-1]
-        for j, p, dp, ds in zip(idx, np.split(pos, cuts), np.split(dst_pages, cuts), np.split(dst_slots, cuts)):
-            placed[j] = (p, dp, ds)
-    for (table, cls, _), (positions, dst_pages, dst_slots) in zip(jobs, placed):
-        pool = pools[cls[0]]
-        table.place(cls[0], dst_pages, dst_slots, positions)
-        table.compacted(pool, cls, -(-len(positions) // pool.B))
+        BlockTable.compacted_each(pools[fmt], fmt, [(table, cls) for table, cls, _ in mine], pos, dst_pages,
+                                  dst_slots, counts)
     for seq in seqs:  # (a class left without pages may still list slots of the pages it gave back)
         seq.layers[layer].forget_reusable()
     return moved

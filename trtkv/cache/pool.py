@@ -179,6 +179,18 @@ class PagePool:
         self.in_use -= 1
         self._valid_dirty = True
 
+    def release_pages(self, pages: np.ndarray) -> None:
+        """``release_page`` of each of ``pages`` (distinct)."""
+        if not len(pages):
+            return
+        assert not self.live[pages].any(), "releasing a page that still holds live tokens"
+        self.valid[pages] = 0
+        self.hwm[pages] = 0
+        for p in pages.tolist():
+            heapq.heappush(self.free, p)
+        self.in_use -= len(pages)
+        self._valid_dirty = True
+
     # --- key-scale arena --------------------------------------------------------------------
     def alloc_group(self, refs: int) -> int:
         if not self.group_specs:

@@ -61,8 +61,9 @@ class ReusableSlots:
         for cls in self._keys:
             self._head[cls][:, row] = self._end[cls][:, row] = 0
 
-    def clear(self, layer: int, row: int, cls: Cls | None = None) -> None:
-        """Nothing reusable for ``row`` in ``layer``, of ``cls`` or of every class (a seal, a compaction)."""
+    def clear(self, layer: int, row: int | np.ndarray, cls: Cls | None = None) -> None:
+        """Nothing reusable for ``row`` (or each of several rows) in ``layer``, of ``cls`` or of every class (a
+        seal, a compaction)."""
         for c in ([cls] if cls is not None else list(self._keys)):
             if c in self._keys:
                 self._head[c][layer, row] = self._end[c][layer, row] = 0
