@@ -100,9 +100,16 @@ class KVCacheManager:
             self.residual.release(seq.residual)
         if self._tiers is not None:  # the request's host-tier pages go too
             self._tiers.free(seq_id)
+        shared = len(self.refs) > 0
         for layer, table in enumerate(seq.layers):
             for cls, pages in list(table.pages.items()):
                 pool = self.pools[layer][cls[0]]
+                if not shared and not pool.group_specs:  # (no references or key-scale groups to drop)
+                    held = np.asarray(pages, np.int64)
+                    pool.clear_page(held)
+                    pool.release_pages(held)
+                    seq.add_bytes(-held_page_bytes(pool) * len(held))
+                    continue
                 for p in list(pages):
                     if self.refs.release(pool, seq, layer, cls[0], p):
                         continue  # another sequence still holds it

@@ -339,8 +339,8 @@ class PagePool:
         self.slot_seg[p, s] = -1
         self._valid_dirty = True
 
-    def clear_page(self, p: int) -> None:
-        """``mark_evicted`` of every live slot of page ``p`` at once."""
+    def clear_page(self, p: int | np.ndarray) -> None:
+        """``mark_evicted`` of every live slot of page ``p`` (or of several pages) at once."""
         self.valid[p] = 0
         self.live[p] = 0
         self.slot_pos[p] = -1
