@@ -21,6 +21,7 @@ from trtkv.cache import reads
 from trtkv.cache.eviction import evict_private
 from trtkv.cache.fresh_pages import DEPTH
 from trtkv.cache.manager import CacheConfig, KVCacheManager
+from trtkv.cache.reuse import ReusableSlots
 from trtkv.errors import OutOfKVMemory
 from trtkv.runtime.attention import decode_attention
 
@@ -49,6 +50,9 @@ def check_invariants(cache: KVCacheManager) -> None:
                 assert held.get((fmt, p)) == seq.seq_id, "live token on a page its request does not hold"
                 pool = cache.pools[layer][fmt]
                 assert pool.slot_pos[p, s] == pos and pool.valid[p] >> s & 1, "slot state disagrees with loc"
+            for (fmt, _), entries in table.reusable.items():
+                for _, p, _ in entries:
+                    assert held.get((fmt, p)) == seq.seq_id, "reusable slot on a page its table does not hold"
         for fmt, pool in cache.pools[layer].items():
             refs = np.zeros_like(pool.group_ref)
             for p in range(pool.capacity):
@@ -637,6 +641,41 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
                                             np.array([hi for _, _, hi in jobs]))
     for (seq, lo, hi), got in zip(jobs, many, strict=True):
         assert np.array_equal(got, caches[0].live_positions_in(seq, 1, lo, hi))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_rows=st.integers(1, 6), data=st.data())
+def test_dropping_pages_of_many_rows_matches_each_in_turn(n_rows, data):
+    """An event's emptied pages leave every row's reusable slots at once (``ReusableSlots.drop_pages_each``) as
+    ``drop_page`` of each row in turn does, rows partly taken back (a head past 0) among them; later pushes and
+    takes agree too."""
+    cls, n_pages = ("fp32", 0), 12
+    each, batch = ReusableSlots(2, n_rows), ReusableSlots(2, n_rows)
+    orders = np.asarray(data.draw(st.permutations(range(n_pages))), np.int64)
+    free = lambda layers, p, s: np.ones(len(p), bool)  # noqa: E731
+    slot = st.tuples(st.integers(0, n_pages - 1), st.integers(0, 3))
+    for r in (each, batch):
+        r.note_orders(1, "fp32", np.arange(n_pages), orders)
+    for row in range(n_rows):
+        held = data.draw(st.lists(slot, unique=True, max_size=20))
+        taken = data.draw(st.integers(0, 4))
+        for r in (each, batch):
+            if held:
+                r.push(1, np.full(len(held), row), cls, np.array([p for p, _ in held]), np.array([s for _, s in held]))
+            r.take(1, row, cls, taken, free)
+    rows = np.asarray(data.draw(st.lists(st.integers(0, n_rows - 1), unique=True, max_size=n_rows)), np.int64)
+    gone = [data.draw(st.lists(st.integers(0, n_pages - 1), unique=True, min_size=1, max_size=4)) for _ in rows]
+    for row, pages in zip(rows.tolist(), gone):
+        each.drop_page(1, row, cls, pages)
+    batch.drop_pages_each(1, rows, cls, np.array([p for ps in gone for p in ps], np.int64),
+                          np.array([len(ps) for ps in gone], np.int64))
+    assert [each.entries(1, r) for r in range(n_rows)] == [batch.entries(1, r) for r in range(n_rows)]
+    more = data.draw(st.lists(slot, max_size=6, unique=True))
+    for r in (each, batch):
+        if more:
+            r.push(1, np.zeros(len(more), np.int64), cls, np.array([p for p, _ in more]), np.array([s for _, s in more]))
+    assert each.take(1, 0, cls, 5, free) == batch.take(1, 0, cls, 5, free)
+    assert [each.entries(1, r) for r in range(n_rows)] == [batch.entries(1, r) for r in range(n_rows)]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -294,32 +294,49 @@ class BlockTable:
         pool.release_page(p)
 
     def release_pages(self, pool: PagePool, cls: Cls, pages: list[int]) -> None:
-        """``release_page`` of several empty pages of ``cls`` (an event's emptied pages: the lists and the
-        columns updated once)."""
-        if len(pages) == 1:
-            return self.release_page(pool, cls, pages[0])
-        gone = set(pages)
+        """``release_page`` of several empty pages of ``cls``."""
+        BlockTable.release_each(pool, [(self, cls, pages)])
+
+    @staticmethod
+    def release_each(pool: PagePool, jobs: list[tuple[BlockTable, Cls, list[int]]]) -> None:
+        """``release_pages`` of each job's (a table of one layer, a class of ``pool``'s format, empty pages of it;
+        no (table, class) twice): an event's emptied pages, the pool, reusable slots and stamps updated once."""
+        if not jobs:
+            return
+        cols, layer = jobs[0][0]._cols, jobs[0][0].layer  # noqa: SLF001 (tables of one cache and layer)
+        cost = held_page_bytes(pool)
+        rows = np.fromiter((table._unlist(cls, pages, cost) for table, cls, pages in jobs), np.int64, len(jobs))  # noqa: SLF001
+        counts = np.fromiter((len(pages) for _, _, pages in jobs), np.int64, len(jobs))
+        gone = np.fromiter((p for _, _, pages in jobs for p in pages), np.int64, int(counts.sum()))
+        classes = [cls for _, cls, _ in jobs]
+        starts = np.cumsum(counts) - counts
+        for cls in dict.fromkeys(classes):
+            at = np.flatnonzero(np.fromiter((c == cls for c in classes), bool, len(classes)))
+            mine = np.concatenate([gone[starts[j]:starts[j] + counts[j]] for j in at.tolist()])
+            cols.reuse.drop_pages_each(layer, rows[at], cls, mine, counts[at])
+        pool.release_pages(gone)
+        cols.touch_rows(layer, np.asarray(list(dict.fromkeys(rows.tolist())), np.int64))
+
+    def _unlist(self, cls: Cls, pages: list[int], cost: int) -> int:
+        """Pages of ``cls`` leave the list (their order numbers and ``cost`` each go); returns this table's row."""
         held = self._pages[cls]
-        held[:] = [p for p in held if p not in gone]
-        self._unhold(pool, cls, pages)
-        self._pages_changed()
+        if len(pages) == 1:
+            held.remove(pages[0])
+        else:
+            gone = set(pages)
+            held[:] = [p for p in held if p not in gone]
+        order = self._orders
         for p in pages:
-            pool.release_page(p)
+            del order[(cls[0], p)]
+        self._account.add(-cost * len(pages))
+        self._flat = self._single_bt = None
+        return self._row
 
     def drop_page(self, pool: PagePool, cls: Cls, p: int) -> None:
         """Stop holding page ``p`` (its pool page stays with whoever else holds it)."""
-        self._pages[cls].remove(p)
-        self._unhold(pool, cls, p)
+        self._unlist(cls, [p], held_page_bytes(pool))
+        self._cols.reuse.drop_page(self.layer, self._row, cls, p)  # its reusable slots go with it
         self._pages_changed()
-
-    def _unhold(self, pool: PagePool, cls: Cls, p: int | list[int]) -> None:
-        """Page ``p``'s (or several pages') order number and bytes go (the caller updates the page list)."""
-        pages = p if isinstance(p, list) else [p]
-        order = self._page_order
-        for q in pages:
-            del order[(cls[0], q)]
-        self._account.add(-held_page_bytes(pool) * len(pages))
-        self._cols.reuse.drop_page(self.layer, self._row, cls, p)  # their reusable slots go with them
 
     # --- shared pages (cache/forks.py) ---------------------------------------------------------------
     def seal(self) -> None:

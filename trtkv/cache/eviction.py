@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from trtkv.cache.block_table import BlockTable
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.forks import PageRefs
 from trtkv.cache.pool import PagePool
@@ -91,16 +92,18 @@ def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer:
         if gids is not None:
             decref_groups_many(seqs, pool, gids, np.concatenate([[0], np.cumsum(np.bincount(o, minlength=len(seqs)))]))
         _free_slots(pool, columns, layer, fmt, seq_rows[o], p, sl, reuse,
-                    lambda i, c, q, o=o, pool=pool, fmt=fmt: seqs[o[i]].layers[layer].release_pages(pool, (fmt, c), q))
+                    lambda jobs, o=o, pool=pool, fmt=fmt: BlockTable.release_each(
+                        pool, [(seqs[o[i]].layers[layer], (fmt, c), q) for i, c, q in jobs]))
     return counts
 
 
 def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np.ndarray, pages: np.ndarray,
-                slots: np.ndarray, reuse: bool, release: Callable[[int, int, list[int]], None]) -> None:
+                slots: np.ndarray, reuse: bool, release: Callable[[list[tuple[int, int, list[int]]]], None]) -> None:
     """Slots just evicted (slot ``slots[i]`` of page ``pages[i]``, row ``rows[i]`` in ``layer``, an int or an
     array) become reusable by their rows (``reuse``); a page left empty that is not its class's open page goes
-    back to the pool, taking its slots with it: ``release(i, class, pages)`` once for each table and class, ``i``
-    its first such victim (the pool's free pages end the same as releasing each page in victim order)."""
+    back to the pool, taking its slots with it: one ``release([(i, class, pages), ...])`` with an entry for each
+    table and class, ``i`` its first such victim (the pool's free pages end the same as releasing each page in
+    victim order)."""
     one_layer = np.ndim(layer) == 0  # (a layer's PagePool; else a SlotStack and each victim's layer)
     at_page = pages if one_layer else (layer, pages)
     classes, empty = pool.page_class[at_page], pool.live[at_page] == 0
@@ -126,8 +129,7 @@ def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np
     keys = zip(li[first].tolist(), rows[at].tolist(), classes[at].tolist())
     for i, key, p in zip(at.tolist(), keys, pages[at].tolist()):
         tables.setdefault(key, (i, []))[1].append(p)
-    for (_, _, c), (i, ps) in tables.items():
-        release(i, c, ps)
+    release([(i, c, ps) for (_, _, c), (i, ps) in tables.items()])
 
 
 def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int, seqs: list[SeqKV],
@@ -153,8 +155,8 @@ def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int
         if gids is not None:
             decref_groups_many([seqs[i] for i in who.tolist()], pool, gids, np.arange(len(sel) + 1))
         _free_slots(pool, columns, layer, fmt, rows[who], pg, sl, True,
-                    lambda i, c, p, who=who, pool=pool, fmt=fmt: seqs[who[i]].layers[layer].release_pages(
-                        pool, (fmt, c), p))
+                    lambda jobs, who=who, pool=pool, fmt=fmt: BlockTable.release_each(
+                        pool, [(seqs[who[i]].layers[layer], (fmt, c), p) for i, c, p in jobs]))
     return rows, held.astype(np.int64)
 
 
@@ -172,9 +174,14 @@ def evict_one_each_layers(pools: PoolSet, columns: TableColumns, layers: np.ndar
         sel = np.flatnonzero(fids == f)
         li, who, pg, sl = layer[sel], item[sel], pages[sel], slots[sel]
         stack.mark_evicted_distinct(li, pg, sl)
-        _free_slots(stack, columns, li, fmt, rows[who], pg, sl, True,
-                    lambda i, c, p, who=who, li=li, fmt=fmt: seqs[who[i]].layers[li[i]].release_pages(
-                        pools.pool(int(li[i]), fmt), (fmt, c), p))
+        def release(jobs, who=who, li=li, fmt=fmt):  # each layer's tables, with that layer's pool
+            by_layer: dict[int, list] = {}
+            for i, c, p in jobs:
+                by_layer.setdefault(int(li[i]), []).append((seqs[who[i]].layers[int(li[i])], (fmt, c), p))
+            for at, mine in by_layer.items():
+                BlockTable.release_each(pools.pool(at, fmt), mine)
+
+        _free_slots(stack, columns, li, fmt, rows[who], pg, sl, True, release)
     return np.bincount(item, minlength=len(seqs))
 
 

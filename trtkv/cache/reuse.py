@@ -165,6 +165,30 @@ class ReusableSlots:
             keys[layer, row, :len(kept)] = kept
             head[layer, row], end[layer, row] = 0, len(kept)
 
+    def drop_pages_each(self, layer: int, rows: np.ndarray, cls: Cls, pages: np.ndarray, counts: np.ndarray) -> None:
+        """``drop_page`` of ``counts[i]`` of ``pages`` (concatenated row by row) for each of ``rows`` (distinct)."""
+        if cls not in self._keys or not len(rows):
+            return
+        keys, head, end = self._keys[cls], self._head[cls], self._end[cls]
+        h, n = head[layer, rows], end[layer, rows] - head[layer, rows]
+        W = int(n.max())
+        if W == 0:
+            return
+        at = h[:, None] + np.arange(W)
+        inside = np.arange(W) < n[:, None]
+        k = keys[layer, rows[:, None], np.minimum(at, keys.shape[2] - 1)]
+        of = (k >> _PAGE_SHIFT) & _PAGE_MASK
+        span = _PAGE_MASK + 1
+        mine = np.repeat(np.arange(len(rows)), counts) * span + pages  # (row index, page) of every page that goes
+        gone = inside & np.isin(np.arange(len(rows))[:, None] * span + of, mine)
+        hit = np.flatnonzero(gone.any(1))
+        if not len(hit):
+            return
+        kept = inside[hit] & ~gone[hit]
+        order = np.argsort(~kept, axis=1, kind="stable")  # each row's kept entries first, in order
+        keys[layer, rows[hit, None], np.arange(W)] = np.take_along_axis(k[hit], order, 1)
+        head[layer, rows[hit]], end[layer, rows[hit]] = 0, kept.sum(1)
+
     # --- taking back ---------------------------------------------------------------------------------------
     def take(self, layer: int, row: int, cls: Cls, n: int, free: FreeCheck) -> tuple[list[int], list[int]]:
         """Up to ``n`` reusable slots of ``row`` in ``layer``, oldest page first: ``(pages, slots)``; entries whose
