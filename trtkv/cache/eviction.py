@@ -10,7 +10,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 import numpy as np
-import torch
 
 from trtkv.cache.block_table import BlockTable
 from trtkv.cache.columns import TableColumns
@@ -83,11 +82,7 @@ def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer:
         fmt, pool = names[f], pools[names[f]]
         sel = fids == f
         o, p, sl = (owner, pages, slots) if sel.all() else (owner[sel], pages[sel], slots[sel])
-        gids = None
-        if pool.group_specs:
-            kg = pool.k_group
-            gids = kg.numpy()[p, sl] if kg.device.type == "cpu" else \
-                kg[torch.from_numpy(p).to(kg.device), torch.from_numpy(sl).to(kg.device)].cpu().numpy()
+        gids = pool.key_groups(p, sl) if pool.group_specs else None
         pool.mark_evicted_many(p, sl)
         if gids is not None:
             decref_groups_many(seqs, pool, gids, np.concatenate([[0], np.cumsum(np.bincount(o, minlength=len(seqs)))]))
@@ -146,11 +141,7 @@ def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int
         pool = pools[fmt]
         sel = np.flatnonzero(fids == f)
         pg, sl, who = pages[sel], slots[sel], idx[sel]
-        gids = None
-        if pool.group_specs:
-            kg = pool.k_group
-            gids = kg.numpy()[pg, sl] if kg.device.type == "cpu" else \
-                kg[torch.from_numpy(pg).to(kg.device), torch.from_numpy(sl).to(kg.device)].cpu().numpy()
+        gids = pool.key_groups(pg, sl) if pool.group_specs else None
         pool.mark_evicted_distinct(pg, sl)  # one victim a request: distinct pages
         if gids is not None:
             decref_groups_many([seqs[i] for i in who.tolist()], pool, gids, np.arange(len(sel) + 1))

@@ -25,8 +25,8 @@ from trtkv.cache.block_table import ENTRY_BYTES, Cls, held_page_bytes
 from trtkv.cache.budget import PoolPlan
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
-from trtkv.cache.eviction import (decref_groups, evict_one_by_one, evict_one_each, evict_one_each_layers,
-                                  evict_private, evict_private_many)
+from trtkv.cache.eviction import (decref_groups, decref_groups_many, evict_one_by_one, evict_one_each,
+                                  evict_one_each_layers, evict_private, evict_private_many)
 from trtkv.cache.flush import flush_many
 from trtkv.cache.forks import FORK_MODES, PageRefs
 from trtkv.cache.pool import PagePool
@@ -104,8 +104,11 @@ class KVCacheManager:
         for layer, table in enumerate(seq.layers):
             for cls, pages in list(table.pages.items()):
                 pool = self.pools[layer][cls[0]]
-                if not shared and not pool.group_specs:  # (no references or key-scale groups to drop)
+                if not shared:  # a class at a time: no page is held by another sequence
                     held = np.asarray(pages, np.int64)
+                    if pool.group_specs:  # one reference drop per live slot, in page then slot order
+                        gids = pool.key_groups(*pool.live_slots(held))
+                        decref_groups_many([seq], pool, gids, np.array([0, len(gids)]))
                     pool.clear_page(held)
                     pool.release_pages(held)
                     seq.add_bytes(-held_page_bytes(pool) * len(held))

@@ -347,6 +347,18 @@ class PagePool:
         self.slot_seg[p] = -1
         self._valid_dirty = True
 
+    def key_groups(self, pages: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """The key-scale group of each ``(pages[i], slots[i])`` (-1: none), on the host."""
+        kg = self.k_group
+        if kg.device.type == "cpu":
+            return kg.numpy()[pages, slots]
+        return kg[torch.from_numpy(pages).to(kg.device), torch.from_numpy(slots).to(kg.device)].cpu().numpy()
+
+    def live_slots(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(pages, slots)`` of every live slot of ``pages``, page by page, slots ascending."""
+        at, slots = np.nonzero((self.valid[pages][:, None] >> np.arange(self.B, dtype=np.int32)) & 1)
+        return pages[at], slots
+
     def mark_evicted_many(self, pages: np.ndarray, slots: np.ndarray) -> None:
         """``mark_evicted`` of distinct live ``(page, slot)`` pairs, as array operations."""
         bits = np.left_shift(np.int32(1), slots.astype(np.int32))
