@@ -72,8 +72,21 @@ class BlockTable:
     def take_waiting_pages(self) -> None:
         """The pages waiting for this table join its lists (their bytes were charged and the batch's block
         tables took them when they were given)."""
+        self._join_waiting(*self._cols.fresh.take(self.layer, self._row))
+
+    @staticmethod
+    def catch_up_each(tables: list[BlockTable]) -> None:
+        """``take_waiting_pages`` of every table (distinct, of one layer) with pages waiting, read in one pass."""
+        if not tables:
+            return
+        cols, layer = tables[0]._cols, tables[0].layer  # noqa: SLF001 (tables of one cache and layer)
+        rows = np.fromiter((t._row for t in tables), np.int64, len(tables))  # noqa: SLF001
+        at = np.flatnonzero(cols.fresh.waiting_rows(layer, rows))
+        for i, taken in zip(at.tolist(), cols.fresh.take_rows(layer, rows[at])):
+            tables[i]._join_waiting(*taken)  # noqa: SLF001
+
+    def _join_waiting(self, fids: list[int], classes: list[int], pages: list[int], orders: list[int]) -> None:
         names = self._cols.fmt_names
-        fids, classes, pages, orders = self._cols.fresh.take(self.layer, self._row)
         keys = list(zip(fids, classes))
         one = len(set(keys)) == 1  # (the common case: every page in one pass)
         for f, c in dict.fromkeys(keys):
@@ -304,6 +317,7 @@ class BlockTable:
         if not jobs:
             return
         cols, layer = jobs[0][0]._cols, jobs[0][0].layer  # noqa: SLF001 (tables of one cache and layer)
+        BlockTable.catch_up_each(list(dict.fromkeys(table for table, _, _ in jobs)))
         cost = held_page_bytes(pool)
         rows = np.fromiter((table._unlist(cls, pages, cost) for table, cls, pages in jobs), np.int64, len(jobs))  # noqa: SLF001
         counts = np.fromiter((len(pages) for _, _, pages in jobs), np.int64, len(jobs))

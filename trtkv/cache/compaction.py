@@ -26,6 +26,7 @@ def compact_many(pools: dict[str, PagePool], refs: PageRefs, seqs: list[SeqKV], 
         for cls, pages in list(table.pages.items()):
             for p in [p for p in pages if refs.sharers(layer, cls[0], p)]:
                 refs.make_private(pools[cls[0]], seqs[0], layer, cls[0], p)
+    BlockTable.catch_up_each([seq.layers[layer] for seq in seqs])
     jobs = [(seq.layers[layer], cls, list(pages)) for seq in seqs
             for cls, pages in list(seq.layers[layer].pages.items())]
     moved = 0

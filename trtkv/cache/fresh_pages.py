@@ -58,6 +58,18 @@ class FreshPages:
         return (self._fmt[layer, row, :n].tolist(), self._cls[layer, row, :n].tolist(),
                 self._page[layer, row, :n].tolist(), self._order[layer, row, :n].tolist())
 
+    def waiting_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
+        """Which of ``rows`` have pages waiting in ``layer``."""
+        return self._n[layer, rows] > 0
+
+    def take_rows(self, layer: int, rows: np.ndarray) -> list[tuple[list[int], list[int], list[int], list[int]]]:
+        """``take`` of each of ``rows`` (distinct), read in one pass."""
+        n = self._n[layer, rows]
+        self._n[layer, rows] = 0
+        w = int(n.max(initial=0))
+        cut = [a[layer, rows, :w].tolist() for a in (self._fmt, self._cls, self._page, self._order)]
+        return [(f[:k], c[:k], p[:k], o[:k]) for k, f, c, p, o in zip(n.tolist(), *cut)]
+
     # --- the classes each table lists, in order ------------------------------------------------------------
     def _columns(self, fmt_id: int, cls: int) -> tuple[np.ndarray, np.ndarray]:
         listed = self._listed.get((fmt_id, cls))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from trtkv.cache.block_table import BlockTable
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool import PagePool
 from trtkv.cache.pool_set import PoolSet
@@ -182,7 +183,9 @@ class BlockTableCache:
         rest = np.flatnonzero(~append)
         if not len(rest):
             return
-        lists = [seqs[i].layers[layer].pages_of_format() for i in rest.tolist()]
+        tabs = [seqs[i].layers[layer] for i in rest.tolist()]
+        BlockTable.catch_up_each(tabs)
+        lists = [t.pages_of_format() for t in tabs]
         at = rows[rest]
         tables.fit(0, {fmt for d in lists for fmt in d})
         for fmt, lens in tables.lens.items():
