@@ -9,7 +9,7 @@ tests/test_cache_properties.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from itertools import islice, repeat
+from itertools import islice
 
 import numpy as np
 
@@ -21,10 +21,10 @@ __all__ = ["alloc_one_each", "alloc_slots_each", "open_fresh_pages", "open_fresh
            "add_full_pages_each"]
 
 
-def alloc_one_each(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
-                   pool: PagePool, cls: Cls) -> tuple[np.ndarray, np.ndarray]:
-    """One slot of ``cls`` for one token of each of ``rows`` (distinct requests, one layer; ``tables(i)``: the
-    table of ``rows[i]``), as each table's ``alloc_slots`` would give it, by array operations: a reusable slot
+def alloc_one_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool, cls: Cls,
+                   order: Iterator[int]) -> tuple[np.ndarray, np.ndarray]:
+    """One slot of ``cls`` for one token of each of ``rows`` (distinct requests ``seqs``, one layer; ``order``: the
+    cache's page numbering), as each table's ``alloc_slots`` would give it, by array operations: a reusable slot
     where the row has one (``ReusableSlots``), else its open page's next tail slot, rows with neither getting
     new pages in one pool call. (Each array operation costs microseconds inside a decode step: a layer of the
     common case, nothing reusable, takes a handful.)"""
@@ -41,7 +41,7 @@ def alloc_one_each(tables: Callable[[int], BlockTable], cols: TableColumns, laye
     opens = cols.open_pages(layer, rows, cls)
     need = np.flatnonzero((opens < 0) & ~reused)
     if len(need):
-        open_fresh_pages(tables, cols, layer, rows, need, pool, cls)
+        open_fresh_pages(seqs, cols, layer, rows, need, pool, cls, order)
         opens = cols.open_pages(layer, rows, cls)
     if not reused.any():  # every row takes its open page's tail (the common step)
         pages, slots = opens, pool.take_tails(opens)
@@ -127,41 +127,44 @@ def _ranks(n: np.ndarray) -> np.ndarray:
     return np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
 
 
-def open_fresh_pages(tables: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
-                     need: np.ndarray, pool: PagePool, cls: Cls) -> None:
-    """A fresh open page of ``cls`` for each of ``rows[need]`` (``tables(i)``: the table of ``rows[i]``), taken
-    from ``pool`` in one call when it has them all."""
-    fresh = pool.alloc_pages(len(need), cls[1])
-    if fresh is None:  # the pool lacks them: one by one, a full pool names its request
+def open_fresh_pages(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, need: np.ndarray,
+                     pool: PagePool, cls: Cls, order: Iterator[int]) -> None:
+    """A fresh open page of ``cls`` for each of ``rows[need]`` (``seqs[i]``: the request of ``rows[i]``), taken
+    from ``pool`` in one call when it has them all; they wait in ``FreshPages``."""
+    if _open_fresh(seqs, cols, layer, rows, need, pool, cls, order):
+        cost = held_page_bytes(pool)
         for i in need.tolist():
-            tables(i).new_page(pool, cls)
-    else:
-        _adopt_each([tables(i) for i in need.tolist()], cols, layer, rows[need], pool, cls, fresh)
+            seqs[i].account.add(cost)
 
 
 def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, short: np.ndarray,
                             pool_of: Callable[[int], PagePool], cls: Cls, order: Iterator[int]) -> None:
-    """``open_fresh_pages`` for ``rows[short[l]]`` in each layer ``l`` (``seqs[i]``: the request of ``rows[i]``,
-    ``pool_of(l)``: the layer's pool, ``order``: the cache's page numbering), layer by layer. The pages wait in
-    the columns (``FreshPages``) instead of joining every table's lists, and each request is charged once for
-    all its layers."""
-    layers = np.flatnonzero(short.any(1)).tolist()
+    """``open_fresh_pages`` for ``rows[short[l]]`` in each layer ``l`` (``pool_of(l)``: the layer's pool), layer by
+    layer, each request charged once for all its layers."""
     charge = np.zeros(len(rows), np.int64)
-    fmt_id = cols.fmt_id(cls[0])
-    for layer in layers:
+    for layer in np.flatnonzero(short.any(1)).tolist():
         need = np.flatnonzero(short[layer])
         pool = pool_of(layer)
-        fresh_pages = pool.alloc_pages(len(need), cls[1])
-        if fresh_pages is None:  # the pool lacks them: one by one, a full pool names its request
-            for i in need.tolist():
-                seqs[i].layers[layer].new_page(pool, cls)
-            continue
-        _queue_pages([seqs[i].layers[layer] for i in need.tolist()], cols, layer, rows[need], fmt_id, cls,
-                     fresh_pages[:, None], order)
-        cols.set_opens(layer, rows[need], cls, fresh_pages)
-        charge[need] += held_page_bytes(pool)
+        if _open_fresh(seqs, cols, layer, rows, need, pool, cls, order):
+            charge[need] += held_page_bytes(pool)
     for i in np.flatnonzero(charge).tolist():
         seqs[i].account.add(int(charge[i]))
+
+
+def _open_fresh(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, need: np.ndarray, pool: PagePool,
+                cls: Cls, order: Iterator[int]) -> bool:
+    """The pages of ``open_fresh_pages``: they wait in the columns (``FreshPages``) instead of joining every
+    table's lists; False when the pool lacked them and each table took its own (a full pool names its request),
+    bytes charged."""
+    fresh = pool.alloc_pages(len(need), cls[1])
+    if fresh is None:
+        for i in need.tolist():
+            seqs[i].layers[layer].new_page(pool, cls)
+        return False
+    _queue_pages([seqs[i].layers[layer] for i in need.tolist()], cols, layer, rows[need], cols.fmt_id(cls[0]), cls,
+                 fresh[:, None], order)
+    cols.set_opens(layer, rows[need], cls, fresh)
+    return True
 
 
 def add_fresh_pages_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool, cls: Cls,
@@ -213,15 +216,3 @@ def add_full_pages_each(tables: list[BlockTable], cols: TableColumns, layer: int
         cols.append_rows(layer, rows, fmts[0], pages, at_end)
     else:
         cols.touch_rows(layer, rows)
-
-
-def _adopt_each(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool,
-                cls: Cls, pages: np.ndarray) -> None:
-    """Page ``pages[i]`` becomes the open page of ``tables[i]`` (distinct, rows ``rows``; as ``new_page`` would
-    make it): the columns' open pages and stamps set for all at once (every request of a batch crosses a page
-    boundary on the same step)."""
-    cost = held_page_bytes(pool)
-    at_end = np.fromiter(map(BlockTable.hold_fresh_page, tables, repeat(cls), pages.tolist(), repeat(cost)), bool,
-                         len(tables))
-    cols.set_opens(layer, rows, cls, pages)
-    cols.append_rows(layer, rows, cls[0], pages, at_end)

@@ -229,12 +229,6 @@ class BlockTable:
         self._pages_changed()
         self._account.add(held_page_bytes(pool))
 
-    def hold_fresh_page(self, cls: Cls, p: int, cost: int) -> bool:
-        """``hold_fresh`` of one page."""
-        self._number(cls, p)
-        self._join(cls, [p])
-        return self._held_fresh(cls, cost)
-
     def hold_fresh(self, cls: Cls, pages: list[int], cost: int) -> bool:
         """Pages just taken from the pool join ``cls``'s list (``cost``: their bytes); True when they end their
         format's list (the batch's block tables can append them)."""

@@ -222,7 +222,7 @@ class KVCacheManager:
         """One token per request ``k, v [b, H, D]`` into a write-through format, in one kernel call."""
         pool = self.pool(layer, cls[0])
         rows = self.rows(seqs)
-        pages, slots = alloc_one_each(lambda i: seqs[i].layers[layer], self.columns, layer, rows, pool, cls)
+        pages, slots = alloc_one_each(seqs, self.columns, layer, rows, pool, cls, self._page_order)
         self._write_codes(layer, pool, k, v, _on(pool.device, pages), _on(pool.device, slots))
         pos = self._array_of(positions)
         pool.mark_written_distinct(pages, slots, pos)  # one slot in each of distinct pages: one call for the batch
@@ -236,7 +236,9 @@ class KVCacheManager:
         own allocation, layer after layer, makes the plan."""
         rows, pos = self.rows(seqs), self._array_of(positions)
         plan = plan_write_through(self.pools, self.columns, seqs, rows, pos, cls, self._page_order)
-        return plan_each_layer(self.pools, self.columns, seqs, rows, pos, cls) if plan is None and always else plan
+        if plan is None and always:
+            return plan_each_layer(self.pools, self.columns, seqs, rows, pos, cls, self._page_order)
+        return plan
 
     def write_planned(self, plan: WritePlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``write_through`` of layer ``layer`` into the slots ``plan`` recorded: the kernel call alone."""

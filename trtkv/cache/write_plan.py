@@ -72,14 +72,14 @@ def plan_write_through(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV],
 
 
 def plan_each_layer(pools: PoolSet, columns: TableColumns, seqs: list[SeqKV], rows: np.ndarray,
-                    positions: np.ndarray, cls: Cls) -> WritePlan:
+                    positions: np.ndarray, cls: Cls, order: Iterator[int]) -> WritePlan:
     """The plan of a step ``plan_write_through`` does not cover: ``write_through``'s allocation and records, layer
     after layer, without the codes. The same slots and state as
     ``write_through`` when nothing between two layers' writes changes the tables."""
     pages, slots = [], []
     for layer in range(columns.num_layers):
         pool = pools.pool(layer, cls[0])
-        p, s = alloc_one_each(lambda i, layer=layer: seqs[i].layers[layer], columns, layer, rows, pool, cls)
+        p, s = alloc_one_each(seqs, columns, layer, rows, pool, cls, order)
         pool.mark_written_distinct(p, s, positions)
         columns.place_rows(layer, rows, cls[0], p, s, positions)
         pages.append(p)
