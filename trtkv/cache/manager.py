@@ -25,7 +25,7 @@ from trtkv.cache.block_table import ENTRY_BYTES, Cls, held_page_bytes
 from trtkv.cache.budget import PoolPlan
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
-from trtkv.cache.eviction import (decref_groups, decref_groups_many, evict_one_by_one, evict_one_each,
+from trtkv.cache.eviction import (decref_groups_many, evict_one_by_one, evict_one_each,
                                   evict_one_each_layers, evict_private, evict_private_many)
 from trtkv.cache.flush import flush_many
 from trtkv.cache.forks import FORK_MODES, PageRefs
@@ -100,37 +100,19 @@ class KVCacheManager:
             self.residual.release(seq.residual)
         if self._tiers is not None:  # the request's host-tier pages go too
             self._tiers.free(seq_id)
-        shared = len(self.refs) > 0
         for layer, table in enumerate(seq.layers):
             for cls, pages in list(table.pages.items()):
                 pool = self.pools[layer][cls[0]]
-                if not shared:  # a class at a time: no page is held by another sequence
-                    held = np.asarray(pages, np.int64)
-                    if pool.group_specs:  # one reference drop per live slot, in page then slot order
-                        gids = pool.key_groups(*pool.live_slots(held))
-                        decref_groups_many([seq], pool, gids, np.array([0, len(gids)]))
-                    pool.clear_page(held)
-                    pool.release_pages(held)
-                    seq.add_bytes(-held_page_bytes(pool) * len(held))
-                    continue
-                for p in list(pages):
-                    if self.refs.release(pool, seq, layer, cls[0], p):
-                        continue  # another sequence still holds it
-                    self._drop_page_tokens(seq, pool, p)
-                    pool.release_page(p)
-                    seq.add_bytes(-held_page_bytes(pool))
+                # a page another sequence still holds loses only this reference (and its bytes)
+                held = np.asarray([p for p in pages if not self.refs.release(pool, seq, layer, cls[0], p)]
+                                  if len(self.refs) else pages, np.int64)
+                if pool.group_specs:  # one reference drop per live slot, in page then slot order
+                    gids = pool.key_groups(*pool.live_slots(held))
+                    decref_groups_many([seq], pool, gids, np.array([0, len(gids)]))
+                pool.clear_page(held)
+                pool.release_pages(held)
+                seq.add_bytes(-held_page_bytes(pool) * len(held))
         self.columns.release(seq.row)
-
-    def _drop_page_tokens(self, seq: SeqKV, pool: PagePool, p: int) -> None:
-        """Drop every live token of a page being released: one reference drop per key-scale group, not per
-        token (a finished 4k-token request holds ~8k such slots per layer)."""
-        bits = int(pool.valid[p])
-        if not bits:
-            return
-        if pool.group_specs:
-            row = pool.k_group[p].tolist()
-            decref_groups(seq, pool, [row[s] for s in range(pool.B) if bits >> s & 1])
-        pool.clear_page(p)
 
     def fork(self, parent: SeqKV, child_id: int, mode: str = "cow") -> SeqKV:
         """A new sequence holding exactly the parent's tokens, by reference (``cache/forks.py``)."""
