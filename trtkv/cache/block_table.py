@@ -300,14 +300,10 @@ class BlockTable:
         self.drop_page(pool, cls, p)
         pool.release_page(p)
 
-    def release_pages(self, pool: PagePool, cls: Cls, pages: list[int]) -> None:
-        """``release_page`` of several empty pages of ``cls``."""
-        BlockTable.release_each(pool, [(self, cls, pages)])
-
     @staticmethod
     def release_each(pool: PagePool, jobs: list[tuple[BlockTable, Cls, list[int]]]) -> None:
-        """``release_pages`` of each job's (a table of one layer, a class of ``pool``'s format, empty pages of it;
-        no (table, class) twice): an event's emptied pages, the pool, reusable slots and stamps updated once."""
+        """``release_page`` of each job's pages (a table of one layer, a class of ``pool``'s format, empty pages of
+        it; no (table, class) twice): an event's emptied pages, the pool, reusable slots and stamps updated once."""
         if not jobs:
             return
         cols, layer = jobs[0][0]._cols, jobs[0][0].layer  # noqa: SLF001 (tables of one cache and layer)
@@ -316,14 +312,12 @@ class BlockTable:
         rows = np.fromiter((table._unlist(cls, pages, cost) for table, cls, pages in jobs), np.int64, len(jobs))  # noqa: SLF001
         counts = np.fromiter((len(pages) for _, _, pages in jobs), np.int64, len(jobs))
         gone = np.fromiter((p for _, _, pages in jobs for p in pages), np.int64, int(counts.sum()))
-        classes = [cls for _, cls, _ in jobs]
         starts = np.cumsum(counts) - counts
-        for cls in dict.fromkeys(classes):
-            at = np.flatnonzero(np.fromiter((c == cls for c in classes), bool, len(classes)))
+        for cls, at in _by_class([cls for _, cls, _ in jobs]):
             mine = np.concatenate([gone[starts[j]:starts[j] + counts[j]] for j in at.tolist()])
             cols.reuse.drop_pages_each(layer, rows[at], cls, mine, counts[at])
         pool.release_pages(gone)
-        cols.touch_rows(layer, np.asarray(list(dict.fromkeys(rows.tolist())), np.int64))
+        _touch(cols, layer, rows)
 
     def _unlist(self, cls: Cls, pages: list[int], cost: int) -> int:
         """Pages of ``cls`` leave the list (their order numbers and ``cost`` each go); returns this table's row."""
@@ -410,12 +404,10 @@ class BlockTable:
         pool.release_pages(np.asarray(gone, np.int64))
         kept = lasts >= 0
         lasts[kept] = np.where(pool.hwm[lasts[kept]] < pool.B, lasts[kept], -1)  # (a full last page closes)
-        classes = [cls for _, cls in jobs]
-        for cls in dict.fromkeys(classes):
-            at = np.fromiter((c == cls for c in classes), bool, len(classes))
+        for cls, at in _by_class([cls for _, cls in jobs]):
             cols.reuse.clear(layer, rows[at], cls)
             cols.set_opens(layer, rows[at], cls, lasts[at])
-        cols.touch_rows(layer, np.asarray(list(dict.fromkeys(rows.tolist())), np.int64))
+        _touch(cols, layer, rows)
 
     def _cut(self, cls: Cls, keep: int, cost: int) -> tuple[int, int, list[int]]:
         """``cls`` keeps its first ``keep`` pages (the rest's order numbers and ``cost`` each go; the caller
@@ -437,3 +429,14 @@ class BlockTable:
     def _pages_changed(self) -> None:
         self._flat = self._single_bt = None
         self._cols.touch(self.layer, self._row)
+
+
+def _by_class(classes: list[Cls]) -> Iterator[tuple[Cls, np.ndarray]]:
+    """Each class of a batch's jobs with the indices of its jobs, classes in first-seen order."""
+    for cls in dict.fromkeys(classes):
+        yield cls, np.flatnonzero(np.fromiter((c == cls for c in classes), bool, len(classes)))
+
+
+def _touch(cols: TableColumns, layer: int, rows: np.ndarray) -> None:
+    """A batch verb changed the page lists of ``rows`` (repeats allowed): each row's stamp moves once."""
+    cols.touch_rows(layer, np.asarray(list(dict.fromkeys(rows.tolist())), np.int64))

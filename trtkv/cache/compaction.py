@@ -2,7 +2,6 @@
 the front of its pages and release the emptied pages. It copies K/V codes; the in-place mode never does."""
 from __future__ import annotations
 
-
 from trtkv.cache.block_table import BlockTable
 from trtkv.cache.forks import PageRefs
 from trtkv.cache.pool import PagePool

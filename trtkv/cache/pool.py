@@ -356,8 +356,12 @@ class PagePool:
 
     def live_slots(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(pages, slots)`` of every live slot of ``pages``, page by page, slots ascending."""
-        at, slots = np.nonzero((self.valid[pages][:, None] >> np.arange(self.B, dtype=np.int32)) & 1)
+        at, slots = self._live_at(pages)
         return pages[at], slots
+
+    def _live_at(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``live_slots`` as ``(index into pages, slot)``."""
+        return np.nonzero((self.valid[pages][:, None] >> np.arange(self.B, dtype=np.int32)) & 1)
 
     def mark_evicted_many(self, pages: np.ndarray, slots: np.ndarray) -> None:
         """``mark_evicted`` of distinct live ``(page, slot)`` pairs, as array operations."""
@@ -408,7 +412,7 @@ class PagePool:
         lens = np.fromiter(map(len, page_lists), np.int64, len(page_lists))
         pg = np.concatenate(page_lists).astype(np.int64) if len(page_lists) > 1 else np.asarray(page_lists[0],
                                                                                                    np.int64)
-        at, ss = np.nonzero((self.valid[pg][:, None] >> np.arange(B, dtype=np.int32)) & 1)  # page, then slot order
+        at, ss = self._live_at(pg)  # page, then slot order
         sp = pg[at]
         job = np.repeat(np.arange(len(lens)), lens)[at]
         counts = np.bincount(job, minlength=len(lens))
