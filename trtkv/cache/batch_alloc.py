@@ -191,7 +191,7 @@ def _queue_pages(tables: list[BlockTable], cols: TableColumns, layer: int, rows:
     orders = np.fromiter(islice(order, n * per), np.int64, n * per).reshape(n, per)
     at_end = fresh.list_classes(layer, rows, fmt_id, cls[1])
     for j in range(per):
-        fresh.add(layer, rows, fmt_id, pages[:, j], orders[:, j], cls[1])
+        fresh.add(layer, rows, fmt_id, pages[:, j], cls[1])
     cols.reuse.note_orders(layer, cls[0], pages.reshape(-1), orders.reshape(-1))
     cols.append_rows(layer, rows, cls[0], pages if per > 1 else pages[:, 0], at_end)
 
@@ -210,8 +210,8 @@ def add_full_pages_each(tables: list[BlockTable], cols: TableColumns, layer: int
         mine = slice(None) if one_fmt else np.asarray([f == fmt for f in fmts])
         cols.reuse.note_orders(layer, fmt, pages[mine].reshape(-1), orders[mine].reshape(-1))
     cost = per * held_page_bytes(pool)
-    at_end = np.fromiter((t.hold_numbered(cls, ps, os, cost)
-                          for t, cls, ps, os in zip(tables, classes, pages.tolist(), orders.tolist())), bool, G)
+    at_end = np.fromiter((t.hold_numbered(cls, ps, cost) for t, cls, ps in zip(tables, classes, pages.tolist())),
+                         bool, G)
     if one_fmt:
         cols.append_rows(layer, rows, fmts[0], pages, at_end)
     else:

@@ -42,7 +42,6 @@ class BlockTable:
         self._order = order
         self._cols, self._row = cols, row  # position map, live count, open pages, reuse flags: this row
         self._page_lists: dict[Cls, list[int]] = {}  # (read through ``_pages``: a page boundary's pages wait)
-        self._orders: dict[tuple[str, int], int] = {}  # order number of each held page (through ``_page_order``)
         self._flat: dict[str, np.ndarray] | None = None
         self._single_bt: list | None = None  # block tables of this request alone (attention at batch 1)
 
@@ -56,15 +55,6 @@ class BlockTable:
     def _pages(self, lists: dict[Cls, list[int]]) -> None:
         self._page_lists = lists
 
-    @property
-    def _page_order(self) -> dict[tuple[str, int], int]:
-        self._catch_up()
-        return self._orders
-
-    @_page_order.setter
-    def _page_order(self, orders: dict[tuple[str, int], int]) -> None:
-        self._orders = orders
-
     def _catch_up(self) -> None:
         if self._cols.fresh.waiting(self.layer, self._row):
             self.take_waiting_pages()
@@ -76,24 +66,34 @@ class BlockTable:
 
     @staticmethod
     def catch_up_each(tables: list[BlockTable]) -> None:
-        """``take_waiting_pages`` of every table (distinct, of one layer) with pages waiting, read in one pass."""
+        """``take_waiting_pages`` of every table (distinct, of one layer) with pages waiting, read in one pass; a
+        table whose waiting pages are all of one class (the common case) extends that list with them."""
         if not tables:
             return
         cols, layer = tables[0]._cols, tables[0].layer  # noqa: SLF001 (tables of one cache and layer)
         rows = np.fromiter((t._row for t in tables), np.int64, len(tables))  # noqa: SLF001
         at = np.flatnonzero(cols.fresh.waiting_rows(layer, rows))
-        for i, taken in zip(at.tolist(), cols.fresh.take_rows(layer, rows[at])):
-            tables[i]._join_waiting(*taken)  # noqa: SLF001
+        if not len(at):
+            return
+        n, fids, classes, pages = cols.fresh.take_rows(layer, rows[at])
+        past = np.arange(fids.shape[1]) >= n[:, None]
+        one = ((fids == fids[:, :1]) & (classes == classes[:, :1]) | past).all(1)
+        names = cols.fmt_names
+        for j, (i, k, f, c, ps, same) in enumerate(zip(at.tolist(), n.tolist(), fids[:, 0].tolist(),
+                                                       classes[:, 0].tolist(), pages.tolist(), one.tolist())):
+            t = tables[i]
+            if same:
+                t._page_lists.setdefault((names[f], c), []).extend(ps[:k])  # noqa: SLF001
+                t._flat = t._single_bt = None  # noqa: SLF001
+            else:
+                t._join_waiting(fids[j, :k].tolist(), classes[j, :k].tolist(), ps[:k])  # noqa: SLF001
 
-    def _join_waiting(self, fids: list[int], classes: list[int], pages: list[int], orders: list[int]) -> None:
+    def _join_waiting(self, fids: list[int], classes: list[int], pages: list[int]) -> None:
         names = self._cols.fmt_names
         keys = list(zip(fids, classes))
-        one = len(set(keys)) == 1  # (the common case: every page in one pass)
         for f, c in dict.fromkeys(keys):
-            mine = range(len(keys)) if one else [i for i, key in enumerate(keys) if key == (f, c)]
-            fmt, held = names[f], [pages[i] for i in mine]
-            self._orders.update(zip(zip(repeat(fmt), held), (orders[i] for i in mine)))
-            self._page_lists.setdefault((fmt, c), []).extend(held)
+            self._page_lists.setdefault((names[f], c), []).extend(
+                [p for p, key in zip(pages, keys) if key == (f, c)])
         self._flat = self._single_bt = None
 
     def _list(self, cls: Cls) -> None:
@@ -127,9 +127,13 @@ class BlockTable:
         return self._cols.open_pages_of(self.layer, self._row)
 
     @property
-    def page_seq(self) -> MappingProxyType:
-        """``(format, page) -> order number`` of every held page."""
-        return MappingProxyType(self._page_order)
+    def page_seq(self) -> dict[tuple[str, int], int]:
+        """``(format, page) -> order number`` of every held page (a copy)."""
+        out = {}
+        for (fmt, _), pages in self._pages.items():
+            if pages:
+                out.update(zip(zip(repeat(fmt), pages), self._cols.reuse.orders_of(self.layer, fmt, pages).tolist()))
+        return out
 
     @property
     def holes(self) -> bool:
@@ -146,10 +150,7 @@ class BlockTable:
         return self._cols.positions(self.layer, self._row)
 
     def holds_page(self, fmt: str, p: int) -> bool:
-        return (fmt, p) in self._page_order
-
-    def order_of(self, fmt: str, p: int) -> int:
-        return self._page_order[(fmt, p)]
+        return any(p in pages for (f, _), pages in self._pages.items() if f == fmt)
 
     def num_pages(self) -> int:
         return sum(len(p) for p in self._pages.values())
@@ -167,6 +168,12 @@ class BlockTable:
                 flat.setdefault(fmt, []).extend(pages)
             self._flat = {f: np.asarray(p, np.int32) for f, p in flat.items()}
         return self._flat
+
+    def page_lists_of(self, fmt: str) -> list[list[int]]:
+        """The page lists of ``fmt``'s classes in table order (the lists themselves: read, never changed), so a
+        batch's block tables are filled from every table's lists in one pass (``BlockTableCache``)."""
+        self._catch_up()
+        return [pages for (f, _), pages in self._page_lists.items() if f == fmt]
 
     def single_block_tables(self, build: Callable[[dict[str, np.ndarray]], list]) -> list:
         """This request's block tables built by ``build(pages_of_format())``, cached until a page list changes."""
@@ -236,19 +243,17 @@ class BlockTable:
         if pages:
             self._cols.reuse.note_orders(self.layer, cls[0], np.asarray(pages, np.int64),
                                          np.asarray(orders, np.int64))
-        return self.hold_numbered(cls, pages, orders, cost)
+        return self.hold_numbered(cls, pages, cost)
 
-    def hold_numbered(self, cls: Cls, pages: list[int], orders: list[int], cost: int) -> bool:
-        """``hold_fresh`` of pages the caller numbered (``orders``, taken from this table's page numbering, and
-        noted with the reusable slots): a batch's flush numbers every table's pages at once."""
-        self._page_order.update(zip(zip(repeat(cls[0]), pages), orders))
+    def hold_numbered(self, cls: Cls, pages: list[int], cost: int) -> bool:
+        """``hold_fresh`` of pages the caller numbered (from this table's page numbering, noted with the reusable
+        slots): a batch's flush numbers every table's pages at once."""
         self._join(cls, pages)
         return self._held_fresh(cls, cost)
 
     def _number(self, cls: Cls, p: int) -> None:
         """Page ``p`` of ``cls`` takes the next order number of the cache's page numbering."""
-        self._page_order[(cls[0], p)] = no = next(self._order)
-        self._cols.reuse.note_orders(self.layer, cls[0], p, no)
+        self._cols.reuse.note_orders(self.layer, cls[0], p, next(self._order))
 
     def _join(self, cls: Cls, pages: list[int]) -> None:
         """``pages`` join the end of ``cls``'s list; a class new to the table is listed after the others."""
@@ -320,16 +325,13 @@ class BlockTable:
         _touch(cols, layer, rows)
 
     def _unlist(self, cls: Cls, pages: list[int], cost: int) -> int:
-        """Pages of ``cls`` leave the list (their order numbers and ``cost`` each go); returns this table's row."""
+        """Pages of ``cls`` leave the list (``cost`` each goes); returns this table's row."""
         held = self._pages[cls]
         if len(pages) == 1:
             held.remove(pages[0])
         else:
             gone = set(pages)
             held[:] = [p for p in held if p not in gone]
-        order = self._orders
-        for p in pages:
-            del order[(cls[0], p)]
         self._account.add(-cost * len(pages))
         self._flat = self._single_bt = None
         return self._row
@@ -354,7 +356,6 @@ class BlockTable:
         self._pages = {cls: list(pages) for cls, pages in parent.pages.items()}
         for cls in self._page_lists:
             self._list(cls)
-        self._page_order = dict(parent.page_seq)
         self._cols.copy_row(self.layer, parent._row, self._row)  # noqa: SLF001
         self._cols.set_holes(self.layer, self._row)
         self._pages_changed()
@@ -364,21 +365,18 @@ class BlockTable:
         its tokens (``slot_positions``: the position in each slot of the copy, -1 free)."""
         pages = self._pages[cls]
         pages[pages.index(old)] = new
-        del self._page_order[(cls[0], old)]
         self._cols.reuse.drop_page(self.layer, self._row, cls, old)
-        self._page_order[(cls[0], new)] = no = next(self._order)
-        self._cols.reuse.note_orders(self.layer, cls[0], new, no)
+        self._number(cls, new)
         for s, pos in enumerate(slot_positions.tolist()):
             if pos >= 0 and self.locate(pos) == (cls[0], old, s):
                 self.place_one(cls[0], new, s, pos)
         self._pages_changed()
 
-    def add_shared_page(self, pool: PagePool, cls: Cls, p: int, order: int) -> bool:
-        """Hold page ``p`` of another table (with that table's order number); False when already held."""
-        if (cls[0], p) in self._page_order:
+    def add_shared_page(self, pool: PagePool, cls: Cls, p: int) -> bool:
+        """Hold page ``p`` of another table (its order number is the page's, shared); False when already held."""
+        if self.holds_page(cls[0], p):
             return False
         self._join(cls, [p])
-        self._page_order[(cls[0], p)] = order
         self._pages_changed()
         self._account.add(held_page_bytes(pool))
         return True
@@ -410,13 +408,11 @@ class BlockTable:
         _touch(cols, layer, rows)
 
     def _cut(self, cls: Cls, keep: int, cost: int) -> tuple[int, int, list[int]]:
-        """``cls`` keeps its first ``keep`` pages (the rest's order numbers and ``cost`` each go; the caller
-        releases them): ``(row, last kept page or -1, the pages cut)``."""
+        """``cls`` keeps its first ``keep`` pages (the rest's ``cost`` each goes; the caller releases them): ``(row,
+        last kept page or -1, the pages cut)``."""
         held = self._pages[cls]
         drop = held[keep:]
         if drop:
-            for p in drop:
-                del self._orders[(cls[0], p)]
             self._account.add(-cost * len(drop))
             self._page_lists[cls] = held = held[:keep]
         self._flat = self._single_bt = None

@@ -118,7 +118,7 @@ class PageRefs:
                 t = other.layers[layer]
                 t.seal()
                 t.place_one(fmt, p, s, int(pos))
-                if t.add_shared_page(pool, cls, p, otable.order_of(fmt, p)):
+                if t.add_shared_page(pool, cls, p):
                     self.add(layer, fmt, p, owner.seq_id, other.seq_id)
 
     def release(self, pool: PagePool, seq: SeqKV, layer: int, fmt: str, p: int) -> bool:

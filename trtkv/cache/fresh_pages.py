@@ -1,11 +1,12 @@
 """``FreshPages``: pages a batch's page boundary or flush gave to block tables, not yet in their Python page lists.
 
 Every request of a lockstep batch fills its open page (or its residual buffer) on the same step, so at 32 layers
-× 256 requests a page boundary hands out 8,192 pages; appending each to its table's lists (and numbering it) is
-Python work per (request, layer). Here a boundary records the pages, their format, class and order numbers per
-(layer, row) as array writes, and a table moves its row's entries into its lists the first time it reads them
-(``BlockTable``: page lists, order numbers, flat page arrays). The batch's block tables take the pages in place
-meanwhile (``TableColumns.append_rows``), so a decode step reads no table's lists and the entries wait.
+× 256 requests a page boundary hands out 8,192 pages; appending each to its table's lists is Python work per
+(request, layer). Here a boundary records the pages, their format and class per (layer, row) as array writes
+(their order numbers go to ``ReusableSlots``, which keeps every page's), and a table moves its row's entries
+into its lists the first time it reads them (``BlockTable``: page lists, flat page arrays). The batch's block
+tables take the pages in place meanwhile (``TableColumns.append_rows``), so a decode step reads no table's lists
+and the entries wait.
 
 A format's block table is its class lists joined in the order the table first listed each class, so a page
 ends its format's pages only when its class is the format's last listed one: ``list_classes`` keeps that
@@ -26,19 +27,16 @@ class FreshPages:
     def __init__(self, num_layers: int, rows: int) -> None:
         self._n = np.zeros((num_layers, rows), np.int64)
         self._page = np.zeros((num_layers, rows, DEPTH), np.int32)
-        self._order = np.zeros((num_layers, rows, DEPTH), np.int64)
         self._fmt = np.zeros((num_layers, rows, DEPTH), np.int8)
         self._cls = np.zeros((num_layers, rows, DEPTH), np.int16)
         self._listed: dict[tuple[int, int], np.ndarray] = {}  # (format id, class) -> [layers, rows] listed
         self._last: dict[int, np.ndarray] = {}  # format id -> [layers, rows] its class listed last, -1 none
 
-    def add(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray, orders: np.ndarray,
-            cls: int = 0) -> None:
-        """Page ``pages[i]`` (format ``fmt_id``, class ``cls``, order number ``orders[i]``) joins row ``rows[i]``
-        (distinct, none of them ``full``)."""
+    def add(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray, cls: int = 0) -> None:
+        """Page ``pages[i]`` (format ``fmt_id``, class ``cls``) joins row ``rows[i]`` (distinct, none of them
+        ``full``)."""
         n = self._n[layer, rows]
         self._page[layer, rows, n] = pages
-        self._order[layer, rows, n] = orders
         self._fmt[layer, rows, n] = fmt_id
         self._cls[layer, rows, n] = cls
         self._n[layer, rows] = n + 1
@@ -50,25 +48,25 @@ class FreshPages:
     def waiting(self, layer: int, row: int) -> bool:
         return self._n.item(layer, row) > 0
 
-    def take(self, layer: int, row: int) -> tuple[list[int], list[int], list[int], list[int]]:
-        """Format ids, classes, pages and order numbers of the pages waiting for ``row`` in ``layer``, oldest
-        first; they wait no more."""
+    def take(self, layer: int, row: int) -> tuple[list[int], list[int], list[int]]:
+        """Format ids, classes and pages of the pages waiting for ``row`` in ``layer``, oldest first; they wait no
+        more."""
         n = self._n.item(layer, row)
         self._n[layer, row] = 0
         return (self._fmt[layer, row, :n].tolist(), self._cls[layer, row, :n].tolist(),
-                self._page[layer, row, :n].tolist(), self._order[layer, row, :n].tolist())
+                self._page[layer, row, :n].tolist())
 
     def waiting_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
         """Which of ``rows`` have pages waiting in ``layer``."""
         return self._n[layer, rows] > 0
 
-    def take_rows(self, layer: int, rows: np.ndarray) -> list[tuple[list[int], list[int], list[int], list[int]]]:
-        """``take`` of each of ``rows`` (distinct), read in one pass."""
+    def take_rows(self, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``take`` of each of ``rows`` (distinct), read in one pass: ``(counts [n], format ids, classes, pages
+        [n, width])``, row ``i``'s first ``counts[i]`` entries its pages, oldest first."""
         n = self._n[layer, rows]
         self._n[layer, rows] = 0
         w = int(n.max(initial=0))
-        cut = [a[layer, rows, :w].tolist() for a in (self._fmt, self._cls, self._page, self._order)]
-        return [(f[:k], c[:k], p[:k], o[:k]) for k, f, c, p, o in zip(n.tolist(), *cut)]
+        return n, self._fmt[layer, rows, :w], self._cls[layer, rows, :w], self._page[layer, rows, :w]
 
     # --- the classes each table lists, in order ------------------------------------------------------------
     def _columns(self, fmt_id: int, cls: int) -> tuple[np.ndarray, np.ndarray]:
@@ -109,9 +107,9 @@ class FreshPages:
     def grow_rows(self, rows: int) -> None:
         extra = rows - self._n.shape[1]
         self._n = np.concatenate([self._n, np.zeros((self._n.shape[0], extra), np.int64)], axis=1)
-        self._page, self._order, self._fmt, self._cls = (
+        self._page, self._fmt, self._cls = (
             np.concatenate([a, np.zeros((a.shape[0], extra, a.shape[2]), a.dtype)], axis=1)
-            for a in (self._page, self._order, self._fmt, self._cls))
+            for a in (self._page, self._fmt, self._cls))
         for key, listed in self._listed.items():
             self._listed[key] = np.concatenate([listed, np.zeros((listed.shape[0], extra), bool)], axis=1)
         for key, last in self._last.items():

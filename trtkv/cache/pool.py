@@ -20,6 +20,7 @@ from plugins.formats import KVFormat
 from trtkv.errors import OutOfKVMemory
 
 FIRST_CHUNK = 16  # pages (or groups) initialised at once the first time; later chunks double
+AHEAD_MAX = 256  # at most this many beyond those asked for: touching memory first is the cost, so none is early
 MAX_POOL_PAGES = 1 << 23  # page ids a position map entry can name (trtkv/cache/columns.py)
 MARK_MANY_MIN = 8  # slots written in one call from which mark_written uses array operations
 
@@ -106,8 +107,8 @@ class PagePool:
                              f"layer); raise --kv-memory (or --set max_pages) or lower the batch size")
 
     def _init_pages(self, upto: int) -> None:
-        """Initialise pages ``[ready, upto)`` (and a doubling chunk beyond) before their first use."""
-        end = min(self.capacity, max(upto, 2 * self.ready, FIRST_CHUNK))
+        """Initialise pages ``[ready, upto)`` (and a doubling chunk beyond, at most AHEAD_MAX) before first use."""
+        end = min(self.capacity, max(upto, min(2 * self.ready, upto + AHEAD_MAX), FIRST_CHUNK))
         lo = self.ready
         for t in self.fields:
             t[lo:end].zero_()
@@ -117,7 +118,7 @@ class PagePool:
         self.ready = end
 
     def _init_groups(self, upto: int) -> None:
-        end = min(self.group_capacity, max(upto, 2 * self.groups_ready, FIRST_CHUNK))
+        end = min(self.group_capacity, max(upto, min(2 * self.groups_ready, upto + AHEAD_MAX), FIRST_CHUNK))
         for t in self.group_fields:
             t[self.groups_ready:end].zero_()
         self.groups_ready = end

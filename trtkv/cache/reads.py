@@ -2,6 +2,8 @@
 per format, and whether a lone request's tokens form one dense run of pages (a view instead of a gather)."""
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
 
@@ -82,9 +84,6 @@ def _slots_by_lookup(pools: dict[str, PagePool], columns: TableColumns, layer: i
 
 def _ints(positions) -> list[int]:
     return positions.tolist() if hasattr(positions, "tolist") else [int(p) for p in positions]
-
-
-NO_PAGES = np.empty(0, np.int32)  # a sequence without pages of a format
 
 
 class _RowTables:
@@ -185,12 +184,11 @@ class BlockTableCache:
             return
         tabs = [seqs[i].layers[layer] for i in rest.tolist()]
         BlockTable.catch_up_each(tabs)
-        lists = [t.pages_of_format() for t in tabs]
         at = rows[rest]
-        tables.fit(0, {fmt for d in lists for fmt in d})
+        tables.fit(0, {fmt for t in tabs for fmt, _ in t.pages})
         for fmt, lens in tables.lens.items():
-            mine = [d.get(fmt, NO_PAGES) for d in lists]
-            new = np.fromiter(map(len, mine), np.int64, len(mine))
+            mine = [t.page_lists_of(fmt) for t in tabs]
+            new = np.fromiter((sum(map(len, ls)) for ls in mine), np.int64, len(mine))
             bt = tables.widen(fmt, int(new.max(initial=0)))
             bt[at, : int(lens[at].max(initial=0))] = -1
             lens[at] = new
@@ -200,11 +198,11 @@ class BlockTableCache:
 FIRST_TABLE_WIDTH = 16  # pages a row of a layer's block tables holds before its format's table widens
 
 
-def _fill_rows(bt: np.ndarray, at: np.ndarray, rows: list[np.ndarray], lens: np.ndarray) -> None:
-    """``bt[at[i], :lens[i]] = rows[i]`` for every i, in one scatter."""
+def _fill_rows(bt: np.ndarray, at: np.ndarray, rows: list[list[list[int]]], lens: np.ndarray) -> None:
+    """``bt[at[i], :lens[i]] =`` the lists ``rows[i]`` joined, for every i, in one scatter."""
     total = int(lens.sum())
     if not total:
         return
     starts = np.cumsum(lens) - lens
     cols = np.arange(total) - np.repeat(starts, lens)
-    bt[np.repeat(at, lens), cols] = np.concatenate(rows)
+    bt[np.repeat(at, lens), cols] = np.fromiter(chain.from_iterable(chain.from_iterable(rows)), np.int32, total)

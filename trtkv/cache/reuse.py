@@ -81,6 +81,10 @@ class ReusableSlots:
             self._orders[fmt] = arr = grown
         arr[layer, pages] = orders
 
+    def orders_of(self, layer: int, fmt: str, pages) -> np.ndarray:
+        """The order numbers of held pages ``pages`` of ``fmt`` in ``layer``."""
+        return self._orders[fmt][layer, pages]
+
     # --- what is reusable ------------------------------------------------------------------------------
     def count(self, layer: int, row: int, cls: Cls) -> int:
         """Entries of ``row``'s ``cls`` in ``layer`` (slots written since they were freed included)."""
