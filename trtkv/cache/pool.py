@@ -21,6 +21,7 @@ from trtkv.errors import OutOfKVMemory
 
 FIRST_CHUNK = 16  # pages (or groups) initialised at once the first time; later chunks double
 AHEAD_MAX = 256  # at most this many beyond those asked for: touching memory first is the cost, so none is early
+POP_SORTED_MIN = 16  # free pages taken at once from which alloc_pages sorts the free heap instead of popping
 MAX_POOL_PAGES = 1 << 23  # page ids a position map entry can name (trtkv/cache/columns.py)
 MARK_MANY_MIN = 8  # slots written in one call from which mark_written uses array operations
 
@@ -154,7 +155,13 @@ class PagePool:
                 return None
             while count > self.free_pages:
                 self._grow_pages()
-        reused = [heapq.heappop(self.free) for _ in range(min(count, len(self.free)))]
+        k = min(count, len(self.free))
+        if k > POP_SORTED_MIN:  # the k lowest by one sort (in C); the sorted rest is still a heap
+            self.free.sort()
+            reused = self.free[:k]
+            del self.free[:k]
+        else:
+            reused = [heapq.heappop(self.free) for _ in range(k)]
         fresh = np.arange(self.fresh, self.fresh + count - len(reused), dtype=np.int64)
         if len(fresh):
             self.fresh += len(fresh)
@@ -187,8 +194,8 @@ class PagePool:
         assert not self.live[pages].any(), "releasing a page that still holds live tokens"
         self.valid[pages] = 0
         self.hwm[pages] = 0
-        for p in pages.tolist():
-            heapq.heappush(self.free, p)
+        self.free.extend(pages.tolist())
+        heapq.heapify(self.free)
         self.in_use -= len(pages)
         self._valid_dirty = True
 
@@ -420,20 +427,22 @@ class PagePool:
         i = np.arange(len(sp)) - (np.cumsum(counts) - counts)[job]  # each token's rank in its own list
         dp, ds = pg[(np.cumsum(lens) - lens)[job] + i // B], i % B
         move = np.flatnonzero((sp != dp) | (ss != ds))
-        if len(move):
-            src_p, src_s, dst_p, dst_s = (torch.from_numpy(x[move]).to(self.device) for x in (sp, ss, dp, ds))
-            for t in self.fields:
-                t[dst_p, dst_s] = t[src_p, src_s].clone()
-            self.k_group[dst_p, dst_s] = self.k_group[src_p, src_s].clone()
+        if len(move):  # by flat slot index: one index_select and index_copy_ a field
+            src, dst = (torch.from_numpy(x[move] * B + y[move]).to(self.device) for x, y in ((sp, ss), (dp, ds)))
+            for t in (*self.fields, self.k_group):
+                flat = t.view(-1, *t.shape[2:])
+                flat.index_copy_(0, dst, flat.index_select(0, src))
         pos, segs = self.slot_pos[sp, ss], self.slot_seg[sp, ss]  # (copies: fancy indexing)
         self.valid[pg] = 0
         self.live[pg] = 0
         self.hwm[pg] = 0
         self.slot_pos[pg] = -1
         self.slot_seg[pg] = -1
-        np.bitwise_or.at(self.valid, dp, (np.int64(1) << ds).astype(np.int32))
-        np.add.at(self.live, dp, 1)
-        np.maximum.at(self.hwm, dp, (ds + 1).astype(np.int32))
+        first = np.flatnonzero(ds == 0)  # each kept page is filled from slot 0: its tokens are one run of dp
+        kept, n = dp[first], np.diff(np.append(first, len(dp))).astype(np.int32)
+        self.valid[kept] = (np.int64(1) << n) - 1
+        self.live[kept] = n
+        self.hwm[kept] = n
         self.slot_pos[dp, ds] = pos
         self.slot_seg[dp, ds] = segs
         self._valid_dirty = True

@@ -88,11 +88,11 @@ def window_rows(queries: torch.Tensor, q_pos: np.ndarray, keys: torch.Tensor, po
     *lead, w, Hq, D = queries.shape
     H = keys.shape[-2]
     qf = queries.float().view(*lead, w, H, Hq // H, D)
-    logits = torch.einsum("...whgd,...thd->...whgt", qf, keys.float().to(qf.device)) * sm_scale
+    logits = torch.einsum("...whgd,...thd->...whgt", qf, keys.float().to(qf.device)).mul_(sm_scale)  # (fresh: in place)
     pos_t = torch.as_tensor(pos, device=qf.device)
     qp = torch.as_tensor(np.asarray(q_pos), device=qf.device)
     masked = pos_t[..., None, :] > qp[..., :, None]  # [..., w, T]
-    logits = logits.masked_fill(masked[..., :, None, None, :], -math.inf)
+    logits.masked_fill_(masked[..., :, None, None, :], -math.inf)
     return torch.softmax(logits, -1).reshape(*lead, w, Hq, -1)
 
 
