@@ -117,7 +117,9 @@ def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np
     if not len(rel):
         return
     li = np.zeros(len(rel), np.int64) if one_layer else layer[rel]
-    _, first = np.unique(np.stack([li, rows[rel], pages[rel]]), axis=1, return_index=True)
+    r, pg = rows[rel], pages[rel]
+    key = (li * (int(r.max()) + 1) + r) * (int(pg.max()) + 1) + pg  # (layer, row, page) as one int64
+    _, first = np.unique(key, return_index=True)
     first = np.sort(first)
     at = rel[first]  # each emptied page at its first victim, in victim order
     tables: dict[tuple[int, int, int], tuple[int, list[int]]] = {}  # a table's emptied pages of a class, together

@@ -38,6 +38,7 @@ def ams_keep_rows(mu: np.ndarray, g: np.ndarray, T_keep: int, *, delta: float, l
         return keep
     must = must_keep(T, T_keep, n_sink, n_last, mode)
     plain = np.isfinite(mu).all(1) & (mu >= 0).all(1)  # (else the cumulative mass is not sorted: the reference)
+    raw = mu  # (the reference's rows below take the masses as given: a NaN row is not normalised to uniform)
     s = mu.clip(min=0).sum(1, keepdims=True)
     mu = np.where(s > 0, mu / np.where(s > 0, s, 1.0), 1.0 / T)
     if ablation == "fixed_segments":
@@ -55,7 +56,7 @@ def ams_keep_rows(mu: np.ndarray, g: np.ndarray, T_keep: int, *, delta: float, l
     # a reserve past the budget, or a backfill (the capacities ran out): the reference's rules
     for j in np.flatnonzero(~(fine & plain) | (keep.sum(1) < T_keep)).tolist():
         keep[j] = False
-        keep[j, ams_select(mu[j], g[j], T_keep, **cfg)[0]] = True
+        keep[j, ams_select(raw[j], g[j], T_keep, **cfg)[0]] = True
     return keep
 
 
