@@ -371,6 +371,15 @@ def program_ops(t: torch.Tensor):
     return torch.ops.trtkv_cpu if t.is_cpu else torch.ops.trtkv
 
 
+def reserve_graph_state(device: torch.device) -> None:
+    """Allocate the kernels' persistent device buffers (the Triton paged attention's split-merge tickets) now,
+    before a CUDA graph is recorded: allocated during a recording's warm-up they would live in its memory pool."""
+    if device.type == "cuda":
+        from plugins.paged_attention.triton_kernel import reserve_counters
+
+        reserve_counters(device)
+
+
 def load_program_ops(t: torch.Tensor) -> bool:
     """Load the compiled CPU kernels (their module registers ``torch.ops.trtkv_cpu``'s C++ kernels) before a
     program on ``t``'s device runs; False where they did not build or are not chosen (``TRTKV_KERNELS``), in which

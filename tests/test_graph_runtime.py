@@ -87,6 +87,23 @@ def test_device_program_has_no_graph_break_and_reads_no_tensor_on_host(tiny_ckpt
     assert len(stats) == sum(plan.want) and len(queries) == sum(plan.queries)
 
 
+@pytest.mark.parametrize("policy,params", [("full", {}), ("h2o", {"budget": 24}), ("thinkv", MATRIX_THINKV)])
+def test_cuda_graph_plans_give_eager_tokens(tiny_ckpt, engine_factory, monkeypatch, policy, params):
+    """The plan a CUDA device makes for its graphs (block tables padded to ``TABLE_BUCKET_PAGES``-page buckets,
+    pools marked static, a step boundary marked before each replay), made here on CPU: the same tokens as eager,
+    statistics policies included (the padded columns are dead), every table a whole bucket wide."""
+    import trtkv.runtime.device_step as ds
+
+    path = engine_factory(tiny_ckpt, policy, **params)
+    eager, _ = _generate(path, "torch", 2)
+    plans, run = [], DeviceStep.run
+    monkeypatch.setattr(ds, "cuda_graphs", lambda device: True)
+    monkeypatch.setattr(DeviceStep, "run", lambda self, plan: plans.append(plan) or run(self, plan))
+    graph, _ = _generate(path, "graph", 2)
+    widths = {t.shape[1] for plan in plans for layer in plan.sources for *_, t, _, _, _ in layer}
+    assert graph == eager and plans and widths and all(w % ds.TABLE_BUCKET_PAGES == 0 for w in widths)
+
+
 SMOL_ENGINES = [("full", {"kv_format": "fp16"}), ("full", {"kv_format": "nvfp4"}),
                 ("thinkv", next(e for e in MATRIX if e["name"] == "thinkv")["smol"]), ("h2o", {"budget": 64})]
 SMOL_PROMPT = "Explain why the sky is blue, step by step."

@@ -293,6 +293,12 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return c
 
 
+def reserve_counters(device: torch.device, n: int = 1 << 16) -> None:
+    """Allocate the device's tickets for up to ``n`` (sequence, KV head) pairs now (CUDA graphs: outside a
+    recording's memory pool, and never reallocated while one records)."""
+    _counters(device, n)
+
+
 def _format_args(src: PagedFormat, splits: int, col: int, sm_scale: float, with_splits: bool = True) -> tuple:
     f = list(src.slot_fields) + [src.slot_fields[0]] * (4 - len(src.slot_fields))
     g = list(src.group_fields) + [src.slot_fields[0]] * (2 - len(src.group_fields))

@@ -86,6 +86,7 @@ class RunResult:
     pool_bytes: int = 0  # the pools' preallocated capacity
     pool_peak_bytes: int = 0  # pages and key-scale groups in use at once, at most, during the run
     rss_bytes: int | None = None
+    program_steps: dict[str, int] | None = None  # --runtime graph: decode steps in the compiled program / eager
     profile_s: dict[str, list[float]] = field(default_factory=dict)  # --profile: per phase, per decode step
     # the memory-limited run: the batch admission allows, and per decode step its end (seconds from the start)
     # and the requests still waiting for admission

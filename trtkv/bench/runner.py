@@ -148,6 +148,8 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
     if cuda:
         res.peak_device_bytes = int(torch.cuda.max_memory_allocated(core.device))
     res.rss_bytes = _rss_bytes()
+    if core.device_step is not None:
+        res.program_steps = dict(core.device_step.counts)
     return res
 
 def _rss_bytes() -> int | None:

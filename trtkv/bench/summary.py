@@ -115,6 +115,7 @@ def summarize(engines: list[BenchEngine], cfg: BenchConfig, runs: list[RunResult
                 "kv_pool_bytes": max(r.pool_bytes for r in rs),
                 "kv_pool_peak_bytes": max(r.pool_peak_bytes for r in rs),
                 "rss_bytes": max((r.rss_bytes or 0) for r in rs) or None,
+                "program_step_share": _program_share(rs),
                 "policy_stats": _mean_stats([d for r in rs for d in r.policy_stats]),  # mean over requests
                 **_tier_summary(rs),
                 **_profile_summary(rs),
@@ -212,6 +213,13 @@ def _tier_summary(rs: list[RunResult]) -> dict[str, Any]:
             "kv_bytes_host_peak": max((d.get("peak_kv_bytes_host", 0) for d in per), default=0),
             "transfer_bytes_per_step": sum(d.get("transfer_bytes", 0) for d in per) / steps if steps else 0.0,
             "kv_move_share": move_s / step_s if step_s else 0.0}
+
+
+def _program_share(rs) -> float | None:
+    """``--runtime graph``: the share of decode steps that ran in the compiled program (the rest ran eagerly)."""
+    counts = [r.program_steps for r in rs if r.program_steps]
+    total = sum(c["graph"] + c["eager"] for c in counts)
+    return sum(c["graph"] for c in counts) / total if total else None
 
 
 def _profile_summary(rs: list[RunResult]) -> dict[str, Any]:

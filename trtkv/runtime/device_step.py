@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 
 import numpy as np
 import torch
@@ -111,6 +112,7 @@ class PlanMemo:
         if m is None or m[0] is not pool or not _same_storage(pool, m[1]):
             sc = cache.layer_scales(layer, pool.fmt.name)
             entry = (pool.fields, pool.group_fields, pool.k_group, pool.fmt.code, sc.k, sc.v)
+            _static_addresses(pool.fields, pool.group_fields, [pool.k_group])
             m = self._written[layer] = (pool, entry, (pool.fmt.code, sc.k, sc.v))
         return m[1], m[2]
 
@@ -127,9 +129,21 @@ class PlanMemo:
         for p, bt in tabs:
             s = cache.layer_scales(layer, p.fmt.name)
             srcs.append((p.fields, p.group_fields, p.k_group, p.valid_bits(), bt, p.fmt.code, s.k, s.v))
+            _static_addresses(p.fields, p.group_fields, [p.k_group, p.valid_bits()])
             consts.append((p.fmt.code, s.k, s.v))
         self._attended[layer] = (raw, want, b, tabs, srcs, tuple(consts))
         return tabs, srcs, tuple(consts)
+
+
+def _static_addresses(*groups: list[torch.Tensor]) -> None:
+    """Under CUDA graphs, a pool's tensors are the program's static inputs: a graph writes and reads them where
+    they are (a mutated input that is not static would turn the graphs off, any other would be copied each
+    replay). Not guarded: a new cache's pools (the bench makes a core per run) re-record the graphs, they do not
+    recompile the program."""
+    for group in groups:
+        for t in group:
+            if cuda_graphs(t.device):
+                torch._dynamo.mark_static_address(t, guard=False)
 
 
 def _same_storage(pool, entry: tuple) -> bool:
@@ -157,11 +171,25 @@ def _on(device: torch.device, a: np.ndarray) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device)
 
 
+# CUDA graphs: block tables padded to a multiple of this many pages, so a batch's graph is recorded once a bucket
+# of widths rather than at every page boundary (-1 entries hold no page: dead columns to the kernel and the
+# statistics alike)
+TABLE_BUCKET_PAGES = 32
+
+
+def cuda_graphs(device: torch.device) -> bool:
+    """Whether programs on ``device`` replay CUDA graphs (inductor's ``triton.cudagraphs``): on CUDA unless
+    ``TRTKV_CUDA_GRAPHS=0``."""
+    return device.type == "cuda" and os.environ.get("TRTKV_CUDA_GRAPHS", "1") != "0"
+
+
 def _dynamic_table(bt: torch.Tensor, b: int) -> torch.Tensor:
     """A block table whose width (and, above one request, height) the compiled program takes as a dynamic size:
-    a width of one page is padded to two (-1: no page), as a size of 1 would be specialized."""
-    if bt.shape[1] < 2:
-        bt = torch.cat([bt, bt.new_full((b, 2 - bt.shape[1]), -1)], 1)
+    a width of one page is padded to two (-1: no page), as a size of 1 would be specialized; under CUDA graphs,
+    to the next multiple of ``TABLE_BUCKET_PAGES``."""
+    width = max(2, -(-bt.shape[1] // TABLE_BUCKET_PAGES) * TABLE_BUCKET_PAGES) if cuda_graphs(bt.device) else 2
+    if bt.shape[1] < width:
+        bt = torch.cat([bt, bt.new_full((b, width - bt.shape[1]), -1)], 1)
     torch._dynamo.mark_dynamic(bt, 1)
     if b > 1:
         torch._dynamo.mark_dynamic(bt, 0)
@@ -227,6 +255,9 @@ class DeviceStep:
         self._num_layers = num_layers
         self._sm_scale = sm_scale
         self._compile = compile
+        self._graphs = cuda_graphs(model.model.embed_tokens.weight.device)
+        if self._graphs:  # the kernels' persistent buffers, allocated before any graph's private memory pool
+            plugin_ops.reserve_graph_state(model.model.embed_tokens.weight.device)
         plugin_ops.load_program_ops(model.model.embed_tokens.weight)
         # the model owns its programs (they close over it): cores come and go, the programs stay compiled
         self._programs: dict[tuple, object] = model.__dict__.setdefault("_device_programs", {}) if compile else {}
@@ -244,9 +275,11 @@ class DeviceStep:
             # a code object of its own: dynamo keeps compiled entries per code object (a process may run many
             # engines, each with its own model: sharing one would exhaust its recompile limit)
             step.__code__ = step.__code__.replace(co_name=f"device_step_{next(_serial)}")
-            # cpp_wrapper: inductor's C++ launcher calls the kernels and ops without a Python frame between them
+            # cpp_wrapper: inductor's C++ launcher calls the kernels and ops without a Python frame between them;
+            # on CUDA the program replays a CUDA graph per batch size and table bucket instead
+            launch = {"triton.cudagraphs": True} if self._graphs else {"cpp_wrapper": True}
             fn = torch.compile(step, fullgraph=True, dynamic=False, options={
-                "cpp_wrapper": True, "guard_filter_fn": _input_guards}) if self._compile else step
+                **launch, "guard_filter_fn": _input_guards}) if self._compile else step
             self._programs[key] = fn
         return fn
 
@@ -254,6 +287,8 @@ class DeviceStep:
         fn = self.program(plan.key())
         try:
             write = plan.write
+            if self._graphs and self._compile:  # the last step's outputs are consumed: its graph's memory is free
+                torch.compiler.cudagraph_mark_step_begin()
             out = fn(plan.ids, plan.cos, plan.sin, None if write is None else write.pages,
                      None if write is None else write.slots, plan.writes, plan.buffer, plan.sources, plan.want,
                      plan.queries)
