@@ -23,6 +23,7 @@ import argparse
 import importlib.util
 import json
 import platform
+import sys
 import time
 
 import torch
@@ -124,6 +125,7 @@ def variants(configs: list[str], baseline: str | None) -> list[tuple[str, object
     if baseline:
         spec = importlib.util.spec_from_file_location("baseline_paged_attention", baseline)
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # (its dataclasses look their module up while it loads)
         spec.loader.exec_module(mod)
         out.append(("baseline", mod.paged_attention_triton))
     return out

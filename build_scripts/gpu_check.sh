@@ -56,7 +56,7 @@ numpy.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() el
       --set kv_memory=10GiB --prompt ids --out /tmp/gpu-graph >>"$OUT/graph.txt" 2>&1
   echo "rc=$? at ${SECONDS}s" >>"$OUT/graph.txt"; cp /tmp/gpu-graph/results.json "$OUT/graph.json" 2>/dev/null
   grep -v "^\\s*$" "$OUT/graph.txt" | tail -25
-  step "session: $MODEL engines, eager, --profile (each its own run)"
+  step "session: $MODEL compressed engines under --runtime graph, then eager with --profile (each its own run)"
   {
   $PY -m trtkv.cli build --model $MODEL --synthetic-weights --dtype $DTYPE --policy thinkv --budget 1024 \
       --set thought_schedule=RRRTRERRTRRE --out $E/thinkv-1024
@@ -64,16 +64,21 @@ numpy.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() el
   $PY -m trtkv.cli build --model $MODEL --synthetic-weights --dtype $DTYPE --policy full --set kv_format=nvfp4 \
       --out $E/full-nvfp4
   } >"$OUT/engines.txt" 2>&1
-  for e in full thinkv-1024 h2o-1024 full-nvfp4; do
-    [ $(budget 60) -gt 20 ] || { echo "no time left for $e" >>"$OUT/engines.txt"; continue; }
-    echo "--- $e (${SECONDS}s)" >>"$OUT/engines.txt"
-    timeout -k 5 $(budget 60) $PY -m trtkv.cli bench $E/$e --batch-sizes 8,32 --prompt-len ${PROMPT_LEN:-1024} --gen-len ${ENGINE_GEN_LEN:-48} \
-        --set kv_memory=10GiB --prompt ids --profile --out /tmp/gpu-bench-$e >>"$OUT/engines.txt" 2>&1
+  # a compressed engine's programs compile in ~35 s each on an H200 (2026-12-04): one program (batch >= 2) each
+  for run in full-nvfp4@graph thinkv-1024@graph h2o-1024@graph full@torch thinkv-1024@torch h2o-1024@torch \
+             full-nvfp4@torch; do
+    e=${run%@*} rt=${run#*@}
+    [ $(budget 120) -gt 30 ] || { echo "no time left for $run" >>"$OUT/engines.txt"; continue; }
+    echo "--- $run (${SECONDS}s)" >>"$OUT/engines.txt"
+    TORCH_LOGS=${GRAPH_LOGS:-perf_hints,recompiles} timeout -k 5 $(budget $([ $rt = graph ] && echo 120 || echo 60)) \
+        $PY -m trtkv.cli bench $E/$e --runtime $rt --batch-sizes 8,32 --prompt-len ${PROMPT_LEN:-1024} \
+        --gen-len ${ENGINE_GEN_LEN:-48} --set kv_memory=10GiB --prompt ids $([ $rt = torch ] && echo --profile) \
+        --out /tmp/gpu-bench-$e-$rt >>"$OUT/engines.txt" 2>&1
     echo "rc=$?" >>"$OUT/engines.txt"
   done
   $PY -c "import json, glob; print(json.dumps({p: json.load(open(p)) for p in sorted(glob.glob('/tmp/gpu-bench-*/results.json'))}))" \
       >"$OUT/engines.json" 2>/dev/null
-  grep -E "^---|rc=|tok/s|full|thinkv|h2o" "$OUT/engines.txt" | tail -30
+  grep -E "^---|rc=|skipping cudagraphs|│ (full|thinkv|h2o)" "$OUT/engines.txt" | cut -c1-160 | tail -40
   if [ $(budget 100) -gt 30 ]; then
     step "session: engine tests on CUDA"
     timeout -k 5 $(budget 100) $PY -m pytest -q --tb=line -n "$JOBS" -p no:cacheprovider -m "not slow and not serve" \
@@ -90,8 +95,8 @@ print(checkpoint_dir(resolve_model('smollm2-135m')))" 2>/dev/null || echo "$HOME
   [ -f "$src/tokenizer.json" ] || { echo "no SmolLM2 checkpoint at $src: run trtkv models fetch smollm2-135m"; exit 2; }
   mkdir -p .gpu_carry/models/smollm2-135m
   cp "$src"/{.trtkv-ready,config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu_carry/models/smollm2-135m/
-  # the attention kernel last measured on a GPU (2026-11-27), timed beside today's by the kernels step
-  git show d11dae9:plugins/paged_attention/triton_kernel.py >.gpu_carry/baseline_paged_attention.py
+  # the attention kernel last measured on a GPU (2026-12-04), timed beside today's by the kernels step
+  git show bb843c4:plugins/paged_attention/triton_kernel.py >.gpu_carry/baseline_paged_attention.py
   mkdir -p "$(git rev-parse --git-dir)/info"
   grep -qx "/.gpu_carry/" "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null || echo "/.gpu_carry/" >>"$(git rev-parse --git-dir)/info/exclude"
   du -sh .gpu_carry ;;

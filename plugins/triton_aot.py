@@ -34,10 +34,15 @@ class Spec:
     num_warps: int = 4
     num_stages: int = 3  # Triton's launch default
     per_target: dict[int, tuple[int, int]] = field(default_factory=dict, hash=False)  # cc -> (warps, stages)
+    target_constexprs: dict[int, dict[str, object]] = field(default_factory=dict, hash=False)  # cc -> overrides
 
     def launch(self, cc: int) -> tuple[int, int]:
         """Warps and stages the runtime launches this specialization with on ``sm_<cc>``."""
         return self.per_target.get(cc, (self.num_warps, self.num_stages))
+
+    def constants(self, cc: int) -> dict[str, object]:
+        """The constexprs on ``sm_<cc>`` (a target's tiling may take more slots a loop step)."""
+        return {**self.constexprs, **self.target_constexprs.get(cc, {})}
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,8 @@ def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64, 
                                                                                  precision != PRECISIONS[0]):
                 continue
             fmts = [FORMATS[n] for n in names]
-            cfgs = {cc: tiling(B, G, D, P, fmts[0].code, cc, precision) for cc in TARGETS}
+            cfgs = {cc: tiling(B, G, D, P, fmts[0].code, cc, precision, len(fmts) == 1 and not logits)
+                    for cc in TARGETS}
             types = dict(q_ptr=Q_DTYPE, out_ptr="*fp32", lse_ptr="*fp32", logits_ptr="*fp32", part_out="*fp32",
                          part_lse="*fp32", count_ptr="*i32", sm_scale="fp32", S="i32", LC="i32")
             for i, x in enumerate("abc"):
@@ -111,8 +117,10 @@ def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64, 
             label = f"paged_attention {'+'.join(names)} G={G} D={D}{' logits' if logits else ''}"
             label += "" if precision == PRECISIONS[0] else f" {precision}"
             per_target = {cc: (c.warps, c.stages) for cc, c in cfgs.items()}
+            pages = {cc: {"PAGES": c.pages} for cc, c in cfgs.items() if c.pages != cfgs[90].pages}
             specs.append(Spec("plugins.paged_attention.triton_kernel:_paged_attn_kernel", label,
-                              _sig(_paged_attn_kernel, types), const, cfgs[90].warps, cfgs[90].stages, per_target))
+                              _sig(_paged_attn_kernel, types), const, cfgs[90].warps, cfgs[90].stages, per_target,
+                              pages))
     return specs
 
 
@@ -189,7 +197,7 @@ def compile_one(spec: Spec, cc: int) -> Usage:
     fn = getattr(importlib.import_module(mod), name)
     try:
         warps, stages = spec.launch(cc)
-        ck = triton.compile(ASTSource(fn, spec.signature, spec.constexprs), target=GPUTarget("cuda", cc, 32),
+        ck = triton.compile(ASTSource(fn, spec.signature, spec.constants(cc)), target=GPUTarget("cuda", cc, 32),
                             options={"num_warps": warps, "num_stages": stages})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(ck.asm["cubin"])

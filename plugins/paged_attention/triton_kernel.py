@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from plugins.paged_attention.reference import PagedFormat, merge_partials
-from plugins.paged_attention.triton_tiles import BF16, FP16, FP32, fold_k, fold_v, load_kv
+from plugins.paged_attention.triton_tiles import (BF16, FP8, FP16, FP32, INT2, INT4, NVFP4, TERNARY, fold_k, fold_v,
+                                                  load_kv)
 
 MAX_FORMATS = 3  # formats per launch; a layer with more (host tiers staged beside ThinKV's) launches again
 
@@ -217,13 +218,23 @@ class LaunchConfig:
 TILE_SLOTS = 32  # slots per loop step (>= 16: the K extent of the P @ V product on the tensor cores)
 
 
-def launch_config(B: int, G: int, D: int, P: int, fmt_code: int, cc: int = 90) -> LaunchConfig:
-    """The default tiling at the precision ``TRTKV_TRITON_PRECISION`` asks for (see ``tiling``)."""
-    return tiling(B, G, D, P, fmt_code, cc, default_precision())
+# (slots a loop step, warps, stages) of one format read without logits at D = 128, G <= 4 on sm_90, timed on an
+# H200 against the 32 x 8 x 2 default (docs/benchmarks.md "GPU", 2026-12-04, batch 32 x 16k): fp16 763 -> 661 us,
+# fp8 3538 -> 1787, nvfp4 4429 -> 1868, int4 1711 -> 1094, int2 1389 -> 1083, ternary 4136 -> 1678 (bf16 runs
+# fp16's code and timed the same at the default)
+SM90_LEAN = {FP16.value: (64, 8, 2), BF16.value: (64, 8, 2), FP8.value: (32, 4, 2), NVFP4.value: (32, 4, 3),
+             INT4.value: (32, 4, 3), INT2.value: (32, 4, 3), TERNARY.value: (32, 4, 2)}
+
+
+def launch_config(B: int, G: int, D: int, P: int, fmt_code: int, cc: int = 90, lean: bool = False) -> LaunchConfig:
+    """The default tiling at the precision ``TRTKV_TRITON_PRECISION`` asks for (see ``tiling``); ``lean``: one
+    format read without logits."""
+    return tiling(B, G, D, P, fmt_code, cc, default_precision(), lean)
 
 
 @functools.lru_cache(maxsize=None)
-def tiling(B: int, G: int, D: int, P: int, fmt_code: int, cc: int, precision: str) -> LaunchConfig:
+def tiling(B: int, G: int, D: int, P: int, fmt_code: int, cc: int, precision: str, lean: bool = False
+           ) -> LaunchConfig:
     """The default tiling: ``TILE_SLOTS`` slots a loop step, the warps and (>= 2) pipeline stages per head size,
     format and target ``cc`` (``target_cc``) that ptxas allocates without spills (tests/kernels/test_triton_aot.py
     compiles every default specialization for sm_80, sm_90 and sm_100; docs/kernels.md has the table). fp32
@@ -232,6 +243,9 @@ def tiling(B: int, G: int, D: int, P: int, fmt_code: int, cc: int, precision: st
     if fmt_code == FP32.value and precision == "f16":
         precision = "tf32x3"
     DP = triton.next_power_of_2(D)
+    if lean and cc == 90 and DP == 128 and G <= 4 and precision == "f16" and fmt_code in SM90_LEAN:
+        slots, warps, stages = SM90_LEAN[fmt_code]
+        return LaunchConfig(pages=max(1, slots // B), warps=warps, stages=stages, precision=precision)
     if DP >= 64:
         if fmt_code == FP32.value and DP == 64 and cc == 90:
             warps, stages = 8, 1  # 8 x 2 and 4 x 2 spill 8 B
@@ -333,7 +347,8 @@ def paged_attention_formats_triton(q: torch.Tensor, sources: list[PagedFormat], 
                for s in sources]
     q = q.contiguous()
     main = max(range(len(sources)), key=lambda i: Ps[i])
-    cfg = config or launch_config(B, G, D, Ps[main], sources[main].fmt_code, target_cc(q.device))
+    cfg = config or launch_config(B, G, D, Ps[main], sources[main].fmt_code, target_cc(q.device),
+                                  lean=len(sources) == 1 and not return_logits)
     Ss = split_counts(b, H, Ps, cfg.pages, q.device, num_splits or cfg.splits)
     S = sum(Ss)
     dev = q.device

@@ -109,6 +109,24 @@ def test_matches_reference(name, shape, precision):
     assert_same(got, want, name, precision)
 
 
+@pytest.mark.parametrize("code", [1, 2, 3, 4, 5, 6, 7])
+def test_sm90_lean_tilings_match_reference(code):
+    """The tilings measured on an H200 for one format read without logits (``SM90_LEAN``: 64 slots a loop step for
+    fp16/bf16, 4 warps and 3 stages for the 4-/2-bit formats) at r1-llama-8b's head size, two KV splits."""
+    from plugins.formats import format_by_code
+    from plugins.paged_attention.triton_kernel import SM90_LEAN, paged_attention_triton, tiling
+
+    fmt = format_by_code(code)
+    cfg = tiling(B, 4, 128, 20, code, 90, "f16", lean=True)
+    assert code in SM90_LEAN and (cfg.pages * B, cfg.warps, cfg.stages) == SM90_LEAN[code]
+    pool = make_pool(fmt, 1, 128, num_pages=24, seed=code)
+    q = torch.randn(2, 4, 128, generator=torch.Generator().manual_seed(code)).to(DEV)
+    bt = make_table(2, 20, 24, seed=code)
+    args = (q, *pool[:4], bt, code, 128 ** -0.5, 0.7, 1.3, False)
+    got = paged_attention_triton(*args, num_splits=2, config=cfg)
+    assert_same(got[:2], paged_attention_ref(*args)[:2], fmt.name)
+
+
 @pytest.mark.parametrize("name", ["fp16", "nvfp4", "ternaryo", "int2"])
 def test_split_kv_matches(name):
     fmt = FORMATS[name]

@@ -74,6 +74,7 @@ def plan_step(cache: KVCacheManager, seqs: list, positions: list[int], write_cls
         if appended is None:
             return None
         at, fill = (_on(cache.residual.k.device, a) for a in appended)
+        _static_addresses([cache.residual.k, cache.residual.v])  # the program appends to them in place
         buffer = (cache.residual.k, cache.residual.v, at, _on(cache.residual.k.device, rows), fill)
         constants = []
     else:
