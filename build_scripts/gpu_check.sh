@@ -138,7 +138,7 @@ engines)
   echo "rc=$?" >>"$OUT/engine_bench.txt"; cp /tmp/gpu-bench/results.json "$OUT/bench_results.json" 2>/dev/null
   tail -40 "$OUT/engine_bench.txt" ;;
 graph)
-  step "r1-llama-8b: --runtime graph beside torch (issue 39; the step compiled, no CUDA graph capture yet)"
+  step "r1-llama-8b: --runtime graph (CUDA graphs) beside torch (issue 39)"
   E=/tmp/gpu-engines
   [ -d $E/full-bf16 ] || $PY -m trtkv.cli build --model r1-llama-8b --synthetic-weights --dtype bf16 --policy full \
       --out $E/full-bf16 >"$OUT/graph_bench.txt" 2>&1
