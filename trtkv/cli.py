@@ -219,18 +219,22 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
     tp = join_ranks(tp, [engine])
     eng = Engine.load(engine, cache_overrides=overrides or None, policy_overrides=policy_overrides or None,
                       runtime=runtime, onnx_dir=onnx_dir, tp=tp)
+    from trtkv.runtime.long_lived import frozen_gc
+
     if as_json:
-        res = eng.generate(prompt, params)[0]
+        with frozen_gc():
+            res = eng.generate(prompt, params)[0]
         click.echo(json.dumps(res.to_dict()))
         return
     result = None
-    for ev in eng.stream(prompt, params):
-        click.echo(ev.text, nl=False)
-        if ev.finished:
-            result = ev.result
-            if ev.error:
-                click.echo()
-                raise TrtkvError(ev.error)
+    with frozen_gc():
+        for ev in eng.stream(prompt, params):
+            click.echo(ev.text, nl=False)
+            if ev.finished:
+                result = ev.result
+                if ev.error:
+                    click.echo()
+                    raise TrtkvError(ev.error)
     click.echo()
     if result is not None:
         s = result.stats
@@ -387,7 +391,10 @@ def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, requests, host_k
 
     tp = join_ranks(tp, list(engines), device)
     loaded = load_engines(list(engines), device=device, policy_overrides=sets or None, runtimes=runtimes, tp=tp)
-    doc = run_bench(loaded, cfg, command=_command_line("bench"))
+    from trtkv.runtime.long_lived import frozen_gc
+
+    with frozen_gc():
+        doc = run_bench(loaded, cfg, command=_command_line("bench"))
     written = write_results(doc, rank_out(out))
     print_bench(doc)
     click.echo(f"results written to {out}/ ({', '.join(p.name for p in written)})")

@@ -31,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from trtkv.runtime.long_lived import frozen_gc
 from trtkv.serve import processes, protocol, shm
 from trtkv.serve.metrics import MetricsServer, render
 
@@ -448,7 +449,7 @@ def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics
     engine = Engine.load(engine_path, tp=tp, runtime=runtime)
     status = 0
     try:
-        with TritonService(engine, SamplingParams, host=host, http_port=http_port,
+        with frozen_gc(), TritonService(engine, SamplingParams, host=host, http_port=http_port,
                            grpc_port=grpc_port, metrics_port=metrics_port,
                            trtkv_metrics_port=trtkv_metrics_port,
                            model_name=model_name or DEFAULT_MODEL_NAME,
