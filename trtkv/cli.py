@@ -456,13 +456,17 @@ def eval_cmd(engines, task, data, limit, max_tokens, samples, temperature, top_p
     loaded = load_engines(list(engines), device=device, policy_overrides=overrides, runtimes=(runtime,), tp=tp)
     ref = load_engines([reference], device=device, runtimes=(runtime,), tp=tp)[0] if reference is not None else None
     cfg = {"task": task, "data": str(data) if data else None, "limit": limit, "seed": seed}
-    if task == "fidelity":
-        cfg.update(max_tokens=max_tokens or 1024, recall_layers=recall_layers, topk=topk, batch=batch or 4)
-        records = run_fidelity(loaded, items, cfg["max_tokens"], ref, recall_layers, topk, cfg["batch"])
-        rows = None
-    else:
-        cfg.update(max_tokens=max_tokens or 2048, samples=samples, temperature=temperature, top_p=top_p)
-        records, rows = run_accuracy(loaded, task, items, samples, cfg["max_tokens"], temperature, top_p, seed, batch)
+    from trtkv.runtime.long_lived import frozen_gc
+
+    with frozen_gc():
+        if task == "fidelity":
+            cfg.update(max_tokens=max_tokens or 1024, recall_layers=recall_layers, topk=topk, batch=batch or 4)
+            records = run_fidelity(loaded, items, cfg["max_tokens"], ref, recall_layers, topk, cfg["batch"])
+            rows = None
+        else:
+            cfg.update(max_tokens=max_tokens or 2048, samples=samples, temperature=temperature, top_p=top_p)
+            records, rows = run_accuracy(loaded, task, items, samples, cfg["max_tokens"], temperature, top_p, seed,
+                                         batch)
     doc = {"kind": "trtkv-eval", "version": 1, "task": task, "command": _command_line("eval"),
            "machine": machine_info(str(loaded[0].engine.core.device)), "config": cfg, "records": records}
     print_eval(doc)
