@@ -11,7 +11,8 @@ A steady decode step splits in two, as vLLM's and SGLang's do:
    log-sum-exp, ``trtkv::buffer_attention`` merged in, o_proj + MLP) -> logits: a pure function of the plan's
    tensors, compiled once with ``torch.compile(fullgraph=True)`` (zero graph breaks: nothing in it reads a
    tensor on the host) and replayed every step. Batch size and block-table width are dynamic dimensions, so one
-   compiled program serves every step of a batch of 2 or more (and one more serves batch 1).
+   compiled program serves every step of a batch of 2 or more (and one more serves batch 1). On CUDA the program
+   replays CUDA graphs (``cuda_graphs``): one a batch size and ``TABLE_BUCKET_PAGES``-page bucket of table widths.
 
 Policies decide between steps, as in the eager runtime: the logits the program returns for the layers a
 policy asked about become its statistics (``layer_statistics``, the eager path's own function). A step the
