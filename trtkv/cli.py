@@ -219,15 +219,13 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, repetition_p
     tp = join_ranks(tp, [engine])
     eng = Engine.load(engine, cache_overrides=overrides or None, policy_overrides=policy_overrides or None,
                       runtime=runtime, onnx_dir=onnx_dir, tp=tp)
-    from trtkv.runtime.long_lived import frozen_gc
+    from trtkv.runtime.long_lived import frozen_gc  # (lazily: trtkv.runtime imports torch)
 
-    if as_json:
-        with frozen_gc():
-            res = eng.generate(prompt, params)[0]
-        click.echo(json.dumps(res.to_dict()))
-        return
     result = None
     with frozen_gc():
+        if as_json:
+            click.echo(json.dumps(eng.generate(prompt, params)[0].to_dict()))
+            return
         for ev in eng.stream(prompt, params):
             click.echo(ev.text, nl=False)
             if ev.finished:

@@ -112,7 +112,7 @@ def test_matches_reference(name, shape, precision):
 @pytest.mark.parametrize("code", [1, 2, 3, 4, 5, 6, 7])
 def test_sm90_lean_tilings_match_reference(code):
     """The tilings measured on an H200 for one format read without logits (``SM90_LEAN``: 64 slots a loop step for
-    fp16/bf16, 4 warps and 3 stages for the 4-/2-bit formats) at r1-llama-8b's head size, two KV splits."""
+    fp16/bf16, 4 warps for fp8 and the 4-/2-bit formats) at r1-llama-8b's head size, two KV splits."""
     from plugins.formats import format_by_code
     from plugins.paged_attention.triton_kernel import SM90_LEAN, paged_attention_triton, tiling
 

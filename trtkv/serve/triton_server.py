@@ -450,10 +450,10 @@ def serve(engine_path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics
     status = 0
     try:
         with frozen_gc(), TritonService(engine, SamplingParams, host=host, http_port=http_port,
-                           grpc_port=grpc_port, metrics_port=metrics_port,
-                           trtkv_metrics_port=trtkv_metrics_port,
-                           model_name=model_name or DEFAULT_MODEL_NAME,
-                           log_verbose=log_verbose, open_apis=open_apis) as service:
+                                        grpc_port=grpc_port, metrics_port=metrics_port,
+                                        trtkv_metrics_port=trtkv_metrics_port,
+                                        model_name=model_name or DEFAULT_MODEL_NAME,
+                                        log_verbose=log_verbose, open_apis=open_apis) as service:
             LOG.info("serving %s as model %r: http (OpenAI + KServe generate) %s:%d grpc %s:%d "
                      "metrics :%d trtkv metrics :%d", engine_path, service.model_name, host,
                      service.http_port, host, grpc_port, metrics_port, service.trtkv_metrics_port)
