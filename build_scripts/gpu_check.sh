@@ -7,7 +7,8 @@
 # failing step does not lose the others.
 #   OUT=... build_scripts/gpu_check.sh session   # a 15-minute lease: every step below in this order (the most
 #       valuable first) under one deadline (GPU_DEADLINE_S, default 550 s: each step gets what is left, capped)
-#   OUT=... build_scripts/gpu_check.sh [env kernels tests graph engines enginetests]   # steps alone
+#   OUT=... build_scripts/gpu_check.sh lease2   # Table 2 at the memory limit (table2), the kernels, the engines
+#   OUT=... build_scripts/gpu_check.sh [env kernels tests graph engines enginetests table2]   # steps alone
 # Here, before the device call: `build_scripts/gpu_check.sh prepare` puts SmolLM2's tokenizer files (no weights;
 # the tiny test model borrows the tokenizer) and the last measured attention kernel in .gpu_carry/, git-ignored;
 # carry it and set TRTKV_CACHE=$PWD/.gpu_carry there.
@@ -80,8 +81,8 @@ engines() {
     build full-nvfp4 --policy full --set kv_format=nvfp4
     build full --policy full; } >"$OUT/engines.txt" 2>&1
   # a compressed engine's program compiles in ~35 s on an H200 (2026-12-04); batches 8 and 32 need one program
-  for run in full-nvfp4@graph thinkv-1024@graph h2o-1024@graph full@torch thinkv-1024@torch h2o-1024@torch \
-             full-nvfp4@torch; do
+  for run in ${ENGINE_RUNS:-full-nvfp4@graph thinkv-1024@graph h2o-1024@graph full@torch thinkv-1024@torch \
+             h2o-1024@torch full-nvfp4@torch}; do
     local e=${run%@*} rt=${run#*@}
     [ $(budget 120) -gt 30 ] || { echo "no time left for $run" >>"$OUT/engines.txt"; continue; }
     echo "--- $run (${SECONDS}s)" >>"$OUT/engines.txt"
@@ -94,6 +95,18 @@ engines() {
   $PY -c "import json, glob; print(json.dumps({p: json.load(open(p)) for p in sorted(glob.glob('/tmp/gpu-bench-*/results.json'))}))" \
       >"$OUT/engines.json" 2>/dev/null
   grep -E "^---|rc=|skipping cudagraphs|│ (full|thinkv|h2o)" "$OUT/engines.txt" | cut -c1-160 | tail -40
+}
+
+table2() {
+  step "$MODEL at its memory limit (issue 43, the seed's Table 2): full vs thinkv-1024, eager, one run, --duration cut"
+  { build thinkv-1024 --policy thinkv --budget 1024 --set thought_schedule=RRRTRERRTRRE
+    build full --policy full; } >"$OUT/table2.txt" 2>&1
+  # 8,192 tokens a request take hours at ThinKV's batch on one GPU: each engine runs T2_DURATION seconds of it
+  timeout -k 5 $(budget $1) $PY -m trtkv.cli bench $E/full $E/thinkv-1024 --kv-memory ${T2_KV_MEMORY:-40GiB} \
+      --requests auto --prompt-len ${T2_PROMPT_LEN:-1024} --gen-len ${T2_GEN_LEN:-8192} --duration ${T2_DURATION:-75} \
+      --set kv_memory=2GiB --prompt ids --out /tmp/gpu-table2 >>"$OUT/table2.txt" 2>&1
+  echo "rc=$? at ${SECONDS}s" >>"$OUT/table2.txt"; cp /tmp/gpu-table2/results.json "$OUT/table2.json" 2>/dev/null
+  grep -v "^\\s*$" "$OUT/table2.txt" | tail -22
 }
 
 engine_tests() {  # appends to kernel_tests.txt (8 files at most come back)
@@ -112,12 +125,15 @@ finish() {
 
 for s in $STEPS; do case $s in
 session) env_check; kernel_bench 170; kernel_tests 100; graph_full 200; engines 600; engine_tests 100; finish ;;
+# the 2026-12-04 second lease: the lean tilings in place, Table 2 on the GPU, the compressed engines under graph
+lease2) env_check; table2 240; kernel_bench 90; engines 600; finish ;;
 env) env_check; finish ;;
 kernels) kernel_bench 240 ;;
 tests) kernel_tests 150 ;;
 graph) graph_full 300 ;;
 engines) engines 600 ;;
 enginetests) engine_tests 150 ;;
+table2) table2 400 ;;
 prepare)
   src=$($PY -c "from trtkv.models.fetch import checkpoint_dir; from trtkv.models.registry import resolve_model; \
 print(checkpoint_dir(resolve_model('smollm2-135m')))" 2>/dev/null || echo "$HOME/.cache/trtkv/models/smollm2-135m")
@@ -129,5 +145,5 @@ print(checkpoint_dir(resolve_model('smollm2-135m')))" 2>/dev/null || echo "$HOME
   mkdir -p "$(git rev-parse --git-dir)/info"
   grep -qx "/.gpu_carry/" "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null || echo "/.gpu_carry/" >>"$(git rev-parse --git-dir)/info/exclude"
   du -sh .gpu_carry ;;
-*) echo "unknown step $s (prepare session env kernels tests graph engines enginetests)"; exit 2 ;;
+*) echo "unknown step $s (prepare session lease2 env kernels tests graph engines enginetests table2)"; exit 2 ;;
 esac; done

@@ -262,9 +262,29 @@ def test_memory_limited_run_admits_what_the_memory_holds(tiny_ckpt, engine_facto
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.model
+def test_memory_limited_run_cut_by_duration(tiny_ckpt, engine_factory, tmp_path):
+    """``--duration``: the run stops at the first step past it; the requests running then are finished short
+    (their pages freed), the waiting ones never run, and the table says how many finished."""
+    from trtkv.cli import main
+
+    sl = engine_factory(tiny_ckpt, "streamingllm", budget=16)
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(main, ["bench", str(sl), "--requests", "auto", "--kv-memory", "96KiB", "--prompt-len",
+                                  "24", "--gen-len", "40", "--duration", "0.000001", "--no-warmup", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "(0 done)" in r.output and "--duration stopped runs" in r.output
+    row = json.loads((out / "results.json").read_text())["results"][0]
+    assert row["cut_at_s"] > 0 and row["requests_finished"] == 0
+    assert 0 < row["output_tokens"] < row["admission_batch"] * 40  # only what the admitted ones made by the stop
+
+
 def test_memory_limited_run_bad_input(tmp_path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "trtkv.cli", "bench", *a], capture_output=True,  # noqa: E731
                                     text=True, timeout=120)
     assert_one_line_error(run(str(tmp_path), "--requests", "auto"), "pass --kv-memory")
     assert_one_line_error(run(str(tmp_path), "--requests", "0", "--kv-memory", "1GiB"), "positive integer or 'auto'")
     assert_one_line_error(run(str(tmp_path), "--requests", "many", "--kv-memory", "1GiB"), "positive integer or 'auto'")
+    assert_one_line_error(run(str(tmp_path), "--duration", "60"), "pass it with --requests")
+    assert_one_line_error(run(str(tmp_path), "--requests", "4", "--kv-memory", "1GiB", "--duration", "0"),
+                          "positive number of seconds")

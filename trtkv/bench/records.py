@@ -17,6 +17,9 @@ class BenchConfig:
     # allow and replaced as they finish; ``requests_auto``: instead, this many times the engine's largest batch
     requests: int | None = None
     requests_auto: float | None = None
+    # the memory-limited run: stop each engine's run after this many seconds (its steady state is the window
+    # reached; requests running then are cut short, those still waiting never ran)
+    duration_s: float | None = None
     repeat: int = 1
     warmup: bool = True
     prompt_source: str = "text"  # "text": packaged reasoning traces tokenized and repeated; "ids": random ids
@@ -39,6 +42,11 @@ class BenchConfig:
             if (self.requests is not None and self.requests <= 0) or (self.requests_auto is not None
                                                                        and self.requests_auto <= 0):
                 raise TrtkvError("--requests must be a positive integer or 'auto'")
+        if self.duration_s is not None:
+            if not self.memory_limited:
+                raise TrtkvError("--duration cuts the memory-limited run short: pass it with --requests N|auto")
+            if not self.duration_s > 0:
+                raise TrtkvError(f"--duration {self.duration_s}: expected a positive number of seconds")
         return self
 
     @property
@@ -93,3 +101,5 @@ class RunResult:
     admission_batch: int | None = None
     step_end_s: list[float] = field(default_factory=list)
     step_waiting: list[int] = field(default_factory=list)
+    cut_at_s: float | None = None  # --duration: when the run was stopped with requests unfinished
+    finished: int = 0  # requests that generated all their tokens

@@ -124,15 +124,20 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
     for r in reqs:
         r.t_submit = t0
         sched.add(r)
+    deadline = t0 + cfg.duration_s if capacity is not None and cfg.duration_s else None
     try:
         while not all(r.result for r in reqs):
             sched.step()
+            if deadline is not None and time.perf_counter() > deadline and not all(r.result for r in reqs):
+                res.cut_at_s = time.perf_counter() - t0
+                break
     finally:
         for r in list(sched.running):
             if r.req_id in core.cache.seqs:
                 core.finish(r)
     res.e2e_s = time.perf_counter() - t0
-    for r in reqs:
+    res.finished = sum(1 for r in reqs if r.result and r.result.finish_reason == "length")
+    for r in (r for r in reqs if r.result):  # (a run cut by --duration leaves the waiting ones without one)
         s = r.result.stats
         res.ttft_s.append(s["time_to_first_token_s"] or 0.0)
         res.generated.append(s["generated_tokens"])

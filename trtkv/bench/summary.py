@@ -175,11 +175,14 @@ def _memory_limited_summary(rs: list[RunResult]) -> dict[str, Any]:
     and each request's peak KV as a share of an fp16 full cache (the seed paper's "Mem. ftprnt %")."""
     if not rs or rs[0].admission_batch is None:
         return {}
-    peak = max(x for r in rs for x in r.kv_bytes_peak)
-    full = statistics.fmean(x for r in rs for x in r.kv_bytes_full)
+    # per request (one cut short by --duration holds fewer tokens than the rest)
+    pct = [100.0 * p / f for r in rs for p, f in zip(r.kv_bytes_peak, r.kv_bytes_full) if f]
+    cut = [r.cut_at_s for r in rs if r.cut_at_s is not None]
     return {"requests": rs[0].batch, "admission_batch": rs[0].admission_batch,
+            "requests_finished": statistics.median(r.finished for r in rs),
+            "cut_at_s": max(cut) if cut else None,
             "steady_tokens_per_s": statistics.median(steady_tokens_per_s(r) for r in rs),
-            "kv_footprint_pct": 100.0 * peak / full if full else None}
+            "kv_footprint_pct": statistics.median(pct) if pct else None}
 
 
 STEADY_BATCH_SHARE = 0.9  # the steady state starts when the running batch first reaches this share of its maximum
