@@ -18,7 +18,7 @@ import torch
 from plugins.backend import kernel_impl, use_cpu_kernels
 from plugins.buffer_attention.reference import buffer_attention_ref
 from plugins.kmeans_select.reference import kmeans_select_ref
-from plugins.kv_write.reference import kv_write_ref
+from plugins.kv_write.reference import kv_write_groups_ref, kv_write_ref
 from plugins.lowest_victim.reference import lowest_victim_ref
 from plugins.scatter_add_rows.reference import scatter_add_rows_ref
 from plugins.gather_rows.reference import gather_rows_ref
@@ -153,14 +153,20 @@ def kv_write(k, v, slot_fields, group_fields, k_group, pages, slots, gid, fmt_co
 def kv_write_groups(k, v, slot_fields, group_fields, k_group, pages, slots, gids, fmt_code, scale_k, scale_v) -> None:
     """``G`` flush groups at once (``k, v [G, n, H, D]``, ``pages, slots [G, n]``, ``gids [G]``; see
     kv_write/reference.py): a batch's flushes in one layer cost one call, not one per request. The compiled
-    CPU kernel takes them in one call; elsewhere each group goes through ``kv_write``."""
-    if use_cpu_kernels(k):
+    CPU kernel and the Triton kernel take them in one call; the reference writes each group in turn."""
+    impl = kernel_impl(k)
+    if impl == "triton":
+        from plugins.kv_write.triton_kernel import kv_write_groups_triton
+
+        kv_write_groups_triton(k, v, slot_fields, group_fields, k_group, pages, slots, gids, fmt_code, scale_k,
+                               scale_v)
+        return
+    if impl == "cpu":
         from plugins.cpu_kernels.ops import kv_write_groups_cpu
 
         kv_write_groups_cpu(k, v, slot_fields, group_fields, k_group, pages, slots, gids, fmt_code, scale_k, scale_v)
         return
-    for j, gid in enumerate(gids.tolist()):
-        kv_write(k[j], v[j], slot_fields, group_fields, k_group, pages[j], slots[j], gid, fmt_code, scale_k, scale_v)
+    kv_write_groups_ref(k, v, slot_fields, group_fields, k_group, pages, slots, gids, fmt_code, scale_k, scale_v)
 
 
 def paged_attention(q, slot_fields, group_fields, k_group, valid_bits, block_table, fmt_code, sm_scale, scale_k,

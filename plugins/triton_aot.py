@@ -150,7 +150,7 @@ def kv_write_specs(head_dims: list[int], B: int = 8) -> list[Spec]:
                 f = slot + [slot[2]] * (4 - len(slot))
                 g = group + [group[0]] * (2 - len(group))
                 types = dict(io, fk=f[0], fv=f[1], fvs=f[2], fvz=f[3], g0=g[0], g1=g[1], kgrp_ptr="*i32", n="i32",
-                             gid="i32", gk="fp32", gv="fp32")
+                             gids_ptr="*i64", gk="fp32", gv="fp32")
                 const = dict(H=8, D=D, B=B, NP=fmt.group_size, BLOCK_D=kw._block_d(D), BITS=bits, INT=is_int,
                              QMAX=qmax, TERN=tern, KEY_OFFSET=key_offset)
                 specs.append(Spec(mod + "_write_group_kernel", f"kv_write {name} D={D}",

@@ -823,3 +823,40 @@ def test_alloc_slots_each_matches_alloc_slots_in_turn(ops, full):
         assert _state(caches[0]) == _state(caches[1])
         _check_block_tables(caches[1])
     check_invariants(caches[1])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.one_of(op, st.tuples(st.just("prompt"), st.integers(0, 3), st.integers(0, 3),
+                                            st.integers(1, 6))), min_size=1, max_size=30),
+       block=st.sampled_from([2, 4, 8]))
+def test_prompt_groups_write_matches_one_write_per_group(ops, block):
+    """``write_groups`` (a quantized prompt's groups: slots and key-scale groups at once, one kernel call) leaves
+    exactly the state of ``write`` group after group: slots (reused after evictions, open-page tails, fresh
+    pages), key-scale groups, stored codes and bytes."""
+    g = 4
+    batched, each = make_cache(block=block, g=g, max_pages=512), make_cache(block=block, g=g, max_pages=512)
+    next_pos: dict[int, int] = {}
+    for o in ops:
+        ids = sorted(batched.seqs)
+        if o[0] != "prompt" or not ids:
+            apply_op([batched, each], next_pos, o,
+                     evict=lambda sid, layer, victims: [c.evict(c.seqs[sid], layer, victims) for c in (batched, each)])
+            continue
+        sid, cls, n = ids[o[1] % len(ids)], CLASSES[o[2]], o[3] * g
+        pos = list(range(next_pos[sid], next_pos[sid] + n))
+        next_pos[sid] += n
+        gen = torch.Generator().manual_seed(n + pos[0])
+        k, v = torch.randn(n, H, D, generator=gen) * 3, torch.randn(n, H, D, generator=gen)
+        for layer in range(L):
+            batched.write_groups(batched.seqs[sid], layer, k, v, pos, cls, 5, g)
+            for s in range(0, n, g):
+                each.write(each.seqs[sid], layer, k[s:s + g], v[s:s + g], pos[s:s + g], cls, 5)
+        assert _state(batched) == _state(each)
+        for layer in range(L):
+            for fmt, pool in batched.pools[layer].items():
+                other = each.pools[layer][fmt]
+                for x, y in zip([*pool.fields, pool.k_group], [*other.fields, other.k_group]):
+                    assert torch.equal(x[:pool.fresh], y[:pool.fresh])
+                for x, y in zip(pool.group_fields, other.group_fields):
+                    assert torch.equal(x[:pool.group_fresh], y[:pool.group_fresh])
+    check_invariants(batched)

@@ -136,14 +136,21 @@ def _write_fp8_kernel(k_ptr, v_ptr, fk, fv, pages_ptr, slots_ptr, gk, gv,
 
 @triton.jit
 def _write_group_kernel(
-    k_ptr, v_ptr, fk, fv, fvs, fvz, g0, g1, kgrp_ptr, pages_ptr, slots_ptr, n, gid, gk, gv,
+    k_ptr, v_ptr, fk, fv, fvs, fvz, g0, g1, kgrp_ptr, pages_ptr, slots_ptr, n, gids_ptr, gk, gv,
     H: tl.constexpr, D: tl.constexpr, B: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
     BITS: tl.constexpr, INT: tl.constexpr, QMAX: tl.constexpr, TERN: tl.constexpr, KEY_OFFSET: tl.constexpr,
 ):
-    """One flush group, one head, ``BLOCK_D`` channels. Block-scaled (E4M3 scales, ``g0 = k_scale``,
-    ``g1 = k_offset``) or, with ``INT``, asymmetric integers (``g0, g1 = k_scale, k_zero``; ``fvz``)."""
+    """One flush group (``program_id(2)``: group ``j`` of ``n`` tokens, arena entry ``gids[j]``), one head,
+    ``BLOCK_D`` channels. Block-scaled (E4M3 scales, ``g0 = k_scale``, ``g1 = k_offset``) or, with ``INT``,
+    asymmetric integers (``g0, g1 = k_scale, k_zero``; ``fvz``)."""
     h = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_D
+    j = tl.program_id(2).to(tl.int64)
+    gid = tl.load(gids_ptr + j).to(tl.int64)
+    k_ptr += j * n * H * D
+    v_ptr += j * n * H * D
+    pages_ptr += j * n
+    slots_ptr += j * n
     NG: tl.constexpr = BLOCK_D // 16
     WB: tl.constexpr = BLOCK_D * BITS // 8
     LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -197,7 +204,7 @@ def _write_group_kernel(
     tl.store(fv + row[:, None] * (D * BITS // 8) + offs_b[None, :], vc, mask=m2)
 
     if (h == 0) & (d0 == 0):
-        tl.store(kgrp_ptr + page * B + slot, tl.zeros([NP], tl.int32) + gid, mask=tmask)
+        tl.store(kgrp_ptr + page * B + slot, tl.zeros([NP], tl.int32) + gid.to(tl.int32), mask=tmask)
 
 
 def _block_d(D: int) -> int:
@@ -220,13 +227,30 @@ def kv_write_triton(
     scale_v: float,
 ) -> None:
     """Same contract as ``kv_write_ref``; pools and arena must be contiguous."""
-    n, H, D = k.shape
-    if n == 0:
-        return
+    if k.shape[0]:  # (the arena entry as a tensor only where a grouped format needs one)
+        gids = torch.full((1,), int(gid), dtype=torch.int64, device=k.device) if fmt_code in _GROUPED else None
+        _launch(k[None], v[None], slot_fields, group_fields, k_group, pages[None], slots[None], gids, fmt_code,
+                scale_k, scale_v)
+
+
+def kv_write_groups_triton(k, v, slot_fields, group_fields, k_group, pages, slots, gids, fmt_code, scale_k,
+                           scale_v) -> None:
+    """Same contract as ``kv_write_groups_ref`` (``k, v [G, n, H, D]``, ``pages, slots [G, n]``, ``gids [G]``):
+    one launch for every group."""
+    if k.shape[0] and k.shape[1]:
+        _launch(k, v, slot_fields, group_fields, k_group, pages, slots, gids.to(k.device, torch.int64), fmt_code,
+                scale_k, scale_v)
+
+
+def _launch(k, v, slot_fields, group_fields, k_group, pages, slots, gids, fmt_code, scale_k, scale_v) -> None:
+    """``G`` groups of ``n`` tokens: write-through formats as ``G * n`` tokens, grouped ones a program axis."""
+    G, n, H, D = k.shape
     B = slot_fields[0].shape[1]
     assert all(t.is_contiguous() for t in [*slot_fields, *group_fields, k_group])
     k, v = k.contiguous(), v.contiguous()
     pages, slots = pages.to(torch.int32).contiguous(), slots.to(torch.int32).contiguous()
+    if fmt_code <= 3:  # one program per (token, head): the groups are G * n tokens
+        k, v, n = k.view(G * n, H, D), v.view(G * n, H, D), G * n
     if fmt_code <= 2:
         bf16 = fmt_code == 2
         fk, fv = (t.view(torch.int16) if bf16 else t for t in slot_fields)
@@ -240,8 +264,8 @@ def kv_write_triton(
         f = list(slot_fields) + [slot_fields[2]] * (4 - len(slot_fields))
         g = list(group_fields) + [group_fields[0]] * (2 - len(group_fields))
         bd = _block_d(D)
-        _write_group_kernel[(H, D // bd)](
-            k, v, *f, *g, k_group, pages, slots, n, int(gid), float(scale_k), float(scale_v),
+        _write_group_kernel[(H, D // bd, G)](
+            k, v, *f, *g, k_group, pages, slots, n, gids, float(scale_k), float(scale_v),
             H=H, D=D, B=B, NP=max(2, triton.next_power_of_2(n)), BLOCK_D=bd, BITS=bits, INT=is_int, QMAX=qmax,
             TERN=tern, KEY_OFFSET=key_offset,
         )

@@ -144,3 +144,26 @@ def test_op_dispatches_to_triton(monkeypatch):
     pages, slots = (t.to(DEV) for t in scatter(3, 0))
     torch.ops.trtkv.kv_write(k, k, slot, group, kg, pages, slots, 2, fmt.code, 1.0, 1.0)
     assert calls and torch.all(kg[pages.long(), slots.long()] == 2)
+
+
+@pytest.mark.parametrize("n", [3, 16])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp8", "nvfp4", "ternaryo", "int4", "int2"])
+def test_groups_in_one_launch_bit_exact(name, n):
+    """``kv_write_groups_triton``: G groups in one launch equal ``kv_write_ref`` of each group in turn (their own
+    arena entries, slots anywhere in the pool)."""
+    from plugins.kv_write.triton_kernel import kv_write_groups_triton
+
+    G, H, D = 2, 2, 32
+    fmt = FORMATS[name]
+    k, v = tensors(name, G * n, H, D, seed=n)
+    pages, slots = scatter(G * n, seed=n + 1)
+    gids = torch.tensor([3, 1]) if fmt.quantized else torch.full((G,), -1)
+    slot, group, kg = pools(fmt, H, D, n)
+    want = ([t.clone() for t in slot], [t.clone() for t in group], kg.clone())
+    for j in range(G):
+        s = slice(j * n, (j + 1) * n)
+        kv_write_ref(k[s], v[s], *want, pages[s], slots[s], int(gids[j]), fmt.code, 0.37, 1.7)
+    slot, group, kg = [t.to(DEV) for t in slot], [t.to(DEV) for t in group], kg.to(DEV)
+    kv_write_groups_triton(k.view(G, n, H, D).to(DEV), v.view(G, n, H, D).to(DEV), slot, group, kg,
+                           pages.view(G, n).to(DEV), slots.view(G, n).to(DEV), gids, fmt.code, 0.37, 1.7)
+    assert_bitwise([*want[0], *want[1], want[2]], [t.cpu() for t in [*slot, *group, kg]])

@@ -199,6 +199,27 @@ class KVCacheManager:
             clk.switch(prev)
         self.record_written(seq, layer, pool, cls[0], pages, slots, positions, seg)
 
+    def write_groups(self, seq: SeqKV, layer: int, k: torch.Tensor, v: torch.Tensor, positions: list[int],
+                     cls: Cls, seg: int, g: int) -> None:
+        """``write`` of ``len(positions) // g`` consecutive groups of ``g`` tokens of one request (a quantized
+        prompt): the slots and key-scale groups that ``write`` group after group takes, one kernel call."""
+        n = len(positions)
+        G = n // g
+        pool = self.pool(layer, cls[0])
+        pages, slots = self.alloc_slots(seq, layer, cls, n)
+        gids = torch.tensor([seq.alloc_group(layer, pool, g) for _ in range(G)], dtype=torch.int64)
+        sc = self.layer_scales(layer, cls[0])
+        clk = self.clock
+        prev = clk.switch("kv_write") if clk is not None else None
+        H, D = k.shape[1:]
+        plugin_ops.kv_write_groups(k.reshape(G, g, H, D), v.reshape(G, g, H, D), pool.fields, pool.group_fields,
+                                   pool.k_group, torch.from_numpy(pages).view(G, g).to(pool.device),
+                                   torch.from_numpy(slots).view(G, g).to(pool.device), gids, pool.fmt.code, sc.k,
+                                   sc.v)
+        if clk is not None:
+            clk.switch(prev)
+        self.record_written(seq, layer, pool, cls[0], pages, slots, positions, seg)
+
     def write_through(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor,
                       positions: list[int], cls: Cls) -> None:
         """One token per request ``k, v [b, H, D]`` into a write-through format, in one kernel call."""

@@ -180,8 +180,8 @@ class EngineCore:
             return
         T = len(positions)
         full = T - T % g
-        for s in range(0, full, g):
-            self.cache.write(seq, layer, k[s:s + g].float(), v[s:s + g].float(), positions[s:s + g], cls, seg)
+        if full:
+            self.cache.write_groups(seq, layer, k[:full].float(), v[:full].float(), positions[:full], cls, seg, g)
         if full < T:
             if self.policy.flush_prompt_tail():
                 self.cache.write(seq, layer, k[full:].float(), v[full:].float(), positions[full:], cls, seg)
