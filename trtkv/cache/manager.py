@@ -489,6 +489,10 @@ class KVCacheManager:
         n = self.num_paged_many(seqs, layer)
         return n + self.buffered_many(seqs, layer) if self.residual is not None else n
 
+    def num_paged_layers(self, seqs: list[SeqKV]) -> np.ndarray:
+        """``num_paged_many`` of every layer at once: ``[L, len(seqs)]``."""
+        return self.columns.live_rows_layers(self.rows(seqs))
+
     def num_live_layers(self, seqs: list[SeqKV]) -> np.ndarray:
         """``num_live_many`` of every layer at once: ``[L, len(seqs)]``."""
         n = self.columns.live_rows_layers(self.rows(seqs))

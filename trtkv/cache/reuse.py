@@ -131,9 +131,12 @@ class ReusableSlots:
         keys_new = pack(self._orders[cls[0]][layers, pages], pages, slots)
         keys, head, end = self._class(cls)
         lin = np.asarray(layers, np.int64) * self._rows + rows
-        order = np.lexsort((keys_new, lin))
-        lin, keys_new = lin[order], keys_new[order]
-        u, start, cnt = np.unique(lin, return_index=True, return_counts=True)
+        if len(lin) > 1 and np.bincount(lin).max() == 1:  # one slot per (layer, row) (a step's one-token
+            u, start, cnt = lin, np.arange(len(lin)), np.ones(len(lin), np.int64)  # evictions): no grouping
+        else:
+            order = np.lexsort((keys_new, lin))
+            lin, keys_new = lin[order], keys_new[order]
+            u, start, cnt = np.unique(lin, return_index=True, return_counts=True)
         ul, ur = np.divmod(u, self._rows)
         h = head[ul, ur]
         old = end[ul, ur] - h
@@ -245,14 +248,17 @@ class ReusableSlots:
             return pages, slots
         keys, head, end = self._keys[cls], self._head[cls], self._end[cls]
         li = np.broadcast_to(np.asarray(layers, np.int64), (n,))
-        act = np.flatnonzero(end[li, rows] > head[li, rows])
+        # (layer, row) as one index into the flat views: one gather each instead of a 2-D fancy index
+        flat = li * self._rows + rows
+        heads, ends, W = head.reshape(-1), end.reshape(-1), keys.shape[2]
+        act = np.flatnonzero(ends[flat] > heads[flat])
         while len(act):
-            la, ra = li[act], rows[act]
-            h = head[la, ra]
-            _, p, s = unpack(keys[la, ra, h])
-            head[la, ra] = h + 1
-            ok = free(la, p, s)
+            fa = flat[act]
+            h = heads[fa]
+            _, p, s = unpack(keys.reshape(-1)[fa * W + h])
+            heads[fa] = h + 1
+            ok = free(li[act], p, s)
             pages[act[ok]], slots[act[ok]] = p[ok], s[ok]
             act = act[~ok]
-            act = act[end[li[act], rows[act]] > head[li[act], rows[act]]]
+            act = act[ends[flat[act]] > heads[flat[act]]]
         return pages, slots

@@ -292,7 +292,7 @@ class ScorerPolicy(KVPolicy):
         if not (live == n).all() or any(self.target(first, layer) != n - 1 for layer in range(L)):
             return False
         if batch is None:  # held positions from the cache
-            if any((first.num_paged_many(layer, due) != n).any() for layer in range(L)):
+            if (first.num_paged_layers(due) != n).any():
                 return False
             held = first.live_positions_layers(due, n)
         else:

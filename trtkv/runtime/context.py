@@ -201,6 +201,10 @@ class RequestContext:
         """``num_live_many`` of every layer: ``[L, len(reqs)]``."""
         return self._cache.num_live_layers(self._seqs(reqs))
 
+    def num_paged_layers(self, reqs: list["RequestContext"]) -> np.ndarray:
+        """``num_paged_many`` of every layer: ``[L, len(reqs)]``."""
+        return self._cache.num_paged_layers(self._seqs(reqs))
+
     def num_paged_many(self, layer: int, reqs: list["RequestContext"]) -> np.ndarray:
         return self._cache.num_paged_many(self._seqs(reqs), layer)
 
