@@ -522,6 +522,17 @@ def _check_block_tables(cache: KVCacheManager) -> None:
             assert got == want
 
 
+def assert_same_bytes(a: KVCacheManager, b: KVCacheManager) -> None:
+    """The codes, key groups and key-scale arenas handed out so far are byte-identical in the two caches."""
+    for layer in range(L):
+        for fmt, pool in a.pools[layer].items():
+            other = b.pools[layer][fmt]
+            for x, y in zip([*pool.fields, pool.k_group], [*other.fields, other.k_group]):
+                assert torch.equal(x[:pool.fresh], y[:pool.fresh])
+            for x, y in zip(pool.group_fields, other.group_fields):
+                assert torch.equal(x[:pool.group_fresh], y[:pool.group_fresh])
+
+
 def _ranked_state(cache: KVCacheManager):
     """``_state`` with each reuse-heap entry's page age replaced by its rank among its table's pages."""
     pools, seqs = _state(cache)
@@ -592,13 +603,7 @@ def test_batched_flush_matches_one_write_per_request(ops, block, uniform):
                 c.free_sequence(ids[o[1] % len(ids)])
         assert _ranked_state(batched) == _ranked_state(each)
         _check_block_tables(batched)
-        for layer in range(L):
-            for fmt, pool in batched.pools[layer].items():
-                other = each.pools[layer][fmt]
-                for x, y in zip([*pool.fields, pool.k_group], [*other.fields, other.k_group]):
-                    assert torch.equal(x[:pool.fresh], y[:pool.fresh])
-                for x, y in zip(pool.group_fields, other.group_fields):
-                    assert torch.equal(x[:pool.group_fresh], y[:pool.group_fresh])
+        assert_same_bytes(batched, each)
     check_invariants(batched)
 
 
@@ -852,11 +857,5 @@ def test_prompt_groups_write_matches_one_write_per_group(ops, block):
             for s in range(0, n, g):
                 each.write(each.seqs[sid], layer, k[s:s + g], v[s:s + g], pos[s:s + g], cls, 5)
         assert _state(batched) == _state(each)
-        for layer in range(L):
-            for fmt, pool in batched.pools[layer].items():
-                other = each.pools[layer][fmt]
-                for x, y in zip([*pool.fields, pool.k_group], [*other.fields, other.k_group]):
-                    assert torch.equal(x[:pool.fresh], y[:pool.fresh])
-                for x, y in zip(pool.group_fields, other.group_fields):
-                    assert torch.equal(x[:pool.group_fresh], y[:pool.group_fresh])
+        assert_same_bytes(batched, each)
     check_invariants(batched)
