@@ -365,6 +365,10 @@ class TableColumns:
         """``n`` more tokens evicted from each of ``rows`` (distinct)."""
         self._evicted[rows] += n
 
+    def add_evicted(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """``counts[i]`` more tokens evicted from ``rows[i]`` (rows may repeat)."""
+        np.add.at(self._evicted, rows, counts)
+
     def holes(self, layer: int, row: int) -> bool:
         return bool(self._holes[layer, row])
 

@@ -397,14 +397,13 @@ class ThinKVPolicy(KVPolicy):
             counts = torch.tensor([len(mem) for mem, _ in flat], dtype=torch.int32, device=feats.device)
             k_keep = torch.tensor([t for _, t in flat], dtype=torch.int32, device=feats.device)
             keep = torch.ops.trtkv.kmeans_select(feats, counts, k_keep, self.kmeans_iters).cpu().numpy()
-            j, victims = 0, []
-            for req, jobs in group:
-                for members, _ in jobs:
-                    kept = keep[j][keep[j] >= 0]
-                    mask = np.ones(len(members), bool)
-                    mask[kept] = False
-                    victims.append((req, members[mask]))
-                    j += 1
+            # each job's members the k-means did not keep, in member order: one mask for the round
+            mask = np.ones((len(flat), m), bool)
+            ji, col = np.nonzero(keep >= 0)
+            mask[ji, keep[ji, col]] = False
+            owners = [req for req, jobs in group for _ in jobs]
+            victims = [(req, members[mask[j, :len(members)]]) for j, (req, (members, _)) in
+                       enumerate(zip(owners, flat))]
             group[0][0].evict_many(layer, victims)
 
     # --- after each step: label the open segment at refresh steps, account tokens -----------
