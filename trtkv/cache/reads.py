@@ -65,8 +65,8 @@ def _slots_by_lookup(pools: dict[str, PagePool], columns: TableColumns, layer: i
                      ) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
     """Per format: ``(rows of the output, or None for every row in order; flat slot ids page * B + slot)`` of
     every asked position, from the requests' position maps (one array read for the batch)."""
-    rows = np.concatenate([np.full(len(p), seq.row, np.int64) for seq, p in items]) if items else \
-        np.empty(0, np.int64)
+    rows = np.repeat(np.fromiter((seq.row for seq, _ in items), np.int64, len(items)),
+                     np.fromiter((len(p) for _, p in items), np.int64, len(items)))
     pos = np.concatenate([np.asarray(p, np.int64).reshape(-1) for _, p in items]) if items else rows
     fids, pages, slots = columns.lookup_many(layer, rows, pos)
     names = columns.fmt_names
