@@ -362,12 +362,8 @@ class TableColumns:
         return int(self._evicted[row])
 
     def count_evicted(self, rows: np.ndarray, n) -> None:
-        """``n`` more tokens evicted from each of ``rows`` (distinct)."""
-        self._evicted[rows] += n
-
-    def add_evicted(self, rows: np.ndarray, counts: np.ndarray) -> None:
-        """``counts[i]`` more tokens evicted from ``rows[i]`` (rows may repeat)."""
-        np.add.at(self._evicted, rows, counts)
+        """``n`` (or ``n[i]``) more tokens evicted from each of ``rows`` (rows may repeat)."""
+        np.add.at(self._evicted, rows, n)
 
     def holes(self, layer: int, row: int) -> bool:
         return bool(self._holes[layer, row])

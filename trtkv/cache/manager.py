@@ -367,7 +367,7 @@ class KVCacheManager:
         counts = evict_private_many(self.pools[layer], self.columns, layer, items, self.cfg.eviction != "compact")
         if counted:  # the batch's counts in one array update (a request may appear more than once)
             rows = np.fromiter((s.row for s, _ in items), np.int64, len(items))
-            self.columns.add_evicted(rows, np.asarray(counts, np.int64))
+            self.columns.count_evicted(rows, np.asarray(counts, np.int64))
             self.evictions_total += int(sum(counts))
         if self.cfg.eviction == "compact":  # every request that lost tokens, in order, each once
             hit = {id(seq): seq for (seq, _), n in zip(items, counts) if n}
