@@ -93,8 +93,8 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
     profiler = StepProfiler(e.core.device) if cfg.profile else None
 
     def timer(phase: str, rs, seconds: float) -> None:
-        if phase == "prefill":
-            res.prefill_s.append(seconds)
+        if phase == "prefill":  # a packed group's pass: each request its share
+            res.prefill_s.extend([seconds / len(rs)] * len(rs))
         else:
             res.decode_s.append(seconds)
             res.step_batch.append(len(rs))

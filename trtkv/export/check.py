@@ -271,7 +271,7 @@ class LockstepCore(OrtEngineCore):
         self.rec.step_logits("prefill", f"prefill of request {req.req_id}", out["logits"], logits.float().numpy())
         self._check_prompt(req, out, ks, vs)
         self._store_prefill(req, out)
-        self._end_prefill(req, logits, StepStats(step=-1))
+        self.end_prefill(req, logits, StepStats(step=-1))
 
     def _torch_prefill(self, ids: list[int]):
         """``EngineCore.prefill``'s computation (the cache writes aside): logits, and each layer's K/V."""

@@ -63,15 +63,17 @@ class OrtEngineCore(EngineCore):
         super()._set_observers(observers)
 
     # --- prefill ----------------------------------------------------------------------------
+    packs_prefill = False  # the exported prefill graph takes one prompt
+
     @torch.inference_mode()
     def prefill(self, req: Request) -> None:
         self._begin_prefill_graph(req)
         out = self.sessions.run_prefill(req.prompt_ids)
         self._store_prefill(req, out)
-        self._end_prefill(req, torch.from_numpy(out["logits"]), StepStats(step=-1))
+        self.end_prefill(req, torch.from_numpy(out["logits"]), StepStats(step=-1))
 
     def _begin_prefill_graph(self, req: Request):
-        ctx, sreq = self._begin_prefill(req)
+        ctx, sreq = self.begin_prefill(req)
         if sreq.weights or sreq.sparsity or sreq.prefill_window:
             raise TrtkvError(f"policy {self.policy.name!r} reads prefill attention statistics, which the ONNX "
                              "prefill graph does not return; run it with --runtime torch")

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from plugins import backend as plugin_backend
 from trtkv.cache.manager import CacheConfig, KVCacheManager, fp16_bytes_per_token
@@ -23,9 +22,10 @@ from trtkv.cache.write_plan import WritePlan
 from trtkv.distributed.group import HeadShards
 from trtkv.models.decoder import DecoderModel
 from trtkv.policies.base import KVPolicy, StatsRequest, StepBatch, StepStats
-from trtkv.runtime.attention import attach_queries, decode_attention, prefill_stats
+from trtkv.runtime.attention import attach_queries, decode_attention
 from trtkv.runtime.context import RequestContext
 from trtkv.runtime.device_step import DeviceStep, fill_statistics, plan_step
+from trtkv.runtime.prefill import prefill_packed
 from trtkv.runtime.observers import EngineObserver, PhaseClock, merge_stats_requests
 from trtkv.runtime.request import GenerationResult, IncrementalDetokenizer, Request
 from trtkv.runtime.sampling import sample_next
@@ -117,7 +117,7 @@ class EngineCore:
         self.clock = self.cache.clock = clocks[0] if clocks else None
 
     # --- prefill ----------------------------------------------------------------------------
-    def _begin_prefill(self, req: Request) -> tuple[RequestContext, StatsRequest]:
+    def begin_prefill(self, req: Request) -> tuple[RequestContext, StatsRequest]:
         """The request's cache sequence and context, the policy's ``begin``, its prefill statistics request."""
         seq = self.cache.add_sequence(req.req_id)
         ctx = self.new_context(req.req_id, req.prompt_len, seq)
@@ -135,7 +135,7 @@ class EngineCore:
         toks = sample_next(logits, params, gens, contexts)
         return toks if self.shards is None else self.shards.agree(toks)
 
-    def _end_prefill(self, req: Request, logits: torch.Tensor, stats: StepStats) -> None:
+    def end_prefill(self, req: Request, logits: torch.Tensor, stats: StepStats) -> None:
         """After the prompt is in the cache: observers, the first sampled token, the policy's prefill end."""
         ctx = req.ctx
         req.last_logits = logits[0]  # what a fork of this request samples its first token from
@@ -148,32 +148,21 @@ class EngineCore:
         self.policy.on_prefill_end(ctx, stats)
         req.peak_live_tokens = max(req.peak_live_tokens, ctx.num_live(0))
 
-    @torch.inference_mode()
     def prefill(self, req: Request) -> None:
-        ctx, sreq = self._begin_prefill(req)
-        seq = ctx.seq
-        pol = self.policy
-        T = req.prompt_len
-        ids = torch.tensor(req.prompt_ids, device=self.device)
-        positions = torch.arange(T, device=self.device)
-        cos, sin = self.model.rotary.cos_sin(positions, self.dtype)
-        x = self.model.embed(ids)
-        fmt, thought, seg = pol.prefill_class(ctx)
-        stats = StepStats(step=-1)
-        pos_list = list(range(T))
-        for layer in range(self.arch.num_hidden_layers):
-            q, k, v = self.model.qkv(layer, x, cos, sin)
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                  v.transpose(0, 1)[None], is_causal=True, scale=self.sm_scale,
-                                                  enable_gqa=True)[0].transpose(0, 1)
-            self._store_prompt(seq, layer, k, v, pos_list, (fmt, thought), seg)
-            if (sreq.weights or sreq.sparsity or sreq.prefill_window) and (sreq.layers is None or layer in sreq.layers):
-                qs, ks = (q, k) if self.shards is None else (self.shards.gather(q, 1), self.shards.gather(k, 1))
-                stats.layers[layer] = prefill_stats(qs, ks, max(sreq.prefill_window, 1), self.sm_scale)
-            x = self.model.finish_layer(layer, x, attn)
-        self._end_prefill(req, self.model.logits(x[-1:]), stats)
+        """``req``'s prompt into the cache and its first token sampled."""
+        prefill_packed(self, [req])
 
-    def _store_prompt(self, seq, layer, k, v, positions, cls, seg) -> None:
+    # whether ``prefill_many`` runs its prompts as one pass (a runtime that prefills its own way says no: the
+    # scheduler then prefills one request at a time)
+    packs_prefill = True
+
+    def prefill_many(self, reqs: list[Request]) -> None:
+        """Several prompts in one packed pass (runtime/prefill.py); on an exception the caller ``unprefill``s
+        each of ``reqs`` (none has sampled a token yet)."""
+        prefill_packed(self, reqs)
+
+    def store_prompt(self, seq, layer, k, v, positions, cls, seg) -> None:
+        """One prompt's K/V of ``layer``: whole quantization groups written, the tail flushed or buffered."""
         g = self.g
         if g == 1:
             self.cache.write(seq, layer, k, v, positions, cls, seg)

@@ -1,5 +1,6 @@
-"""Continuous batching: admit waiting requests (by batch slots and the KV pages they may need), prefill them,
-run one batched decode step over everything running, and free a finished request's pages at once.
+"""Continuous batching: admit waiting requests (by batch slots and the KV pages they may need), prefill them
+(a packed group of prompts a pass, runtime/prefill.py), run one batched decode step over everything running,
+and free a finished request's pages at once.
 
 Admission reserves, per format, the pages each running request may still need at worst
 (``trtkv/cache/budget.py``'s ``pages_needed``): a request whose reservation does not fit *now* waits at the
@@ -24,11 +25,18 @@ from trtkv.runtime.forking import spawn_samples
 from trtkv.runtime.request import Request
 
 
+# Prompt tokens prefilled in one packed pass: enough to fill the device's matmuls, few enough that the pass's
+# activations stay small beside the KV pools (an 8B model's MLP at 8,192 tokens: ~235 MB in bf16).
+PREFILL_TOKENS = 8192
+
+
 class Scheduler:
     def __init__(self, core: EngineCore, max_batch: int = 64,
-                 step_timer: Callable[[str, list[Request], float], None] | None = None):
+                 step_timer: Callable[[str, list[Request], float], None] | None = None,
+                 prefill_tokens: int = PREFILL_TOKENS):
         self.core = core
         self.max_batch = max_batch
+        self.prefill_tokens = prefill_tokens
         self.waiting: deque[Request] = deque()
         self._running: list[Request] = []
         # what the running requests reserve, per format, kept as they start and stop (admission reads it per
@@ -54,8 +62,11 @@ class Scheduler:
     def _start(self, reqs: list[Request]) -> None:
         for r in reqs:
             self._running.append(r)
-            self._held_pages.update(self.reserved_pages(r))
-            self._held_groups.update(self.reserved_groups(r))
+            self._reserve(r)
+
+    def _reserve(self, r: Request) -> None:
+        self._held_pages.update(self.reserved_pages(r))
+        self._held_groups.update(self.reserved_groups(r))
 
     def _stopped(self, r: Request) -> None:
         """``r`` left the running set: its reservations go back."""
@@ -151,16 +162,7 @@ class Scheduler:
             self.waiting.remove(r)
             r.finish_reason = "cancelled"
             done.append(r)
-        while self.waiting and len(self._running) < self.max_batch:
-            verdict = self._admission(self.waiting[0])
-            if verdict == "later":
-                break
-            req = self.waiting.popleft()
-            if verdict != "now":
-                self.core.abort(req, verdict)
-                done.append(req)
-                continue
-            done.extend(self._prefill(req))
+        done.extend(self._admit())
         active = [r for r in self._running if not r.finished and not r.cancelled]
         failed = self._decode(active) if active else []
         done.extend(failed)
@@ -180,6 +182,53 @@ class Scheduler:
                 still.append(r)
         self._running = still
         return done
+
+    def _admit(self) -> list[Request]:
+        """Admit waiting requests while batch slots and memory allow, prefilling them a packed group at a time
+        (up to ``prefill_tokens`` prompt tokens a group); returns the requests that failed (already freed)."""
+        done: list[Request] = []
+        group: list[Request] = []  # admitted, reserved, not yet prefilled
+        tokens = 0
+        while self.waiting and len(self._running) + len(group) < self.max_batch:
+            verdict = self._admission(self.waiting[0])
+            if verdict == "later":
+                break
+            req = self.waiting.popleft()
+            if verdict != "now":
+                self.core.abort(req, verdict)
+                done.append(req)
+                continue
+            if req.params.n > 1:  # its forks start with it: alone, after the group
+                done.extend(self._prefill_group(group))
+                group, tokens = [], 0
+                done.extend(self._prefill(req))
+                continue
+            if group and (tokens + req.prompt_len > self.prefill_tokens or not self.core.packs_prefill):
+                done.extend(self._prefill_group(group))
+                group, tokens = [], 0
+            self._reserve(req)  # (the next admission counts it)
+            group.append(req)
+            tokens += req.prompt_len
+        done.extend(self._prefill_group(group))
+        return done
+
+    def _prefill_group(self, group: list[Request]) -> list[Request]:
+        """Prefill the reserved ``group`` in one packed pass and start it running; if that fails, take it back and
+        prefill its requests one at a time (so a bad or too-large request fails alone, as ``_prefill`` decides)."""
+        if len(group) > 1:
+            try:
+                self._run("prefill", self.core.prefill_many, group, group)
+            except RankLost:
+                raise
+            except (TrtkvError, torch.OutOfMemoryError):  # e.g. a full pool, or the packed pass's activations
+                for r in group:
+                    self.core.unprefill(r)
+            else:
+                self._running.extend(group)
+                return []
+        for r in group:
+            self._stopped(r)
+        return [f for r in group for f in self._prefill(r)]
 
     def _prefill(self, req: Request) -> list[Request]:
         """Prefill ``req`` and start it running; returns the requests that failed instead (already freed): ``req``

@@ -1,0 +1,68 @@
+"""Prefill: prompts through the model into their cache sequences, and each request's first token.
+
+Several prompts run as one packed sequence (``[sum T, hidden]``): the dense layers are row-wise, so one pass
+over every prompt's tokens replaces one pass per prompt (a serving batch's admissions in one set of weight
+reads and kernel launches); attention stays causal within each prompt, one batched call when the prompts
+have the same length. Each prompt's K/V is stored in its own sequence, in the class its policy gives it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trtkv.policies.base import StatsRequest, StepStats
+from trtkv.runtime.attention import prefill_stats
+from trtkv.runtime.request import Request
+
+
+@torch.inference_mode()
+def prefill_packed(core, reqs: list[Request]) -> None:
+    """Prefill ``reqs`` (each begun here) in one pass; their first tokens are sampled only once every layer's
+    K/V is stored, so an exception part-way leaves no request with a token (the caller ``unprefill``s them)."""
+    begun = [core.begin_prefill(r) for r in reqs]
+    lens = [r.prompt_len for r in reqs]
+    ends = torch.tensor(lens).cumsum(0).tolist()
+    starts = [e - n for e, n in zip(ends, lens)]
+    dev = core.device
+    ids = torch.tensor([t for r in reqs for t in r.prompt_ids], device=dev)
+    positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+    model = core.model
+    cos, sin = model.rotary.cos_sin(positions, core.dtype)
+    x = model.embed(ids)
+    classes = [core.policy.prefill_class(ctx) for ctx, _ in begun]
+    pos_lists = {n: list(range(n)) for n in set(lens)}
+    stats = [StepStats(step=-1) for _ in reqs]
+    for layer in range(core.arch.num_hidden_layers):
+        q, k, v = model.qkv(layer, x, cos, sin)
+        attn = causal_attention(q, k, v, lens, core.sm_scale)
+        for i, ((ctx, sreq), (fmt, thought, seg)) in enumerate(zip(begun, classes)):
+            s, e = starts[i], ends[i]
+            core.store_prompt(ctx.seq, layer, k[s:e], v[s:e], pos_lists[lens[i]], (fmt, thought), seg)
+            if _wants_stats(sreq, layer):
+                qs, ks = (q[s:e], k[s:e]) if core.shards is None else (core.shards.gather(q[s:e], 1),
+                                                                      core.shards.gather(k[s:e], 1))
+                stats[i].layers[layer] = prefill_stats(qs, ks, max(sreq.prefill_window, 1), core.sm_scale)
+        x = model.finish_layer(layer, x, attn)
+    logits = model.logits(x[torch.tensor(ends, device=dev) - 1])
+    for i, r in enumerate(reqs):
+        core.end_prefill(r, logits[i:i + 1], stats[i])
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], sm_scale: float
+                     ) -> torch.Tensor:
+    """Causal attention within each of the packed prompts of ``lens``: ``q [sum T, Hq, D]``, ``k, v [sum T, H, D]``
+    -> ``[sum T, Hq, D]``. Prompts of one length run as one batched call, others one call each."""
+    if len(set(lens)) == 1:
+        B, T = len(lens), lens[0]
+        out = F.scaled_dot_product_attention(*(t.view(B, T, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)),
+                                             is_causal=True, scale=sm_scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(q.shape)
+    outs, s = [], 0
+    for n in lens:
+        outs.append(causal_attention(q[s:s + n], k[s:s + n], v[s:s + n], [n], sm_scale))
+        s += n
+    return torch.cat(outs)
+
+
+def _wants_stats(sreq: StatsRequest, layer: int) -> bool:
+    return bool(sreq.weights or sreq.sparsity or sreq.prefill_window) and (sreq.layers is None or layer in sreq.layers)
