@@ -8,7 +8,8 @@
 #   OUT=... build_scripts/gpu_check.sh session   # a 15-minute lease: every step below in this order (the most
 #       valuable first) under one deadline (GPU_DEADLINE_S, default 550 s: each step gets what is left, capped)
 #   OUT=... build_scripts/gpu_check.sh lease2   # Table 2 at the memory limit (table2), the kernels, the engines
-#   OUT=... build_scripts/gpu_check.sh [env kernels tests graph engines enginetests table2]   # steps alone
+#   OUT=... build_scripts/gpu_check.sh lease3   # packed prefill's tests, Table 2 with it, its prefill pair
+#   OUT=... build_scripts/gpu_check.sh [env kernels tests graph engines enginetests table2 prefill]   # steps alone
 # Here, before the device call: `build_scripts/gpu_check.sh prepare` puts SmolLM2's tokenizer files (no weights;
 # the tiny test model borrows the tokenizer) and the last measured attention kernel in .gpu_carry/, git-ignored;
 # carry it and set TRTKV_CACHE=$PWD/.gpu_carry there.
@@ -104,11 +105,32 @@ table2() {
   # 8,192 tokens a request take hours at ThinKV's batch on one GPU: each engine runs T2_DURATION seconds of it.
   # 2026-12-04: at 40 GiB ThinKV's 270 prefills (0.55 s each then) outran 240 s; 10 GiB ran (67 at once).
   # The quantized prompt is written in one call a layer since (54a8d43): try 40 GiB again.
+  # 2026-12-05: admitted prompts are prefilled a packed pass of 8,192 tokens at a time (T2_PREFILL_TOKENS=1: one
+  # prompt a pass, as before; lease3 falls back to it when the packed-prefill tests fail on CUDA)
   timeout -k 5 $(budget $1) $PY -m trtkv.cli bench $E/full $E/thinkv-1024 --kv-memory ${T2_KV_MEMORY:-40GiB} \
       --requests auto --prompt-len ${T2_PROMPT_LEN:-1024} --gen-len ${T2_GEN_LEN:-8192} --duration ${T2_DURATION:-100} \
-      --set kv_memory=2GiB --prompt ids --out /tmp/gpu-table2 >>"$OUT/table2.txt" 2>&1
+      --prefill-tokens ${T2_PREFILL_TOKENS:-8192} --set kv_memory=2GiB --prompt ids --out /tmp/gpu-table2 \
+      >>"$OUT/table2.txt" 2>&1
   echo "rc=$? at ${SECONDS}s" >>"$OUT/table2.txt"; cp /tmp/gpu-table2/results.json "$OUT/table2.json" 2>/dev/null
   grep -v "^\\s*$" "$OUT/table2.txt" | tail -22
+}
+
+prefill_tests() {  # the packed prefill's tests on CUDA; fails (rc != 0) when they do
+  step "packed prefill tests on CUDA (tests/test_packed_prefill.py)"
+  timeout -k 5 $(budget $1) $PY -m pytest -q -p no:cacheprovider tests/test_packed_prefill.py >"$OUT/prefill.txt" 2>&1
+  local rc=$?; echo "prefill tests rc=$rc at ${SECONDS}s" >>"$OUT/prefill.txt"; tail -3 "$OUT/prefill.txt"; return $rc
+}
+
+prefill_pair() {  # one prompt a pass vs packed passes, the same 16 requests of 1,024 tokens, engines interleaved
+  step "$MODEL prefill: one prompt a pass vs packed (--prefill-tokens 1 vs 8192), 16 x 1,024 tokens"
+  for pt in 1 8192 1 8192; do
+    [ $(budget $1) -gt 40 ] || { echo "no time left for --prefill-tokens $pt" >>"$OUT/prefill.txt"; break; }
+    timeout -k 5 $(( $(budget $1) / 2 )) $PY -m trtkv.cli bench $E/full $E/thinkv-1024 --batch-sizes 16 \
+        --prompt-len 1024 --gen-len 2 --prefill-tokens $pt --prompt ids --out /tmp/gpu-prefill-$pt \
+        >>"$OUT/prefill.txt" 2>&1
+    echo "--prefill-tokens $pt rc=$? at ${SECONDS}s" >>"$OUT/prefill.txt"
+  done
+  awk '/prefill-tokens .* rc=/{print} /prefill\/req s/{n=2} n&&/│ (full|thinkv)/{print; n--}' "$OUT/prefill.txt"
 }
 
 engine_tests() {  # appends to kernel_tests.txt (8 files at most come back)
@@ -129,6 +151,8 @@ for s in $STEPS; do case $s in
 session) env_check; kernel_bench 170; kernel_tests 100; graph_full 200; engines 600; engine_tests 100; finish ;;
 # the 2026-12-04 second lease: the lean tilings in place, Table 2 on the GPU, the compressed engines under graph
 lease2) env_check; table2 300; kernel_bench 90; engines 600; finish ;;
+# the 2026-12-05 lease: packed prefill checked on CUDA, then Table 2 at 40 GiB with it, then its prefill pair
+lease3) env_check; prefill_tests 90 || export T2_PREFILL_TOKENS=1; table2 330; prefill_pair 200; finish ;;
 env) env_check; finish ;;
 kernels) kernel_bench 240 ;;
 tests) kernel_tests 150 ;;
@@ -136,6 +160,7 @@ graph) graph_full 300 ;;
 engines) engines 600 ;;
 enginetests) engine_tests 150 ;;
 table2) table2 400 ;;
+prefill) prefill_tests 90; prefill_pair 200 ;;
 prepare)
   src=$($PY -c "from trtkv.models.fetch import checkpoint_dir; from trtkv.models.registry import resolve_model; \
 print(checkpoint_dir(resolve_model('smollm2-135m')))" 2>/dev/null || echo "$HOME/.cache/trtkv/models/smollm2-135m")
@@ -147,5 +172,5 @@ print(checkpoint_dir(resolve_model('smollm2-135m')))" 2>/dev/null || echo "$HOME
   mkdir -p "$(git rev-parse --git-dir)/info"
   grep -qx "/.gpu_carry/" "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null || echo "/.gpu_carry/" >>"$(git rev-parse --git-dir)/info/exclude"
   du -sh .gpu_carry ;;
-*) echo "unknown step $s (prepare session lease2 env kernels tests graph engines enginetests table2)"; exit 2 ;;
+*) echo "unknown step $s (prepare session lease2 lease3 env kernels tests graph engines enginetests table2)"; exit 2 ;;
 esac; done

@@ -288,3 +288,4 @@ def test_memory_limited_run_bad_input(tmp_path):
     assert_one_line_error(run(str(tmp_path), "--duration", "60"), "pass it with --requests")
     assert_one_line_error(run(str(tmp_path), "--requests", "4", "--kv-memory", "1GiB", "--duration", "0"),
                           "positive number of seconds")
+    assert_one_line_error(run(str(tmp_path), "--prefill-tokens", "0"), "positive number of tokens")

@@ -349,6 +349,9 @@ def _command_line(name: str) -> str | None:
               help="With --requests: stop each engine's run after SECONDS (tok/s steady is then the window reached; "
                    "requests running at the stop are cut short).")
 @click.option("--host-kv-memory", default=None, metavar="SIZE", help="Cap on host-tier KV bytes (T1 + T2).")
+@click.option("--prefill-tokens", type=int, default=None, metavar="N",
+              help="Prompt tokens packed into one prefill pass of admitted requests (1: one prompt a pass) "
+                   "[default: the scheduler's, 8192].")
 @click.option("--repeat", type=int, default=1, show_default=True, help="Repeats, engines interleaved in each.")
 @click.option("--prompt", "prompt_source", type=click.Choice(["text", "ids"]), default="text", show_default=True,
               help="Prompts: packaged reasoning-trace text tokenized and repeated to length, or random token ids.")
@@ -365,8 +368,8 @@ def _command_line(name: str) -> str | None:
               help="torch, torch-compile, graph, onnxruntime, or several comma-separated (each engine runs under each, "
                    "interleaved).")
 @tp_option
-def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, requests, duration_s, host_kv_memory, repeat,
-          prompt_source, sets, device, seed, no_warmup, profile, out, runtime, tp) -> None:
+def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, requests, duration_s, host_kv_memory,
+          prefill_tokens, repeat, prompt_source, sets, device, seed, no_warmup, profile, out, runtime, tp) -> None:
     """Latency, throughput and KV memory of ENGINES over batch sizes, measured in one run."""
     from trtkv.bench import BenchConfig, load_engines, parse_batch_sizes, parse_size, run_bench
     from trtkv.bench.records import parse_requests
@@ -378,7 +381,8 @@ def bench(engines, batch_sizes, prompt_len, gen_len, kv_memory, requests, durati
     cfg = BenchConfig(batch_sizes=parse_batch_sizes(batch_sizes), prompt_len=prompt_len, gen_len=gen_len,
                       kv_memory=parse_size(kv_memory) if kv_memory else None, repeat=repeat, warmup=not no_warmup,
                       prompt_source=prompt_source, seed=seed, profile=profile, requests=n_requests,
-                      requests_auto=requests_auto, duration_s=duration_s).validate()
+                      requests_auto=requests_auto, duration_s=duration_s,
+                      **({} if prefill_tokens is None else {"prefill_tokens": prefill_tokens})).validate()
     sets = {**parse_sets(sets), **({"host_kv_memory": host_kv_memory} if host_kv_memory else {})}
     from trtkv.api import RUNTIMES
 

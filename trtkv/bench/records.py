@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trtkv.errors import TrtkvError
+from trtkv.runtime.scheduler import PREFILL_TOKENS
 
 
 @dataclass
@@ -20,6 +21,7 @@ class BenchConfig:
     # the memory-limited run: stop each engine's run after this many seconds (its steady state is the window
     # reached; requests running then are cut short, those still waiting never ran)
     duration_s: float | None = None
+    prefill_tokens: int = PREFILL_TOKENS  # prompt tokens the scheduler packs into one prefill pass (1: one prompt)
     repeat: int = 1
     warmup: bool = True
     prompt_source: str = "text"  # "text": packaged reasoning traces tokenized and repeated; "ids": random ids
@@ -33,6 +35,8 @@ class BenchConfig:
             raise TrtkvError("--prompt-len and --gen-len must be positive")
         if self.repeat <= 0:
             raise TrtkvError("--repeat must be at least 1")
+        if self.prefill_tokens <= 0:
+            raise TrtkvError(f"--prefill-tokens {self.prefill_tokens}: expected a positive number of tokens")
         if self.prompt_source not in ("text", "ids"):
             raise TrtkvError("--prompt must be 'text' or 'ids'")
         if self.memory_limited:

@@ -115,7 +115,8 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
     limits = {} if capacity is None else {"kv_memory": cfg.kv_memory, "max_batch": capacity.batch,
                                           "key_groups_per_page": capacity.key_groups_per_page}
     core = e.make_core(observers=(profiler,) if profiler is not None else (), **limits)
-    sched = Scheduler(core, admission_batch or max(batch, e.scheduler.max_batch), step_timer=timer)
+    sched = Scheduler(core, admission_batch or max(batch, e.scheduler.max_batch), step_timer=timer,
+                      prefill_tokens=cfg.prefill_tokens)
     cuda = core.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(core.device)
