@@ -39,6 +39,9 @@ DEFAULT_NUM_LAYERS = 4
 MIN_POINTS = 8  # a (prompt, layer) with fewer recorded steps is left out of the analysis
 KDE_STORE_POINTS = 241  # densities kept in the artifact (for the plot), over the data's window
 
+# numpy 2 renamed trapz (gone in 2.4); the pinned numpy<2 has only the old name
+trapezoid = getattr(np, "trapezoid", None) or np.trapz
+
 
 @dataclass
 class Analysis:
@@ -151,7 +154,7 @@ def _pair_stats(used: list[np.ndarray], L: int, grid: np.ndarray) -> _PairStats:
             st.sd_within[p, layer] = float(finite.std()) if len(finite) else 0.0
             if len(finite) > 2 and finite[1:].std() > 0 and finite[:-1].std() > 0:
                 st.lag1[p, layer] = float(np.corrcoef(finite[1:], finite[:-1])[0, 1])
-            area = np.trapz(f, grid)
+            area = trapezoid(f, grid)
             st.dens[p, layer] = f / area if area > 0 else f
     return st
 
@@ -231,7 +234,7 @@ def _plot_densities(used: list[np.ndarray], st: _PairStats, ub_all: np.ndarray, 
     per_prompt = np.stack([[np.interp(xs, grid, st.dens[p, layer]) for layer in range(L)] for p in range(P)])
     mix = per_prompt.mean(0)
     f_ub, _ = kde_on_grid(ub_all, grid)
-    area = np.trapz(f_ub, grid)
+    area = trapezoid(f_ub, grid)
     f_ub = np.interp(xs, grid, f_ub / area if area > 0 else f_ub)
     return {"x": _sig(xs, 6), "layers": [_sig(mix[layer]) for layer in range(L)], "u_bar": _sig(f_ub)}, per_prompt
 
