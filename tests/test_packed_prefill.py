@@ -110,3 +110,28 @@ def test_a_failing_pass_falls_back_to_one_request_at_a_time(tiny, monkeypatch):
         sched.step()
     assert [r.result.token_ids for r in reqs[:2]] == alone
     assert core.cache.pages_in_use() == 0 and not core.cache.seqs
+
+
+def test_device_out_of_memory_in_prefill_fails_that_request_alone(tiny, monkeypatch):
+    """A prompt whose prefill runs the device out of memory (``torch.OutOfMemoryError``, here raised for the
+    long prompt) fails with one line; the packed pass it was in is rerun one request at a time and the others
+    finish with their own tokens."""
+    import trtkv.runtime.core as core_mod
+
+    eng = tiny("full")
+    ids = prompts([24, 90, 24])
+    alone = [run(eng.make_core(), [p], 1)[0].result.token_ids for p in (ids[0], ids[2])]
+    real = core_mod.prefill_packed
+
+    def short_of_memory(core, reqs):
+        if any(r.prompt_len == 90 for r in reqs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        real(core, reqs)
+
+    monkeypatch.setattr(core_mod, "prefill_packed", short_of_memory)
+    core = eng.make_core()
+    reqs = run(core, ids, 8192)
+    assert reqs[1].finish_reason == "error" and "device out of memory" in reqs[1].error
+    assert "\n" not in reqs[1].error
+    assert [reqs[0].result.token_ids, reqs[2].result.token_ids] == alone
+    assert core.cache.pages_in_use() == 0 and not core.cache.seqs

@@ -112,8 +112,10 @@ def run_once(be: BenchEngine, batch: int, cfg: BenchConfig, repeat: int, trace: 
     from trtkv.runtime.scheduler import Scheduler
 
     # a core and scheduler of its own (same weights, fresh cache): the engine's live core is never touched
-    limits = {} if capacity is None else {"kv_memory": cfg.kv_memory, "max_batch": capacity.batch,
-                                          "key_groups_per_page": capacity.key_groups_per_page}
+    # (the sweep: residual buffers for the whole batch, set aside before the pools take the device's memory)
+    limits = ({"max_batch": max(batch, e.cache_cfg.max_batch)} if capacity is None else
+              {"kv_memory": cfg.kv_memory, "max_batch": capacity.batch,
+               "key_groups_per_page": capacity.key_groups_per_page})
     core = e.make_core(observers=(profiler,) if profiler is not None else (), **limits)
     sched = Scheduler(core, admission_batch or max(batch, e.scheduler.max_batch), step_timer=timer,
                       prefill_tokens=cfg.prefill_tokens)

@@ -253,6 +253,11 @@ class Scheduler:
                 raise
             except TrtkvError as e:  # a bad request: it fails, nothing else does
                 return failed + self._fail_prefill(req, e)
+            except torch.OutOfMemoryError:  # the prompt's activations did not fit beside the pools: it fails alone
+                self.core.unprefill(req)
+                return failed + self._fail_prefill(req, TrtkvError(
+                    f"request {req.req_id}: device out of memory prefilling its {req.prompt_len} prompt tokens "
+                    "beside the KV pools (a smaller --kv-memory leaves more room)"))
             self._start([req, *samples])
             return failed
 
