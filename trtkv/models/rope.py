@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from plugins.rotary.reference import rotary_ref as apply_rotary  # noqa: F401 (the model's rotation)
@@ -40,9 +41,23 @@ class Rotary:
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, device: torch.device | str = "cpu"):
         inv_freq, self.attention_scaling = inverse_frequencies(head_dim, theta, scaling)
         self.inv_freq = inv_freq.to(device)
+        # cos_sin of 0..n-1 per (dtype, device): the model may move after a table was made
+        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, head_dim]`` cos/sin for integer positions ``[T]``."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+    def cos_sin_at(self, positions: np.ndarray, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos_sin`` of host positions, as rows of a table of ``cos_sin(0..n-1)`` (the same values: the ops are
+        elementwise) grown by doubling as positions reach it: a decode step's rows by one gather."""
+        top = int(positions.max()) + 1 if len(positions) else 1
+        key = (dtype, self.inv_freq.device)
+        table = self._tables.get(key)
+        if table is None or len(table[0]) < top:
+            n = max(top, 2 * len(table[0]) if table is not None else 1024)
+            table = self._tables[key] = self.cos_sin(torch.arange(n, device=self.inv_freq.device), dtype)
+        idx = torch.from_numpy(np.ascontiguousarray(positions, np.int64)).to(self.inv_freq.device)
+        return table[0].index_select(0, idx), table[1].index_select(0, idx)

@@ -258,10 +258,11 @@ class EngineCore:
         if clk is not None:
             clk.switch("bookkeeping")
         positions = [c.position for c in ctxs]
-        cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=self.device), self.dtype)
+        cos, sin = self.model.rotary.cos_sin_at(np.fromiter(positions, np.int64, len(positions)), self.dtype)
         fs = self._forced["decode"]
         step = DecodeStep(reqs=reqs, ctxs=ctxs, seqs=[c.seq for c in ctxs], positions=positions, classes=classes,
-                          sreqs=sreqs, ids=torch.tensor([r.generated[-1] for r in reqs], device=self.device),
+                          sreqs=sreqs, ids=torch.from_numpy(np.fromiter((r.generated[-1] for r in reqs), np.int64,
+                                                                        len(reqs))).to(self.device),
                           cos=cos, sin=sin, stats=[StepStats(step=c.step) for c in ctxs], forced_req=fs,
                           forced=[StepStats(step=c.step) for c in ctxs] if fs is not None else None,
                           acts=self.policy.acts_before_attention(ctxs))
