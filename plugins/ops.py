@@ -21,6 +21,7 @@ from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_groups_ref, kv_write_ref
 from plugins.lowest_victim.reference import lowest_victim_ref
 from plugins.scatter_add_rows.reference import scatter_add_rows_ref
+from plugins.gather_keys.reference import gather_keys_ref
 from plugins.gather_rows.reference import gather_rows_ref
 from plugins.mri_track.reference import mri_track_ref
 from plugins.head_sums.reference import head_sums_ref
@@ -48,6 +49,8 @@ SCHEMAS = {
     "table_positions": "(Tensor slot_pos, Tensor block_table) -> Tensor",
     "held_columns": "(Tensor where, Tensor rows, int n) -> Tensor",
     "gather_rows": "(Tensor data, Tensor rows, Tensor positions, int layer0) -> Tensor",
+    "gather_keys": "(Tensor[] slot_fields, Tensor[] group_fields, Tensor k_group, Tensor flat, int fmt_code, "
+                   "float scale_k) -> Tensor",
     "mri_track": "(Tensor(a!) ts, Tensor(b!) mri, int layer, Tensor rows, Tensor positions, Tensor act, "
                  "Tensor prompt, Tensor step) -> ()",
     "residual_append": "(Tensor(a!) arena_k, Tensor(b!) arena_v, Tensor at, Tensor k, Tensor v) -> ()",
@@ -251,6 +254,18 @@ def scatter_add_rows(data: torch.Tensor, rows: torch.Tensor, positions: torch.Te
     scatter_add_rows_ref(data, rows, positions, values, layer0)
 
 
+def gather_keys(slot_fields, group_fields, k_group: torch.Tensor, flat: torch.Tensor, fmt_code: int,
+                scale_k: float) -> torch.Tensor:
+    """``[m, H, D]`` fp32 keys of one pool's slots ``flat`` (page * B + slot), dequantized (see
+    gather_keys/reference.py): the compiled CPU kernel on CPU, else the reference (a gather and the format's
+    decoder)."""
+    if use_cpu_kernels(flat):
+        from plugins.cpu_kernels.ops import gather_keys_cpu
+
+        return gather_keys_cpu(slot_fields, group_fields, k_group, flat, fmt_code, scale_k)
+    return gather_keys_ref(slot_fields, group_fields, k_group, flat, fmt_code, scale_k)
+
+
 def gather_rows(data: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, layer0: int = 0) -> torch.Tensor:
     """A batch's per-position values read from a score table in every layer (see gather_rows/reference.py): the
     compiled CPU kernel for a contiguous float32, float64 or int32 table on CPU, else the reference."""
@@ -343,7 +358,7 @@ _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "pa
                    "kmeans_select": kmeans_select, "lowest_victim": lowest_victim,
                    "scatter_add_rows": scatter_add_rows, "mri_track": mri_track, "head_sums": head_sums,
                    "table_positions": table_positions, "held_columns": held_columns,
-                   "gather_rows": gather_rows,
+                   "gather_rows": gather_rows, "gather_keys": gather_keys,
                    "buffer_attention": buffer_attention,
                    "residual_append": residual_append, "int8_linear": int8_linear, "int4_linear": _int4_linear_op}
 _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None, "residual_append": lambda *a: None,

@@ -46,6 +46,12 @@ def scatter_add_rows_cpu(data, rows, positions, values, layer0) -> None:
     cpu_kernels().scatter_add_rows(data, rows, positions, values, int(layer0))
 
 
+def gather_keys_cpu(slot_fields, group_fields, k_group, flat, fmt_code, scale_k):
+    """Same contract as ``gather_keys_ref``: ``[m, H, D]`` fp32 keys of the pool's slots ``flat``."""
+    return cpu_kernels().gather_keys(list(slot_fields), list(group_fields), k_group, flat, int(fmt_code),
+                                     float(scale_k))
+
+
 def gather_rows_cpu(data, rows, positions, layer0):
     """Same contract as ``gather_rows_ref``: ``[L, b, n]`` of ``data``'s dtype."""
     return cpu_kernels().gather_rows(data, rows, positions, int(layer0))

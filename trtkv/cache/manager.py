@@ -458,6 +458,10 @@ class KVCacheManager:
         """``gather_kv`` of several requests in one read per format (``trtkv/cache/reads.py``)."""
         return reads.gather_kv_many(self.pools, self.columns, layer, items, keys_only)
 
+    def gather_keys_flat(self, layer: int, items: list[tuple[SeqKV, object]]) -> torch.Tensor:
+        """The dequantized keys of several requests' paged positions, concatenated ``[sum m, H, D]``."""
+        return reads.gather_kv_flat(self.pools, self.columns, layer, items, keys_only=True)[0]
+
     def block_tables(self, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""
         return self._batch_tables.get(self.pools[layer], layer, seqs, self.columns, self.rows(seqs))

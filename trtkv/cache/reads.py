@@ -7,6 +7,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from plugins import ops as plugin_ops
 from trtkv.cache.block_table import BlockTable
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool import PagePool
@@ -20,6 +21,15 @@ def gather_kv_many(pools: PoolSet, columns: TableColumns, layer: int, items: lis
     selection, not compaction), one dequantization per format for all of them (a batch's anneals read their
     keys in one call instead of one per request). ``keys_only``: gather and dequantize the key fields alone
     (values come back None)."""
+    sizes = [len(positions) for _, positions in items]
+    out_k, out_v = gather_kv_flat(pools, columns, layer, items, keys_only)
+    ks = out_k.split(sizes)
+    return list(zip(ks, [None] * len(ks) if keys_only else out_v.split(sizes)))
+
+
+def gather_kv_flat(pools: PoolSet, columns: TableColumns, layer: int, items: list[tuple[SeqKV, object]],
+                   keys_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``gather_kv_many``'s keys and values concatenated, ``[sum m, H, D]`` each (no tensor per request)."""
     cfg = pools.cfg
     sizes = [len(positions) for _, positions in items]
     by_fmt = _slots_by_lookup(pools[layer], columns, layer, items)
@@ -29,15 +39,17 @@ def gather_kv_many(pools: PoolSet, columns: TableColumns, layer: int, items: lis
     for fmt, (rows, flat) in by_fmt.items():
         pool = pools[layer][fmt]
         flat = torch.from_numpy(flat).to(pool.device)
-        slot = {f.name: t.flatten(0, 1).index_select(0, flat) for f, t in zip(pool.slot_specs, pool.fields)
-                if not keys_only or f.name == "k"}
-        group = {}
-        if pool.group_specs:
-            gid = pool.k_group.flatten().index_select(0, flat).long()
-            group = {f.name: t.index_select(0, gid) for f, t in zip(pool.group_specs, pool.group_fields)}
         scales = pools.layer_scales(layer, fmt)
-        k, v = (pool.fmt.decode_keys(slot, group, scales), None) if keys_only else pool.fmt.decode(slot, group,
-                                                                                                     scales)
+        if keys_only:  # (a selection's reads: one pass over the asked slots, plugins/gather_keys)
+            k, v = plugin_ops.gather_keys(pool.fields, pool.group_fields, pool.k_group, flat, pool.fmt.code,
+                                          scales.k), None
+        else:
+            slot = {f.name: t.flatten(0, 1).index_select(0, flat) for f, t in zip(pool.slot_specs, pool.fields)}
+            group = {}
+            if pool.group_specs:
+                gid = pool.k_group.flatten().index_select(0, flat).long()
+                group = {f.name: t.index_select(0, gid) for f, t in zip(pool.group_specs, pool.group_fields)}
+            k, v = pool.fmt.decode(slot, group, scales)
         if len(by_fmt) == 1:  # every row, in order
             out_k, out_v = k.float(), None if v is None else v.float()
         else:
@@ -45,8 +57,7 @@ def gather_kv_many(pools: PoolSet, columns: TableColumns, layer: int, items: lis
             out_k[idx] = k
             if v is not None:
                 out_v[idx] = v
-    ks = out_k.split(sizes)
-    return list(zip(ks, [None] * len(ks) if keys_only else out_v.split(sizes)))
+    return out_k, out_v
 
 
 def locate_many(columns: TableColumns, seqs: list[SeqKV], layer: int, positions: list[np.ndarray]

@@ -64,9 +64,10 @@ class PolicyRequest(Protocol):
         """``kv`` of paged ``positions[i] [n]`` of ``reqs[i]`` (requests of this one's batch) in one read:
         ``k, v [len(reqs), n, H, D]``."""
     def keys(self, layer: int, positions) -> torch.Tensor: ...
-    def keys_many(self, layer: int, jobs: list[tuple["PolicyRequest", Any]]) -> list[torch.Tensor]:
-        """``keys`` of ``(request, positions)`` jobs of requests in this one's batch, in one read per
-        storage format (a batch hook's selection reads every request's keys at once)."""
+    def keys_padded(self, layer: int, jobs: list[tuple["PolicyRequest", Any]], rows: int) -> torch.Tensor:
+        """``keys`` of ``(request, positions)`` jobs of requests in this one's batch as one ``[J, rows, H, D]``
+        tensor (job j's in its first rows, zeros after), in one read per storage format (a batch hook's
+        selection reads every request's keys at once)."""
     def evict(self, layer: int, positions) -> int:
         """Evict paged positions of one layer (buffered ones are ignored); returns how many went. With the
         cache setting ``demote=host|host-<format>`` the victims move to a host tier instead (still attended)."""

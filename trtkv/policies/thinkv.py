@@ -385,14 +385,8 @@ class ThinKVPolicy(KVPolicy):
                 shape = (max(len(mem) for mem, _ in jobs), max(t for _, t in jobs))
                 calls.setdefault(shape, []).append((req, jobs))
         for (m, _), group in calls.items():
-            keys = [k.reshape(len(k), -1) for k in
-                    group[0][0].keys_many(layer, [(req, mem) for req, jobs in group for mem, _ in jobs])]
-            if all(len(kf) == m for kf in keys):  # every segment equally full (the common case): no padding
-                feats = torch.stack(keys)
-            else:
-                feats = torch.zeros(len(keys), m, keys[0].shape[1], device=keys[0].device)
-                for j, kf in enumerate(keys):
-                    feats[j, : len(kf)] = kf
+            keys = group[0][0].keys_padded(layer, [(req, mem) for req, jobs in group for mem, _ in jobs], m)
+            feats = keys.reshape(len(keys), m, -1)  # (zero rows pad the segments that are not full)
             flat = [job for _, jobs in group for job in jobs]
             counts = torch.tensor([len(mem) for mem, _ in flat], dtype=torch.int32, device=feats.device)
             k_keep = torch.tensor([t for _, t in flat], dtype=torch.int32, device=feats.device)

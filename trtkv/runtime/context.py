@@ -129,26 +129,37 @@ class RequestContext:
         k = self.kv_local(layer, positions)[0]
         return k if self._shards is None else self._shards.gather(k, 1)
 
-    def keys_many(self, layer: int, jobs: list[tuple["RequestContext", Any]]) -> list[torch.Tensor]:
-        """``keys`` of several requests of this one's batch (same cache), one read per format for all the
-        paged ones; a job touching the residual buffer reads through ``kv``."""
-        paged, out = [], [None] * len(jobs)
-        for j, (req, positions) in enumerate(jobs):
-            if req._cache is not self._cache:
-                raise ValueError("keys_many: every request must share this request's cache")
-            positions = np.asarray(positions, dtype=np.int64)
-            buf = req._seq.buffered_positions(layer)
-            if len(buf) and not set(buf).isdisjoint(positions.tolist()):  # (np.isin: ~50 us a call)
-                out[j] = req.kv_local(layer, positions)[0]
-            else:
-                paged.append((j, req._seq, positions))
-        read = self._cache.gather_kv_many(layer, [(seq, pos) for _, seq, pos in paged], keys_only=True)
-        for (j, _, _), (k, _) in zip(paged, read):
-            out[j] = k
-        if self._shards is None or not out:
-            return out
-        every = self._shards.gather(torch.cat(out), 1)  # one collective for every job's keys
-        return list(every.split([len(k) for k in out]))
+    def keys_padded(self, layer: int, jobs: list[tuple["RequestContext", Any]], rows: int) -> torch.Tensor:
+        """``keys`` of several requests of this one's batch (same cache) as one ``[J, rows, H, D]`` tensor: job
+        ``j``'s positions in its first rows, zeros after (a batch's selection takes them as one array). One read
+        per format for every paged job; a job touching the residual buffer reads through ``kv``."""
+        if any(req._cache is not self._cache for req, _ in jobs):
+            raise ValueError("keys_padded: every request must share this request's cache")
+        seqs = [req._seq for req, _ in jobs]
+        paged = [(j, seq, np.asarray(positions, dtype=np.int64)) for j, (seq, (_, positions)) in
+                 enumerate(zip(seqs, jobs))]
+        if any(len(pos) > rows for _, _, pos in paged):
+            raise ValueError(f"keys_padded: a job of more than {rows} positions")
+        lone = []
+        for j in np.flatnonzero(self._cache.buffered_many(seqs, layer)).tolist():  # (most steps: none buffered)
+            if not set(seqs[j].buffered_positions(layer)).isdisjoint(paged[j][2].tolist()):  # (np.isin: ~50 us)
+                lone.append((j, jobs[j][0], paged[j][2]))
+        if lone:
+            at_lone = {j for j, _, _ in lone}
+            paged = [p for p in paged if p[0] not in at_lone]
+        flat = self._cache.gather_keys_flat(layer, [(seq, pos) for _, seq, pos in paged])
+        sizes = np.fromiter((len(pos) for _, _, pos in paged), np.int64, len(paged))
+        if not lone and (sizes == rows).all():  # every job full (the common case): the read is the stack
+            out = flat.view(len(jobs), rows, *flat.shape[1:])
+        else:
+            out = flat.new_zeros((len(jobs), rows, *flat.shape[1:]))
+            jobs_at = np.fromiter((j for j, _, _ in paged), np.int64, len(paged))
+            starts = np.repeat(jobs_at * rows - (np.cumsum(sizes) - sizes), sizes)
+            at = torch.from_numpy(starts + np.arange(int(sizes.sum()))).to(flat.device)
+            out.view(-1, *flat.shape[1:])[at] = flat
+            for j, req, positions in lone:
+                out[j, :len(positions)] = req.kv_local(layer, positions)[0]
+        return out if self._shards is None else self._shards.gather(out, 2)  # one collective for every job
 
     def _bookkeeping(self, run, *args):
         """``run(*args)`` timed as the cache's bookkeeping: the policy decided, executing it is the cache's work

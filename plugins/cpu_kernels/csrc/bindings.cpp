@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lowest_victim", &trtkv::lowest_victim_cpu, "the lowest-scored free column of each row, ties to the oldest (CPU)");
   m.def("scatter_add_rows", &trtkv::scatter_add_rows_cpu,
         "a batch's per-position evidence added into a score table in every layer, in place (CPU)");
+  m.def("gather_keys", &trtkv::gather_keys_cpu, "the asked slots' keys of one pool, dequantized to fp32 (CPU)");
   m.def("gather_rows", &trtkv::gather_rows_cpu,
         "a batch's per-position values read from a score table in every layer (CPU)");
   m.def("head_sums", &trtkv::head_sums_cpu,

@@ -32,6 +32,8 @@ at::Tensor head_sums_cpu(const at::Tensor& logits, const at::Tensor& lse);
 at::Tensor table_positions_cpu(const at::Tensor& slot_pos, const at::Tensor& block_table);
 at::Tensor held_columns_cpu(const at::Tensor& where, const at::Tensor& rows, int64_t n);
 at::Tensor lowest_victim_cpu(const at::Tensor& scores, const at::Tensor& positions, const at::Tensor& blocked);
+at::Tensor gather_keys_cpu(const std::vector<at::Tensor>& slot_fields, const std::vector<at::Tensor>& group_fields,
+                           const at::Tensor& k_group, const at::Tensor& flat, int64_t fmt_code, double scale_k);
 at::Tensor kmeans_select_cpu(const at::Tensor& keys, const at::Tensor& counts, const at::Tensor& k_keep,
                              int64_t iters);
 void residual_append_cpu(at::Tensor& arena_k, at::Tensor& arena_v, const at::Tensor& at, const at::Tensor& k,
