@@ -194,8 +194,12 @@ class PagePool:
         assert not self.live[pages].any(), "releasing a page that still holds live tokens"
         self.valid[pages] = 0
         self.hwm[pages] = 0
-        self.free.extend(pages.tolist())
-        heapq.heapify(self.free)
+        if len(pages) * 16 < len(self.free):  # a request's few pages into a large heap: pushes, not a rebuild
+            for p in pages.tolist():
+                heapq.heappush(self.free, p)
+        else:
+            self.free.extend(pages.tolist())
+            heapq.heapify(self.free)
         self.in_use -= len(pages)
         self._valid_dirty = True
 
