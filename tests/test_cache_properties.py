@@ -859,3 +859,28 @@ def test_prompt_groups_write_matches_one_write_per_group(ops, block):
         assert _state(batched) == _state(each)
         assert_same_bytes(batched, each)
     check_invariants(batched)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.one_of(op, st.tuples(st.just("finish"), st.lists(st.integers(0, 7), min_size=1, max_size=4))),
+                    min_size=1, max_size=30))
+def test_freeing_many_requests_at_once_matches_each_in_turn(ops):
+    """``free_sequences`` (a batch finishing together: one call per layer and format) leaves exactly the state of
+    ``free_sequence`` of each in turn — pages, the free heap, key-scale groups and their free order (so later
+    writes get the same ids, which the ops after it check), reuse heaps and bytes."""
+    batched, each = make_cache(max_pages=256), make_cache(max_pages=256)
+    next_pos: dict[int, int] = {}
+    warm = [("add",)] * 4 + [("write", i, i, 4) for i in range(4)] + [("write", i, 3 - i, 3) for i in range(4)]
+    for o in warm + ops:
+        ids = sorted(batched.seqs)
+        if o[0] != "finish" or len(ids) < 2:
+            apply_op([batched, each], next_pos, o,
+                     evict=lambda sid, layer, victims: [c.evict(c.seqs[sid], layer, victims) for c in (batched, each)])
+        else:
+            gone = list(dict.fromkeys(ids[i % len(ids)] for i in o[1]))[:len(ids) - 1]  # (one request stays)
+            batched.free_sequences(gone)
+            for sid in gone:
+                each.free_sequence(sid)
+        assert _state(batched) == _state(each)
+        assert_same_bytes(batched, each)
+    check_invariants(batched)

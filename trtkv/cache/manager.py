@@ -31,6 +31,7 @@ from trtkv.cache.flush import flush_many
 from trtkv.cache.forks import FORK_MODES, PageRefs
 from trtkv.cache.pool import PagePool
 from trtkv.cache.pool_set import PoolSet
+from trtkv.cache.release import release_tables
 from trtkv.cache.residual import ResidualArena
 from trtkv.cache.sequence import SeqKV
 from trtkv.cache.write_plan import WritePlan, plan_each_layer, plan_write_through
@@ -113,6 +114,23 @@ class KVCacheManager:
                 pool.release_pages(held)
                 seq.add_bytes(-held_page_bytes(pool) * len(held))
         self.columns.release(seq.row)
+
+    def free_sequences(self, seq_ids: list[int]) -> None:
+        """``free_sequence`` of several requests at once (a batch finishing together): each layer's pool of each
+        format takes back all their pages and key-scale groups in one call — the same pools, arenas and accounts
+        as freeing them in turn (pages go to a heap; groups in the order of their last reference, request after
+        request). Forked or tiered requests are freed in turn."""
+        if len(seq_ids) < 2 or len(self.refs) or self._tiers is not None:
+            for i in seq_ids:
+                self.free_sequence(i)
+            return
+        seqs = [self.seqs.pop(i) for i in seq_ids]
+        for seq in seqs:
+            if seq.residual is not None:
+                self.residual.release(seq.residual)
+        release_tables(self.pools, seqs)
+        for seq in seqs:
+            self.columns.release(seq.row)
 
     def fork(self, parent: SeqKV, child_id: int, mode: str = "cow") -> SeqKV:
         """A new sequence holding exactly the parent's tokens, by reference (``cache/forks.py``)."""

@@ -472,6 +472,21 @@ class EngineCore:
 
     def finish(self, req: Request) -> GenerationResult:
         """Collect stats, run the policy's finish hook and free the request's pages at once."""
+        return self.finish_many([req])[0]
+
+    def finish_many(self, reqs: list[Request]) -> list[GenerationResult]:
+        """``finish`` of several requests (a batch finishing together); their pages go back in one pass
+        (``KVCacheManager.free_sequences``)."""
+        done = []
+        try:
+            for r in reqs:
+                done.append(r)
+                self._finish_one(r)
+        finally:  # (an observer that raised still frees its request, as those before it; the rest stay as they are)
+            self.cache.free_sequences([r.req_id for r in done if r.req_id in self.cache.seqs])
+        return [r.result for r in reqs]
+
+    def _finish_one(self, req: Request) -> GenerationResult:
         req.t_end = time.perf_counter()
         seq = req.ctx.seq
         tokens_held = req.prompt_len + len(req.generated)
@@ -506,5 +521,4 @@ class EngineCore:
                 o.on_finish(req, req.result)
         finally:
             self.policy.end(req.ctx)
-            self.cache.free_sequence(req.req_id)
         return req.result

@@ -167,21 +167,19 @@ class Scheduler:
         failed = self._decode(active) if active else []
         done.extend(failed)
         gone = {id(r) for r in failed}
-        still = []
+        still, finished = [], []
         for r in self._running:
             if id(r) in gone:
                 self._stopped(r)
                 continue
             if r.cancelled and not r.finished:
                 r.finish_reason = "cancelled"
-            if r.finished:
-                self.core.finish(r)
-                self._stopped(r)
-                done.append(r)
-            else:
-                still.append(r)
+            (finished if r.finished else still).append(r)
         self._running = still
-        return done
+        self.core.finish_many(finished)  # (their pages back in one pass)
+        for r in finished:
+            self._stopped(r)
+        return done + finished
 
     def _admit(self) -> list[Request]:
         """Admit waiting requests while batch slots and memory allow, prefilling them a packed group at a time
