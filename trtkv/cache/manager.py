@@ -25,7 +25,7 @@ from trtkv.cache.block_table import ENTRY_BYTES, Cls, held_page_bytes
 from trtkv.cache.budget import PoolPlan
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
-from trtkv.cache.eviction import (decref_groups_many, evict_one_by_one, evict_one_each,
+from trtkv.cache.eviction import (evict_one_by_one, evict_one_each,
                                   evict_one_each_layers, evict_private, evict_private_many)
 from trtkv.cache.flush import flush_many
 from trtkv.cache.forks import FORK_MODES, PageRefs
@@ -96,39 +96,24 @@ class KVCacheManager:
 
     def free_sequence(self, seq_id: int) -> None:
         """Return every page and key-scale group of the request to the pools, at once."""
-        seq = self.seqs.pop(seq_id)
-        if seq.residual is not None:
-            self.residual.release(seq.residual)
-        if self._tiers is not None:  # the request's host-tier pages go too
-            self._tiers.free(seq_id)
-        for layer, table in enumerate(seq.layers):
-            for cls, pages in list(table.pages.items()):
-                pool = self.pools[layer][cls[0]]
-                # a page another sequence still holds loses only this reference (and its bytes)
-                held = np.asarray([p for p in pages if not self.refs.release(pool, seq, layer, cls[0], p)]
-                                  if len(self.refs) else pages, np.int64)
-                if pool.group_specs:  # one reference drop per live slot, in page then slot order
-                    gids = pool.key_groups(*pool.live_slots(held))
-                    decref_groups_many([seq], pool, gids, np.array([0, len(gids)]))
-                pool.clear_page(held)
-                pool.release_pages(held)
-                seq.add_bytes(-held_page_bytes(pool) * len(held))
-        self.columns.release(seq.row)
+        self.free_sequences([seq_id])
 
     def free_sequences(self, seq_ids: list[int]) -> None:
         """``free_sequence`` of several requests at once (a batch finishing together): each layer's pool of each
-        format takes back all their pages and key-scale groups in one call — the same pools, arenas and accounts
-        as freeing them in turn (pages go to a heap; groups in the order of their last reference, request after
-        request). Forked or tiered requests are freed in turn."""
-        if len(seq_ids) < 2 or len(self.refs) or self._tiers is not None:
-            for i in seq_ids:
-                self.free_sequence(i)
-            return
+        format takes back all their pages and key-scale groups in one call (``cache/release.py``) — the same
+        pools, arenas and accounts as freeing them in turn. With shared pages (forks) each goes in turn."""
         seqs = [self.seqs.pop(i) for i in seq_ids]
         for seq in seqs:
             if seq.residual is not None:
                 self.residual.release(seq.residual)
-        release_tables(self.pools, seqs)
+            if self._tiers is not None:  # the request's host-tier pages go too
+                self._tiers.free(seq.seq_id)
+        if len(self.refs):
+            for seq in seqs:  # a page another sequence still holds loses only this reference (and its bytes)
+                release_tables(self.pools, [seq], lambda s, layer, fmt, pages: [
+                    p for p in pages if not self.refs.release(self.pools[layer][fmt], s, layer, fmt, p)])
+        else:
+            release_tables(self.pools, seqs)
         for seq in seqs:
             self.columns.release(seq.row)
 

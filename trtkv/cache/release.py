@@ -1,7 +1,8 @@
 """Several finished requests' pages and key-scale groups back to their pools at once.
 
 A batch that finishes together (a memory-limited run's requests all reach their length on one step) would
-otherwise return its pages request by request, one call per layer, format and request. Here each layer's pool of
+otherwise return its pages request by request, one call per layer, format and request (``free_sequence`` is
+this with one request). Here each layer's pool of
 each format takes every request's pages in one call: the pages join the pool's free heap (a set: the order of
 release does not matter), and the key-scale groups lose their references in the order freeing the requests in
 turn would drop them (``decref_groups_many``), so the arenas hand out the same ids afterwards.
@@ -9,6 +10,7 @@ turn would drop them (``decref_groups_many``), so the arenas hand out the same i
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -18,12 +20,15 @@ from trtkv.cache.pool_set import PoolSet
 from trtkv.cache.sequence import SeqKV
 
 
-def release_tables(pools: PoolSet, seqs: list[SeqKV]) -> None:
-    """Every page of ``seqs`` (requests that share no page) back to its pool, one call per (layer, format)."""
+def release_tables(pools: PoolSet, seqs: list[SeqKV], held_of: Callable | None = None) -> None:
+    """Every page of ``seqs`` back to its pool, one call per (layer, format). ``held_of(seq, layer, fmt, pages)``:
+    the pages that go (forks: the ones no other sequence still holds); default all of them."""
     for layer in range(len(seqs[0].layers) if seqs else 0):
         by_cls: dict = {}
         for seq in seqs:
-            for cls, pages in seq.layers[layer].pages.items():
+            for cls, pages in list(seq.layers[layer].pages.items()):
+                if held_of is not None:
+                    pages = held_of(seq, layer, cls[0], pages)
                 by_cls.setdefault(cls, []).append((seq, pages))
         for cls, items in by_cls.items():
             pool = pools[layer][cls[0]]
