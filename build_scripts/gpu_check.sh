@@ -9,6 +9,7 @@
 #       valuable first) under one deadline (GPU_DEADLINE_S, default 550 s: each step gets what is left, capped)
 #   OUT=... build_scripts/gpu_check.sh lease2   # Table 2 at the memory limit (table2), the kernels, the engines
 #   OUT=... build_scripts/gpu_check.sh lease3   # packed prefill's tests, Table 2 with it, its prefill pair
+#   OUT=... build_scripts/gpu_check.sh lease4   # attention tests on CUDA, the kernels beside BASELINE_REV's, Table 2
 #   OUT=... build_scripts/gpu_check.sh [env kernels tests graph engines enginetests table2 prefill]   # steps alone
 # Here, before the device call: `build_scripts/gpu_check.sh prepare` puts SmolLM2's tokenizer files (no weights;
 # the tiny test model borrows the tokenizer) and the last measured attention kernel in .gpu_carry/, git-ignored;
@@ -57,12 +58,12 @@ kernel_bench() {
   echo "rc=$? at ${SECONDS}s" >>"$OUT/kernels.txt"; tail -14 "$OUT/kernels.txt"
 }
 
-kernel_tests() {
+kernel_tests() {  # fails (rc != 0) when they do; KERNEL_TEST_FILES narrows them
   step "kernel tests on CUDA"
-  timeout -k 5 $(budget $1) $PY -m pytest -q -n "$JOBS" -p no:cacheprovider tests/kernels/test_paged_attention_triton.py \
-      tests/kernels/test_kv_write_triton.py tests/kernels/test_kmeans_select.py tests/kernels/test_engine_triton.py \
+  timeout -k 5 $(budget $1) $PY -m pytest -q -n "$JOBS" -p no:cacheprovider ${KERNEL_TEST_FILES:-tests/kernels/test_paged_attention_triton.py \
+      tests/kernels/test_kv_write_triton.py tests/kernels/test_kmeans_select.py tests/kernels/test_engine_triton.py} \
       ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} >"$OUT/kernel_tests.txt" 2>&1
-  echo "rc=$? at ${SECONDS}s" >>"$OUT/kernel_tests.txt"; tail -8 "$OUT/kernel_tests.txt"
+  local rc=$?; echo "rc=$rc at ${SECONDS}s" >>"$OUT/kernel_tests.txt"; tail -8 "$OUT/kernel_tests.txt"; return $rc
 }
 
 graph_full() {
@@ -153,6 +154,12 @@ session) env_check; kernel_bench 170; kernel_tests 100; graph_full 200; engines 
 lease2) env_check; table2 300; kernel_bench 90; engines 600; finish ;;
 # the 2026-12-05 lease: packed prefill checked on CUDA, then Table 2 at 40 GiB with it, then its prefill pair
 lease3) env_check; prefill_tests 90 || export T2_PREFILL_TOKENS=1; table2 330; prefill_pair 200; finish ;;
+# the 2026-12-04 evening lease: the tiles' cheaper E4M3/E2M1 decodes checked on CUDA, timed beside the previous
+# kernel, then Table 2 with them (only if the attention tests pass)
+lease4) env_check
+  if KERNEL_TEST_FILES="tests/kernels/test_paged_attention_triton.py tests/kernels/test_engine_triton.py" kernel_tests 120; then
+    KERNEL_FORMATS=${KERNEL_FORMATS:-fp16,fp8,nvfp4,nvfp4o,ternary,int4,nvfp4+ternary} kernel_bench 110; table2 330
+  else echo "attention tests failed on CUDA: no timings of this kernel"; fi; finish ;;
 env) env_check; finish ;;
 kernels) kernel_bench 240 ;;
 tests) kernel_tests 150 ;;
@@ -167,10 +174,18 @@ print(checkpoint_dir(resolve_model('smollm2-135m')))" 2>/dev/null || echo "$HOME
   [ -f "$src/tokenizer.json" ] || { echo "no SmolLM2 checkpoint at $src: run trtkv models fetch smollm2-135m"; exit 2; }
   mkdir -p .gpu_carry/models/smollm2-135m
   cp "$src"/{.trtkv-ready,config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu_carry/models/smollm2-135m/
-  # the attention kernel last measured on a GPU (2026-12-04), timed beside today's by the kernels step
-  git show bb843c4:plugins/paged_attention/triton_kernel.py >.gpu_carry/baseline_paged_attention.py
+  # the attention kernel and its tile decoders at BASELINE_REV (default: the tree last measured on a GPU) as one
+  # module, timed beside today's by the kernels step
+  $PY - "${BASELINE_REV:-1cdfa5a}" >.gpu_carry/baseline_paged_attention.py <<'PYEOF'
+import re, subprocess, sys
+show = lambda f: subprocess.run(["git", "show", f"{sys.argv[1]}:plugins/paged_attention/{f}"], check=True,
+                                capture_output=True, text=True).stdout
+future = "from __future__ import annotations\n"
+kernel = re.sub(r"from plugins\.paged_attention\.triton_tiles import \([^)]*\)\n", "", show("triton_kernel.py"))
+print(future + show("triton_tiles.py").replace(future, "") + kernel.replace(future, ""))
+PYEOF
   mkdir -p "$(git rev-parse --git-dir)/info"
   grep -qx "/.gpu_carry/" "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null || echo "/.gpu_carry/" >>"$(git rev-parse --git-dir)/info/exclude"
   du -sh .gpu_carry ;;
-*) echo "unknown step $s (prepare session lease2 lease3 env kernels tests graph engines enginetests table2)"; exit 2 ;;
+*) echo "unknown step $s (prepare session lease2 lease3 lease4 env kernels tests graph engines enginetests table2)"; exit 2 ;;
 esac; done

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from plugins.paged_attention.reference import PagedFormat, merge_partials
-from plugins.paged_attention.triton_tiles import (BF16, FP8, FP16, FP32, INT2, INT4, NVFP4, TERNARY, fold_k, fold_v,
-                                                  load_kv)
+from plugins.paged_attention.triton_tiles import (BF16, FP8, FP16, FP32, INT2, INT4, NVFP4, TERNARY, e4m3_unit, fold_k,
+                                                  fold_v, load_kv)
 
 MAX_FORMATS = 3  # formats per launch; a layer with more (host tiers staged beside ThinKV's) launches again
 
@@ -251,6 +251,10 @@ def tiling(B: int, G: int, D: int, P: int, fmt_code: int, cc: int, precision: st
             warps, stages = 8, 1  # 8 x 2 and 4 x 2 spill 8 B
         elif fmt_code in (FP16.value, BF16.value) and DP >= 128 and cc < 90:
             warps, stages = 4, 2  # 8 x 2 spills 8 B
+        elif fmt_code == FP8.value and DP >= 128 and cc < 90:
+            warps, stages = 8, 3  # 8 x 2 spills 8 B with logits, 4 x 2 in ThinKV's sets
+        elif fmt_code == NVFP4.value and DP >= 128 and cc < 90 and G > 4:
+            warps, stages = 4, 3  # 8 x 2 spills 8 B in ThinKV's sets at G = 7
         else:
             warps, stages = 8, 2  # 4 x 2 spills at D = 128 (8-96 B: nvfp4o, ThinKV's sets with logits)
     elif DP > 16:  # (no registry model; the tests' D = 32)
@@ -317,10 +321,11 @@ def _format_args(src: PagedFormat, splits: int, col: int, sm_scale: float, with_
     f = list(src.slot_fields) + [src.slot_fields[0]] * (4 - len(src.slot_fields))
     g = list(src.group_fields) + [src.slot_fields[0]] * (2 - len(src.group_fields))
     P = src.block_table.shape[1]
-    qk = sm_scale * (src.scale_k if fold_k(src.fmt_code) else 1.0)
-    ov = src.scale_v if fold_v(src.fmt_code) else 1.0
+    unit = e4m3_unit(src.fmt_code)  # (a power of two: each scale below is exactly unit times the layer's)
+    qk = sm_scale * (src.scale_k * unit if fold_k(src.fmt_code) else 1.0)
+    ov = src.scale_v * unit if fold_v(src.fmt_code) else 1.0
     head = (*f, *g, src.k_group, src.valid_bits, src.block_table, P, triton.cdiv(P, splits) if splits else 0,
-            float(qk), float(src.scale_k), float(ov))
+            float(qk), float(src.scale_k * unit), float(ov))
     return (*head, splits, col) if with_splits else (*head, col)
 
 

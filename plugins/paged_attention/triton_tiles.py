@@ -2,11 +2,12 @@
 the tensor-core products take (``TD``: fp16, bf16 for bf16 pages, or fp32 for the TF32 products).
 
 Exactness: E4M3 (FP8 and the NVFP4/ternary block scales), E2M1 and ternary codes are fp16 values, and so is
-an E2M1 or ternary code times its E4M3 block scale (a 2-bit by 4-bit significand product, 2^-10 .. 2688), so
-those tiles are built exactly in fp16 and the per-layer scalar scales are applied to the scores and the output
-instead (``FOLD_K`` / ``FOLD_V``). 4-/2-bit codes become fp16 through lookup tables held in one or two int32
-constants (fp16 high bytes); the int4/int2 affine ``code * scale + zero`` and the key offsets of the ``o``
-formats are the only roundings (one fp16 rounding of the value).
+an E2M1 or ternary code times its E4M3 block scale over 256 (a 2-bit by 4-bit significand product, 2^-18 ..
+10.5), so those tiles are built exactly in fp16 and the per-layer scalar scales (times ``e4m3_unit``) are
+applied to the scores and the output instead (``fold_k`` / ``fold_v``). E4M3 and E2M1 codes become fp16 by
+moving their bit fields into fp16's (no table, no branch), ternary crumbs through a table held in an int32
+constant; the int4/int2 affine ``code * scale + zero`` and the key offsets of the ``o`` formats are the only
+roundings (one fp16 rounding of the value).
 """
 from __future__ import annotations
 
@@ -16,9 +17,6 @@ import triton.language as tl
 # format codes (plugins.formats), as constexprs so the jit functions can branch on them
 FP32, FP16, BF16, FP8, NVFP4, TERNARY, INT4, INT2, NVFP4O, TERNARYO = (tl.constexpr(c) for c in range(10))
 
-# fp16 high bytes of the E2M1 magnitudes 0, .5, 1, 1.5 | 2, 3, 4, 6 (low bytes are 0), entry i at bits 8*(i%4)
-E2M1_LO = tl.constexpr(0x3E3C3800)
-E2M1_HI = tl.constexpr(0x46444240)
 # fp16 high bytes of the ternary crumbs 00 -> 0, 01 -> +1, 10 -> 0 (-0), 11 -> -1, as a signed int32
 TERN_LUT = tl.constexpr(0xBC003C00 - (1 << 32))
 
@@ -33,6 +31,13 @@ def fold_v(fmt_code: int) -> bool:
     return fmt_code in (FP8.value, NVFP4.value, TERNARY.value, NVFP4O.value, TERNARYO.value)
 
 
+def e4m3_unit(fmt_code: int) -> float:
+    """What this format's tiles leave out and its scalar scales (scores, the offset keys' K scale, output) put
+    back: 256 where E4M3 fields (FP8 codes, block scales) build the tiles (``_e4m3`` gives value / 256; a
+    power of two, so every product and sum is the same up to that exact factor), else 1."""
+    return 256.0 if fmt_code in (FP8.value, NVFP4.value, TERNARY.value, NVFP4O.value, TERNARYO.value) else 1.0
+
+
 @triton.jit
 def _half(bits):
     """int32 fp16 bit patterns (0..0xFFFF) to fp16."""
@@ -41,24 +46,20 @@ def _half(bits):
 
 @triton.jit
 def _e4m3(b):
-    """E4M3fn bits (int32 0..255) to fp16, exactly: normals rebias the exponent (7 -> 15) in place, subnormals
-    are m * 2^-9 (fp16 normals); 0x7F/0xFF are NaN."""
-    sign = (b >> 7) & 1
-    e = (b >> 3) & 15
-    m = b & 7
-    normal = _half((sign << 15) | ((e + 8) << 10) | (m << 7))
-    sub = m.to(tl.float16) * 0.001953125
-    sub = tl.where(sign == 1, -sub, sub)
-    val = tl.where(e == 0, sub, normal)
-    return tl.where((e == 15) & (m == 7), float("nan"), val)
+    """E4M3fn bits (int32 0..255) to fp16 value / 256, exactly: the sign and the 7 exponent-mantissa bits moved
+    into fp16's fields are the value times 2^-8 (E4M3's bias 7 under fp16's 15; its subnormals land on fp16
+    subnormals of the same significand); 0x7F/0xFF are NaN (no select: it costs registers where ptxas has none to
+    spare). The 256 is the caller's (``e4m3_unit``)."""
+    x = b & 0x7F
+    # (x + 1) carries into bit 7 for 0x7F alone: that bit set at fp16's exponent MSB makes the exponent 31 (NaN)
+    return _half(((b & 0x80) << 8) | (x << 7) | (((x + 1) & 0x80) << 7))
 
 
 @triton.jit
 def _e2m1(nib):
-    """E2M1 nibble (bit 3 sign, bits 2..0 index into [0, .5, 1, 1.5, 2, 3, 4, 6]) to fp16 by table."""
-    mag = nib & 7
-    word = tl.where(mag < 4, E2M1_LO, E2M1_HI)
-    return _half((((word >> ((mag & 3) * 8)) & 0xFF) << 8) | ((nib & 8) << 12))
+    """E2M1 nibble (bit 3 sign, 2 exponent bits of bias 1, 1 mantissa bit) to fp16, exactly: the fields shifted
+    into fp16's are the value times 2^-14 (the subnormal 0.5 lands on fp16's subnormal 2^-15), times 2^14."""
+    return _half(((nib & 8) << 12) | ((nib & 7) << 9)) * 16384.0
 
 
 @triton.jit
@@ -91,15 +92,20 @@ def _codes(ptr, row, live, offs_d, m2, BITS: tl.constexpr, D: tl.constexpr, N: t
 
 
 @triton.jit
-def _per16(ptr, row, live, offs_d, m2, D: tl.constexpr, N: tl.constexpr, PACKED: tl.constexpr):
-    """A per-16-channel field ``[rows, D // 16]`` (value scales, zero points) expanded to ``[N, DP]``: packed,
-    one load of ``D // 16`` values a row broadcast over their 16 channels; else one load per element."""
+def _per16(ptr, row, live, offs_d, m2, D: tl.constexpr, N: tl.constexpr, PACKED: tl.constexpr,
+           E4M3: tl.constexpr = False):
+    """A per-16-channel field ``[rows, D // 16]`` (value scales, zero points) expanded to ``[N, DP]``, E4M3 bytes
+    decoded to fp16 (``E4M3``): packed, one load of ``D // 16`` values a row, decoded, then broadcast over their 16
+    channels; else one load per element."""
     if PACKED:
         offs_s = tl.arange(0, D // 16)
         x = tl.load(ptr + row[:, None] * (D // 16) + offs_s[None, :], mask=live[:, None], other=0)
+        if E4M3:
+            x = _e4m3(x.to(tl.int32))
         return tl.reshape(tl.broadcast_to(x[:, :, None], (N, D // 16, 16)), (N, D))
     else:
-        return tl.load(ptr + row[:, None] * (D // 16) + offs_d[None, :] // 16, mask=m2, other=0)
+        x = tl.load(ptr + row[:, None] * (D // 16) + offs_d[None, :] // 16, mask=m2, other=0)
+        return _e4m3(x.to(tl.int32)) if E4M3 else x
 
 
 @triton.jit
@@ -136,7 +142,7 @@ def load_kv(f0, f1, f2, f3, g0, g1, kgrp_ptr, page, slot, live, h, offs_d, dmask
                 ke = _tern(kc)
                 ve = _tern(vc)
             k = ke * _e4m3(tl.load(g0 + grow, mask=m2, other=0).to(tl.int32))  # exact in fp16
-            v = (ve * _e4m3(_per16(f2, row, live, offs_d, m2, D, N, PACKED).to(tl.int32))).to(TD)
+            v = (ve * _per16(f2, row, live, offs_d, m2, D, N, PACKED, True)).to(TD)
             if FMT == NVFP4O or FMT == TERNARYO:
                 k = (k.to(tl.float32) * scale_k + tl.load(g1 + grow, mask=m2, other=0.0).to(tl.float32)).to(TD)
             else:

@@ -11,10 +11,16 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from plugins.formats import FORMATS
+from plugins.formats.e4m3 import e4m3_decode
+from plugins.formats.nvfp4 import e2m1_decode
+from plugins.formats.ternary import ternary_decode
 from plugins.kv_write.reference import kv_write_ref
 from plugins.paged_attention.reference import paged_attention_ref
+from plugins.paged_attention.triton_tiles import _e2m1, _e4m3, _tern
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -264,3 +270,25 @@ def test_op_dispatches_formats_to_one_launch(monkeypatch):
 
     for a, e in zip(parts[0], merge_partials(ref_parts)):
         torch.testing.assert_close(a, e, atol=5e-3, rtol=5e-3)
+
+
+
+@triton.jit
+def _decode_every_code(src, e4, e2, tn):
+    b = tl.load(src + tl.arange(0, 256))
+    tl.store(e4 + tl.arange(0, 256), _e4m3(b).to(tl.float32) * 256.0)  # (e4m3_unit: the caller's 256)
+    tl.store(e2 + tl.arange(0, 256), _e2m1(b & 15))
+    tl.store(tn + tl.arange(0, 256), _tern(b & 3))
+
+
+def test_tile_decoders_exact_for_every_code():
+    """The tiles' E4M3 (all 256 bytes, NaN included; times its 256), E2M1 (16 nibbles) and ternary (4 crumbs)
+    decoders give the formats' torch decodes exactly, signed zeros included."""
+    codes = torch.arange(256, dtype=torch.int32)
+    outs = [torch.empty(256, dtype=dt, device=DEV) for dt in (torch.float32, torch.float16, torch.float16)]
+    _decode_every_code[(1,)](codes.to(DEV), *outs)
+    want = [e4m3_decode(codes.to(torch.uint8)), e2m1_decode(codes & 15), ternary_decode(codes & 3)]
+    for got, ref in zip(outs, want):
+        got, ref = got.cpu(), ref.to(got.dtype)
+        torch.testing.assert_close(got, ref, atol=0, rtol=0, equal_nan=True)
+        assert (torch.signbit(got) == torch.signbit(ref))[~ref.isnan()].all(), "a signed zero differs"
