@@ -110,16 +110,19 @@ def read_bytes(fmt, tokens: int) -> int:
     return tokens * per_slot + (-(-tokens // GROUP)) * per_group if fmt.quantized else tokens * per_slot
 
 
+def parse_config(c: str) -> LaunchConfig:
+    """``slots x warps x stages[x splits][:precision]`` -> the launch configuration."""
+    tiling, _, prec = c.partition(":")
+    slots, warps, stages, *splits = (int(x) for x in tiling.split("x"))
+    return LaunchConfig(pages=max(1, slots // B), warps=warps, stages=stages, splits=splits[0] if splits else None,
+                        precision=prec or triton_kernel.default_precision())
+
+
 def variants(configs: list[str], baseline: str | None) -> list[tuple[str, object]]:
     """``(label, call)`` per kernel variant: the default, each ``--configs`` tiling, the baseline module."""
     out = [("default", paged_attention_triton)]
     for c in configs:
-        tiling, _, prec = c.partition(":")
-        slots, warps, stages, *splits = (int(x) for x in tiling.split("x"))
-        cfg = LaunchConfig(pages=max(1, slots // B), warps=warps, stages=stages, splits=splits[0] if splits else None,
-                           precision=prec or triton_kernel.default_precision())
-
-        def call(*args, cfg=cfg):
+        def call(*args, cfg=parse_config(c)):
             return paged_attention_triton(*args, config=cfg)
         out.append((c, call))
     if baseline:
@@ -131,7 +134,7 @@ def variants(configs: list[str], baseline: str | None) -> list[tuple[str, object
     return out
 
 
-def bench_attention(names, batches, ctxs, dev, check_tokens, kernels, peak):
+def bench_attention(names, batches, ctxs, dev, check_tokens, kernels, peak, configs=()):
     rows = []
     for b in batches:
         for ctx in ctxs:
@@ -151,6 +154,8 @@ def bench_attention(names, batches, ctxs, dev, check_tokens, kernels, peak):
                 else:
                     calls = [("default", lambda s=srcs: paged_attention_formats_triton(q, s, D ** -0.5, False)),
                              ("separate", lambda x=args: merge_partials([paged_attention_triton(*a)[:2] for a in x]))]
+                    calls += [(c, lambda s=srcs, cfg=parse_config(c): paged_attention_formats_triton(
+                        q, s, D ** -0.5, False, config=cfg)) for c in configs]  # the one launch at each tiling
                 nbytes = sum(read_bytes(f, b * P * B) for f in fmts)
                 for label, fn in calls:
                     try:
@@ -236,9 +241,9 @@ def main() -> None:
           f"H={H} G={G} D={D} block={B}, precision {triton_kernel.default_precision()}; HBM peak {peak} GB/s "
           f"(data sheet), device copy {copy:.0f} GB/s (measured)", flush=True)
     names = a.formats.split(",")
-    kernels = variants([c for c in a.configs.split(",") if c], a.baseline)
+    configs = [c for c in a.configs.split(",") if c]
     att = bench_attention(names, [int(x) for x in a.batch.split(",")], [int(x) for x in a.ctx.split(",")], dev,
-                          a.check_tokens, kernels, peak)
+                          a.check_tokens, variants(configs, a.baseline), peak, configs)
     verdicts = check_targets(att, peak)
     print("\n".join(["targets (issue 40):", *verdicts]) if verdicts else "targets: no row to check", flush=True)
     wr = [] if a.no_write else bench_write([n for n in names if "+" not in n], [1, 16], dev)

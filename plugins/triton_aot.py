@@ -96,7 +96,7 @@ def attention_specs(geometries: list[tuple[int, int]], B: int = 8, P: int = 64, 
                                                                                  precision != PRECISIONS[0]):
                 continue
             fmts = [FORMATS[n] for n in names]
-            cfgs = {cc: tiling(B, G, D, P, fmts[0].code, cc, precision, len(fmts) == 1 and not logits)
+            cfgs = {cc: tiling(B, G, D, P, fmts[0].code, cc, precision, not logits, len(fmts))
                     for cc in TARGETS}
             types = dict(q_ptr=Q_DTYPE, out_ptr="*fp32", lse_ptr="*fp32", logits_ptr="*fp32", part_out="*fp32",
                          part_lse="*fp32", count_ptr="*i32", sm_scale="fp32", S="i32", LC="i32")

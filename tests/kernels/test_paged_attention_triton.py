@@ -292,3 +292,29 @@ def test_tile_decoders_exact_for_every_code():
         got, ref = got.cpu(), ref.to(got.dtype)
         torch.testing.assert_close(got, ref, atol=0, rtol=0, equal_nan=True)
         assert (torch.signbit(got) == torch.signbit(ref))[~ref.isnan()].all(), "a signed zero differs"
+
+
+def test_sm90_set_tiling_matches_reference():
+    """ThinKV's formats in one launch without logits at r1-llama-8b's head size take ``SM90_SETS`` on sm_90 (a
+    set led by fp16 keeps the default); the launch at that tiling matches one reference call a format merged."""
+    from plugins.paged_attention.reference import merge_partials
+    from plugins.paged_attention.triton_kernel import (SM90_SETS, TILE_SLOTS, PagedFormat,
+                                                       paged_attention_formats_triton, tiling)
+
+    cfg = tiling(B, 4, 128, 20, FORMATS["nvfp4"].code, 90, "f16", lean=True, formats=2)
+    assert (cfg.pages * B, cfg.warps, cfg.stages) == SM90_SETS
+    assert tiling(B, 4, 128, 20, FORMATS["nvfp4"].code, 90, "f16", lean=False, formats=2).warps == 8  # logits
+    fp16_led = tiling(B, 4, 128, 20, FORMATS["fp16"].code, 90, "f16", lean=True, formats=2)
+    assert (fp16_led.pages * B, fp16_led.warps) == (TILE_SLOTS, 8)
+    q = torch.randn(2, 4, 128, generator=torch.Generator().manual_seed(5)).to(DEV)
+    sources, parts = [], []
+    for i, name in enumerate(("nvfp4", "ternary", "fp8")):
+        fmt = FORMATS[name]
+        slot, group, k_group, bits = make_pool(fmt, 1, 128, num_pages=12, seed=30 + i)
+        bt = make_table(2, (9, 5, 2)[i], 12, seed=40 + i)
+        sources.append(PagedFormat(slot, group, k_group, bits, bt, fmt.code, 0.7, 1.3))
+        parts.append(paged_attention_ref(q, slot, group, k_group, bits, bt, fmt.code, 0.1, 0.7, 1.3, False)[:2])
+    got = paged_attention_formats_triton(q, sources, 0.1, False, config=cfg)
+    tol = max(tolerance(n) for n in ("nvfp4", "ternary", "fp8"))
+    for a, e in zip(got[:2], merge_partials(parts)):
+        torch.testing.assert_close(a, e, atol=tol, rtol=tol)
