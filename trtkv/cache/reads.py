@@ -160,7 +160,7 @@ class BlockTableCache:
         stamps = columns.stamps(layer, rows)
         stale = np.flatnonzero(tables.seen[rows] != stamps)
         if len(stale):
-            self._bring_up_to_date(tables, layer, [seqs[i] for i in stale.tolist()], columns, rows[stale])
+            self._bring_up_to_date(tables, layer, seqs, stale, columns, rows[stale])
             tables.seen[rows[stale]] = stamps[stale]
         out = []
         for fmt, pool in pools.items():
@@ -171,11 +171,12 @@ class BlockTableCache:
         return out
 
     @staticmethod
-    def _bring_up_to_date(tables: _RowTables, layer: int, seqs: list[SeqKV], columns: TableColumns,
-                          rows: np.ndarray) -> None:
-        """Rows ``rows`` (of ``seqs``) whose page lists changed since they were last read: the ones whose last
-        change was one page joining the end of a format's list, right after that read, take it in place; the
-        others are rewritten from their lists."""
+    def _bring_up_to_date(tables: _RowTables, layer: int, seqs: list[SeqKV], stale: np.ndarray,
+                          columns: TableColumns, rows: np.ndarray) -> None:
+        """Rows ``rows`` (of ``seqs[stale]``) whose page lists changed since they were last read: the ones whose
+        last change was one page joining the end of a format's list, right after that read, take it in place
+        (array operations: a page boundary of the whole batch touches no request object); the others are
+        rewritten from their lists."""
         before, fids, pages = columns.appended(layer, rows)
         append = (fids >= 0) & (before == tables.seen[rows])
         names = columns.fmt_names
@@ -193,7 +194,7 @@ class BlockTableCache:
         rest = np.flatnonzero(~append)
         if not len(rest):
             return
-        tabs = [seqs[i].layers[layer] for i in rest.tolist()]
+        tabs = [seqs[i].layers[layer] for i in stale[rest].tolist()]
         BlockTable.catch_up_each(tabs)
         at = rows[rest]
         tables.fit(0, {fmt for t in tabs for fmt, _ in t.pages})
