@@ -57,10 +57,12 @@ def attend(cache, seqs, q, staging=None):
 
 
 # --- Proposition 1, kernel half -------------------------------------------------------------------
+@pytest.mark.parametrize("copy", [False, True], ids=["host-pools-read", "staged-copy"])
 @pytest.mark.parametrize("fmt", ["fp32", "int4", "nvfp4"])
-def test_split_across_tiers_equals_single_tier(fmt):
+def test_split_across_tiers_equals_single_tier(fmt, copy):
     """T1 keeps the storage format bit for bit: attention over device + staged host pages (LSE-merged) equals
-    attention over the same tokens on the device alone, to float tolerance, for a batch of two."""
+    attention over the same tokens on the device alone, to float tolerance, for a batch of two — read where they
+    lie (CPU's default) or through the staging copy (CUDA's path)."""
     gen = torch.Generator().manual_seed(0)
     cache = make_cache()
     seqs = [fill(cache, 0, 48, fmt, gen), fill(cache, 1, 32, fmt, gen)]
@@ -74,12 +76,13 @@ def test_split_across_tiers_equals_single_tier(fmt):
             assert tiers.place(seq, layer, moved, TIER_HOST) == len(moved)
         assert (tiers.tier_of(seq, 0, moved) == TIER_HOST).all()
         tiers.check(seq)
-    staging = HostStaging(cache)
+    staging = HostStaging(cache, copy=copy)
     staging.begin_step(seqs)
     got = attend(cache, seqs, q, staging)
     staging.end_step()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert staging.bytes_staged > 0
+    assert (staging.staging_bytes() > 0) == copy  # (no staging pool when the host pools are read in place)
     # promote everything back: the device copy is the original one, bit for bit
     for seq, n in zip(seqs, (48, 32)):
         for layer in range(L):
@@ -97,11 +100,15 @@ def test_compressed_tier_is_close_not_exact_and_smaller():
     for layer in range(L):
         cache.tiers.place(seq, layer, np.arange(64), TIER_HOST_Q, "int4")
     assert (cache.tiers.tier_of(seq, 0, np.arange(64)) == TIER_HOST_Q).all()
-    st_ = HostStaging(cache)
-    st_.begin_step([seq])
-    got = attend(cache, [seq], q, st_)
-    assert not torch.equal(got, ref)
-    assert (got - ref).abs().max() < 0.2
+    got_copy = None
+    for copy in (False, True):
+        st_ = HostStaging(cache, copy=copy)
+        st_.begin_step([seq])
+        got = attend(cache, [seq], q, st_)
+        assert not torch.equal(got, ref)
+        assert (got - ref).abs().max() < 0.2
+        assert got_copy is None or torch.equal(got, got_copy)  # the same pages read in place or copied
+        got_copy = got
     assert cache.tiers.host_bytes(seq) < 64 * L * H * D * 2 * 4 / 4  # int4 codes: well under a quarter of fp32
     cache.tiers.check(seq)
 
