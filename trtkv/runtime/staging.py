@@ -13,8 +13,8 @@ GPU was lent while writing it).
 
 CPU: the host and the device are one memory, so by default nothing is copied: the attention kernel reads the
 host pools where they are, through block tables of the batch's rows (at 32 layers × 256 requests ~4 ms a step
-less bookkeeping, attention unchanged). ``HostStaging(cache, copy=True)`` stages through the copy path synchronously instead, so the CUDA
-path's indexing, block tables and merge stay tested without a GPU.
+less bookkeeping, attention unchanged). ``HostStaging(cache, copy=True)`` stages through the copy path
+synchronously instead, so the CUDA path's indexing, block tables and merge stay tested without a GPU.
 
 A policy may move tokens between tiers after a layer was prefetched (``before_attention``); every stage
 records the host tiers' per-layer versions and is redone synchronously when they changed.
