@@ -247,9 +247,9 @@ def tiling(B: int, G: int, D: int, P: int, fmt_code: int, cc: int, precision: st
     if fmt_code == FP32.value and precision == "f16":
         precision = "tf32x3"
     DP = triton.next_power_of_2(D)
-    if lean and cc == 90 and DP == 128 and G <= 4 and precision == "f16" and fmt_code in SM90_LEAN:
-        slots, warps, stages = SM90_LEAN[fmt_code] if formats == 1 else \
-            SM90_SETS if fmt_code not in (FP16.value, BF16.value) else (TILE_SLOTS, 8, 2)
+    if lean and cc == 90 and DP == 128 and G <= 4 and precision == "f16" and fmt_code in SM90_LEAN and \
+            (formats == 1 or fmt_code not in (FP16.value, BF16.value)):  # (a set led by fp16: the default)
+        slots, warps, stages = SM90_LEAN[fmt_code] if formats == 1 else SM90_SETS
         return LaunchConfig(pages=max(1, slots // B), warps=warps, stages=stages, precision=precision)
     if DP >= 64:
         if fmt_code == FP32.value and DP == 64 and cc == 90:

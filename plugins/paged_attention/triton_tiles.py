@@ -17,6 +17,8 @@ import triton.language as tl
 # format codes (plugins.formats), as constexprs so the jit functions can branch on them
 FP32, FP16, BF16, FP8, NVFP4, TERNARY, INT4, INT2, NVFP4O, TERNARYO = (tl.constexpr(c) for c in range(10))
 
+# formats whose tiles are built from E4M3 fields (FP8 codes, block scales): exact in fp16, their V scale folded out
+E4M3_BUILT = (FP8.value, NVFP4.value, TERNARY.value, NVFP4O.value, TERNARYO.value)
 # fp16 high bytes of the ternary crumbs 00 -> 0, 01 -> +1, 10 -> 0 (-0), 11 -> -1, as a signed int32
 TERN_LUT = tl.constexpr(0xBC003C00 - (1 << 32))
 
@@ -28,14 +30,14 @@ def fold_k(fmt_code: int) -> bool:
 
 def fold_v(fmt_code: int) -> bool:
     """Whether the layer's V scale multiplies the output rather than the tile."""
-    return fmt_code in (FP8.value, NVFP4.value, TERNARY.value, NVFP4O.value, TERNARYO.value)
+    return fmt_code in E4M3_BUILT
 
 
 def e4m3_unit(fmt_code: int) -> float:
     """What this format's tiles leave out and its scalar scales (scores, the offset keys' K scale, output) put
     back: 256 where E4M3 fields (FP8 codes, block scales) build the tiles (``_e4m3`` gives value / 256; a
     power of two, so every product and sum is the same up to that exact factor), else 1."""
-    return 256.0 if fmt_code in (FP8.value, NVFP4.value, TERNARY.value, NVFP4O.value, TERNARYO.value) else 1.0
+    return 256.0 if fmt_code in E4M3_BUILT else 1.0
 
 
 @triton.jit

@@ -8,8 +8,8 @@ CUDA (tiered-memory spec §2.6 "stream", §4.5): host pools are pinned; the copy
 separate copy stream as soon as layer l's staging is handed to attention; the compute stream waits on that
 copy's event before reading it, and a buffer is rewritten only after the attention that read it (two layers
 earlier) has finished (an event recorded by ``release``). The host-side gather goes through a pinned scratch
-buffer per parity, reused only after its previous H2D copy completed. This path has NOT run on a GPU (no
-GPU was lent while writing it).
+buffer per parity, reused only after its previous H2D copy completed. The policy matrix's tiered cases pass
+on an H200; the copy/compute overlap is not measured.
 
 CPU: the host and the device are one memory, so by default nothing is copied: the attention kernel reads the
 host pools where they are, through block tables of the batch's rows (at 32 layers × 256 requests ~4 ms a step
@@ -28,6 +28,14 @@ import numpy as np
 import torch
 
 from trtkv.cache.manager import KVCacheManager, SeqKV
+
+
+def _batch_table(b: int, at: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """``[b, P]`` int32 block tables of the whole batch: the host records' rows ``table`` at batch rows ``at``,
+    -1 elsewhere (requests without host pages)."""
+    out = np.full((b, table.shape[1]), -1, np.int32)
+    out[at] = table
+    return out
 
 
 class StagedPool:
@@ -192,9 +200,7 @@ class HostStaging:
             held = table >= 0
             nbytes[at] += held.sum(1) * hpool.page_bytes
             if not self.copy:  # the kernel reads the host pool itself: the batch's rows of its tables
-                rows = np.full((b, table.shape[1]), -1, np.int32)
-                rows[at] = table
-                sources.append((hpool, torch.from_numpy(rows), host.layer_scales(layer, fmt)))
+                sources.append((hpool, torch.from_numpy(_batch_table(b, at, table)), host.layer_scales(layer, fmt)))
                 continue
             flat = table[held]  # the batch's host pages, request by request, each in its table order
             n = len(flat)
@@ -222,10 +228,9 @@ class HostStaging:
                 valid = torch.from_numpy(hpool.valid[flat].copy())
             fields = [d[:n] for d in dst[:-1]]
             k_group = dst[-1][:n, 0]
-            staged_table = np.full((b, table.shape[1]), -1, np.int32)  # the staged pool's pages, in flat's order
-            mine = np.full(table.shape, -1, np.int32)
+            mine = np.full(table.shape, -1, np.int32)  # the staged pool's pages, in flat's order
             mine[held] = np.arange(n, dtype=np.int32)
-            staged_table[at] = mine
+            staged_table = _batch_table(b, at, mine)
             staged = StagedPool(hpool.fmt, hpool.B, hpool.H, hpool.D, fields, groups, k_group, valid,
                                 hpool.slot_pos[flat])
             sources.append((staged, torch.from_numpy(staged_table).to(self.device), host.layer_scales(layer, fmt)))
