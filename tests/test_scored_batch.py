@@ -208,3 +208,22 @@ def test_victims_in_columns_equal_the_first_minimum_over_sorted_positions(seed, 
             s = s.masked_fill(torch.from_numpy(prot), float("inf"))
             at = int(torch.argmin(s))
             assert got[li, i] == (-1 if torch.isinf(s[at]) else held[at])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_shared_victims_equal_the_general_one_victim_choice(seed):
+    """Random's one victim column a layer (every row at one step: one draw a layer) is what the general path —
+    each row's scores, sinks masked, ``lowest_victim`` — picks; rows at different steps take the general path."""
+    from trtkv.policies.scored import _lowest_victims
+
+    rng = np.random.default_rng(seed)
+    L, k, n = 4, 5, int(rng.integers(3, 10))
+    held = np.sort(np.stack([[rng.choice(60, n, replace=False) for _ in range(k)] for _ in range(L)]), axis=2)
+    policy = POLICIES["random"](budget=16, n_sink=int(rng.integers(0, 3)), seed=seed)
+    steps = np.full(k, int(rng.integers(1, 50)))
+    got = policy._shared_victims(steps, held)
+    prot = policy.protected_rows_at(np.zeros(L * k, np.int64), held.reshape(L * k, n)).reshape(L, k, n)
+    want = _lowest_victims(policy.scorer.score_rows_layers(steps, held, ~prot), held, prot)
+    np.testing.assert_array_equal(got, want)
+    steps[0] += 1
+    assert policy._shared_victims(steps, held) is None

@@ -20,6 +20,7 @@ import torch
 
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.fresh_pages import FreshPages
+from trtkv.cache.pool_stack import flat
 from trtkv.cache.reuse import Cls, ReusableSlots
 
 Where = tuple[str, int, int]  # (format, page, slot)
@@ -347,14 +348,16 @@ class TableColumns:
         """``forget_rows`` in each of ``layers`` (distinct) at once: ``positions [len(layers), len(rows)]`` (-1:
         none) -> ``(layer, item, format ids, pages, slots)`` of the held ones, in layer then item order."""
         w = self._where
-        inside = (positions >= 0) & (positions < w.shape[2])
+        _, R, W = w.shape
+        inside = (positions >= 0) & (positions < W)
         li, j = np.nonzero(inside)
         layer = layers[li]
-        codes = w[layer, rows[j], positions[li, j]].astype(np.int64)
+        at = (layer * R + rows[j]) * W + positions[li, j]  # flat indices (see pool_stack.flat)
+        codes = flat(w)[at].astype(np.int64)
         held = codes >= 0
         layer, j, codes = layer[held], j[held], codes[held]
-        w[layer, rows[j], positions[li[held], j]] = NOT_HELD
-        self._live[layer, rows[j]] -= 1
+        flat(w)[at[held]] = NOT_HELD
+        flat(self._live)[layer * self._live.shape[1] + rows[j]] -= 1
         self._holes[layers[:, None], rows[None, :]] = True
         return (layer, j, *self.decode_many(codes))
 

@@ -4,9 +4,10 @@ Pages hold ``block_size`` slots. Host-side metadata (numpy) is authoritative; th
 words are mirrored to the device for the attention kernel (on CPU the mirror *is* the host array).
 
 A pool is allocated once, at its full size (``trtkv/cache/budget.py`` decides the size), and never grows:
-a full pool raises ``OutOfKVMemory``. Its tensors come from ``torch.empty`` and are initialised a chunk at
-a time as pages are first handed out (pages and groups are handed out lowest-first), so on CPU the memory
-of pages never used is never touched and costs no resident memory.
+a full pool raises ``OutOfKVMemory``. Its tensors come from ``host_empty`` (``torch.empty``, large CPU ones on
+huge pages: trtkv/cache/host_memory.py) and are initialised a chunk at a time as pages are first handed out
+(pages and groups are handed out lowest-first), so on CPU the memory of pages never used is never touched and
+costs no resident memory beyond the huge page it shares with used ones.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from plugins.formats import KVFormat
+from trtkv.cache.host_memory import host_empty
 from trtkv.errors import OutOfKVMemory
 
 FIRST_CHUNK = 16  # pages (or groups) initialised at once the first time; later chunks double
@@ -52,9 +54,8 @@ class PagePool:
         cap = pages
         self.slot_specs = fmt.slot_fields(num_heads, head_dim)
         self.group_specs = fmt.group_fields(num_heads, head_dim)
-        self.fields = [torch.empty(cap, block_size, *f.shape, dtype=f.dtype, device=self.device)
-                       for f in self.slot_specs]
-        self.k_group = torch.empty((cap, block_size), dtype=torch.int32, device=self.device)
+        self.fields = [host_empty((cap, block_size, *f.shape), f.dtype, self.device) for f in self.slot_specs]
+        self.k_group = host_empty((cap, block_size), torch.int32, self.device)
         if slot_state is not None:
             self.valid, self.live, self.hwm, self.slot_pos, self.slot_seg, self.page_class = slot_state
             assert self.valid.shape == (cap,) and self.slot_pos.shape == (cap, block_size)
@@ -72,7 +73,7 @@ class PagePool:
         self.peak_in_use = 0
         # key-scale arena (per flush group), refcounted by the slots that point at it
         gcap = groups if self.group_specs else 0
-        self.group_fields = [torch.empty(gcap, *f.shape, dtype=f.dtype, device=self.device) for f in self.group_specs]
+        self.group_fields = [host_empty((gcap, *f.shape), f.dtype, self.device) for f in self.group_specs]
         self.group_ref = np.zeros(gcap, np.int32)
         self.group_free: list[int] = []  # released groups, reused last-released first
         self.group_fresh = 0
@@ -496,8 +497,8 @@ class PagePool:
         """Double the pages; the new ones are initialised when first handed out. Copies host memory only."""
         pad = self.capacity
         assert 2 * pad < MAX_POOL_PAGES, "a host tier pool past the page ids a position map can name"
-        self.fields = [torch.cat([t, t.new_empty(pad, *t.shape[1:])]) for t in self.fields]
-        self.k_group = torch.cat([self.k_group, self.k_group.new_empty((pad, self.B))])
+        self.fields = [_grown(t, 2 * pad) for t in self.fields]
+        self.k_group = _grown(self.k_group, 2 * pad)
         self.valid = np.concatenate([self.valid, np.zeros(pad, np.int32)])
         self.live = np.concatenate([self.live, np.zeros(pad, np.int32)])
         self.hwm = np.concatenate([self.hwm, np.zeros(pad, np.int32)])
@@ -509,6 +510,13 @@ class PagePool:
 
     def _grow_groups(self) -> None:
         new = max(2 * self.group_capacity, 8)
-        self.group_fields = [torch.cat([t, t.new_empty(new - len(t), *t.shape[1:])]) for t in self.group_fields]
+        self.group_fields = [_grown(t, new) for t in self.group_fields]
         self.group_ref = np.concatenate([self.group_ref, np.zeros(new - len(self.group_ref), np.int32)])
         self._pin_all()
+
+
+def _grown(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with ``rows`` rows: its own first, the rest uninitialised."""
+    out = host_empty((rows, *t.shape[1:]), t.dtype, t.device)
+    out[:len(t)].copy_(t)
+    return out

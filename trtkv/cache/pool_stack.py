@@ -16,6 +16,14 @@ if TYPE_CHECKING:
     from trtkv.cache.pool import PagePool
 
 
+def flat(a: np.ndarray) -> np.ndarray:
+    """``a`` as a 1-D view (an error, never a copy, if it is not contiguous): a flat index costs a third of 2-D
+    or 3-D fancy indexing's time."""
+    v = a.view()
+    v.shape = (-1,)
+    return v
+
+
 class SlotStack:
     def __init__(self, num_layers: int, pages: int, block_size: int) -> None:
         self.B = block_size
@@ -44,40 +52,48 @@ class SlotStack:
     def take_tails(self, pages: np.ndarray, layers: np.ndarray | None = None) -> np.ndarray:
         """``PagePool.take_tails`` in every layer: ``pages [layers, n]`` (distinct within a layer, each with a
         free tail slot) -> their first tail slots; with ``layers``, page ``pages[i]`` of layer ``layers[i]``."""
-        at = (self._layer if layers is None else layers, pages)
-        start = self.hwm[at]
+        at = self._page_index(self._layer if layers is None else layers, pages)
+        hwm = flat(self.hwm)
+        start = hwm[at]
         assert (start < self.B).all(), "an open page without a tail slot"
-        self.hwm[at] = start + 1
+        hwm[at] = start + 1
         return start.astype(np.int64)
 
     def slots_free(self, layers: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Whether slot ``slots[i]`` of page ``pages[i]`` in layer ``layers[i]`` holds no live token."""
-        return (self.valid[layers, pages] >> slots.astype(np.int32)) & 1 == 0
+        return (flat(self.valid)[self._page_index(layers, pages)] >> slots.astype(np.int32)) & 1 == 0
 
     def mark_written_distinct(self, pages: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
         """``PagePool.mark_written_distinct`` in every layer: one slot in each of ``pages [layers, n]`` now holds the
         token at ``positions[j]`` (the same position in every layer)."""
-        at = (self._layer, pages)
+        at = self._page_index(self._layer, pages)
         bits = np.left_shift(1, slots)
-        v = self.valid[at]
+        valid, live = flat(self.valid), flat(self.live)
+        v = valid[at]
         assert not (v & bits).any(), "writing into a live slot"
-        self.valid[at] = v | bits
-        self.live[at] += 1
-        self.slot_pos[self._layer, pages, slots] = positions
+        valid[at] = v | bits
+        live[at] += 1
+        flat(self.slot_pos)[at * self.B + slots] = np.broadcast_to(positions, at.shape)
         self._valid_changed()
 
     def mark_evicted_distinct(self, layers: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> None:
         """``PagePool.mark_evicted_distinct`` of slot ``slots[i]`` of page ``pages[i]`` in layer ``layers[i]`` (pages
         distinct within a layer)."""
-        at = (layers, pages)
+        at = self._page_index(layers, pages)
         bits = np.left_shift(1, slots)
-        v = self.valid[at]
+        valid, live = flat(self.valid), flat(self.live)
+        v = valid[at]
         assert (v & bits).all(), "evicting a slot that is not live"
-        self.valid[at] = v & ~bits
-        self.live[at] -= 1
-        self.slot_pos[layers, pages, slots] = -1
-        self.slot_seg[layers, pages, slots] = -1
+        valid[at] = v & ~bits
+        live[at] -= 1
+        at_slot = at * self.B + slots
+        flat(self.slot_pos)[at_slot] = -1
+        flat(self.slot_seg)[at_slot] = -1
         self._valid_changed()
+
+    def _page_index(self, layers: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """Flat indices of ``(layers, pages)`` (broadcast) into the ``[layers, pages]`` arrays."""
+        return layers * self.valid.shape[1] + pages
 
     def _valid_changed(self) -> None:
         for pool in self._pools:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from trtkv.cache.pool_stack import flat
+
 Cls = tuple[str, int]  # (format name, thought class)
 FreeCheck = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]  # (layers, pages, slots) -> slot is free
 
@@ -128,34 +130,37 @@ class ReusableSlots:
         an int or an array; (layer, row) pairs may repeat)."""
         if not len(rows):
             return
-        keys_new = pack(self._orders[cls[0]][layers, pages], pages, slots)
+        orders = self._orders[cls[0]]
+        keys_new = pack(flat(orders)[np.asarray(layers, np.int64) * orders.shape[1] + pages], pages, slots)
         keys, head, end = self._class(cls)
-        lin = np.asarray(layers, np.int64) * self._rows + rows
+        lin = np.asarray(layers, np.int64) * self._rows + rows  # (layer, row) as a flat index (pool_stack.flat)
         if len(lin) > 1 and np.bincount(lin).max() == 1:  # one slot per (layer, row) (a step's one-token
             u, start, cnt = lin, np.arange(len(lin)), np.ones(len(lin), np.int64)  # evictions): no grouping
         else:
             order = np.lexsort((keys_new, lin))
             lin, keys_new = lin[order], keys_new[order]
             u, start, cnt = np.unique(lin, return_index=True, return_counts=True)
-        ul, ur = np.divmod(u, self._rows)
-        h = head[ul, ur]
-        old = end[ul, ur] - h
+        heads, ends = flat(head), flat(end)
+        h = heads[u]
+        old = ends[u] - h
         total = old + cnt
         keys = self._widen(cls, int(total.max()))
+        W = keys.shape[2]
+        row_at = u[:, None] * W  # each (layer, row)'s first key in the flat keys
         mo, mc = int(old.max()), int(cnt.max())
         buf = np.full((len(u), mo + mc), _NONE, np.int64)
         if mo:
             j = np.arange(mo)
-            at = np.minimum(h[:, None] + j, keys.shape[2] - 1)
-            buf[:, :mo] = np.where(j < old[:, None], keys[ul[:, None], ur[:, None], at], _NONE)
+            at = np.minimum(h[:, None] + j, W - 1)
+            buf[:, :mo] = np.where(j < old[:, None], flat(keys)[row_at + at], _NONE)
         grp = np.repeat(np.arange(len(u)), cnt)
         buf[grp, mo + np.arange(len(lin)) - np.repeat(start, cnt)] = keys_new
         if mo:
             buf.sort(axis=1)
-        width = min(buf.shape[1], keys.shape[2])
-        keys[ul[:, None], ur[:, None], np.arange(width)] = buf[:, :width]
-        head[ul, ur] = 0
-        end[ul, ur] = total
+        width = min(buf.shape[1], W)
+        flat(keys)[row_at + np.arange(width)] = buf[:, :width]
+        heads[u] = 0
+        ends[u] = total
 
     def drop_page(self, layer: int, row: int, cls: Cls, page: int | list[int]) -> None:
         """``page`` (or several) left ``row``'s table in ``layer``: its entries go."""
@@ -249,16 +254,16 @@ class ReusableSlots:
         keys, head, end = self._keys[cls], self._head[cls], self._end[cls]
         li = np.broadcast_to(np.asarray(layers, np.int64), (n,))
         # (layer, row) as one index into the flat views: one gather each instead of a 2-D fancy index
-        flat = li * self._rows + rows
-        heads, ends, W = head.reshape(-1), end.reshape(-1), keys.shape[2]
-        act = np.flatnonzero(ends[flat] > heads[flat])
+        at = li * self._rows + rows
+        heads, ends, keys_flat, W = flat(head), flat(end), flat(keys), keys.shape[2]
+        act = np.flatnonzero(ends[at] > heads[at])
         while len(act):
-            fa = flat[act]
+            fa = at[act]
             h = heads[fa]
-            _, p, s = unpack(keys.reshape(-1)[fa * W + h])
+            _, p, s = unpack(keys_flat[fa * W + h])
             heads[fa] = h + 1
             ok = free(li[act], p, s)
             pages[act[ok]], slots[act[ok]] = p[ok], s[ok]
             act = act[~ok]
-            act = act[ends[flat[act]] > heads[flat[act]]]
+            act = act[ends[at[act]] > heads[at[act]]]
         return pages, slots

@@ -129,7 +129,7 @@ class OrtEngineCore(EngineCore):
         seqs = [c.seq for c in ctxs]
         pol.on_decode_step_begin_batch(ctxs)
         classes = [pol.write_class(c) for c in ctxs]
-        sreqs = [pol.stats_request(c, "decode") for c in ctxs]
+        sreqs = pol.stats_requests(ctxs, "decode")
         if any(sr is not None and sr.queries for sr in sreqs):
             raise TrtkvError(f"policy {pol.name!r} reads decode queries, which the ONNX graph does not return; "
                              "run it with --runtime torch")

@@ -195,6 +195,10 @@ class KVPolicy:
     def stats_request(self, req: PolicyRequest, phase: str) -> StatsRequest | None:
         return None
 
+    def stats_requests(self, reqs: list[PolicyRequest], phase: str) -> list[StatsRequest | None]:
+        """``stats_request`` of each of a step's requests (a policy may answer for the batch at once)."""
+        return [self.stats_request(r, phase) for r in reqs]
+
     def write_class(self, req: PolicyRequest) -> tuple[str, int, int]:
         """(format, thought class, segment id) of the next token / flush group of this request."""
         return self.kv_format, 0, -1

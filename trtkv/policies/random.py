@@ -65,6 +65,18 @@ class RandomScorer(Scorer):
             out[torch.from_numpy(at)] = sub
         return out
 
+    def shared_scores_layers(self, steps: np.ndarray, num_layers: int, free: np.ndarray) -> torch.Tensor | None:
+        """One draw a layer over the free columns when every row is at one step (the usual case)."""
+        if not (steps == steps[0]).all():
+            return None
+        cols = np.flatnonzero(free)
+        draws = torch.stack([self._draw(int(steps[0]), layer, len(cols)) for layer in range(num_layers)])
+        if len(cols) == len(free):
+            return draws
+        out = torch.full((num_layers, len(free)), float("inf"))
+        out[:, torch.from_numpy(cols)] = draws
+        return out
+
     def score_rows_layers(self, steps: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
         """``score_rows`` of every layer: with one step and one mask for every row and layer (the usual case) each
         layer's draw fills its rows at once."""

@@ -122,6 +122,13 @@ class ScorerPolicy(KVPolicy):
             return self.scorer.stats_request(req, phase, self._prompt_is_cut(req))
         return self.scorer.stats_request(req, phase, self.cadence.observing(req.step + 1))
 
+    def stats_requests(self, reqs, phase: str) -> list[StatsRequest | None]:
+        """``stats_request`` of each, the cadence read once (a property that builds it: 256 a step add up)."""
+        if phase == "prefill" or type(self).stats_request is not ScorerPolicy.stats_request:
+            return super().stats_requests(reqs, phase)
+        observing, ask = self.cadence.observing, self.scorer.stats_request
+        return [ask(r, phase, observing(r.step + 1)) for r in reqs]
+
     def on_prefill_end(self, req, stats) -> None:
         self.scorer.observe(req, req.state.memo, stats, "prefill")
         if self._prompt_is_cut(req):
@@ -149,10 +156,11 @@ class ScorerPolicy(KVPolicy):
         """Every request observes its step, then the requests whose cadence fires have their events together
         (``events``, or ``events_rows`` for statistics in batch form); with ``batched_events`` False, request by
         request."""
+        is_event = self.cadence.is_event
         if stats and stats[0].batch is not None:
             rows = np.fromiter((st.row for st in stats), np.int64, len(stats))
             self.scorer.observe_batch(reqs, [r.state.memo for r in reqs], stats[0].batch, rows)
-            due = [i for i, r in enumerate(reqs) if self.cadence.is_event(r.step)]
+            due = [i for i, r in enumerate(reqs) if is_event(r.step)]
             if due and self.batched_events and self.keeps_best_scores:
                 self.events_rows([reqs[i] for i in due], stats[0].batch, rows[due])
             elif due:
@@ -161,9 +169,10 @@ class ScorerPolicy(KVPolicy):
         if not (self.batched_events and self.keeps_best_scores):  # lone_victims assumes keep's best-score rule
             return super().on_decode_step_end_batch(reqs, stats)
         due = []
+        observe = self.scorer.observe
         for req, st in zip(reqs, stats):
-            self.scorer.observe(req, req.state.memo, st, "decode")
-            if self.cadence.is_event(req.step):
+            observe(req, req.state.memo, st, "decode")
+            if is_event(req.step):
                 due.append((req, st))
         if len(due) > 1 and self.scorer.batches and self.scorer.rows_any_step:
             self.events_rows([req for req, _ in due])
@@ -311,12 +320,31 @@ class ScorerPolicy(KVPolicy):
                 first.evict_each_layers(np.arange(L), due, victims)
                 return True
             held = np.sort(cols, axis=2)[:, :, -n:]
-        prot = self.protected_rows_at(np.tile(position, L), held.reshape(L * k, n)).reshape(L, k, n)
-        victims = _lowest_victims(self.scorer.score_rows_layers(handle, held, ~prot), held, prot)
+        victims = self._shared_victims(handle, held)
+        if victims is None:
+            prot = self.protected_rows_at(np.tile(position, L), held.reshape(L * k, n)).reshape(L, k, n)
+            victims = _lowest_victims(self.scorer.score_rows_layers(handle, held, ~prot), held, prot)
         if (victims < 0).any():
             return False
         first.evict_each_layers(np.arange(L), due, victims)
         return True
+
+    def _shared_victims(self, handle: np.ndarray, held: np.ndarray) -> np.ndarray | None:
+        """``_lone_events_layers``'s victims ``[L, k]`` when the scorer scores every row alike
+        (``shared_scores_layers``) and protection is by column alone (this class's sinks and recent window): one
+        first minimum a layer, each row's victim its held position at that column (-1 everywhere: no finite
+        candidate). None otherwise."""
+        if type(self).protected_rows_at is not ScorerPolicy.protected_rows_at:
+            return None
+        L, k, n = held.shape
+        free = ~self.protected_rows_at(np.zeros(1, np.int64), np.zeros((1, n), np.int64))[0]
+        scores = self.scorer.shared_scores_layers(handle, L, free)
+        if scores is None:
+            return None
+        best = torch.argmin(scores, dim=1)  # (NaN is the minimum, ties to the older column: lowest_victim's rule)
+        if torch.isinf(scores.gather(1, best[:, None])).any():
+            return np.full((L, k), -1, np.int64)
+        return held[np.arange(L), :, best.numpy()]
 
     def _victims_in_columns(self, position: np.ndarray, handle: np.ndarray, cols: np.ndarray) -> np.ndarray | None:
         """The one-victim choice on the statistics' own columns ``cols [L, k, c]`` (positions in slot order, -1 dead),

@@ -254,7 +254,7 @@ class EngineCore:
         ctxs = [r.ctx for r in reqs]
         self.policy.on_decode_step_begin_batch(ctxs)
         classes = [self.policy.write_class(c) for c in ctxs]
-        sreqs = [self.policy.stats_request(c, "decode") for c in ctxs]
+        sreqs = self.policy.stats_requests(ctxs, "decode")
         if clk is not None:
             clk.switch("bookkeeping")
         positions = [c.position for c in ctxs]

@@ -95,6 +95,12 @@ class Scorer:
         return torch.stack([self.score_rows(layer, handle, positions[layer], free[layer])
                             for layer in range(len(positions))])
 
+    def shared_scores_layers(self, handle: np.ndarray, num_layers: int, free: np.ndarray) -> torch.Tensor | None:
+        """Scores ``[num_layers, n]`` that every row of ``score_rows_layers`` would get when each row's ``n`` held
+        positions are scored by column alone (``free [n]``: the candidate columns, +inf at the others), or None when
+        rows may differ. A batch's one-victim events then take one victim column a layer (the random control)."""
+        return None
+
     def score_evidence_rows(self, rows: torch.Tensor, num_kv_heads: int) -> torch.Tensor | None:
         """``score`` of several requests' layers from their recomputed evidence alone, ``rows [k, w, Hq, T]`` ->
         ``[k, T]`` (``head_mean`` of each one's scores), or None when a scorer needs more than the rows."""
