@@ -46,7 +46,7 @@ SCHEMAS = {
     "lowest_victim": "(Tensor scores, Tensor positions, Tensor blocked) -> Tensor",
     "scatter_add_rows": "(Tensor(a!) data, Tensor rows, Tensor positions, Tensor values, int layer0) -> ()",
     "head_sums": "(Tensor logits, Tensor lse) -> Tensor",
-    "table_positions": "(Tensor slot_pos, Tensor block_table) -> Tensor",
+    "table_positions": "(Tensor slot_pos, Tensor block_table) -> (Tensor, Tensor)",
     "held_columns": "(Tensor where, Tensor rows, int n) -> Tensor",
     "gather_rows": "(Tensor data, Tensor rows, Tensor positions, int layer0) -> Tensor",
     "gather_keys": "(Tensor[] slot_fields, Tensor[] group_fields, Tensor k_group, Tensor flat, int fmt_code, "
@@ -286,9 +286,9 @@ def head_sums(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return head_sums_ref(logits, lse)
 
 
-def table_positions(slot_pos: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """The token position behind every column of a layer's paged-attention logits, ``[b, P * B]`` (see
-    table_positions/reference.py): the compiled CPU kernel on CPU, else the reference."""
+def table_positions(slot_pos: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token position behind every column of a layer's paged-attention logits, ``[b, P * B]``, and each row's
+    held count ``[b]`` (see table_positions/reference.py): the compiled CPU kernel on CPU, else the reference."""
     if slot_pos.dtype == torch.int64 and slot_pos.is_contiguous() and use_cpu_kernels(slot_pos):
         from plugins.cpu_kernels.ops import table_positions_cpu
 
@@ -369,8 +369,9 @@ _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None
                  "gather_rows": lambda data, rows, positions, layer0: data.new_empty(positions.shape),
                  "held_columns": lambda where, rows, n: rows.new_empty((where.shape[0], rows.shape[0], n),
                                                                        dtype=torch.int64),
-                 "table_positions": lambda slot_pos, block_table: slot_pos.new_empty(
+                 "table_positions": lambda slot_pos, block_table: (slot_pos.new_empty(
                      (block_table.shape[0], block_table.shape[1] * slot_pos.shape[1])),
+                     slot_pos.new_empty(block_table.shape[:1])),
                  "head_sums": lambda logits, lse: logits.new_empty((logits.shape[0], logits.shape[2]),
                                                                    dtype=torch.float32)}
 for _name, _kernel in _PYTHON_KERNELS.items():

@@ -89,3 +89,24 @@ def test_random_scores_of_every_layer_equal_layer_by_layer(same_mask, same_step)
     got = scorer.score_rows_layers(steps, positions, free)
     want = Scorer.score_rows_layers(scorer, steps, positions, free)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_every_layer_read_past_the_width_grows_and_reads_zero(monkeypatch, kernels):
+    """``get_rows_layers`` reads first and grows only when a position is past the width (the compiled kernel's
+    check and the reference's alike): the values are the same as growing first; ``add_rows_layers`` grows to the
+    bound it is given."""
+    if not kernels:
+        monkeypatch.setenv("TRTKV_KERNELS", "reference")
+    table = RowTable(2)
+    rows = np.array([table.acquire().row for _ in range(2)])
+    pos = np.array([[[1, 3]], [[2, 5]]]).repeat(2, axis=1)  # [L, b, n]
+    table.add_rows_layers(rows, pos, torch.ones(2, 2, 2), top=3 * FIRST_CAP)
+    assert table.cap > 3 * FIRST_CAP
+    far = pos.copy()
+    far[1, 1, 1] = 10 * FIRST_CAP
+    got = table.get_rows_layers(rows, far)
+    assert table.cap > 10 * FIRST_CAP
+    want = torch.ones(2, 2, 2)
+    want[1, 1, 1] = 0
+    assert torch.equal(got, want)

@@ -63,7 +63,7 @@ def head_sums_cpu(logits, lse):
 
 
 def table_positions_cpu(slot_pos, block_table):
-    """Same contract as ``table_positions_ref``: ``[b, P * B]`` int64."""
+    """Same contract as ``table_positions_ref``: ``(positions [b, P * B], counts [b])`` int64."""
     return cpu_kernels().table_positions(slot_pos, block_table)
 
 

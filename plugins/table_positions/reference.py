@@ -2,17 +2,19 @@
 policy asked for are keyed by.
 
 Contract: ``slot_pos [cap, B]`` int64 (a pool's token position in each slot, -1 free), ``block_table [b, P]`` int32
-or int64 (the batch's pages, -1 padded) -> ``[b, P * B]`` int64: ``out[i, p * B + s] = slot_pos[block_table[i, p], s]``,
--1 where the table entry is -1.
+or int64 (the batch's pages, -1 padded) -> ``(positions [b, P * B], counts [b])`` int64: ``positions[i, p * B + s] =
+slot_pos[block_table[i, p], s]``, -1 where the table entry is -1; ``counts[i]`` the row's positions >= 0 (the
+columns its statistics hold).
 """
 from __future__ import annotations
 
 import torch
 
 
-def table_positions_ref(slot_pos: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+def table_positions_ref(slot_pos: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b, P = block_table.shape
     B = slot_pos.shape[1]
     bt = block_table.to(device=slot_pos.device, dtype=torch.int64)
     pos = slot_pos.index_select(0, bt.clamp(min=0).reshape(-1)).view(b, P, B)
-    return pos.masked_fill((bt < 0)[:, :, None], -1).reshape(b, P * B)
+    pos = pos.masked_fill((bt < 0)[:, :, None], -1).reshape(b, P * B)
+    return pos, (pos >= 0).sum(1)

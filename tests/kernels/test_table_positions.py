@@ -1,6 +1,6 @@
-"""The token positions behind a layer's paged-attention columns: the compiled CPU kernel equals the torch reference
-exactly (int32 and int64 block tables, -1 padded), the reference is the pool read entry by entry, and bad input is
-one error."""
+"""The token positions behind a layer's paged-attention columns and each row's held count: the compiled CPU kernel
+equals the torch reference exactly (int32 and int64 block tables, -1 padded), the reference is the pool read entry by
+entry, and bad input is one error."""
 from __future__ import annotations
 
 import pytest
@@ -21,13 +21,16 @@ def drawn(cap: int, B: int, b: int, P: int, seed: int, dtype=torch.int32):
 
 def test_reference_is_the_pool_entry_by_entry():
     slot_pos, bt = drawn(9, 4, 3, 5, seed=0)
-    got = table_positions_ref(slot_pos, bt)
-    assert got.shape == (3, 20) and got.dtype == torch.int64
+    got, counts = table_positions_ref(slot_pos, bt)
+    assert got.shape == (3, 20) and got.dtype == torch.int64 and counts.dtype == torch.int64
     for i in range(3):
+        held = 0
         for p in range(5):
             for s in range(4):
                 page = int(bt[i, p])
                 assert got[i, p * 4 + s] == (slot_pos[page, s] if page >= 0 else -1)
+                held += page >= 0 and slot_pos[page, s] >= 0
+        assert counts[i] == held
 
 
 @needs_kernels
@@ -36,11 +39,12 @@ def test_reference_is_the_pool_entry_by_entry():
 def test_kernel_matches_the_reference(shape, dtype):
     cap, B, b, P = shape
     slot_pos, bt = drawn(cap, B, b, P, seed=sum(shape), dtype=dtype)
-    want = table_positions_ref(slot_pos, bt)
-    got = table_positions_cpu(slot_pos, bt)
+    want, want_counts = table_positions_ref(slot_pos, bt)
+    got, counts = table_positions_cpu(slot_pos, bt)
     assert got.dtype == torch.int64 and got.shape == (b, P * B) and torch.equal(got, want)
-    assert torch.equal(torch.ops.trtkv.table_positions(slot_pos, bt), want)
-    assert torch.equal(table_positions_cpu(slot_pos, bt.t().contiguous().t()), want)  # a strided table
+    assert counts.dtype == torch.int64 and torch.equal(counts, want_counts)
+    for out in (torch.ops.trtkv.table_positions(slot_pos, bt), table_positions_cpu(slot_pos, bt.t().contiguous().t())):
+        assert torch.equal(out[0], want) and torch.equal(out[1], want_counts)  # the op; a strided table
 
 
 @needs_kernels

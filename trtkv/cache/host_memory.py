@@ -30,13 +30,14 @@ def huge_pages_enabled() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get(ENV, "1") != "0"
 
 
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu", huge: bool = True
+               ) -> torch.Tensor:
     """An uninitialised tensor like ``torch.empty(shape, dtype=dtype, device=device)``; on CPU, from
-    ``HUGE_PAGE`` bytes up, on transparent huge pages (see the module docstring)."""
+    ``HUGE_PAGE`` bytes up and unless ``huge`` is False, on transparent huge pages (see the module docstring)."""
     device = torch.device(device)
     count = math.prod(shape)
     nbytes = count * dtype.itemsize
-    if device.type != "cpu" or nbytes < HUGE_PAGE or not huge_pages_enabled():
+    if not huge or device.type != "cpu" or nbytes < HUGE_PAGE or not huge_pages_enabled():
         return torch.empty(shape, dtype=dtype, device=device)
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:

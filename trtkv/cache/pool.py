@@ -38,9 +38,9 @@ class PagePool:
         # Pools are made lazily, sometimes inside a decode step's inference mode; their tensors must stay
         # normal tensors so cache writes outside inference mode (tree search, tools) may update them.
         assert not (growable and slot_state is not None), "a growable pool owns its slot state"
+        self.growable, self.pin = growable, pin
         with torch.inference_mode(False):
             self._setup(fmt, num_heads, head_dim, block_size, device, pages, groups, slot_state)
-        self.growable, self.pin = growable, pin
         self._pin_all()
 
     def _setup(self, fmt: KVFormat, num_heads: int, head_dim: int, block_size: int, device: str,
@@ -54,8 +54,11 @@ class PagePool:
         cap = pages
         self.slot_specs = fmt.slot_fields(num_heads, head_dim)
         self.group_specs = fmt.group_fields(num_heads, head_dim)
-        self.fields = [host_empty((cap, block_size, *f.shape), f.dtype, self.device) for f in self.slot_specs]
-        self.k_group = host_empty((cap, block_size), torch.int32, self.device)
+        # (a growable pool keeps small pages: it grows by copying into fresh memory, whose first touch on huge
+        # pages costs more than it saves — 2 MiB zeroed at a fault, compaction to find them)
+        huge = not self.growable
+        self.fields = [host_empty((cap, block_size, *f.shape), f.dtype, self.device, huge) for f in self.slot_specs]
+        self.k_group = host_empty((cap, block_size), torch.int32, self.device, huge)
         if slot_state is not None:
             self.valid, self.live, self.hwm, self.slot_pos, self.slot_seg, self.page_class = slot_state
             assert self.valid.shape == (cap,) and self.slot_pos.shape == (cap, block_size)
@@ -73,7 +76,7 @@ class PagePool:
         self.peak_in_use = 0
         # key-scale arena (per flush group), refcounted by the slots that point at it
         gcap = groups if self.group_specs else 0
-        self.group_fields = [host_empty((gcap, *f.shape), f.dtype, self.device) for f in self.group_specs]
+        self.group_fields = [host_empty((gcap, *f.shape), f.dtype, self.device, huge) for f in self.group_specs]
         self.group_ref = np.zeros(gcap, np.int32)
         self.group_free: list[int] = []  # released groups, reused last-released first
         self.group_fresh = 0
@@ -517,6 +520,6 @@ class PagePool:
 
 def _grown(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with ``rows`` rows: its own first, the rest uninitialised."""
-    out = host_empty((rows, *t.shape[1:]), t.dtype, t.device)
+    out = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
     out[:len(t)].copy_(t)
     return out

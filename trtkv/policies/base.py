@@ -70,7 +70,13 @@ class BatchLayerStats:
 
 class StepBatch(dict):
     """A decode step's statistics in batch form, ``layer -> BatchLayerStats``, filled layer by layer. After the
-    step, ``positions_layers()`` is every layer's positions stacked once for whoever reads them all."""
+    step, ``positions_layers()`` is every layer's positions stacked once for whoever reads them all. ``top``: no
+    position in them is larger (the step's newest token; -1 unknown), so a score table grows to it without a
+    pass over every layer's positions."""
+
+    def __init__(self, top: int = -1) -> None:
+        super().__init__()
+        self.top = top
 
     def positions_layers(self) -> np.ndarray | None:
         """``[L, b, n]`` positions of layers ``0..L-1`` (None unless every layer is here, all of one width)."""
@@ -85,6 +91,12 @@ class StepBatch(dict):
 def every_row(rows: np.ndarray, b: int) -> bool:
     """Whether ``rows`` are all ``b`` rows of a batch's statistics, in order (then no gather is needed)."""
     return len(rows) == b and bool((rows == np.arange(b)).all())
+
+
+def positions_top(batch: dict[int, BatchLayerStats], positions: np.ndarray) -> int:
+    """The largest of ``positions`` (some of ``batch``'s), or a bound on it the step knows (``StepBatch.top``)."""
+    top = batch.top if isinstance(batch, StepBatch) else -1
+    return top if top >= 0 else int(positions.max(initial=-1))
 
 
 def batch_rows_of(batch: dict[int, BatchLayerStats], rows: np.ndarray, weights: bool = False

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from plugins import ops as plugin_ops
-from trtkv.policies.base import BatchLayerStats, StatsRequest, batch_rows_of
+from trtkv.policies.base import BatchLayerStats, StatsRequest, batch_rows_of, positions_top
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scored import Cadence, ScorerPolicy
 from trtkv.policies.scorers import Scorer
@@ -162,11 +162,11 @@ class MRIScorer(Scorer):
         table_rows = torch.from_numpy(np.fromiter((m.ts.row for m in memos), np.int64, len(memos)))
         prompt = torch.from_numpy(np.fromiter((m.prompt_len for m in memos), np.int64, len(memos)))
         step = torch.from_numpy(np.fromiter((r.step for r in reqs), np.int64, len(reqs)))
-        for layer, pos, w, _ in batch_rows_of(batch, rows, weights=self.head_reduce == "max"):
-            act = (w.amax(1) if self.head_reduce == "max" else w / heads) >= self.alpha
-            top = int(pos.max(initial=-1))
-            if top < 0:
+        for layer, pos, w, counts in batch_rows_of(batch, rows, weights=self.head_reduce == "max"):
+            if not counts.any():  # (no position in this layer)
                 continue
+            act = (w.amax(1) if self.head_reduce == "max" else w / heads) >= self.alpha
+            top = positions_top(batch, pos)
             self._ts.ensure(top)
             self._mri.ensure(top)
             plugin_ops.mri_track(self._ts.data, self._mri.data, layer, table_rows,

@@ -84,14 +84,17 @@ class RowTable:
         flat = torch.from_numpy((rows[:, None] * self.cap + positions).reshape(-1)).to(self.device)
         return self.data[layer].view(-1).index_select(0, flat).view(positions.shape)
 
-    def add_rows_layers(self, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor) -> None:
-        """``add_rows`` of every layer at once: ``values [L, b, n]`` at ``positions [L, b, n]`` (-1: skip)."""
-        self._scatter_add(rows, positions, values, 0)
+    def add_rows_layers(self, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor, top: int | None = None
+                        ) -> None:
+        """``add_rows`` of every layer at once: ``values [L, b, n]`` at ``positions [L, b, n]`` (-1: skip); ``top``:
+        a bound on the positions, when the caller knows one (saves a pass over them)."""
+        self._scatter_add(rows, positions, values, 0, top)
 
-    def _scatter_add(self, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor, layer0: int) -> None:
+    def _scatter_add(self, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor, layer0: int,
+                     top: int | None = None) -> None:
         """``values [L, b, n]`` added at ``positions [L, b, n]`` (-1: skip) of ``rows [b]`` in layers
-        ``layer0..layer0 + L - 1``; grows the table first."""
-        top = int(positions.max(initial=-1))
+        ``layer0..layer0 + L - 1``; grows the table first (to ``top``, else to the largest position)."""
+        top = int(positions.max(initial=-1)) if top is None else top
         if top < 0:
             return
         self.ensure(top)
@@ -100,10 +103,18 @@ class RowTable:
 
     def get_rows_layers(self, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """``get_rows`` of every layer at once: ``[L, b, n]`` scores at ``positions [L, b, n]`` (-1: a dead column,
-        read as 0), in one pass (``gather_rows``)."""
+        read as 0), in one pass (``gather_rows``). On CPU the read checks its positions against the table's width,
+        and only when one is past it (never written, so 0) does the table grow and the read run again; a device
+        read must not index past the table, so there the table grows first."""
+        args = (torch.from_numpy(np.ascontiguousarray(rows, np.int64)),
+                torch.from_numpy(np.ascontiguousarray(positions, np.int64)), 0)
+        if self.device.type == "cpu":
+            try:
+                return plugin_ops.gather_rows(self.data, *args)
+            except (RuntimeError, IndexError):  # a position past the width (gather_rows' check; index_select's)
+                pass
         self.ensure(int(positions.max(initial=0)))
-        return plugin_ops.gather_rows(self.data, torch.from_numpy(np.ascontiguousarray(rows, np.int64)),
-                                      torch.from_numpy(np.ascontiguousarray(positions, np.int64)), 0)
+        return plugin_ops.gather_rows(self.data, *args)
 
 
 class RowView:

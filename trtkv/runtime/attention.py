@@ -109,7 +109,7 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
                 for (pool, bt, sc), bits in zip(sources, valid)], sm_scale, any_stats, dense_run=run)
         lap("bookkeeping")
     if any_stats:
-        positions = source_positions([(pool, bt) for pool, bt, _ in sources], len(seqs))
+        positions, counts = source_positions([(pool, bt) for pool, bt, _ in sources], len(seqs))
         if len(logit_parts) < len(positions):  # one launch's logits hold every source's columns, side by side
             positions = [np.concatenate(positions, axis=1)]
         logit_parts = list(zip(logit_parts, positions))
@@ -119,6 +119,7 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         o, lse, lg, pos = buffer_partial(cache, seqs, layer, q, sm_scale, any_stats)
         parts.append((o, lse))
         logit_parts.append((lg, pos))
+        counts = counts + (pos >= 0).sum(1)
     lap("attention")
     out, lse = merge_partials(parts) if parts else _empty_partial(q)
     if buffered and not any_stats:  # one call: the buffers' attention merged into the pages' partial in place
@@ -135,16 +136,21 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         logits = logit_parts[0][0] if len(logit_parts) == 1 else torch.cat([lg for lg, _ in logit_parts], dim=-1)
         positions = np.concatenate([p for _, p in logit_parts], axis=1)
         stats = layer_statistics(logits, lse, positions, cache.cfg.num_kv_heads, want_stats, want_sparsity,
-                                 batch_form, shards, batch_weights)
+                                 batch_form, shards, batch_weights, counts)
     lap("bookkeeping")
     return out, stats
 
 
-def source_positions(tables: list[tuple[PagePool, torch.Tensor]], b: int) -> list[np.ndarray]:
+def source_positions(tables: list[tuple[PagePool, torch.Tensor]], b: int) -> tuple[list[np.ndarray], np.ndarray]:
     """The token position of every column a layer's attention logits have, per format's block table ``[b, P]``:
-    ``[b, P * B]`` each, -1 where a slot or a table entry holds no token (``plugins/table_positions``)."""
-    return [plugin_ops.table_positions(torch.from_numpy(pool.slot_pos), bt.cpu()).numpy().reshape(b, -1)
-            for pool, bt in tables]
+    ``[b, P * B]`` each, -1 where a slot or a table entry holds no token (``plugins/table_positions``); and each
+    row's columns that hold a token, over all the tables ``[b]``."""
+    positions, counts = [], np.zeros(b, np.int64)
+    for pool, bt in tables:
+        pos, n = plugin_ops.table_positions(torch.from_numpy(pool.slot_pos), bt.cpu())
+        positions.append(pos.numpy().reshape(b, -1))
+        counts += n.numpy()
+    return positions, counts
 
 
 def attach_queries(stats: list, layer: int, q: torch.Tensor, want_q: list[bool]) -> None:
@@ -161,14 +167,15 @@ def attach_queries(stats: list, layer: int, q: torch.Tensor, want_q: list[bool])
 
 def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndarray, num_kv_heads: int,
                      want_stats: list[bool], want_sparsity: list[bool], batch_form: bool = False,
-                     shards: HeadShards | None = None, batch_weights: bool = True
+                     shards: HeadShards | None = None, batch_weights: bool = True, counts: np.ndarray | None = None
                      ) -> list[LayerStats | None] | BatchLayerStats:
     """A layer's statistics from its attention logits ``[b, Hq, n]`` (scaled, -inf where dead; taken over: the
     batch form computes its weights in place of them), log-sum-exps ``[b, Hq]`` and the columns' positions ``[b, n]``:
     one ``BatchLayerStats`` (``batch_form``: every request wants the weights alone) or one ``LayerStats`` for each
     request that asked (None for the others). ``batch_weights`` False (the policy reads the weights' sums over
     heads): both forms carry those sums from one kernel (``plugins/head_sums``), so the policy decides the same in
-    either, and the batch form carries nothing else; True: no sums are computed."""
+    either, and the batch form carries nothing else; True: no sums are computed. ``counts [b]``: each row's
+    positions >= 0, when known (``source_positions`` counts them as it reads them)."""
     b = logits.shape[0]
     lse_all = lse
     if shards is not None:  # one collective: the log-sum-exps ride as one more column
@@ -178,7 +185,8 @@ def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndar
         # in place of the logits nothing else reads; slot order kept (dead columns: -1, weight 0)
         sums = None if batch_weights else plugin_ops.head_sums(logits, lse_all)
         w = softmax_weights_(logits, lse_all) if batch_weights else None
-        return BatchLayerStats(positions=positions, weights=w, counts=(positions >= 0).sum(1), head_sums=sums,
+        return BatchLayerStats(positions=positions, weights=w,
+                               counts=(positions >= 0).sum(1) if counts is None else counts, head_sums=sums,
                                heads=logits.shape[1])
     stats: list[LayerStats | None] = [None] * b
     want = [i for i in range(b) if want_stats[i] or want_sparsity[i]]
@@ -189,7 +197,8 @@ def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndar
     sums = None if batch_weights else plugin_ops.head_sums(lg_w, lse_w)
     w, sh, u = batch_row_stats(lg_w, lse_w, num_kv_heads, sparse)
     u = u.tolist() if sparse else [None] * len(want)
-    pos_w, w, lg_w, sums, counts = live_first(positions if rows is None else positions[want], w, lg_w, sums)
+    pos_w, w, lg_w, sums, counts = live_first(positions if rows is None else positions[want], w, lg_w, sums,
+                                              None if counts is None else counts if rows is None else counts[want])
     w_rows, lg_rows = live_views(w, counts), live_views(lg_w, counts)
     sum_rows = [None] * len(want) if sums is None else live_views(sums, counts)
     sh_rows = sh.unbind(0) if sparse else [None] * len(want)
@@ -199,15 +208,16 @@ def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndar
     return stats
 
 
-def live_first(positions: np.ndarray, weights: torch.Tensor, logits: torch.Tensor, sums: torch.Tensor | None):
+def live_first(positions: np.ndarray, weights: torch.Tensor, logits: torch.Tensor, sums: torch.Tensor | None,
+               counts: np.ndarray | None = None):
     """Reorder a batch's columns so each row's live slots (position >= 0) come first, in slot order:
     ``positions [b, n]``, ``weights, logits [b, Hq, n]``, ``sums [b, n]`` (or None) -> the same reordered, and live
-    counts ``[b]``. Row ``i``'s statistics are then the views ``[..., :counts[i]]`` (one gather for the batch)."""
-    live = positions >= 0
-    counts = live.sum(1).tolist()
+    counts ``[b]`` (given, or counted here). Row ``i``'s statistics are then the views ``[..., :counts[i]]`` (one
+    gather for the batch)."""
+    counts = ((positions >= 0).sum(1) if counts is None else counts).tolist()
     if min(counts, default=0) == positions.shape[1]:
         return positions, weights, logits, sums, counts
-    order = np.argsort(~live, axis=1, kind="stable")
+    order = np.argsort(positions < 0, axis=1, kind="stable")
     cols = torch.from_numpy(order).to(logits.device)
     idx = cols[:, None, :].expand(-1, logits.shape[1], -1)
     return (np.take_along_axis(positions, order, 1), weights.gather(2, idx), logits.gather(2, idx),

@@ -271,7 +271,7 @@ class EngineCore:
         if not any(sr is not None and sr.layers is not None for sr in sreqs):  # the same flags in every layer
             step.wants = self._wants(sreqs, 0)
             if self._batch_form(step):
-                step.batch = StepBatch()
+                step.batch = StepBatch(top=max(positions, default=-1))
                 for i, st in enumerate(step.stats):
                     st.batch, st.row = step.batch, i
         if self.small_ops_threads:  # only CPU narrows threads (decode_layer), so only CPU needs the size

@@ -311,9 +311,9 @@ def fill_statistics(step, plan: StepPlan, wants: list[tuple], layer_logits: list
     for layer, (want_w, want_s, want_q, _) in enumerate(wants):
         if plan.want[layer]:
             lg, lse = next(found)
-            positions = np.concatenate(source_positions(plan.tables[layer], len(step.seqs)), axis=1)
-            ls = layer_statistics(lg, lse, positions, num_kv_heads, want_w, want_s, step.batch is not None,
-                                  batch_weights=batch_weights)
+            positions, counts = source_positions(plan.tables[layer], len(step.seqs))
+            ls = layer_statistics(lg, lse, np.concatenate(positions, axis=1), num_kv_heads, want_w, want_s,
+                                  step.batch is not None, batch_weights=batch_weights, counts=counts)
             if step.batch is not None:
                 step.batch[layer] = ls
                 continue

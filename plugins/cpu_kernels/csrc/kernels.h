@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
 #include <vector>
 
 namespace trtkv {
@@ -29,7 +30,7 @@ void mri_track_cpu(at::Tensor& ts, at::Tensor& mri, int64_t layer, const at::Ten
 at::Tensor gather_rows_cpu(const at::Tensor& data, const at::Tensor& rows, const at::Tensor& positions,
                            int64_t layer0);
 at::Tensor head_sums_cpu(const at::Tensor& logits, const at::Tensor& lse);
-at::Tensor table_positions_cpu(const at::Tensor& slot_pos, const at::Tensor& block_table);
+std::tuple<at::Tensor, at::Tensor> table_positions_cpu(const at::Tensor& slot_pos, const at::Tensor& block_table);
 at::Tensor held_columns_cpu(const at::Tensor& where, const at::Tensor& rows, int64_t n);
 at::Tensor lowest_victim_cpu(const at::Tensor& scores, const at::Tensor& positions, const at::Tensor& blocked);
 at::Tensor gather_keys_cpu(const std::vector<at::Tensor>& slot_fields, const std::vector<at::Tensor>& group_fields,

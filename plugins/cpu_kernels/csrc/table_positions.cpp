@@ -6,31 +6,35 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 
 namespace trtkv {
 
 namespace {
 
 template <typename I>
-void read_pages(const int64_t* sp, const I* bt, int64_t* out, int64_t entries, int64_t cap, int64_t B,
-                std::atomic<bool>& bad) {
-  for (int64_t e = 0; e < entries; ++e) {
-    const int64_t page = static_cast<int64_t>(bt[e]);
-    int64_t* o = out + e * B;
-    if (page < 0) {
-      for (int64_t s = 0; s < B; ++s) o[s] = -1;
-    } else if (page < cap) {
-      std::memcpy(o, sp + page * B, B * sizeof(int64_t));
-    } else {
-      bad.store(true, std::memory_order_relaxed);
+void read_pages(const int64_t* sp, const I* bt, int64_t* out, int64_t* counts, int64_t b, int64_t P, int64_t cap,
+                int64_t B, std::atomic<bool>& bad) {
+  for (int64_t i = 0; i < b; ++i) {
+    int64_t held = 0;
+    for (int64_t e = i * P; e < (i + 1) * P; ++e) {
+      const int64_t page = static_cast<int64_t>(bt[e]);
+      int64_t* o = out + e * B;
+      if (page >= 0 && page < cap) {
+        std::memcpy(o, sp + page * B, B * sizeof(int64_t));
+        for (int64_t s = 0; s < B; ++s) held += o[s] >= 0;
+        continue;
+      }
+      if (page >= cap) bad.store(true, std::memory_order_relaxed);
       for (int64_t s = 0; s < B; ++s) o[s] = -1;
     }
+    counts[i] = held;
   }
 }
 
 }  // namespace
 
-at::Tensor table_positions_cpu(const at::Tensor& slot_pos, const at::Tensor& block_table) {
+std::tuple<at::Tensor, at::Tensor> table_positions_cpu(const at::Tensor& slot_pos, const at::Tensor& block_table) {
   TORCH_CHECK(slot_pos.dim() == 2 && slot_pos.scalar_type() == at::kLong && slot_pos.is_contiguous(),
               "table_positions: slot_pos must be a contiguous int64 [cap, B]");
   const auto it = block_table.scalar_type();
@@ -39,13 +43,15 @@ at::Tensor table_positions_cpu(const at::Tensor& slot_pos, const at::Tensor& blo
   const at::Tensor bt = block_table.contiguous();
   const int64_t b = bt.size(0), P = bt.size(1), cap = slot_pos.size(0), B = slot_pos.size(1);
   at::Tensor out = at::empty({b, P * B}, slot_pos.options());
+  at::Tensor counts = at::empty({b}, slot_pos.options());
   std::atomic<bool> bad{false};
+  const int64_t* sp = slot_pos.data_ptr<int64_t>();
   if (it == at::kInt)
-    read_pages(slot_pos.data_ptr<int64_t>(), bt.data_ptr<int32_t>(), out.data_ptr<int64_t>(), b * P, cap, B, bad);
+    read_pages(sp, bt.data_ptr<int32_t>(), out.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), b, P, cap, B, bad);
   else
-    read_pages(slot_pos.data_ptr<int64_t>(), bt.data_ptr<int64_t>(), out.data_ptr<int64_t>(), b * P, cap, B, bad);
+    read_pages(sp, bt.data_ptr<int64_t>(), out.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), b, P, cap, B, bad);
   TORCH_CHECK(!bad.load(), "table_positions: a page past the pool");
-  return out;
+  return {out, counts};
 }
 
 }  // namespace trtkv

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trtkv.policies.base import BatchLayerStats, StatsRequest, StepBatch, batch_rows_of, every_row
+from trtkv.policies.base import BatchLayerStats, StatsRequest, StepBatch, batch_rows_of, every_row, positions_top
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scoring import accumulate_attention
 from trtkv.policies.scorers.base import Scorer
@@ -60,9 +60,9 @@ class H2OScorer(Scorer):
                 len({pos.shape for _, pos, _, _ in layers}) == 1:  # every layer one width: one scatter
             stacked = batch.positions_layers() if isinstance(batch, StepBatch) and every_row(
                 rows, len(layers[0][3])) else None  # (every layer's positions, stacked once a step)
-            self._table.add_rows_layers(table_rows, np.stack([pos for _, pos, _, _ in layers])
-                                        if stacked is None else stacked,
-                                        torch.stack([sums for _, _, sums, _ in layers]))
+            pos = np.stack([pos for _, pos, _, _ in layers]) if stacked is None else stacked
+            self._table.add_rows_layers(table_rows, pos, torch.stack([sums for _, _, sums, _ in layers]),
+                                        positions_top(batch, pos))
             return
         for layer, pos, sums, _ in layers:
             self._table.add_rows(layer, table_rows, pos, sums)

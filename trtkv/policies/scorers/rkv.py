@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trtkv.policies.base import BatchLayerStats, StatsRequest, batch_rows_of
+from trtkv.policies.base import BatchLayerStats, StatsRequest, batch_rows_of, positions_top
 from trtkv.policies.score_rows import HeadRows, RowTable
 from trtkv.policies.scoring import group_mean, rkv_z
 from trtkv.policies.scorers.base import Scorer
@@ -109,7 +109,8 @@ class RKVScorer(Scorer):
                 len({pos.shape for _, pos, _, _ in layers}) == 1:  # every layer one width: one scatter
             pos = np.repeat(np.stack([pos for _, pos, _, _ in layers]), H, axis=1)  # [L, b * H, n]
             self._table.add_rows_layers(table_rows, pos,
-                                        torch.stack([group_mean(w, H) for _, _, w, _ in layers]).flatten(1, 2))
+                                        torch.stack([group_mean(w, H) for _, _, w, _ in layers]).flatten(1, 2),
+                                        positions_top(batch, pos))
         else:
             for layer, pos, w, _ in layers:
                 self._table.add_rows(layer, table_rows, np.repeat(pos, H, axis=0), group_mean(w, H).flatten(0, 1))
