@@ -79,16 +79,12 @@ class RandomScorer(Scorer):
 
     def score_rows_layers(self, steps: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
         """``score_rows`` of every layer: with one step and one mask for every row and layer (the usual case) each
-        layer's draw fills its rows at once."""
-        if not ((steps == steps[0]).all() and (free == free[:1, :1]).all()):
+        layer's draw is every row's (a view)."""
+        shared = self.shared_scores_layers(steps, len(positions), free[0, 0]) \
+            if (free == free[:1, :1]).all() else None
+        if shared is None:
             return super().score_rows_layers(steps, positions, free)
-        cols = np.flatnonzero(free[0, 0])
-        draws = torch.stack([self._draw(int(steps[0]), layer, len(cols)) for layer in range(len(positions))])
-        if len(cols) == positions.shape[2]:  # nothing protected: every row of a layer reads its draw (a view)
-            return draws[:, None, :].expand(positions.shape)
-        out = torch.full(positions.shape, float("inf"))
-        out[:, :, torch.from_numpy(cols)] = draws[:, None, :]
-        return out
+        return shared[:, None, :].expand(positions.shape)
 
 
 @dataclass
