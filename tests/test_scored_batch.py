@@ -12,10 +12,12 @@ import torch
 from policy_matrix import MATRIX, Probe, one_thread
 
 from trtkv.api import SamplingParams
+from trtkv.cache.manager import KVCacheManager
 from trtkv.policies import POLICIES
 from trtkv.policies.base import KVPolicy
 from trtkv.policies.lazyeviction import MRIScorer
 from trtkv.policies.scored import ScorerPolicy, first_minima
+from trtkv.runtime.attention import source_positions
 
 assert one_thread  # autouse: one intra-op thread for this module
 
@@ -99,6 +101,18 @@ def test_batched_events_evict_what_one_by_one_does(engine_factory, load_engine, 
         return orig_each(self, due)
 
     monkeypatch.setattr(cls, "events_each", spy_each)
+    orig_read, one_reads = KVCacheManager.table_positions_layers, []  # steps whose positions were read at once
+
+    def spy_read(self, tables):
+        every = orig_read(self, tables)
+        if every is not None:  # the one read is each layer's own
+            for layer, (pool, bt) in enumerate(tables):
+                (pos,), counts = source_positions([(pool, bt)], bt.shape[0])
+                assert np.array_equal(every[0][layer], pos) and np.array_equal(every[1][layer], counts)
+        one_reads.append(every is not None)
+        return every
+
+    monkeypatch.setattr(KVCacheManager, "table_positions_layers", spy_read)
     tokens, sets, stats, tracked = _run(eng, True, monkeypatch)
     ref_tokens, ref_sets, ref_stats, ref_tracked = _run(eng, False, monkeypatch)
     assert tokens == ref_tokens
@@ -109,6 +123,7 @@ def test_batched_events_evict_what_one_by_one_does(engine_factory, load_engine, 
         assert max(rows_calls) > 1  # statistics in batch form, events for several requests at once
         # every layer as one stack, and the per-layer path (host-tier victims: attention sees more than is paged)
         assert (any(stacked_calls) or "demote" in params) and not all(stacked_calls)
+        assert any(one_reads) or "demote" in params or name == "random"  # every layer's positions in one read at the step's end
     if name == "lazyeviction":
         assert max(each_calls) > 1  # several requests' events at one step: the stacked ranking ran
     # (a residual buffer: per-request statistics; random asks for none)

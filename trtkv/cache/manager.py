@@ -469,6 +469,18 @@ class KVCacheManager:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""
         return self._batch_tables.get(self.pools[layer], layer, seqs, self.columns, self.rows(seqs))
 
+    def table_positions_layers(self, tables: list[tuple[PagePool, torch.Tensor]]
+                               ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The positions behind every layer's block table (``tables[layer]``, as ``block_tables`` gave it) in one
+        read: ``[layers, b, n]`` and held counts ``[layers, b]``; None unless they are every layer's, of one
+        stacked format and one shape."""
+        fmts = {pool.fmt.name for pool, _ in tables}
+        stack = self.pools.stack(next(iter(fmts))) if len(fmts) == 1 else None
+        if stack is None or len(tables) != self.cfg.num_layers or len({bt.shape for _, bt in tables}) != 1 or \
+                any(pool is not self.pools[layer].get(pool.fmt.name) for layer, (pool, _) in enumerate(tables)):
+            return None
+        return stack.table_positions([bt for _, bt in tables])
+
     def dense_run(self, layer: int, seqs: list[SeqKV]) -> tuple[int, int] | None:
         """``(first page, live tokens)`` when a lone request's tokens are one dense run of pages."""
         return seqs[0].layers[layer].dense_run() if len(seqs) == 1 else None

@@ -60,7 +60,8 @@ class LayerStats:
 class BatchLayerStats:
     """A decode step's attention weights of one layer for the whole batch (``KVPolicy.batch_stats``): row ``i``
     is the batch's request ``i``, its columns the kernel's slots in block-table order (no per-layer reorder)."""
-    positions: np.ndarray  # [b, n] positions of the attended keys, -1 for a dead or absent slot (anywhere)
+    positions: np.ndarray  # [b, n] positions of the attended keys, -1 for a dead or absent slot (anywhere); None only
+    # inside the step's forward, when the read is deferred to its end (runtime/attention.py, resolve_positions)
     weights: torch.Tensor | None  # [b, Hq, n] softmax weights, 0 at the dead slots (None: ``batch_weights`` False)
     counts: np.ndarray  # [b] live columns of each row
     head_sums: torch.Tensor | None  # [b, n] the weights summed over query heads, 0 at the dead slots (None:
@@ -77,6 +78,11 @@ class StepBatch(dict):
     def __init__(self, top: int = -1) -> None:
         super().__init__()
         self.top = top
+
+    def stacked_positions(self, positions: np.ndarray) -> None:
+        """Every layer's positions ``[L, b, n]`` as one array (its rows are the layers' own positions): what
+        ``positions_layers`` returns, with no stacking."""
+        self._stacked = positions
 
     def positions_layers(self) -> np.ndarray | None:
         """``[L, b, n]`` positions of layers ``0..L-1`` (None unless every layer is here, all of one width)."""

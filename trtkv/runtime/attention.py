@@ -13,7 +13,7 @@ from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.
 from trtkv.cache.manager import KVCacheManager, SeqKV
 from trtkv.cache.pool import PagePool
 from trtkv.distributed.group import HeadShards
-from trtkv.policies.base import BatchLayerStats, LayerStats, StepQueries
+from trtkv.policies.base import BatchLayerStats, LayerStats, StepBatch, StepQueries
 
 LN_ONE_PERCENT = math.log(0.01)
 
@@ -83,7 +83,7 @@ def _finite_lse(lse: torch.Tensor) -> torch.Tensor:
 def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: torch.Tensor, sm_scale: float,
                      want_stats: list[bool], want_sparsity: list[bool], staged: list | None = None,
                      clock=None, batch_form: bool = False, shards: HeadShards | None = None,
-                     batch_weights: bool = True
+                     batch_weights: bool = True, deferred: list | None = None
                      ) -> tuple[torch.Tensor, list[LayerStats | None] | BatchLayerStats | None]:
     """``staged``: the host tiers' pages of this layer copied to the device (``runtime/staging.py``), as
     ``(pool, block_table, scales)``; attended by the same plugin and merged like another format.
@@ -93,7 +93,9 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     request (``batch_weights`` False: the policy reads the weights' sums over heads, in either form, and the
     batch form carries those alone). ``shards`` (tensor parallelism): the
     statistics cover every rank's heads (one gather of the logits and log-sum-exps), so every rank's policy sees
-    what one rank would."""
+    what one rank would. ``deferred`` (batch form): when the layer has one source, its positions and counts are not
+    read here but left None and ``(layer, pool, block table)`` appended, for ``resolve_positions`` to read every
+    layer's at once before anyone looks (the caller guarantees nothing changes the layer's slots in between)."""
     lap = clock.switch if clock is not None else _no_clock
     parts, logit_parts = [], []
     any_stats = any(want_stats) or any(want_sparsity)
@@ -108,12 +110,17 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
             q, [PagedFormat(pool.fields, pool.group_fields, pool.k_group, bits, bt, pool.fmt.code, sc.k, sc.v)
                 for (pool, bt, sc), bits in zip(sources, valid)], sm_scale, any_stats, dense_run=run)
         lap("bookkeeping")
-    if any_stats:
+    buffered = cache.cfg.residual_group > 1 and bool(cache.buffered_many(seqs, layer).any())
+    later = any_stats and batch_form and deferred is not None and shards is None and len(sources) == 1 and \
+        not (staged or buffered)
+    if later:
+        deferred.append((layer, sources[0][0], sources[0][1]))
+        logit_parts = [(logit_parts[0], None)]
+    elif any_stats:
         positions, counts = source_positions([(pool, bt) for pool, bt, _ in sources], len(seqs))
         if len(logit_parts) < len(positions):  # one launch's logits hold every source's columns, side by side
             positions = [np.concatenate(positions, axis=1)]
         logit_parts = list(zip(logit_parts, positions))
-    buffered = cache.cfg.residual_group > 1 and bool(cache.buffered_many(seqs, layer).any())
     if buffered and any_stats:  # the statistics need the buffer's logits: the torch path
         lap("attention")
         o, lse, lg, pos = buffer_partial(cache, seqs, layer, q, sm_scale, any_stats)
@@ -134,9 +141,9 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     if any_stats:
         # (the kernels' logits are fresh tensors of this call: one source's are used as they are)
         logits = logit_parts[0][0] if len(logit_parts) == 1 else torch.cat([lg for lg, _ in logit_parts], dim=-1)
-        positions = np.concatenate([p for _, p in logit_parts], axis=1)
+        positions = None if later else np.concatenate([p for _, p in logit_parts], axis=1)
         stats = layer_statistics(logits, lse, positions, cache.cfg.num_kv_heads, want_stats, want_sparsity,
-                                 batch_form, shards, batch_weights, counts)
+                                 batch_form, shards, batch_weights, None if later else counts)
     lap("bookkeeping")
     return out, stats
 
@@ -151,6 +158,27 @@ def source_positions(tables: list[tuple[PagePool, torch.Tensor]], b: int) -> tup
         positions.append(pos.numpy().reshape(b, -1))
         counts += n.numpy()
     return positions, counts
+
+
+def resolve_positions(cache: KVCacheManager, batch: StepBatch, deferred: list) -> None:
+    """Fill in the positions and counts of the layers whose reads ``decode_attention`` deferred: one read for every
+    layer when they are all there, of one format and width (``KVCacheManager.table_positions_layers``; the step's
+    stack of positions then needs no copy), else one read a layer."""
+    if not deferred:
+        return
+    layers = [layer for layer, _, _ in deferred]
+    every = cache.table_positions_layers([(pool, bt) for _, pool, bt in deferred]) \
+        if layers == list(range(cache.cfg.num_layers)) else None
+    if every is not None:
+        positions, counts = every
+        for layer in layers:
+            batch[layer].positions, batch[layer].counts = positions[layer], counts[layer]
+        batch.stacked_positions(positions)
+    else:
+        for layer, pool, bt in deferred:
+            (pos,), n = source_positions([(pool, bt)], bt.shape[0])
+            batch[layer].positions, batch[layer].counts = pos, n
+    deferred.clear()
 
 
 def attach_queries(stats: list, layer: int, q: torch.Tensor, want_q: list[bool]) -> None:
@@ -185,9 +213,9 @@ def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndar
         # in place of the logits nothing else reads; slot order kept (dead columns: -1, weight 0)
         sums = None if batch_weights else plugin_ops.head_sums(logits, lse_all)
         w = softmax_weights_(logits, lse_all) if batch_weights else None
-        return BatchLayerStats(positions=positions, weights=w,
-                               counts=(positions >= 0).sum(1) if counts is None else counts, head_sums=sums,
-                               heads=logits.shape[1])
+        if counts is None and positions is not None:
+            counts = (positions >= 0).sum(1)
+        return BatchLayerStats(positions=positions, weights=w, counts=counts, head_sums=sums, heads=logits.shape[1])
     stats: list[LayerStats | None] = [None] * b
     want = [i for i in range(b) if want_stats[i] or want_sparsity[i]]
     rows = torch.tensor(want) if len(want) < b else None

@@ -22,7 +22,7 @@ from trtkv.cache.write_plan import WritePlan
 from trtkv.distributed.group import HeadShards
 from trtkv.models.decoder import DecoderModel
 from trtkv.policies.base import KVPolicy, StatsRequest, StepBatch, StepStats
-from trtkv.runtime.attention import attach_queries, decode_attention
+from trtkv.runtime.attention import attach_queries, decode_attention, resolve_positions
 from trtkv.runtime.context import RequestContext
 from trtkv.runtime.device_step import DeviceStep, fill_statistics, plan_step
 from trtkv.runtime.prefill import prefill_packed
@@ -61,6 +61,7 @@ class DecodeStep:
     attn_slots: int = 0  # live (token, KV head) pairs the step's attention reads, per layer (layer 0's)
     plan: WritePlan | None = None  # every layer's write-through slots, allocated when layer 0 writes
     acts: bool = True  # the policy's before_attention_batch does something this step (asked once, after its begin)
+    deferred: list | None = None  # batch form: layers whose positions are read at the step's end (resolve_positions)
 
 
 class EngineCore:
@@ -274,6 +275,8 @@ class EngineCore:
                 step.batch = StepBatch(top=max(positions, default=-1))
                 for i, st in enumerate(step.stats):
                     st.batch, st.row = step.batch, i
+                if not (step.acts or self.cache.has_tiers):  # (nothing changes a layer's slots after its attention)
+                    step.deferred = []
         if self.small_ops_threads:  # only CPU narrows threads (decode_layer), so only CPU needs the size
             step.threads = torch.get_num_threads()
             step.attn_slots = int(self.cache.num_live_many(step.seqs, 0).sum()) * self.arch.num_key_value_heads
@@ -343,7 +346,7 @@ class EngineCore:
                                        [True] * len(seqs) if force else want_w,
                                        [True] * len(seqs) if force and fs.sparsity else want_s, staged, clk,
                                        batch_form=step.batch is not None, shards=self.shards,
-                                       batch_weights=self.policy.batch_weights)
+                                       batch_weights=self.policy.batch_weights, deferred=step.deferred)
         if staged is not None:
             self.staging.release(layer)
         if step.batch is not None:
@@ -382,6 +385,8 @@ class EngineCore:
         """Observers, sampling (or the forced token), the policy's end-of-step hook."""
         if self.clock is not None:
             self.clock.switch("bookkeeping")
+        if step.deferred:
+            resolve_positions(self.cache, step.batch, step.deferred)
         self.staging.end_step()
         self._end_decode(step.reqs, logits, step.stats, step.forced)
 
