@@ -148,6 +148,11 @@ class ReusableSlots:
         W = keys.shape[2]
         row_at = u[:, None] * W  # each (layer, row)'s first key in the flat keys
         mo, mc = int(old.max()), int(cnt.max())
+        if mo == 0 and mc == 1:  # one key each into empty queues (a step's one-token evictions): nothing to merge
+            flat(keys)[row_at[:, 0]] = keys_new
+            heads[u] = 0
+            ends[u] = 1
+            return
         buf = np.full((len(u), mo + mc), _NONE, np.int64)
         if mo:
             j = np.arange(mo)

@@ -79,10 +79,14 @@ class StepBatch(dict):
         super().__init__()
         self.top = top
 
-    def stacked_positions(self, positions: np.ndarray) -> None:
-        """Every layer's positions ``[L, b, n]`` as one array (its rows are the layers' own positions): what
-        ``positions_layers`` returns, with no stacking."""
-        self._stacked = positions
+    def stacked_positions(self, positions: np.ndarray, counts: np.ndarray) -> None:
+        """Every layer's positions ``[L, b, n]`` and counts ``[L, b]`` as one array each (their rows are the layers'
+        own): what ``positions_layers`` and ``counts_layers`` return, with no stacking."""
+        self._stacked, self._counts = positions, counts
+
+    def counts_layers(self) -> np.ndarray | None:
+        """``[L, b]`` counts of every layer, when ``stacked_positions`` gave them (else None)."""
+        return self.__dict__.get("_counts")
 
     def positions_layers(self) -> np.ndarray | None:
         """``[L, b, n]`` positions of layers ``0..L-1`` (None unless every layer is here, all of one width)."""

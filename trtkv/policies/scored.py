@@ -306,7 +306,10 @@ class ScorerPolicy(KVPolicy):
             held = first.live_positions_layers(due, n)
         else:
             stats = [batch.get(layer) for layer in range(L)]
-            if any(bs is None for bs in stats) or len({bs.positions.shape for bs in stats}) != 1 or \
+            if any(bs is None for bs in stats) or len({bs.positions.shape for bs in stats}) != 1:
+                return False
+            counts = batch.counts_layers() if isinstance(batch, StepBatch) else None
+            if (counts[:, rows] != n).any() if counts is not None else \
                     any((bs.counts[rows] != n).any() for bs in stats):
                 return False
             stacked = batch.positions_layers() if isinstance(batch, StepBatch) else None

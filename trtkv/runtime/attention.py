@@ -173,7 +173,7 @@ def resolve_positions(cache: KVCacheManager, batch: StepBatch, deferred: list) -
         positions, counts = every
         for layer in layers:
             batch[layer].positions, batch[layer].counts = positions[layer], counts[layer]
-        batch.stacked_positions(positions)
+        batch.stacked_positions(positions, counts)
     else:
         for layer, pool, bt in deferred:
             (pos,), n = source_positions([(pool, bt)], bt.shape[0])
