@@ -321,6 +321,25 @@ class KVCacheManager:
         if clk is not None:
             clk.switch(prev)
 
+    def plan_buffer_append(self, seqs: list[SeqKV], positions: list[int]) -> torch.Tensor | None:
+        """``buffer_append`` of every layer recorded at once (``ResidualArena.plan_append``): the buffer slots
+        ``[layers, b]`` whose K/V ``buffer_append_planned`` writes layer by layer; None (nothing done) when a
+        buffer fills up this step (its layers append and flush one by one)."""
+        rows = self.residual_rows(seqs)
+        planned = self.residual.plan_append(rows, self._array_of(positions)) if self._residual_distinct else None
+        if planned is None:
+            return None
+        at = torch.from_numpy(planned[0])
+        return at if self.residual.k.device.type == "cpu" else at.to(self.residual.k.device)
+
+    def buffer_append_planned(self, at: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer ``layer``'s K/V into the buffer slots ``plan_buffer_append`` recorded: the kernel call alone."""
+        clk = self.clock
+        prev = clk.switch("kv_write") if clk is not None else None
+        plugin_ops.residual_append(self.residual.k, self.residual.v, at[layer], k, v)
+        if clk is not None:
+            clk.switch(prev)
+
     def flush(self, seq: SeqKV, layer: int, cls: Cls, seg: int = -1) -> None:
         """Quantize the buffered tokens of one layer as one group and write them to pages."""
         self.flush_many(layer, [seq], [cls], [seg])

@@ -60,6 +60,7 @@ class DecodeStep:
     threads: int = 1  # the caller's intra-op threads (decode_layer narrows them for the small ops)
     attn_slots: int = 0  # live (token, KV head) pairs the step's attention reads, per layer (layer 0's)
     plan: WritePlan | None = None  # every layer's write-through slots, allocated when layer 0 writes
+    buffer_plan: torch.Tensor | None = None  # every layer's residual-buffer slots, recorded when layer 0 appends
     acts: bool = True  # the policy's before_attention_batch does something this step (asked once, after its begin)
     deferred: list | None = None  # batch form: layers whose positions are read at the step's end (resolve_positions)
 
@@ -319,8 +320,16 @@ class EngineCore:
                 for i, s in enumerate(seqs):
                     cache.write(s, layer, k[i:i + 1], v[i:i + 1], [positions[i]], classes[i][:2], classes[i][2])
         else:
-            cache.buffer_append(layer, seqs, k, v, positions)
-            full = np.flatnonzero(cache.buffered_many(seqs, layer) >= self.g).tolist()
+            if layer == 0 and step.buffer_plan is None and not (step.acts or cache.has_tiers):
+                # every layer's buffer slots at once when no buffer fills up this step (no flush: nothing between
+                # two layers' appends reads another layer's buffer)
+                step.buffer_plan = cache.plan_buffer_append(seqs, positions)
+            if step.buffer_plan is not None:
+                cache.buffer_append_planned(step.buffer_plan, layer, k, v)
+                full = []
+            else:
+                cache.buffer_append(layer, seqs, k, v, positions)
+                full = np.flatnonzero(cache.buffered_many(seqs, layer) >= self.g).tolist()
             if full:  # the batch's buffers fill on the same step: one batched flush, on every thread
                 if narrow:
                     torch.set_num_threads(step.threads)

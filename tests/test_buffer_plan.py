@@ -1,0 +1,44 @@
+"""A decode step that records every layer's residual-buffer slots at layer 0 (``KVCacheManager.plan_buffer_append``)
+keeps what appending layer by layer keeps: the same tokens, the same positions attended at every step and layer,
+and the same buffers and pages, for requests of different lengths (so some steps fill a buffer and flush, which
+plan nothing, and the others append through the plan)."""
+from __future__ import annotations
+
+import pytest
+from policy_matrix import Probe, one_thread
+
+from trtkv.api import SamplingParams
+from trtkv.cache.manager import KVCacheManager
+
+assert one_thread  # autouse: one intra-op thread for this module
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Numbers: 1, 2, 3", "A",
+           "Once upon a time, in a land far away, there lived a wise old king."]
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True, chat=False) for n in (70, 45, 60, 52)]
+
+
+def _run(eng):
+    with Probe(eng, record_sets=True) as probe:
+        res = eng.generate(PROMPTS, PARAMS)
+    stats = [{k: r.stats[k] for k in ("evicted_tokens", "eviction_events", "kv_bytes_peak") if k in r.stats}
+             for r in res]
+    return [r.token_ids for r in res], [probe.sets[i] for i in sorted(probe.sets)], stats
+
+
+@pytest.mark.parametrize("policy,settings", [("kivi", {}), ("thinkv", {"budget": 48}), ("full", {"kv_format": "int4"})])
+def test_planned_buffer_appends_equal_layer_by_layer(engine_factory, load_engine, tiny_ckpt, monkeypatch, policy,
+                                                     settings):
+    eng = load_engine(engine_factory(tiny_ckpt, policy, **settings))
+    assert eng.core.g > 1  # (the format buffers tokens)
+    plan, planned = KVCacheManager.plan_buffer_append, []
+
+    def spy(self, seqs, positions):
+        at = plan(self, seqs, positions)
+        planned.append(at is not None)
+        return at
+
+    monkeypatch.setattr(KVCacheManager, "plan_buffer_append", spy)
+    got = _run(eng)
+    assert any(planned) and not all(planned)  # planned steps, and steps whose buffers fill (layer by layer)
+    monkeypatch.setattr(KVCacheManager, "plan_buffer_append", lambda self, seqs, positions: None)
+    assert got == _run(eng)
