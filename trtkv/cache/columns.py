@@ -139,7 +139,7 @@ class TableColumns:
 
     def decode_many(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(format ids, pages, slots)`` of held entries."""
-        codes = codes.astype(np.int64)
+        codes = codes.astype(np.int64, copy=False)
         return codes & _FMT_MASK, codes >> _PAGE_SHIFT, (codes >> _SLOT_SHIFT) & _SLOT_MASK
 
     @property
@@ -348,17 +348,26 @@ class TableColumns:
         """``forget_rows`` in each of ``layers`` (distinct) at once: ``positions [len(layers), len(rows)]`` (-1:
         none) -> ``(layer, item, format ids, pages, slots)`` of the held ones, in layer then item order."""
         w = self._where
-        _, R, W = w.shape
+        L, R, W = w.shape
         inside = (positions >= 0) & (positions < W)
-        li, j = np.nonzero(inside)
-        layer = layers[li]
-        at = (layer * R + rows[j]) * W + positions[li, j]  # flat indices (see pool_stack.flat)
-        codes = flat(w)[at].astype(np.int64)
+        if inside.all():  # (one victim in every layer and row, the usual step: no compaction of the grid)
+            n = len(rows)
+            layer, j = np.repeat(layers, n), np.tile(np.arange(n), len(layers))
+            at = ((layers[:, None] * R + rows[None, :]) * W + positions).reshape(-1)  # flat indices (pool_stack.flat)
+        else:
+            li, j = np.nonzero(inside)
+            layer = layers[li]
+            at = (layer * R + rows[j]) * W + positions[li, j]
+        codes = flat(w)[at]
         held = codes >= 0
-        layer, j, codes = layer[held], j[held], codes[held]
-        flat(w)[at[held]] = NOT_HELD
+        if not held.all():
+            layer, j, codes, at = layer[held], j[held], codes[held], at[held]
+        flat(w)[at] = NOT_HELD
         flat(self._live)[layer * self._live.shape[1] + rows[j]] -= 1
-        self._holes[layers[:, None], rows[None, :]] = True
+        if len(layers) == L:  # (ascending and distinct: every layer)
+            self._holes[:, rows] = True
+        else:
+            self._holes[layers[:, None], rows[None, :]] = True
         return (layer, j, *self.decode_many(codes))
 
     def evicted(self, row: int) -> int:

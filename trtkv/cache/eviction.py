@@ -16,6 +16,7 @@ from trtkv.cache.columns import TableColumns
 from trtkv.cache.forks import PageRefs
 from trtkv.cache.pool import PagePool
 from trtkv.cache.pool_set import PoolSet
+from trtkv.cache.pool_stack import flat
 from trtkv.cache.sequence import SeqKV
 
 DECREF_ARRAY_MIN = 64  # victims from which decref_groups uses array operations (numpy costs ~20 us a call)
@@ -100,18 +101,19 @@ def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np
     table and class, ``i`` its first such victim (the pool's free pages end the same as releasing each page in
     victim order)."""
     one_layer = np.ndim(layer) == 0  # (a layer's PagePool; else a SlotStack and each victim's layer)
-    at_page = pages if one_layer else (layer, pages)
-    classes, empty = pool.page_class[at_page], pool.live[at_page] == 0
+    at_page = pages if one_layer else layer * pool.live.shape[1] + pages  # (flat indices: pool_stack.flat)
+    classes, empty = flat(pool.page_class)[at_page], flat(pool.live)[at_page] == 0
 
     def layers_of(idx: np.ndarray):
         return layer if one_layer else layer[idx]
 
-    for c in np.unique(classes).tolist():
-        at = np.flatnonzero(classes == c)
-        gone = empty[at] & (columns.open_pages(layers_of(at), rows[at], (fmt, c)) != pages[at])
+    one = len(classes) and classes.min() == classes.max()  # (one class: no selection)
+    for c in [int(classes[0])] if one else np.unique(classes).tolist():
+        at = slice(None) if one else np.flatnonzero(classes == c)
+        gone = empty[at] & (columns.open_pages(layer if one else layers_of(at), rows[at], (fmt, c)) != pages[at])
         empty[at] = gone
         if reuse:
-            keep = at[~gone]
+            keep = np.flatnonzero(~gone) if one else at[~gone]
             columns.reuse.push(layers_of(keep), rows[keep], (fmt, c), pages[keep], slots[keep])
     rel = np.flatnonzero(empty)
     if not len(rel):
@@ -161,11 +163,15 @@ def evict_one_each_layers(pools: PoolSet, columns: TableColumns, layers: np.ndar
     of each request, summed over the layers."""
     layer, item, fids, pages, slots = columns.forget_rows_all(layers, rows, positions)
     names = columns.fmt_names
-    for f in sorted(np.unique(fids).tolist(), key=names.__getitem__):
+    one = len(fids) and fids.min() == fids.max()  # (one format: no selection)
+    for f in [int(fids[0])] if one else sorted(np.unique(fids).tolist(), key=names.__getitem__):
         fmt = names[f]
         stack = pools.stack(fmt)
-        sel = np.flatnonzero(fids == f)
-        li, who, pg, sl = layer[sel], item[sel], pages[sel], slots[sel]
+        if one:
+            li, who, pg, sl = layer, item, pages, slots
+        else:
+            sel = np.flatnonzero(fids == f)
+            li, who, pg, sl = layer[sel], item[sel], pages[sel], slots[sel]
         stack.mark_evicted_distinct(li, pg, sl)
         def release(jobs, who=who, li=li, fmt=fmt):  # each layer's tables, with that layer's pool
             by_layer: dict[int, list] = {}
