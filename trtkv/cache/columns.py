@@ -260,7 +260,8 @@ class TableColumns:
                        positions: np.ndarray) -> None:
         """``place_rows`` in every layer at once: ``pages, slots [layers, len(rows)]``."""
         w = self._widen_all(int(positions.max()))
-        w[:, rows, positions] = self._codes(fmt, pages, slots)
+        L, R, W = w.shape
+        flat(w)[(np.arange(0, L * R, R)[:, None] + rows[None, :]) * W + positions] = self._codes(fmt, pages, slots)
         self._live[:, rows] += 1
 
     def place_groups(self, layer: int, rows: np.ndarray, fmt: str, pages: np.ndarray, slots: np.ndarray,

@@ -103,11 +103,15 @@ def _take_reusable(stack, columns: TableColumns, rows: np.ndarray, cls: Cls
     counts = columns.reuse.counts(slice(None), rows, cls)
     if counts is None:
         return None
-    li, j = np.nonzero(counts)
+    L, n = counts.shape
+    full = bool(counts.all())  # (every request has one in every layer: a one-victim-a-step policy's steady state)
+    li, j = (np.repeat(np.arange(L), n), np.tile(np.arange(n), L)) if full else np.nonzero(counts)
     if not len(li):
         return None
     p, s = columns.reuse.take_one_each(li, rows[j], cls, stack.slots_free)
     got = p >= 0
+    if full and got.all():
+        return np.ones(counts.shape, bool), p.reshape(counts.shape), s.reshape(counts.shape)
     taken = np.zeros(counts.shape, bool)
     pages = np.full(counts.shape, -1, np.int64)
     slots = np.zeros(counts.shape, np.int64)
