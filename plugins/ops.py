@@ -25,7 +25,7 @@ from plugins.gather_keys.reference import gather_keys_ref
 from plugins.gather_rows.reference import gather_rows_ref
 from plugins.mri_track.reference import mri_track_ref
 from plugins.head_sums.reference import head_sums_ref
-from plugins.table_positions.reference import table_positions_ref
+from plugins.table_positions.reference import table_positions_layers_ref, table_positions_ref
 from plugins.held_columns.reference import held_columns_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, PagedFormat, dense_attention_cpu, paged_attention_ref
 from plugins.residual_append.reference import residual_append_ref
@@ -47,6 +47,7 @@ SCHEMAS = {
     "scatter_add_rows": "(Tensor(a!) data, Tensor rows, Tensor positions, Tensor values, int layer0) -> ()",
     "head_sums": "(Tensor logits, Tensor lse) -> Tensor",
     "table_positions": "(Tensor slot_pos, Tensor block_table) -> (Tensor, Tensor)",
+    "table_positions_layers": "(Tensor slot_pos, Tensor[] block_tables) -> (Tensor, Tensor)",
     "held_columns": "(Tensor where, Tensor rows, int n) -> Tensor",
     "gather_rows": "(Tensor data, Tensor rows, Tensor positions, int layer0) -> Tensor",
     "gather_keys": "(Tensor[] slot_fields, Tensor[] group_fields, Tensor k_group, Tensor flat, int fmt_code, "
@@ -296,6 +297,18 @@ def table_positions(slot_pos: torch.Tensor, block_table: torch.Tensor) -> tuple[
     return table_positions_ref(slot_pos, block_table)
 
 
+def table_positions_layers(slot_pos: torch.Tensor, block_tables: list[torch.Tensor]
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``table_positions`` of every layer at once (``slot_pos [L, cap, B]``, one table ``[b, P]`` a layer) ->
+    ``([L, b, P * B], [L, b])`` (see table_positions/reference.py): the compiled CPU kernel on CPU, else the
+    reference."""
+    if slot_pos.dtype == torch.int64 and slot_pos.is_contiguous() and use_cpu_kernels(slot_pos):
+        from plugins.cpu_kernels.ops import table_positions_layers_cpu
+
+        return table_positions_layers_cpu(slot_pos, block_tables)
+    return table_positions_layers_ref(slot_pos, block_tables)
+
+
 def held_columns(where: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     """The held columns of a batch's position-map rows in every layer, ascending, ``[layers, k, n]`` (see
     held_columns/reference.py): the compiled CPU kernel for a contiguous int32 map on CPU, else the reference."""
@@ -357,7 +370,8 @@ def _kmeans_fake(keys, counts, k_keep, iters):
 _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "paged_attention": paged_attention,
                    "kmeans_select": kmeans_select, "lowest_victim": lowest_victim,
                    "scatter_add_rows": scatter_add_rows, "mri_track": mri_track, "head_sums": head_sums,
-                   "table_positions": table_positions, "held_columns": held_columns,
+                   "table_positions": table_positions, "table_positions_layers": table_positions_layers,
+                   "held_columns": held_columns,
                    "gather_rows": gather_rows, "gather_keys": gather_keys,
                    "buffer_attention": buffer_attention,
                    "residual_append": residual_append, "int8_linear": int8_linear, "int4_linear": _int4_linear_op}
@@ -369,6 +383,9 @@ _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None
                  "gather_rows": lambda data, rows, positions, layer0: data.new_empty(positions.shape),
                  "held_columns": lambda where, rows, n: rows.new_empty((where.shape[0], rows.shape[0], n),
                                                                        dtype=torch.int64),
+                 "table_positions_layers": lambda slot_pos, block_tables: (slot_pos.new_empty(
+                     (slot_pos.shape[0], block_tables[0].shape[0], block_tables[0].shape[1] * slot_pos.shape[2])),
+                     slot_pos.new_empty((slot_pos.shape[0], block_tables[0].shape[0]))),
                  "table_positions": lambda slot_pos, block_table: (slot_pos.new_empty(
                      (block_table.shape[0], block_table.shape[1] * slot_pos.shape[1])),
                      slot_pos.new_empty(block_table.shape[:1])),

@@ -67,6 +67,11 @@ def table_positions_cpu(slot_pos, block_table):
     return cpu_kernels().table_positions(slot_pos, block_table)
 
 
+def table_positions_layers_cpu(slot_pos, block_tables):
+    """Same contract as ``table_positions_layers_ref``: ``(positions [L, b, P * B], counts [L, b])`` int64."""
+    return cpu_kernels().table_positions_layers(slot_pos, list(block_tables))
+
+
 def held_columns_cpu(where, rows, n):
     """Same contract as ``held_columns_ref``: ``[layers, k, n]`` int64."""
     return cpu_kernels().held_columns(where, rows, int(n))

@@ -1,13 +1,13 @@
 """The token positions behind a layer's paged-attention columns and each row's held count: the compiled CPU kernel
 equals the torch reference exactly (int32 and int64 block tables, -1 padded), the reference is the pool read entry by
-entry, and bad input is one error."""
+entry, every layer's read at once (``table_positions_layers``) is each layer's own, and bad input is one error."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from plugins.cpu_kernels.ops import table_positions_cpu
-from plugins.table_positions.reference import table_positions_ref
+from plugins.cpu_kernels.ops import table_positions_cpu, table_positions_layers_cpu
+from plugins.table_positions.reference import table_positions_layers_ref, table_positions_ref
 from cpu_marks import needs_kernels
 
 
@@ -58,3 +58,43 @@ def test_bad_input_is_one_error():
         table_positions_cpu(slot_pos.int(), bt)
     with pytest.raises(RuntimeError, match=r"int32 or int64 \[b, P\]"):
         table_positions_cpu(slot_pos, bt.float())
+
+
+def drawn_layers(L: int, cap: int, B: int, b: int, P: int, seed: int, dtype=torch.int32):
+    layers = [drawn(cap, B, b, P, seed + layer, dtype) for layer in range(L)]
+    return torch.stack([sp for sp, _ in layers]), [bt for _, bt in layers]
+
+
+def test_layers_reference_is_each_layers_read():
+    slot_pos, tables = drawn_layers(3, 9, 4, 5, 2, seed=1)
+    got, counts = table_positions_layers_ref(slot_pos, tables)
+    assert got.shape == (3, 5, 8) and counts.shape == (3, 5)
+    for layer in range(3):
+        want, want_counts = table_positions_ref(slot_pos[layer], tables[layer])
+        assert torch.equal(got[layer], want) and torch.equal(counts[layer], want_counts)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (3, 7, 4, 3, 2), (32, 600, 8, 256, 5), (4, 10, 8, 0, 3)])
+def test_layers_kernel_matches_the_reference(shape, dtype):
+    slot_pos, tables = drawn_layers(*shape, seed=sum(shape), dtype=dtype)
+    want, want_counts = table_positions_layers_ref(slot_pos, tables)
+    for got, counts in (table_positions_layers_cpu(slot_pos, tables),
+                        torch.ops.trtkv.table_positions_layers(slot_pos, tables)):
+        assert got.dtype == torch.int64 and torch.equal(got, want) and torch.equal(counts, want_counts)
+
+
+@needs_kernels
+def test_layers_bad_input_is_one_error():
+    slot_pos, tables = drawn_layers(3, 6, 4, 3, 2, seed=0)
+    bad = [t.clone() for t in tables]
+    bad[2][1, 1] = 6  # (a page of the next layer's pool, were the layers one array)
+    with pytest.raises(RuntimeError, match="a page past the pool"):
+        table_positions_layers_cpu(slot_pos, bad)
+    with pytest.raises(RuntimeError, match="one block table a layer"):
+        table_positions_layers_cpu(slot_pos, tables[:2])
+    with pytest.raises(RuntimeError, match="all of one shape and type"):
+        table_positions_layers_cpu(slot_pos, [tables[0], tables[1][:2], tables[2]])
+    with pytest.raises(RuntimeError, match="all of one shape and type"):
+        table_positions_layers_cpu(slot_pos, [tables[0], tables[1].long(), tables[2]])

@@ -97,14 +97,8 @@ class SlotStack:
     def table_positions(self, tables: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
         """``table_positions`` of every layer in one read: ``tables[layer]`` is that layer's block table ``[b, P]``
         (-1 padded; one shape for every layer) -> positions ``[layers, b, P * B]`` and held counts ``[layers, b]``."""
-        L, pages = self.valid.shape
-        bt = torch.stack(tables)
-        if bool((bt >= pages).any()):
-            raise IndexError("table_positions: a page past the pool")
-        bt = torch.where(bt >= 0, bt + torch.arange(0, L * pages, pages, dtype=bt.dtype)[:, None, None], bt)
-        pos, counts = plugin_ops.table_positions(torch.from_numpy(self.slot_pos.reshape(L * pages, self.B)),
-                                                 bt.view(-1, bt.shape[2]))
-        return pos.numpy().reshape(L, bt.shape[1], -1), counts.numpy().reshape(L, bt.shape[1])
+        pos, counts = plugin_ops.table_positions_layers(torch.from_numpy(self.slot_pos), tables)
+        return pos.numpy(), counts.numpy()
 
     def _page_index(self, layers: np.ndarray, pages: np.ndarray) -> np.ndarray:
         """Flat indices of ``(layers, pages)`` (broadcast) into the ``[layers, pages]`` arrays."""

@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a decode step's attention weights summed over query heads, from logits and log-sum-exps (CPU)");
   m.def("table_positions", &trtkv::table_positions_cpu,
         "the token position behind every column of a layer's paged-attention logits, and each row's held count (CPU)");
+  m.def("table_positions_layers", &trtkv::table_positions_layers_cpu,
+        "table_positions of every layer at once, one block table a layer (CPU)");
   m.def("held_columns", &trtkv::held_columns_cpu,
         "the held columns of a batch's position-map rows in every layer, ascending (CPU)");
   m.def("mri_track", &trtkv::mri_track_cpu,

@@ -31,6 +31,8 @@ at::Tensor gather_rows_cpu(const at::Tensor& data, const at::Tensor& rows, const
                            int64_t layer0);
 at::Tensor head_sums_cpu(const at::Tensor& logits, const at::Tensor& lse);
 std::tuple<at::Tensor, at::Tensor> table_positions_cpu(const at::Tensor& slot_pos, const at::Tensor& block_table);
+std::tuple<at::Tensor, at::Tensor> table_positions_layers_cpu(const at::Tensor& slot_pos,
+                                                              const std::vector<at::Tensor>& block_tables);
 at::Tensor held_columns_cpu(const at::Tensor& where, const at::Tensor& rows, int64_t n);
 at::Tensor lowest_victim_cpu(const at::Tensor& scores, const at::Tensor& positions, const at::Tensor& blocked);
 at::Tensor gather_keys_cpu(const std::vector<at::Tensor>& slot_fields, const std::vector<at::Tensor>& group_fields,

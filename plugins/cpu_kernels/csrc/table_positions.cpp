@@ -1,12 +1,14 @@
 // CPU read of the token positions behind a layer's paged-attention columns (contract:
 // plugins/table_positions/reference.py). The reference clamps, gathers and masks in three passes with two
 // temporaries; here each table entry copies its page's row of slot positions once. Reads only: exact.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 namespace trtkv {
 
@@ -51,6 +53,40 @@ std::tuple<at::Tensor, at::Tensor> table_positions_cpu(const at::Tensor& slot_po
   else
     read_pages(sp, bt.data_ptr<int64_t>(), out.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), b, P, cap, B, bad);
   TORCH_CHECK(!bad.load(), "table_positions: a page past the pool");
+  return {out, counts};
+}
+
+std::tuple<at::Tensor, at::Tensor> table_positions_layers_cpu(const at::Tensor& slot_pos,
+                                                              const std::vector<at::Tensor>& block_tables) {
+  TORCH_CHECK(slot_pos.dim() == 3 && slot_pos.scalar_type() == at::kLong && slot_pos.is_contiguous(),
+              "table_positions_layers: slot_pos must be a contiguous int64 [L, cap, B]");
+  const int64_t L = slot_pos.size(0), cap = slot_pos.size(1), B = slot_pos.size(2);
+  TORCH_CHECK(static_cast<int64_t>(block_tables.size()) == L, "table_positions_layers: one block table a layer");
+  std::vector<at::Tensor> tables;
+  for (const auto& t : block_tables) {
+    const auto it = t.scalar_type();
+    TORCH_CHECK(t.dim() == 2 && (it == at::kInt || it == at::kLong) && it == block_tables[0].scalar_type() &&
+                    t.sizes() == block_tables[0].sizes(),
+                "table_positions_layers: block tables must be int32 or int64 [b, P], all of one shape and type");
+    tables.push_back(t.contiguous());
+  }
+  const int64_t b = L ? tables[0].size(0) : 0, P = L ? tables[0].size(1) : 0;
+  at::Tensor out = at::empty({L, b, P * B}, slot_pos.options());
+  at::Tensor counts = at::empty({L, b}, slot_pos.options());
+  std::atomic<bool> bad{false};
+  const int64_t* sp = slot_pos.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  int64_t* c = counts.data_ptr<int64_t>();
+  // layers write disjoint outputs: two or more threads share the step's ~5 MB of positions (memory-bound)
+  at::parallel_for(0, L, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t l = lo; l < hi; ++l) {
+      if (tables[l].scalar_type() == at::kInt)
+        read_pages(sp + l * cap * B, tables[l].data_ptr<int32_t>(), o + l * b * P * B, c + l * b, b, P, cap, B, bad);
+      else
+        read_pages(sp + l * cap * B, tables[l].data_ptr<int64_t>(), o + l * b * P * B, c + l * b, b, P, cap, B, bad);
+    }
+  });
+  TORCH_CHECK(!bad.load(), "table_positions_layers: a page past the pool");
   return {out, counts};
 }
 
