@@ -29,7 +29,7 @@ at::Tensor head_sums_cpu(const at::Tensor& logits_in, const at::Tensor& lse_in) 
   const float* lg = logits.data_ptr<float>();
   const float* ls = lse.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  constexpr int64_t SERIAL_WORK = 1 << 17;  // logits below which no thread is woken
+  constexpr int64_t SERIAL_WORK = 1 << 15;  // logits below which no thread is woken
   const int64_t per_row = std::max<int64_t>(1, Hq * n);
   at::parallel_for(0, b, std::max<int64_t>(1, SERIAL_WORK / per_row), [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
