@@ -38,7 +38,7 @@ void mri_track_cpu(at::Tensor& ts, at::Tensor& mri, int64_t layer, const at::Ten
   const int64_t* st = step.data_ptr<int64_t>();
   int32_t* ts_l = ts.data_ptr<int32_t>() + layer * R * cap;
   int32_t* mri_l = mri.data_ptr<int32_t>() + layer * R * cap;
-  constexpr int64_t SERIAL_WORK = 1 << 16;  // entries below which no thread is woken
+  constexpr int64_t SERIAL_WORK = 1 << 14;  // entries below which no thread is woken (a batch of 256 x 80 splits)
   const int64_t grain = n > 0 ? std::max<int64_t>(1, SERIAL_WORK / n) : b;
   std::atomic<bool> bad{false};
   at::parallel_for(0, b, grain, [&](int64_t lo, int64_t hi) {
