@@ -20,6 +20,7 @@ from plugins.buffer_attention.reference import buffer_attention_ref
 from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_groups_ref, kv_write_ref
 from plugins.lowest_victim.reference import lowest_victim_ref
+from plugins.table_victims.reference import table_victims_ref
 from plugins.scatter_add_rows.reference import scatter_add_rows_ref
 from plugins.gather_keys.reference import gather_keys_ref
 from plugins.gather_rows.reference import gather_rows_ref
@@ -44,6 +45,7 @@ SCHEMAS = {
                        "bool return_logits) -> (Tensor, Tensor, Tensor)",
     "kmeans_select": "(Tensor keys, Tensor counts, Tensor k_keep, int iters) -> Tensor",
     "lowest_victim": "(Tensor scores, Tensor positions, Tensor blocked) -> Tensor",
+    "table_victims": "(Tensor data, Tensor rows, Tensor positions, Tensor bound, int layer0) -> Tensor",
     "scatter_add_rows": "(Tensor(a!) data, Tensor rows, Tensor positions, Tensor values, int layer0) -> ()",
     "head_sums": "(Tensor logits, Tensor lse) -> Tensor",
     "table_positions": "(Tensor slot_pos, Tensor block_table) -> (Tensor, Tensor)",
@@ -267,6 +269,17 @@ def gather_keys(slot_fields, group_fields, k_group: torch.Tensor, flat: torch.Te
     return gather_keys_ref(slot_fields, group_fields, k_group, flat, fmt_code, scale_k)
 
 
+def table_victims(data: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, bound: torch.Tensor,
+                  layer0: int = 0) -> torch.Tensor:
+    """Per layer and row, the lowest-scored position below ``bound`` read from a score table, -1 none (see
+    table_victims/reference.py): the compiled CPU kernel on CPU, else the reference."""
+    if use_cpu_kernels(data):
+        from plugins.cpu_kernels.ops import table_victims_cpu
+
+        return table_victims_cpu(data, rows, positions, bound, layer0)
+    return table_victims_ref(data, rows, positions, bound, layer0)
+
+
 def gather_rows(data: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, layer0: int = 0) -> torch.Tensor:
     """A batch's per-position values read from a score table in every layer (see gather_rows/reference.py): the
     compiled CPU kernel for a contiguous float32, float64 or int32 table on CPU, else the reference."""
@@ -368,7 +381,7 @@ def _kmeans_fake(keys, counts, k_keep, iters):
 
 
 _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "paged_attention": paged_attention,
-                   "kmeans_select": kmeans_select, "lowest_victim": lowest_victim,
+                   "kmeans_select": kmeans_select, "lowest_victim": lowest_victim, "table_victims": table_victims,
                    "scatter_add_rows": scatter_add_rows, "mri_track": mri_track, "head_sums": head_sums,
                    "table_positions": table_positions, "table_positions_layers": table_positions_layers,
                    "held_columns": held_columns,
@@ -380,6 +393,7 @@ _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None
                  "buffer_attention": lambda *a: None, "paged_attention": _paged_attention_meta,
                  "int8_linear": _int8_linear_meta, "int4_linear": _int4_linear_meta,
                  "lowest_victim": lambda scores, positions, blocked: positions.new_empty(positions.shape[:1]),
+                 "table_victims": lambda data, rows, positions, bound, layer0: positions.new_empty(positions.shape[:2]),
                  "gather_rows": lambda data, rows, positions, layer0: data.new_empty(positions.shape),
                  "held_columns": lambda where, rows, n: rows.new_empty((where.shape[0], rows.shape[0], n),
                                                                        dtype=torch.int64),

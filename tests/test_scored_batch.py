@@ -11,6 +11,7 @@ import pytest
 import torch
 from policy_matrix import MATRIX, Probe, one_thread
 
+import plugins.ops as plugin_ops
 from trtkv.api import SamplingParams
 from trtkv.cache.manager import KVCacheManager
 from trtkv.policies import POLICIES
@@ -170,6 +171,9 @@ def test_scoring_policies_declare_what_their_overrides_change():
         owner = next(c for c in cls.__mro__ if "protected" in vars(c))
         assert {"protected_rows", "protected_rows_at"} & set(vars(owner)), \
             f"{owner.__name__} replaces protected() but not protected_rows_at()"
+        bound_owner = next(c for c in cls.__mro__ if "protected_bound_at" in vars(c))
+        assert bound_owner is ScorerPolicy or "protected_cols_at" in vars(bound_owner), \
+            f"{bound_owner.__name__}'s protected_bound_at() must come with its protected_cols_at()"
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -207,22 +211,37 @@ def test_victims_in_columns_equal_the_first_minimum_over_sorted_positions(seed, 
     scores[torch.from_numpy(rng.random((L, k, c)) < 0.2)] = float("inf")
     policy = POLICIES[name](budget=16)
 
+    table = torch.from_numpy(rng.random((L, k, 48)).astype(np.float32))  # the scores where each column's position is
+    for li in range(L):
+        for i in range(k):
+            held = cols[li, i] >= 0
+            table[li, i, torch.from_numpy(cols[li, i][held])] = scores[li, i][torch.from_numpy(held)]
+
     class Stub:
         def score_cols_layers(self, handle, got):
             assert got is cols
             return scores
 
-    policy._scorer = Stub()
+        def lowest_cols_layers(self, handle, got, bound):  # (a scorer without its own table: None)
+            return None
+
+    class TableStub(Stub):  # the scores read from a table (H2O's): one table_victims pass
+        def lowest_cols_layers(self, handle, got, bound):
+            return plugin_ops.table_victims(table, torch.arange(k), torch.from_numpy(got),
+                                            torch.from_numpy(bound), 0).numpy()
+
     position = rng.integers(30, 45, k)
-    got = policy._victims_in_columns(np.tile(position, L), None, cols)
-    for li in range(L):
-        for i in range(k):
-            order = np.argsort(cols[li, i])[c - n:]
-            held, s = cols[li, i, order], scores[li, i, torch.from_numpy(order)]
-            prot = policy.protected_rows_at(position[i:i + 1], held[None])[0]
-            s = s.masked_fill(torch.from_numpy(prot), float("inf"))
-            at = int(torch.argmin(s))
-            assert got[li, i] == (-1 if torch.isinf(s[at]) else held[at])
+    for stub in (Stub(), TableStub()):
+        policy._scorer = stub
+        got = policy._victims_in_columns(position, None, cols)
+        for li in range(L):
+            for i in range(k):
+                order = np.argsort(cols[li, i])[c - n:]
+                held, s = cols[li, i, order], scores[li, i, torch.from_numpy(order)]
+                prot = policy.protected_rows_at(position[i:i + 1], held[None])[0]
+                s = s.masked_fill(torch.from_numpy(prot), float("inf"))
+                at = int(torch.argmin(s))
+                assert got[li, i] == (-1 if torch.isinf(s[at]) else held[at])
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -41,6 +41,11 @@ def lowest_victim_cpu(scores, positions, blocked):
     return cpu_kernels().lowest_victim(scores, positions, blocked)
 
 
+def table_victims_cpu(data, rows, positions, bound, layer0):
+    """Same contract as ``table_victims_ref``: ``[L, k]`` int64 victim positions, -1 none."""
+    return cpu_kernels().table_victims(data, rows, positions, bound, int(layer0))
+
+
 def scatter_add_rows_cpu(data, rows, positions, values, layer0) -> None:
     """Same contract as ``scatter_add_rows_ref``: adds into ``data`` in place."""
     cpu_kernels().scatter_add_rows(data, rows, positions, values, int(layer0))

@@ -75,3 +75,6 @@ class H2OPolicy(ScorerPolicy):
 
     def protected_cols_at(self, positions: np.ndarray, cols: np.ndarray) -> np.ndarray:
         return self.protected_rows_at(positions, cols)  # (a bound on positions: any order; -1 is never protected)
+
+    def protected_bound_at(self, positions: np.ndarray) -> np.ndarray:
+        return positions - self.recent + 1  # (protected_rows_at's bound)

@@ -117,6 +117,15 @@ class RowTable:
         return plugin_ops.gather_rows(self.data, *args)
 
 
+    def lowest_rows_layers(self, rows: np.ndarray, positions: np.ndarray, bound: np.ndarray) -> np.ndarray:
+        """Per layer and row of ``positions [L, b, n]`` (-1: a dead column), the position of the lowest score below
+        ``bound [b]`` (``table_victims``: ``get_rows_layers`` then ``lowest_victim``'s rules in one pass; a position
+        past the width reads 0), ``[L, b]``, -1 none."""
+        return plugin_ops.table_victims(self.data, torch.from_numpy(np.ascontiguousarray(rows, np.int64)),
+                                        torch.from_numpy(np.ascontiguousarray(positions, np.int64)),
+                                        torch.from_numpy(np.ascontiguousarray(bound, np.int64)), 0).cpu().numpy()
+
+
 class RowView:
     """One request's row of a ``RowTable``, with ``PositionTable``'s verbs."""
 

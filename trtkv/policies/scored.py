@@ -316,7 +316,7 @@ class ScorerPolicy(KVPolicy):
             if stacked is None:
                 stacked = np.stack([bs.positions for bs in stats])
             cols = stacked if every_row(rows, len(stats[0].counts)) else stacked[:, rows]
-            victims = self._victims_in_columns(np.tile(position, L), handle, cols)
+            victims = self._victims_in_columns(position, handle, cols)
             if victims is not None:
                 if (victims < 0).any():
                     return False
@@ -350,16 +350,30 @@ class ScorerPolicy(KVPolicy):
         return held[np.arange(L), :, best.numpy()]
 
     def _victims_in_columns(self, position: np.ndarray, handle: np.ndarray, cols: np.ndarray) -> np.ndarray | None:
-        """The one-victim choice on the statistics' own columns ``cols [L, k, c]`` (positions in slot order, -1 dead),
-        without sorting them: the lowest score, ties — and NaN, argmin's minimum — to the oldest position, as the
-        first minimum over ascending positions takes it. ``[L, k]`` victims (-1: no finite candidate), or None when
-        the policy's protection needs ranks or the scorer has no column form (``score_cols_layers``)."""
+        """The one-victim choice on the statistics' own columns ``cols [L, k, c]`` (positions in slot order, -1 dead)
+        of the ``k`` requests whose next tokens are at ``position [k]``, without sorting them: the lowest score,
+        ties — and NaN, argmin's minimum — to the oldest position, as the first minimum over ascending positions
+        takes it. ``[L, k]`` victims (-1: no finite candidate), or None when the policy's protection needs ranks or
+        the scorer has no column form (``score_cols_layers``). Protection by a bound on positions and a scorer that
+        picks from its own table (``lowest_cols_layers``): one pass, no scores or mask."""
         L, k, c = cols.shape
-        prot = self.protected_cols_at(position, cols.reshape(L * k, c))
+        bound = self.protected_bound_at(position)
+        victims = None if bound is None else self.scorer.lowest_cols_layers(handle, cols, bound)
+        if victims is not None:
+            return victims
+        prot = self.protected_cols_at(np.tile(position, L), cols.reshape(L * k, c))
         scores = self.scorer.score_cols_layers(handle, cols) if prot is not None else None
         if scores is None:
             return None
         return _lowest_victims(scores, cols, prot.reshape(L, k, c))
+
+    def protected_bound_at(self, positions: np.ndarray) -> np.ndarray | None:
+        """When ``protected_cols_at`` protects exactly the held positions at or past a bound per request (no ranks):
+        those bounds ``[k]`` for requests whose next tokens are at ``positions [k]``; else None. Without sinks or a
+        recent window nothing is protected (a bound past every position)."""
+        if self.n_sink or self.recent or type(self).protected_cols_at is not ScorerPolicy.protected_cols_at:
+            return None
+        return np.full(len(positions), np.iinfo(np.int64).max, np.int64)
 
     def protected_cols_at(self, positions: np.ndarray, cols: np.ndarray) -> np.ndarray | None:
         """``protected_rows_at`` over held positions in any order (``cols``, -1 dead columns), when it needs no

@@ -12,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention over the residual buffers, merged into the pages' (out, lse) in place (CPU)");
   m.def("kmeans_select", &trtkv::kmeans_select_cpu, "batched k-means token selection (CPU)");
   m.def("lowest_victim", &trtkv::lowest_victim_cpu, "the lowest-scored free column of each row, ties to the oldest (CPU)");
+  m.def("table_victims", &trtkv::table_victims_cpu,
+        "the lowest-scored unprotected position of each row, its scores read from a score table (CPU)");
   m.def("scatter_add_rows", &trtkv::scatter_add_rows_cpu,
         "a batch's per-position evidence added into a score table in every layer, in place (CPU)");
   m.def("gather_keys", &trtkv::gather_keys_cpu, "the asked slots' keys of one pool, dequantized to fp32 (CPU)");

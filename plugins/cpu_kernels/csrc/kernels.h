@@ -35,6 +35,8 @@ std::tuple<at::Tensor, at::Tensor> table_positions_layers_cpu(const at::Tensor& 
                                                               const std::vector<at::Tensor>& block_tables);
 at::Tensor held_columns_cpu(const at::Tensor& where, const at::Tensor& rows, int64_t n);
 at::Tensor lowest_victim_cpu(const at::Tensor& scores, const at::Tensor& positions, const at::Tensor& blocked);
+at::Tensor table_victims_cpu(const at::Tensor& data, const at::Tensor& rows, const at::Tensor& positions,
+                             const at::Tensor& bound, int64_t layer0);
 at::Tensor gather_keys_cpu(const std::vector<at::Tensor>& slot_fields, const std::vector<at::Tensor>& group_fields,
                            const at::Tensor& k_group, const at::Tensor& flat, int64_t fmt_code, double scale_k);
 at::Tensor kmeans_select_cpu(const at::Tensor& keys, const at::Tensor& counts, const at::Tensor& k_keep,

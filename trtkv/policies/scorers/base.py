@@ -89,6 +89,12 @@ class Scorer:
         order, -1 dead, any value there), or None when the scorer only scores ascending positions."""
         return None
 
+    def lowest_cols_layers(self, handle: np.ndarray, cols: np.ndarray, bound: np.ndarray) -> np.ndarray | None:
+        """Each row's victim over every layer's statistics columns ``cols [L, k, c]`` read straight from the scorer's
+        own scores: the lowest-scored position below ``bound [k]`` (``score_cols_layers`` then ``lowest_victim``'s
+        rules, -1 none), ``[L, k]``; None when the scorer has no such read."""
+        return None
+
     def score_rows_layers(self, handle: np.ndarray, positions: np.ndarray, free: np.ndarray) -> torch.Tensor:
         """``score_rows`` of layer ``l`` at ``positions[l]`` for every layer: ``[L, k, n]`` (a batching scorer
         may answer in one read)."""

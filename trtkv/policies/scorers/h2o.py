@@ -81,6 +81,9 @@ class H2OScorer(Scorer):
     def score_cols_layers(self, rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
         return self._table.get_rows_layers(rows, cols)
 
+    def lowest_cols_layers(self, rows: np.ndarray, cols: np.ndarray, bound: np.ndarray) -> np.ndarray:
+        return self._table.lowest_rows_layers(rows, cols, bound)
+
     def release(self, memo) -> None:
         if memo.acc is not None:
             memo.acc.release()
