@@ -20,6 +20,7 @@ import torch
 
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.fresh_pages import FreshPages
+from trtkv.cache.index_ops import add_at
 from trtkv.cache.pool_stack import flat
 from trtkv.cache.reuse import Cls, ReusableSlots
 
@@ -241,7 +242,7 @@ class TableColumns:
         w = self._widen(layer, int(positions.max()))
         new = w[rows, positions] < 0
         w[rows, positions] = self._codes(fmt, pages, slots)
-        np.add.at(self._live[layer], rows[new], 1)
+        add_at(self._live[layer], rows[new], 1)
 
     def place_one(self, layer: int, row: int, fmt: str, p: int, s: int, pos: int) -> None:
         w = self._widen(layer, pos)
@@ -326,7 +327,7 @@ class TableColumns:
         held = codes >= 0
         item, pos, row, codes = item[held], pos[held], row[held], codes[held]
         w[row, pos] = NOT_HELD
-        np.subtract.at(self._live[layer], row, 1)
+        add_at(self._live[layer], row, -1)
         self._holes[layer, rows] = True
         return (item, *self.decode_many(codes))
 
@@ -376,7 +377,7 @@ class TableColumns:
 
     def count_evicted(self, rows: np.ndarray, n) -> None:
         """``n`` (or ``n[i]``) more tokens evicted from each of ``rows`` (rows may repeat)."""
-        np.add.at(self._evicted, rows, n)
+        add_at(self._evicted, rows, n)
 
     def holes(self, layer: int, row: int) -> bool:
         return bool(self._holes[layer, row])

@@ -19,6 +19,7 @@ import torch
 
 from plugins.formats import KVFormat
 from trtkv.cache.host_memory import host_empty
+from trtkv.cache.index_ops import add_at, clear_at, max_at, or_at
 from trtkv.errors import OutOfKVMemory
 
 FIRST_CHUNK = 16  # pages (or groups) initialised at once the first time; later chunks double
@@ -311,9 +312,9 @@ class PagePool:
             pg, sl = np.asarray(pages, np.int64), np.asarray(slots, np.int64)
             bits = np.left_shift(np.int32(1), sl.astype(np.int32))
             assert not (self.valid[pg] & bits).any(), "writing into a live slot"
-            np.bitwise_or.at(self.valid, pg, bits)
-            np.add.at(self.live, pg, 1)
-            np.maximum.at(self.hwm, pg, (sl + 1).astype(np.int32))
+            or_at(self.valid, pg, bits)
+            add_at(self.live, pg, 1)
+            max_at(self.hwm, pg, (sl + 1).astype(np.int32))
             self.slot_pos[pg, sl] = positions
             self.slot_seg[pg, sl] = seg
             self._valid_dirty = True
@@ -383,8 +384,8 @@ class PagePool:
         """``mark_evicted`` of distinct live ``(page, slot)`` pairs, as array operations."""
         bits = np.left_shift(np.int32(1), slots.astype(np.int32))
         assert (self.valid[pages] & bits).all(), "evicting a slot that is not live"
-        np.bitwise_and.at(self.valid, pages, ~bits)
-        np.subtract.at(self.live, pages, 1)
+        clear_at(self.valid, pages, bits)
+        add_at(self.live, pages, -1)
         self.slot_pos[pages, slots] = -1
         self.slot_seg[pages, slots] = -1
         self._valid_dirty = True

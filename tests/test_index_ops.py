@@ -1,0 +1,28 @@
+"""The grouped per-index updates equal numpy's ``ufunc.at`` on drawn indices with repeats, short lists and long."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trtkv.cache.index_ops import add_at, clear_at, max_at, or_at
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("n", [0, 5, 64, 65, 3000])
+def test_grouped_updates_equal_ufunc_at(seed, n):
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(1, 200))
+    idx = rng.integers(0, size, n)
+    base = rng.integers(-1000, 1000, size).astype(np.int32)
+    bits = np.left_shift(np.int32(1), rng.integers(0, 31, n).astype(np.int32))
+    vals = rng.integers(-50, 50, n).astype(np.int32)
+    for ours, theirs, arg in ((add_at, np.add.at, -1), (add_at, np.add.at, vals.astype(np.int64)),
+                              (or_at, np.bitwise_or.at, bits), (max_at, np.maximum.at, vals)):
+        a, b = base.copy(), base.copy()
+        ours(a, idx, arg)
+        theirs(b, idx, arg)
+        assert np.array_equal(a, b) and a.dtype == b.dtype
+    a, b = base.copy(), base.copy()
+    clear_at(a, idx, bits)
+    np.bitwise_and.at(b, idx, ~bits)
+    assert np.array_equal(a, b)
