@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "lowest_pick.h"
+
 namespace trtkv {
 
 at::Tensor lowest_victim_cpu(const at::Tensor& scores_in, const at::Tensor& positions_in, const at::Tensor& blocked_in) {
@@ -32,22 +34,13 @@ at::Tensor lowest_victim_cpu(const at::Tensor& scores_in, const at::Tensor& posi
       const float* sr = s + r * C;
       const int64_t* pr = p + r * C;
       const bool* br = b + r * C;
-      float best = std::numeric_limits<float>::infinity();
-      int64_t at = std::numeric_limits<int64_t>::max();
-      bool nan = false;
+      LowestPick pick;
       for (int64_t j = 0; j < C; ++j) {
         const int64_t pos = pr[j];
         if (pos < 0 || br[j]) continue;
-        const float v = sr[j];
-        if (std::isnan(v)) {
-          if (!nan || pos < at) at = pos;
-          nan = true;
-        } else if (!nan && (v < best || (v == best && pos < at))) {
-          best = v;
-          at = pos;
-        }
+        pick.offer(sr[j], pos);
       }
-      o[r] = (nan || (at != std::numeric_limits<int64_t>::max() && !std::isinf(best))) ? at : -1;
+      o[r] = pick.victim();
     }
   });
   return out;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "lowest_pick.h"
 #include "score_table.h"
 
 namespace trtkv {
@@ -24,22 +25,13 @@ void lowest_rows(const T* d, const int64_t* bound, int64_t* o, const TableBatch&
     const T* row = d + at;
     const int64_t* pr = p + li * n;
     const int64_t below = bound[li % t.b];
-    float best = std::numeric_limits<float>::infinity();
-    int64_t pick = std::numeric_limits<int64_t>::max();
-    bool nan = false;
+    LowestPick pick;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = pr[j];
       if (pos < 0 || pos >= below) continue;
-      const float v = pos < cap ? static_cast<float>(row[pos]) : 0.0f;
-      if (std::isnan(v)) {
-        if (!nan || pos < pick) pick = pos;
-        nan = true;
-      } else if (!nan && (v < best || (v == best && pos < pick))) {
-        best = v;
-        pick = pos;
-      }
+      pick.offer(pos < cap ? static_cast<float>(row[pos]) : 0.0f, pos);
     }
-    o[li] = (nan || (pick != std::numeric_limits<int64_t>::max() && !std::isinf(best))) ? pick : -1;
+    o[li] = pick.victim();
   });
 }
 
