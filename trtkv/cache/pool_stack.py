@@ -97,7 +97,7 @@ class SlotStack:
     def table_positions(self, tables: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
         """``table_positions`` of every layer in one read: ``tables[layer]`` is that layer's block table ``[b, P]``
         (-1 padded; one shape for every layer) -> positions ``[layers, b, P * B]`` and held counts ``[layers, b]``."""
-        pos, counts = plugin_ops.table_positions_layers(torch.from_numpy(self.slot_pos), tables)
+        pos, counts = plugin_ops.table_positions_layers(torch.from_numpy(self.slot_pos), [t.cpu() for t in tables])
         return pos.numpy(), counts.numpy()
 
     def _page_index(self, layers: np.ndarray, pages: np.ndarray) -> np.ndarray:
