@@ -67,14 +67,15 @@ class H2OPolicy(ScorerPolicy):
 
     def protected(self, req, layer: int, held: np.ndarray) -> np.ndarray:
         """The recent window includes the next token (``req.position``), so it protects ``recent - 1`` held."""
-        return held[held >= req.position - self.recent + 1]
+        return held[held >= self.protected_bound_at(req.position)]
 
     def protected_rows_at(self, positions: np.ndarray, held: np.ndarray) -> np.ndarray:
         """``protected`` over a stack of requests' held positions: one comparison with each row's bound."""
-        return held >= (positions - self.recent + 1)[:, None]
+        return held >= self.protected_bound_at(positions)[:, None]
 
     def protected_cols_at(self, positions: np.ndarray, cols: np.ndarray) -> np.ndarray:
         return self.protected_rows_at(positions, cols)  # (a bound on positions: any order; -1 is never protected)
 
-    def protected_bound_at(self, positions: np.ndarray) -> np.ndarray:
-        return positions - self.recent + 1  # (protected_rows_at's bound)
+    def protected_bound_at(self, positions):
+        """The recent window's first protected position for next tokens at ``positions`` (an int or ``[k]``)."""
+        return positions - self.recent + 1

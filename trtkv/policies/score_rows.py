@@ -116,7 +116,6 @@ class RowTable:
         self.ensure(int(positions.max(initial=0)))
         return plugin_ops.gather_rows(self.data, *args)
 
-
     def lowest_rows_layers(self, rows: np.ndarray, positions: np.ndarray, bound: np.ndarray) -> np.ndarray:
         """Per layer and row of ``positions [L, b, n]`` (-1: a dead column), the position of the lowest score below
         ``bound [b]`` (``table_victims``: ``get_rows_layers`` then ``lowest_victim``'s rules in one pass; a position

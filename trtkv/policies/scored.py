@@ -368,12 +368,10 @@ class ScorerPolicy(KVPolicy):
         return _lowest_victims(scores, cols, prot.reshape(L, k, c))
 
     def protected_bound_at(self, positions: np.ndarray) -> np.ndarray | None:
-        """When ``protected_cols_at`` protects exactly the held positions at or past a bound per request (no ranks):
-        those bounds ``[k]`` for requests whose next tokens are at ``positions [k]``; else None. Without sinks or a
-        recent window nothing is protected (a bound past every position)."""
-        if self.n_sink or self.recent or type(self).protected_cols_at is not ScorerPolicy.protected_cols_at:
-            return None
-        return np.full(len(positions), np.iinfo(np.int64).max, np.int64)
+        """A policy whose ``protected_cols_at`` protects exactly the held positions at or past a bound per request
+        (no ranks; H2O's recent window): those bounds ``[k]`` for requests whose next tokens are at ``positions
+        [k]``. None here (sinks and the recent window are ranks)."""
+        return None
 
     def protected_cols_at(self, positions: np.ndarray, cols: np.ndarray) -> np.ndarray | None:
         """``protected_rows_at`` over held positions in any order (``cols``, -1 dead columns), when it needs no
