@@ -334,8 +334,9 @@ def held_columns(where: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tenso
 
 def mri_track(ts: torch.Tensor, mri: torch.Tensor, layer: int, rows: torch.Tensor, positions: torch.Tensor,
               act: torch.Tensor, prompt: torch.Tensor, step: torch.Tensor) -> None:
-    """LazyEviction's tracking update of a batch in one layer, in place (see mri_track/reference.py): the compiled
-    CPU kernel for contiguous int32 tables on CPU, else the reference."""
+    """LazyEviction's tracking update of a batch in one layer (positions ``[b, n]``) or in layers ``layer..`` (``[L, b,
+    n]``), in place (see mri_track/reference.py): the compiled CPU kernel for contiguous int32 tables on CPU, else the
+    reference."""
     if ts.dtype == mri.dtype == torch.int32 and ts.is_contiguous() and mri.is_contiguous() and use_cpu_kernels(ts):
         from plugins.cpu_kernels.ops import mri_track_cpu
 

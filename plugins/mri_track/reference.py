@@ -1,11 +1,12 @@
-"""LazyEviction's tracking update of one decode step for a batch, in one layer (trtkv/policies/lazyeviction.py).
+"""LazyEviction's tracking update of one decode step for a batch, in one layer or in several (trtkv/policies/lazyeviction.py).
 
 Contract: ``ts, mri [layers, R, cap]`` int32, updated in place — per table row and position, TS minus the token's
 creation step and the maximum recurrence interval; ``layer``; ``rows [b]`` int64 (distinct table rows);
 ``positions [b, n]`` int64 (distinct per row, < cap; -1: a dead column, skipped); ``act [b, n]`` bool (the token
 was activated this step); ``prompt [b]`` and ``step [b]`` int64. For every held entry with
 ``created = max(pos - prompt + 1, 0)`` and ``now = step - created`` (int32): where ``act``,
-``mri = max(mri, now - ts)`` and ``ts = now``; everything else is left as it was.
+``mri = max(mri, now - ts)`` and ``ts = now``; everything else is left as it was. ``positions`` and ``act`` may
+also be ``[L, b, n]``: layer ``layer + l`` gets slice ``l`` (a step's layers in one call).
 """
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ import torch
 
 def mri_track_ref(ts: torch.Tensor, mri: torch.Tensor, layer: int, rows: torch.Tensor, positions: torch.Tensor,
                   act: torch.Tensor, prompt: torch.Tensor, step: torch.Tensor) -> None:
+    if positions.dim() == 3:
+        for i in range(positions.shape[0]):
+            mri_track_ref(ts, mri, layer + i, rows, positions[i], act[i], prompt, step)
+        return
     dev = ts.device
     pos = positions.to(dev)
     hit = (pos >= 0) & act.to(dev)

@@ -68,3 +68,22 @@ def test_bad_input_is_one_error():
         mri_track_cpu(ts, mri, 2, rows, positions, act, prompt, step)
     with pytest.raises(RuntimeError, match="int32"):
         mri_track_cpu(ts.float(), mri, 0, rows, positions, act, prompt, step)
+
+
+@needs_kernels
+def test_stacked_layers_are_each_layers_call():
+    """Positions and activations ``[L, b, n]`` update layers ``layer..layer+L-1`` as one call per layer would."""
+    ts, mri, rows, _, _, prompt, step = drawn(4, 9, 60, 6, 10, seed=7)
+    g = torch.Generator().manual_seed(3)
+    positions = torch.stack([torch.stack([torch.randperm(60, generator=g)[:10] for _ in range(6)]) for _ in range(3)])
+    positions[torch.rand(3, 6, 10, generator=g) < 0.2] = -1
+    act = torch.rand(3, 6, 10, generator=g) < 0.6
+    want_ts, want_mri = ts.clone(), mri.clone()
+    for i in range(3):
+        mri_track_ref(want_ts, want_mri, 1 + i, rows, positions[i], act[i], prompt, step)
+    for run in (mri_track_ref, mri_track_cpu, torch.ops.trtkv.mri_track):
+        got_ts, got_mri = ts.clone(), mri.clone()
+        run(got_ts, got_mri, 1, rows, positions, act, prompt, step)
+        assert torch.equal(got_ts, want_ts) and torch.equal(got_mri, want_mri)
+    with pytest.raises(RuntimeError, match="a layer out of the table"):
+        mri_track_cpu(ts.clone(), mri.clone(), 2, rows, positions, act, prompt, step)

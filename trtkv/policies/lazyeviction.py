@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from plugins import ops as plugin_ops
-from trtkv.policies.base import BatchLayerStats, StatsRequest, batch_rows_of, positions_top
+from trtkv.policies.base import BatchLayerStats, StatsRequest, StepBatch, batch_rows_of, every_row, positions_top
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scored import Cadence, ScorerPolicy
 from trtkv.policies.scorers import Scorer
@@ -152,7 +152,8 @@ class MRIScorer(Scorer):
 
     def observe_batch(self, reqs, memos, batch: dict[int, BatchLayerStats], rows: np.ndarray) -> None:
         """``observe`` of a decode step in batch form (row ``rows[i]`` of each layer's statistics is ``reqs[i]``'s):
-        per layer, every request's held tokens updated where activated in one ``mri_track`` (plugins/mri_track)."""
+        every request's held tokens updated where activated by ``mri_track`` (plugins/mri_track), one call for all
+        layers when they come stacked (``StepBatch.positions_layers``), else one per layer."""
         if not batch:
             return
         first = next(iter(batch.values()))
@@ -162,15 +163,25 @@ class MRIScorer(Scorer):
         table_rows = torch.from_numpy(np.fromiter((m.ts.row for m in memos), np.int64, len(memos)))
         prompt = torch.from_numpy(np.fromiter((m.prompt_len for m in memos), np.int64, len(memos)))
         step = torch.from_numpy(np.fromiter((r.step for r in reqs), np.int64, len(reqs)))
-        for layer, pos, w, counts in batch_rows_of(batch, rows, weights=self.head_reduce == "max"):
+        layers = batch_rows_of(batch, rows, weights=self.head_reduce == "max")
+        stacked = batch.positions_layers() if isinstance(batch, StepBatch) and every_row(rows, len(first.counts)) \
+            and [lyr for lyr, *_ in layers] == list(range(len(layers))) else None
+        if stacked is not None:  # (the same arithmetic on the stacked values: elementwise, the same activations)
+            vals = torch.stack([w.amax(1) if self.head_reduce == "max" else w for _, _, w, _ in layers])
+            self._track(0, table_rows, stacked, (vals if self.head_reduce == "max" else vals / heads) >= self.alpha,
+                        prompt, step, positions_top(batch, stacked))
+            return
+        for layer, pos, w, counts in layers:
             if not counts.any():  # (no position in this layer)
                 continue
             act = (w.amax(1) if self.head_reduce == "max" else w / heads) >= self.alpha
-            top = positions_top(batch, pos)
-            self._ts.ensure(top)
-            self._mri.ensure(top)
-            plugin_ops.mri_track(self._ts.data, self._mri.data, layer, table_rows,
-                                 torch.from_numpy(np.ascontiguousarray(pos, np.int64)), act, prompt, step)
+            self._track(layer, table_rows, pos, act, prompt, step, positions_top(batch, pos))
+
+    def _track(self, layer: int, table_rows, pos: np.ndarray, act: torch.Tensor, prompt, step, top: int) -> None:
+        self._ts.ensure(top)
+        self._mri.ensure(top)
+        plugin_ops.mri_track(self._ts.data, self._mri.data, layer, table_rows,
+                             torch.from_numpy(np.ascontiguousarray(pos, np.int64)), act, prompt, step)
 
     def rows_of(self, layer: int, memos: list[MRIMemo], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """``(TS, MRI)`` ``[k, n]`` of ``positions [k, n]`` of the ``k`` requests of ``memos``, in one read each."""

@@ -1,4 +1,4 @@
-// CPU tracking update of LazyEviction for a batch in one layer (contract: plugins/mri_track/reference.py).
+// CPU tracking update of LazyEviction for a batch in one layer or several (contract: plugins/mri_track/reference.py).
 //
 // The reference masks, gathers, updates and scatters [b, n] entries in a dozen tensor passes; here each request's
 // row is one pass over its columns. Rows are distinct and positions distinct within a row, so rows run in parallel
@@ -18,13 +18,16 @@ void mri_track_cpu(at::Tensor& ts, at::Tensor& mri, int64_t layer, const at::Ten
   TORCH_CHECK(ts.dim() == 3 && ts.scalar_type() == at::kInt && ts.is_contiguous() && mri.sizes() == ts.sizes() &&
                   mri.scalar_type() == at::kInt && mri.is_contiguous(),
               "mri_track: ts and mri must be contiguous int32 [layers, rows, cap] of one shape");
-  TORCH_CHECK(positions_in.dim() == 2 && act_in.sizes() == positions_in.sizes(),
-              "mri_track: positions and act must be [b, n] of one shape");
-  const int64_t b = positions_in.size(0), n = positions_in.size(1);
+  // positions/act [b, n] update `layer`; [L, b, n] update layers layer..layer+L-1 (a step's layers in one call)
+  TORCH_CHECK((positions_in.dim() == 2 || positions_in.dim() == 3) && act_in.sizes() == positions_in.sizes(),
+              "mri_track: positions and act must be [b, n] or [L, b, n] of one shape");
+  const bool stacked = positions_in.dim() == 3;
+  const int64_t L = stacked ? positions_in.size(0) : 1;
+  const int64_t b = positions_in.size(stacked ? 1 : 0), n = positions_in.size(stacked ? 2 : 1);
   TORCH_CHECK(rows_in.dim() == 1 && rows_in.size(0) == b && prompt_in.numel() == b && step_in.numel() == b,
               "mri_track: rows, prompt and step must be [b], one per request of positions");
   const int64_t R = ts.size(1), cap = ts.size(2);
-  TORCH_CHECK(layer >= 0 && layer < ts.size(0), "mri_track: a layer out of the table");
+  TORCH_CHECK(layer >= 0 && layer + L <= ts.size(0), "mri_track: a layer out of the table");
   const at::Tensor rows = rows_in.to(at::kLong).contiguous();
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   const at::Tensor act = act_in.to(at::kBool).contiguous();
@@ -36,17 +39,18 @@ void mri_track_cpu(at::Tensor& ts, at::Tensor& mri, int64_t layer, const at::Ten
   const bool* a = act.data_ptr<bool>();
   const int64_t* pl = prompt.data_ptr<int64_t>();
   const int64_t* st = step.data_ptr<int64_t>();
-  int32_t* ts_l = ts.data_ptr<int32_t>() + layer * R * cap;
-  int32_t* mri_l = mri.data_ptr<int32_t>() + layer * R * cap;
+  int32_t* ts_0 = ts.data_ptr<int32_t>() + layer * R * cap;
+  int32_t* mri_0 = mri.data_ptr<int32_t>() + layer * R * cap;
   constexpr int64_t SERIAL_WORK = 1 << 14;  // entries below which no thread is woken (a batch of 256 x 80 splits)
-  const int64_t grain = n > 0 ? std::max<int64_t>(1, SERIAL_WORK / n) : b;
+  const int64_t grain = n > 0 ? std::max<int64_t>(1, SERIAL_WORK / n) : L * b;
   std::atomic<bool> bad{false};
-  at::parallel_for(0, b, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      int32_t* ts_row = ts_l + r[i] * cap;
-      int32_t* mri_row = mri_l + r[i] * cap;
-      const int64_t* pr = p + i * n;
-      const bool* ar = a + i * n;
+  at::parallel_for(0, L * b, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t li = lo; li < hi; ++li) {  // (layer, request) pairs: distinct table rows, no conflicts
+      const int64_t l = li / b, i = li % b;
+      int32_t* ts_row = ts_0 + (l * R + r[i]) * cap;
+      int32_t* mri_row = mri_0 + (l * R + r[i]) * cap;
+      const int64_t* pr = p + li * n;
+      const bool* ar = a + li * n;
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = pr[j];
         if (pos < 0 || !ar[j]) continue;
