@@ -306,27 +306,33 @@ class BlockTable:
         pool.release_page(p)
 
     @staticmethod
-    def release_each(pool: PagePool, jobs: list[tuple[BlockTable, Cls, list[int]]]) -> None:
-        """``release_page`` of each job's pages (a table of one layer, a class of ``pool``'s format, empty pages of
-        it; no (table, class) twice): an event's emptied pages, the pool, reusable slots and stamps updated once."""
-        if not jobs:
+    def release_each(pool: PagePool, tables: list[BlockTable], classes: list[Cls], pages: np.ndarray,
+                     counts: np.ndarray) -> None:
+        """``release_page`` of ``counts[j]`` of ``pages`` (job by job) for each job ``j``: ``tables[j]``'s emptied pages
+        of class ``classes[j]`` (tables of one layer, classes of ``pool``'s format, no (table, class) twice): an event's
+        emptied pages, the pool, reusable slots and stamps updated once."""
+        if not tables:
             return
-        cols, layer = jobs[0][0]._cols, jobs[0][0].layer  # noqa: SLF001 (tables of one cache and layer)
-        BlockTable.catch_up_each(list(dict.fromkeys(table for table, _, _ in jobs)))
+        cols, layer = tables[0]._cols, tables[0].layer  # noqa: SLF001 (tables of one cache and layer)
+        BlockTable.catch_up_each(list(dict.fromkeys(tables)))
         cost = held_page_bytes(pool)
-        rows = np.fromiter((table._unlist(cls, pages, cost) for table, cls, pages in jobs), np.int64, len(jobs))  # noqa: SLF001
-        counts = np.fromiter((len(pages) for _, _, pages in jobs), np.int64, len(jobs))
-        gone = np.fromiter((p for _, _, pages in jobs for p in pages), np.int64, int(counts.sum()))
-        starts = np.cumsum(counts) - counts
-        for cls, at in _by_class([cls for _, cls, _ in jobs]):
-            mine = np.concatenate([gone[starts[j]:starts[j] + counts[j]] for j in at.tolist()])
+        flat, ends = pages.tolist(), np.cumsum(counts).tolist()
+        rows = np.fromiter((table._unlist_listed(cls, flat[end - k:end], cost)  # noqa: SLF001 (caught up above)
+                            for table, cls, k, end in zip(tables, classes, counts.tolist(), ends)), np.int64, len(tables))
+        for cls, at in _by_class(classes):
+            mine = pages if len(at) == len(tables) else pages[np.repeat(np.isin(np.arange(len(tables)), at), counts)]
             cols.reuse.drop_pages_each(layer, rows[at], cls, mine, counts[at])
-        pool.release_pages(gone)
+        pool.release_pages(pages)
         _touch(cols, layer, rows)
 
     def _unlist(self, cls: Cls, pages: list[int], cost: int) -> int:
         """Pages of ``cls`` leave the list (``cost`` each goes); returns this table's row."""
-        held = self._pages[cls]
+        self._catch_up()
+        return self._unlist_listed(cls, pages, cost)
+
+    def _unlist_listed(self, cls: Cls, pages: list[int], cost: int) -> int:
+        """``_unlist`` of a table with no pages waiting."""
+        held = self._page_lists[cls]
         if len(pages) == 1:
             held.remove(pages[0])
         else:

@@ -88,18 +88,19 @@ def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer:
         if gids is not None:
             decref_groups_many(seqs, pool, gids, np.concatenate([[0], np.cumsum(np.bincount(o, minlength=len(seqs)))]))
         _free_slots(pool, columns, layer, fmt, seq_rows[o], p, sl, reuse,
-                    lambda jobs, o=o, pool=pool, fmt=fmt: BlockTable.release_each(
-                        pool, [(seqs[o[i]].layers[layer], (fmt, c), q) for i, c, q in jobs]))
+                    lambda first, cls, gone, counts, o=o, pool=pool, fmt=fmt: BlockTable.release_each(
+                        pool, [seqs[i].layers[layer] for i in o[first].tolist()], [(fmt, c) for c in cls.tolist()],
+                        gone, counts))
     return counts
 
 
 def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np.ndarray, pages: np.ndarray,
-                slots: np.ndarray, reuse: bool, release: Callable[[list[tuple[int, int, list[int]]]], None]) -> None:
+                slots: np.ndarray, reuse: bool, release: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]) -> None:
     """Slots just evicted (slot ``slots[i]`` of page ``pages[i]``, row ``rows[i]`` in ``layer``, an int or an
     array) become reusable by their rows (``reuse``); a page left empty that is not its class's open page goes
-    back to the pool, taking its slots with it: one ``release([(i, class, pages), ...])`` with an entry for each
-    table and class, ``i`` its first such victim (the pool's free pages end the same as releasing each page in
-    victim order)."""
+    back to the pool, taking its slots with it: one ``release(first, classes, pages, counts)`` with a job for each
+    table and class (``first[j]``: the job's first victim, ``counts[j]`` of ``pages`` its emptied pages, jobs and
+    their pages in victim order: the pool's free pages end the same as releasing each page in turn)."""
     one_layer = np.ndim(layer) == 0  # (a layer's PagePool; else a SlotStack and each victim's layer)
     at_page = pages if one_layer else layer * pool.live.shape[1] + pages  # (flat indices: pool_stack.flat)
     classes, empty = flat(pool.page_class)[at_page], flat(pool.live)[at_page] == 0
@@ -124,11 +125,17 @@ def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np
     _, first = np.unique(key, return_index=True)
     first = np.sort(first)
     at = rel[first]  # each emptied page at its first victim, in victim order
-    tables: dict[tuple[int, int, int], tuple[int, list[int]]] = {}  # a table's emptied pages of a class, together
-    keys = zip(li[first].tolist(), rows[at].tolist(), classes[at].tolist())
-    for i, key, p in zip(at.tolist(), keys, pages[at].tolist()):
-        tables.setdefault(key, (i, []))[1].append(p)
-    release([(i, c, ps) for (_, _, c), (i, ps) in tables.items()])
+    # a table's emptied pages of a class form one job; jobs in the order of their first page, pages in victim order
+    c = classes[at] - int(classes[at].min())
+    r = rows[at]
+    job_key = (li[first] * (int(r.max()) + 1) + r) * (int(c.max()) + 1) + c
+    _, job_first, job_of = np.unique(job_key, return_index=True, return_inverse=True)
+    rank = np.empty(len(job_first), np.int64)
+    rank[np.argsort(job_first, kind="stable")] = np.arange(len(job_first))
+    job_of = rank[job_of.reshape(-1)]
+    job_first = np.sort(job_first)
+    release(at[job_first], classes[at[job_first]], pages[at][np.argsort(job_of, kind="stable")],
+            np.bincount(job_of, minlength=len(job_first)))
 
 
 def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int, seqs: list[SeqKV],
@@ -150,8 +157,9 @@ def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int
         if gids is not None:
             decref_groups_many([seqs[i] for i in who.tolist()], pool, gids, np.arange(len(sel) + 1))
         _free_slots(pool, columns, layer, fmt, rows[who], pg, sl, True,
-                    lambda jobs, who=who, pool=pool, fmt=fmt: BlockTable.release_each(
-                        pool, [(seqs[who[i]].layers[layer], (fmt, c), p) for i, c, p in jobs]))
+                    lambda first, cls, gone, counts, who=who, pool=pool, fmt=fmt: BlockTable.release_each(
+                        pool, [seqs[i].layers[layer] for i in who[first].tolist()], [(fmt, c) for c in cls.tolist()],
+                        gone, counts))
     return rows, held.astype(np.int64)
 
 
@@ -173,12 +181,13 @@ def evict_one_each_layers(pools: PoolSet, columns: TableColumns, layers: np.ndar
             sel = np.flatnonzero(fids == f)
             li, who, pg, sl = layer[sel], item[sel], pages[sel], slots[sel]
         stack.mark_evicted_distinct(li, pg, sl)
-        def release(jobs, who=who, li=li, fmt=fmt):  # each layer's tables, with that layer's pool
-            by_layer: dict[int, list] = {}
-            for i, c, p in jobs:
-                by_layer.setdefault(int(li[i]), []).append((seqs[who[i]].layers[int(li[i])], (fmt, c), p))
-            for at, mine in by_layer.items():
-                BlockTable.release_each(pools.pool(at, fmt), mine)
+        def release(first, cls, gone, counts, who=who, li=li, fmt=fmt):  # each layer's tables, with its pool
+            job_layer = li[first]
+            for at in dict.fromkeys(job_layer.tolist()):
+                mine = job_layer == at
+                BlockTable.release_each(pools.pool(at, fmt), [seqs[i].layers[at] for i in who[first[mine]].tolist()],
+                                        [(fmt, c) for c in cls[mine].tolist()], gone[np.repeat(mine, counts)],
+                                        counts[mine])
 
         _free_slots(stack, columns, li, fmt, rows[who], pg, sl, True, release)
     return np.bincount(item, minlength=len(seqs))

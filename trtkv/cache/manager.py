@@ -378,10 +378,10 @@ class KVCacheManager:
     def evict_many(self, layer: int, items: list[tuple[SeqKV, object]], counted: bool = True) -> list[int]:
         """``evict`` of several requests in one layer: in one pass over the batch (``evict_private_many``, the
         same end state as ``evict`` of each in turn, few victims or many) unless a request is forked."""
-        items = [(s, p.tolist() if hasattr(p, "tolist") else list(p)) for s, p in items]
+        items = [(s, p.reshape(-1) if isinstance(p, np.ndarray) else list(p)) for s, p in items]
         if (counted and self.cfg.eviction != "compact" and max(map(len, (p for _, p in items)), default=0) <= 1
                 and all(s.fork_mode is None for s, _ in items) and len({id(s) for s, _ in items}) == len(items)):
-            return self.evict_one_each(layer, [s for s, _ in items], [p[0] if p else -1 for _, p in items])
+            return self.evict_one_each(layer, [s for s, _ in items], [int(p[0]) if len(p) else -1 for _, p in items])
         repeated = len({id(s) for s, _ in items}) != len(items)  # compaction after each of its jobs, not once
         if any(s.fork_mode is not None for s, _ in items) or sum(map(len, (p for _, p in items))) < EVICT_BATCH_MIN \
                 or (repeated and self.cfg.eviction == "compact"):
