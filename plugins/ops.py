@@ -54,8 +54,8 @@ SCHEMAS = {
     "gather_rows": "(Tensor data, Tensor rows, Tensor positions, int layer0) -> Tensor",
     "gather_keys": "(Tensor[] slot_fields, Tensor[] group_fields, Tensor k_group, Tensor flat, int fmt_code, "
                    "float scale_k) -> Tensor",
-    "mri_track": "(Tensor(a!) ts, Tensor(b!) mri, int layer, Tensor rows, Tensor positions, Tensor act, "
-                 "Tensor prompt, Tensor step) -> ()",
+    "mri_track": "(Tensor(a!) ts, Tensor(b!) mri, int layer, Tensor rows, Tensor positions, Tensor[] values, "
+                 "float divisor, float alpha, Tensor prompt, Tensor step) -> ()",
     "residual_append": "(Tensor(a!) arena_k, Tensor(b!) arena_v, Tensor at, Tensor k, Tensor v) -> ()",
     "buffer_attention": "(Tensor q, Tensor arena_k, Tensor arena_v, Tensor rows, int layer, Tensor counts, "
                         "float sm_scale, Tensor(a!) out, Tensor(b!) lse) -> ()",
@@ -333,16 +333,17 @@ def held_columns(where: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tenso
 
 
 def mri_track(ts: torch.Tensor, mri: torch.Tensor, layer: int, rows: torch.Tensor, positions: torch.Tensor,
-              act: torch.Tensor, prompt: torch.Tensor, step: torch.Tensor) -> None:
+              values: list[torch.Tensor], divisor: float, alpha: float, prompt: torch.Tensor, step: torch.Tensor) -> None:
     """LazyEviction's tracking update of a batch in one layer (positions ``[b, n]``) or in layers ``layer..`` (``[L, b,
-    n]``), in place (see mri_track/reference.py): the compiled CPU kernel for contiguous int32 tables on CPU, else the
-    reference."""
-    if ts.dtype == mri.dtype == torch.int32 and ts.is_contiguous() and mri.is_contiguous() and use_cpu_kernels(ts):
+    n]``), a token activated where ``values / divisor >= alpha``, in place (see mri_track/reference.py): the compiled
+    CPU kernel for contiguous int32 tables on CPU, else the reference."""
+    if ts.dtype == mri.dtype == torch.int32 and ts.is_contiguous() and mri.is_contiguous() and use_cpu_kernels(ts) \
+            and all(v.dtype == torch.float32 for v in values):
         from plugins.cpu_kernels.ops import mri_track_cpu
 
-        mri_track_cpu(ts, mri, layer, rows, positions, act, prompt, step)
+        mri_track_cpu(ts, mri, layer, rows, positions, values, divisor, alpha, prompt, step)
         return
-    mri_track_ref(ts, mri, layer, rows, positions, act, prompt, step)
+    mri_track_ref(ts, mri, layer, rows, positions, values, divisor, alpha, prompt, step)
 
 
 def buffer_attention(q, arena_k, arena_v, rows, layer, counts, sm_scale, out, lse) -> None:

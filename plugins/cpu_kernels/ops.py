@@ -82,9 +82,10 @@ def held_columns_cpu(where, rows, n):
     return cpu_kernels().held_columns(where, rows, int(n))
 
 
-def mri_track_cpu(ts, mri, layer, rows, positions, act, prompt, step) -> None:
+def mri_track_cpu(ts, mri, layer, rows, positions, values, divisor, alpha, prompt, step) -> None:
     """Same contract as ``mri_track_ref``: updates ``ts`` and ``mri`` in place."""
-    cpu_kernels().mri_track(ts, mri, int(layer), rows, positions, act, prompt, step)
+    cpu_kernels().mri_track(ts, mri, int(layer), rows, positions, list(values), float(divisor), float(alpha), prompt,
+                            step)
 
 
 def buffer_attention_cpu(q, arena_k, arena_v, rows, layer, counts, sm_scale, out, lse):

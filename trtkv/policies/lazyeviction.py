@@ -166,22 +166,22 @@ class MRIScorer(Scorer):
         layers = batch_rows_of(batch, rows, weights=self.head_reduce == "max")
         stacked = batch.positions_layers() if isinstance(batch, StepBatch) and every_row(rows, len(first.counts)) \
             and [lyr for lyr, *_ in layers] == list(range(len(layers))) else None
-        if stacked is not None:  # (the same arithmetic on the stacked values: elementwise, the same activations)
-            vals = torch.stack([w.amax(1) if self.head_reduce == "max" else w for _, _, w, _ in layers])
-            self._track(0, table_rows, stacked, (vals if self.head_reduce == "max" else vals / heads) >= self.alpha,
-                        prompt, step, positions_top(batch, stacked))
+        divisor = 1.0 if self.head_reduce == "max" else float(heads)  # activated: value / divisor >= alpha
+        values = [w.amax(1) if self.head_reduce == "max" else w for _, _, w, _ in layers]
+        if stacked is not None:
+            self._track(0, table_rows, stacked, values, divisor, prompt, step, positions_top(batch, stacked))
             return
-        for layer, pos, w, counts in layers:
-            if not counts.any():  # (no position in this layer)
-                continue
-            act = (w.amax(1) if self.head_reduce == "max" else w / heads) >= self.alpha
-            self._track(layer, table_rows, pos, act, prompt, step, positions_top(batch, pos))
+        for (layer, pos, _, counts), vals in zip(layers, values):
+            if counts.any():  # (else no position in this layer)
+                self._track(layer, table_rows, pos, [vals], divisor, prompt, step, positions_top(batch, pos))
 
-    def _track(self, layer: int, table_rows, pos: np.ndarray, act: torch.Tensor, prompt, step, top: int) -> None:
+    def _track(self, layer: int, table_rows, pos: np.ndarray, values: list[torch.Tensor], divisor: float, prompt,
+               step, top: int) -> None:
         self._ts.ensure(top)
         self._mri.ensure(top)
         plugin_ops.mri_track(self._ts.data, self._mri.data, layer, table_rows,
-                             torch.from_numpy(np.ascontiguousarray(pos, np.int64)), act, prompt, step)
+                             torch.from_numpy(np.ascontiguousarray(pos, np.int64)), values, divisor, self.alpha,
+                             prompt, step)
 
     def rows_of(self, layer: int, memos: list[MRIMemo], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """``(TS, MRI)`` ``[k, n]`` of ``positions [k, n]`` of the ``k`` requests of ``memos``, in one read each."""

@@ -28,7 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("held_columns", &trtkv::held_columns_cpu,
         "the held columns of a batch's position-map rows in every layer, ascending (CPU)");
   m.def("mri_track", &trtkv::mri_track_cpu,
-        "LazyEviction's tracking update of a batch in one layer, in place (CPU)");
+        "LazyEviction's tracking update of a batch in one layer or several, in place (CPU)");
   m.def("residual_append", &trtkv::residual_append_cpu, "a decode step's K/V rows into the residual arena (CPU)");
   m.def("rms_norm", &trtkv::rms_norm_cpu, "RMS normalization of fp32 rows (CPU)");
   m.def("rotary", &trtkv::rotary_cpu, "rotary position embedding of fp32 heads (CPU)");

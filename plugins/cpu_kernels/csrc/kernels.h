@@ -26,7 +26,8 @@ void buffer_attention_merge_cpu(const at::Tensor& q, const at::Tensor& arena_k, 
 void scatter_add_rows_cpu(at::Tensor& data, const at::Tensor& rows, const at::Tensor& positions,
                           const at::Tensor& values, int64_t layer0);
 void mri_track_cpu(at::Tensor& ts, at::Tensor& mri, int64_t layer, const at::Tensor& rows, const at::Tensor& positions,
-                   const at::Tensor& act, const at::Tensor& prompt, const at::Tensor& step);
+                   const std::vector<at::Tensor>& values, double divisor, double alpha, const at::Tensor& prompt,
+                   const at::Tensor& step);
 at::Tensor gather_rows_cpu(const at::Tensor& data, const at::Tensor& rows, const at::Tensor& positions,
                            int64_t layer0);
 at::Tensor head_sums_cpu(const at::Tensor& logits, const at::Tensor& lse);

@@ -9,34 +9,44 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 namespace trtkv {
 
 void mri_track_cpu(at::Tensor& ts, at::Tensor& mri, int64_t layer, const at::Tensor& rows_in,
-                   const at::Tensor& positions_in, const at::Tensor& act_in, const at::Tensor& prompt_in,
+                   const at::Tensor& positions_in, const std::vector<at::Tensor>& values, double divisor, double alpha,
+                   const at::Tensor& prompt_in,
                    const at::Tensor& step_in) {
   TORCH_CHECK(ts.dim() == 3 && ts.scalar_type() == at::kInt && ts.is_contiguous() && mri.sizes() == ts.sizes() &&
                   mri.scalar_type() == at::kInt && mri.is_contiguous(),
               "mri_track: ts and mri must be contiguous int32 [layers, rows, cap] of one shape");
-  // positions/act [b, n] update `layer`; [L, b, n] update layers layer..layer+L-1 (a step's layers in one call)
-  TORCH_CHECK((positions_in.dim() == 2 || positions_in.dim() == 3) && act_in.sizes() == positions_in.sizes(),
-              "mri_track: positions and act must be [b, n] or [L, b, n] of one shape");
+  // positions [b, n] update `layer`; [L, b, n] update layers layer..layer+L-1 (a step's layers in one call)
+  TORCH_CHECK(positions_in.dim() == 2 || positions_in.dim() == 3, "mri_track: positions must be [b, n] or [L, b, n]");
   const bool stacked = positions_in.dim() == 3;
   const int64_t L = stacked ? positions_in.size(0) : 1;
   const int64_t b = positions_in.size(stacked ? 1 : 0), n = positions_in.size(stacked ? 2 : 1);
+  TORCH_CHECK(static_cast<int64_t>(values.size()) == L, "mri_track: one values tensor per layer of positions");
+  std::vector<at::Tensor> vals;  // fp32 [b, n] each: a token is activated where value / divisor >= alpha
+  std::vector<const float*> v;
+  for (const at::Tensor& t : values) {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == b && t.size(1) == n && t.scalar_type() == at::kFloat,
+                "mri_track: values must be fp32 [b, n], the shape of a layer's positions");
+    vals.push_back(t.contiguous());
+    v.push_back(vals.back().data_ptr<float>());
+  }
+  // torch's (values / divisor) >= alpha on fp32 tensors: an fp32 quotient against alpha rounded to fp32
+  const float div = static_cast<float>(divisor), thr = static_cast<float>(alpha);
   TORCH_CHECK(rows_in.dim() == 1 && rows_in.size(0) == b && prompt_in.numel() == b && step_in.numel() == b,
               "mri_track: rows, prompt and step must be [b], one per request of positions");
   const int64_t R = ts.size(1), cap = ts.size(2);
   TORCH_CHECK(layer >= 0 && layer + L <= ts.size(0), "mri_track: a layer out of the table");
   const at::Tensor rows = rows_in.to(at::kLong).contiguous();
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
-  const at::Tensor act = act_in.to(at::kBool).contiguous();
   const at::Tensor prompt = prompt_in.to(at::kLong).contiguous();
   const at::Tensor step = step_in.to(at::kLong).contiguous();
   const int64_t* r = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < b; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < R, "mri_track: a row out of the table");
   const int64_t* p = positions.data_ptr<int64_t>();
-  const bool* a = act.data_ptr<bool>();
   const int64_t* pl = prompt.data_ptr<int64_t>();
   const int64_t* st = step.data_ptr<int64_t>();
   int32_t* ts_0 = ts.data_ptr<int32_t>() + layer * R * cap;
@@ -50,10 +60,10 @@ void mri_track_cpu(at::Tensor& ts, at::Tensor& mri, int64_t layer, const at::Ten
       int32_t* ts_row = ts_0 + (l * R + r[i]) * cap;
       int32_t* mri_row = mri_0 + (l * R + r[i]) * cap;
       const int64_t* pr = p + li * n;
-      const bool* ar = a + li * n;
+      const float* vr = v[l] + i * n;
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = pr[j];
-        if (pos < 0 || !ar[j]) continue;
+        if (pos < 0 || !(vr[j] / div >= thr)) continue;
         if (pos >= cap) {
           bad.store(true, std::memory_order_relaxed);
           continue;
