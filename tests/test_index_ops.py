@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trtkv.cache.index_ops import add_at, clear_at, max_at, or_at
+from trtkv.cache.index_ops import add_at, clear_at, max_at, or_at, split_counts
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -26,3 +26,13 @@ def test_grouped_updates_equal_ufunc_at(seed, n):
     clear_at(a, idx, bits)
     np.bitwise_and.at(b, idx, ~bits)
     assert np.array_equal(a, b)
+
+
+def test_split_counts_is_np_split_by_lengths():
+    a = np.arange(20) * 3
+    for counts in ([20], [0, 5, 0, 15], [1] * 20, [7, 13], [0]):
+        if sum(counts) != len(a):
+            a = np.arange(sum(counts))
+        got = split_counts(a, counts)
+        want = np.split(a, np.cumsum(counts)[:-1])
+        assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))

@@ -15,6 +15,7 @@ import numpy as np
 
 from trtkv.cache.block_table import BlockTable, held_page_bytes
 from trtkv.cache.columns import Cls, TableColumns
+from trtkv.cache.index_ops import split_counts
 from trtkv.cache.pool import PagePool
 
 __all__ = ["alloc_one_each", "alloc_slots_each", "open_fresh_pages", "open_fresh_pages_layers",
@@ -106,7 +107,7 @@ def alloc_slots_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarra
         for i in need.tolist():
             seqs[i].account.add(cost)
     else:
-        for i, ps in zip(need.tolist(), np.split(fresh, np.cumsum(per)[:-1])):
+        for i, ps in zip(need.tolist(), split_counts(fresh, per)):
             seqs[i].layers[layer].hold_fresh(cls, ps.tolist(), cost * len(ps))
         cols.touch_rows(layer, rows[need])
     if partial.any():  # a last page with tail left stays the class's open page (as ``new_page`` made it)

@@ -19,6 +19,7 @@ import numpy as np
 
 from trtkv.cache.accounting import ByteAccount
 from trtkv.cache.columns import Cls, PositionView, TableColumns, Where
+from trtkv.cache.index_ops import split_counts
 from trtkv.cache.pool import PagePool
 from trtkv.errors import OutOfKVMemory
 
@@ -316,9 +317,9 @@ class BlockTable:
         cols, layer = tables[0]._cols, tables[0].layer  # noqa: SLF001 (tables of one cache and layer)
         BlockTable.catch_up_each(list(dict.fromkeys(tables)))
         cost = held_page_bytes(pool)
-        flat, ends = pages.tolist(), np.cumsum(counts).tolist()
-        rows = np.fromiter((table._unlist_listed(cls, flat[end - k:end], cost)  # noqa: SLF001 (caught up above)
-                            for table, cls, k, end in zip(tables, classes, counts.tolist(), ends)), np.int64, len(tables))
+        rows = np.fromiter((table._unlist_listed(cls, gone, cost)  # noqa: SLF001 (caught up above)
+                            for table, cls, gone in zip(tables, classes, split_counts(pages.tolist(), counts))),
+                           np.int64, len(tables))
         for cls, at in _by_class(classes):
             mine = pages if len(at) == len(tables) else pages[np.repeat(np.isin(np.arange(len(tables)), at), counts)]
             cols.reuse.drop_pages_each(layer, rows[at], cls, mine, counts[at])

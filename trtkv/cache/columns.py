@@ -20,7 +20,7 @@ import torch
 
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.fresh_pages import FreshPages
-from trtkv.cache.index_ops import add_at
+from trtkv.cache.index_ops import add_at, split_counts
 from trtkv.cache.pool_stack import flat
 from trtkv.cache.reuse import Cls, ReusableSlots
 
@@ -196,7 +196,7 @@ class TableColumns:
         cols = lo[:, None] + np.arange(width)
         held = (w[rows[:, None], np.minimum(cols, w.shape[1] - 1)] >= 0) & (cols < hi[:, None])
         r, c = np.nonzero(held)
-        return np.split(lo[r] + c, np.cumsum(held.sum(1))[:-1])
+        return split_counts(lo[r] + c, held.sum(1))
 
     def held_many(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Whether each ``(row, position)`` pair is held (in a page), as one array read."""

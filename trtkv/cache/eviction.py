@@ -94,8 +94,11 @@ def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer:
     return counts
 
 
+ReleaseJobs = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]  # (first, classes, pages, counts)
+
+
 def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np.ndarray, pages: np.ndarray,
-                slots: np.ndarray, reuse: bool, release: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]) -> None:
+                slots: np.ndarray, reuse: bool, release: ReleaseJobs) -> None:
     """Slots just evicted (slot ``slots[i]`` of page ``pages[i]``, row ``rows[i]`` in ``layer``, an int or an
     array) become reusable by their rows (``reuse``); a page left empty that is not its class's open page goes
     back to the pool, taking its slots with it: one ``release(first, classes, pages, counts)`` with a job for each

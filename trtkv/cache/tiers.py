@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from plugins.formats import get_format
+from trtkv.cache.index_ops import split_counts
 from trtkv.cache.pool_set import PoolSet
 from trtkv.cache.sequence import SeqKV
 from trtkv.cache.tier_names import (DEFAULT_HOST_FORMAT, TIER_DEVICE, TIER_EVICTED, TIER_HOST,  # noqa: F401
@@ -426,8 +427,7 @@ def _raw_copy_many(src: CacheLike, sseqs: list[SeqKV], dst: CacheLike, dseqs: li
 
 def _split(mask: np.ndarray, positions: list[np.ndarray]) -> list[np.ndarray]:
     """A concatenated per-position array cut back into one piece per job."""
-    ends = np.cumsum([len(p) for p in positions]).tolist()
-    return [mask[a:b] for a, b in zip([0, *ends], ends)]  # (np.split costs microseconds a piece)
+    return split_counts(mask, [len(p) for p in positions])
 
 
 def _encode_copy(src: CacheLike, sseq: SeqKV, dst: CacheLike, dseq: SeqKV, layer: int,

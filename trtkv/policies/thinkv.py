@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from trtkv.cache.index_ops import split_counts  # (a numpy helper, no cache state)
 from trtkv.errors import TrtkvError
 from trtkv.policies.base import KVPolicy, ReportColumn, StatsRequest
 
@@ -385,20 +386,21 @@ class ThinKVPolicy(KVPolicy):
                 shape = (max(len(mem) for mem, _ in jobs), max(t for _, t in jobs))
                 calls.setdefault(shape, []).append((req, jobs))
         for (m, _), group in calls.items():
-            keys = group[0][0].keys_padded(layer, [(req, mem) for req, jobs in group for mem, _ in jobs], m)
+            pairs = [(req, members) for req, jobs in group for members, _ in jobs]
+            keys = group[0][0].keys_padded(layer, pairs, m)
             feats = keys.reshape(len(keys), m, -1)  # (zero rows pad the segments that are not full)
-            flat = [job for _, jobs in group for job in jobs]
-            counts = torch.tensor([len(mem) for mem, _ in flat], dtype=torch.int32, device=feats.device)
-            k_keep = torch.tensor([t for _, t in flat], dtype=torch.int32, device=feats.device)
-            keep = torch.ops.trtkv.kmeans_select(feats, counts, k_keep, self.kmeans_iters).cpu().numpy()
-            # each job's members the k-means did not keep, in member order: one mask for the round
-            mask = np.ones((len(flat), m), bool)
+            lens = np.fromiter((len(members) for _, members in pairs), np.int32, len(pairs))
+            k_keep = np.fromiter((t for _, jobs in group for _, t in jobs), np.int32, len(pairs))
+            keep = torch.ops.trtkv.kmeans_select(feats, torch.from_numpy(lens).to(feats.device),
+                                                 torch.from_numpy(k_keep).to(feats.device), self.kmeans_iters)
+            keep = keep.cpu().numpy()
+            # the victims: each job's members the k-means did not keep, in member order, for the round at once
+            held = np.arange(m) < lens[:, None]
+            victim = held.copy()
             ji, col = np.nonzero(keep >= 0)
-            mask[ji, keep[ji, col]] = False
-            owners = [req for req, jobs in group for _ in jobs]
-            victims = [(req, members[mask[j, :len(members)]]) for j, (req, (members, _)) in
-                       enumerate(zip(owners, flat))]
-            group[0][0].evict_many(layer, victims)
+            victim[ji, keep[ji, col]] = False
+            victims = np.concatenate([members for _, members in pairs])[victim[held]]
+            group[0][0].evict_many(layer, list(zip([req for req, _ in pairs], split_counts(victims, victim.sum(1)))))
 
     # --- after each step: label the open segment at refresh steps, account tokens -----------
     def on_decode_step_end(self, req, stats) -> None:
