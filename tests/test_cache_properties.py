@@ -613,9 +613,9 @@ def test_batched_flush_matches_one_write_per_request(ops, block, uniform):
        eviction=st.sampled_from(["inplace", "compact"]))
 def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
     """``evict_many`` (a batch's anneal: one key-group read and one validity update per format, a request
-    possibly listed twice; compaction of every request hit in one gather a format) leaves exactly the state of
-    evicting each job in turn, and returns each job's count."""
-    caches = [make_cache(eviction), make_cache(eviction)]
+    possibly listed twice; compaction of every request hit in one gather a format) and ``evict_flat`` (the same
+    jobs concatenated) leave exactly the state of evicting each job in turn, and return each job's count."""
+    caches = [make_cache(eviction), make_cache(eviction), make_cache(eviction)]
     next_pos: dict[int, int] = {}
     for o in ops:
         apply_op(caches, next_pos, o)
@@ -627,13 +627,17 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
     picked = [(sid, list(dict.fromkeys(v))) for sid, v in picked]
     got = caches[0].evict_many(1, [(caches[0].seqs[sid], v) for sid, v in picked])
     want = [caches[1].evict(caches[1].seqs[sid], 1, v) for sid, v in picked]
-    assert got == want
-    assert _state(caches[0]) == _state(caches[1])
+    flat = caches[2].evict_flat(1, [caches[2].seqs[sid] for sid, _ in picked],
+                                np.array([p for _, v in picked for p in v], np.int64),
+                                np.array([len(v) for _, v in picked], np.int64))
+    assert got == want and flat == want
+    assert _state(caches[0]) == _state(caches[1]) == _state(caches[2])
+    check_invariants(caches[2])
     check_invariants(caches[0])
     for sid in ids:  # the codes moved with their tokens (compaction)
         live = caches[1].live_positions(caches[1].seqs[sid], 1)
-        for x, y in zip(*(c.gather_kv(c.seqs[sid], 1, live) for c in caches)):
-            assert torch.equal(x, y)
+        for x, y, z in zip(*(c.gather_kv(c.seqs[sid], 1, live) for c in caches)):
+            assert torch.equal(x, y) and torch.equal(x, z)
     for sid in ids:  # a segment's members: live positions in a range, short or wider than what is held
         seq, live = caches[0].seqs[sid], caches[0].live_positions(caches[0].seqs[sid], 1)
         ranges = ((0, 5), (3, 40), (-2, 1000), (30, 10), (next_pos[sid] - 7, next_pos[sid] + 3))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -171,7 +172,7 @@ class Hooks:
         pol, cache, hooks = self.pol, self.cache, self
         begin, end = type(pol).on_decode_step_begin, type(pol).on_decode_step_end
         flush, evict = type(cache).flush, type(cache).evict
-        flush_many, evict_many = type(cache).flush_many, type(cache).evict_many
+        flush_many, evict_many, evict_flat = type(cache).flush_many, type(cache).evict_many, type(cache).evict_flat
 
         def on_begin(req):
             hooks.step = req.step
@@ -219,14 +220,23 @@ class Hooks:
                 record(layer, h)
             return counts
 
+        def on_evict_flat(layer, seqs, positions, lens):
+            ends = np.cumsum(lens).tolist()
+            hit = [hits(seq, layer, positions[end - n:end]) for seq, n, end in zip(seqs, lens.tolist(), ends)]
+            counts = evict_flat(cache, layer, seqs, positions, lens)
+            assert counts == [len(h) for h in hit]
+            for h in hit:
+                record(layer, h)
+            return counts
+
         pol.on_decode_step_begin, pol.on_decode_step_end = on_begin, on_end
         cache.flush, cache.evict = on_flush, on_evict
-        cache.flush_many, cache.evict_many = on_flush_many, on_evict_many
+        cache.flush_many, cache.evict_many, cache.evict_flat = on_flush_many, on_evict_many, on_evict_flat
         return self
 
     def __exit__(self, *exc):
         del self.pol.on_decode_step_begin, self.pol.on_decode_step_end
-        del self.cache.flush, self.cache.evict, self.cache.flush_many, self.cache.evict_many
+        del self.cache.flush, self.cache.evict, self.cache.flush_many, self.cache.evict_many, self.cache.evict_flat
         sched = self.eng.scheduler  # a failed check leaves its request running in the shared engine: drop it
         for r in [*sched.waiting, *sched.running]:
             r.cancelled = True

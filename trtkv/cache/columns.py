@@ -311,8 +311,12 @@ class TableColumns:
         than once: a position is forgotten the first time it is listed): ``(item, format ids, pages, slots)``
         of the held ones, items ascending, each item's in the order given."""
         lens = np.fromiter(map(len, positions), np.int64, len(positions))
-        item = np.repeat(np.arange(len(positions)), lens)
         pos = np.concatenate(positions) if len(positions) else np.empty(0, np.int64)
+        return self.forget_flat(layer, rows, np.repeat(np.arange(len(positions)), lens), pos)
+
+    def forget_flat(self, layer: int, rows: np.ndarray, item: np.ndarray, pos: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``forget_many`` with its positions concatenated: ``pos[k]`` of item ``item[k]`` (ascending)."""
         w = self._where[layer]
         inside = (pos >= 0) & (pos < w.shape[1])
         if not inside.all():

@@ -63,15 +63,27 @@ def evict_private_many(pools: dict[str, PagePool], columns: TableColumns, layer:
     position maps, one key-group read, one validity update and one addition of reusable slots per format for all
     of them; emptied pages go back request by request, in order, so the end state is that of evicting each in
     turn."""
-    slot = {}  # a request listed twice (two segments annealed at once) is one request here, at its first place
-    for seq, _ in items:
-        slot.setdefault(id(seq), (len(slot), seq))
-    seqs = [seq for _, seq in slot.values()]
-    owner_of_item = np.fromiter((slot[id(seq)][0] for seq, _ in items), np.int64, len(items))
-    rows = np.fromiter((seq.row for seq, _ in items), np.int64, len(items))
-    item, fids, pages, slots = columns.forget_many(layer, rows, [np.asarray(p, np.int64).reshape(-1)
-                                                                 for _, p in items])
-    counts = np.bincount(item, minlength=len(items)).tolist()
+    positions = [np.asarray(p, np.int64).reshape(-1) for _, p in items]
+    lens = np.fromiter(map(len, positions), np.int64, len(positions))
+    flat_positions = np.concatenate(positions) if positions else np.empty(0, np.int64)
+    return evict_private_flat(pools, columns, layer, [seq for seq, _ in items], flat_positions, lens, reuse)
+
+
+def evict_private_flat(pools: dict[str, PagePool], columns: TableColumns, layer: int, item_seqs: list[SeqKV],
+                       positions: np.ndarray, lens: np.ndarray, reuse: bool = True) -> list[int]:
+    """``evict_private_many`` with the victims concatenated: ``lens[i]`` of ``positions`` are item ``i``'s, of
+    ``item_seqs[i]``. Returns each item's count."""
+    n_items = len(item_seqs)
+    rows = np.fromiter((seq.row for seq in item_seqs), np.int64, n_items)
+    # a request listed twice (two segments annealed at once) is one request here, at its first place
+    _, first, same = np.unique(rows, return_index=True, return_inverse=True)
+    place = np.empty(len(first), np.int64)
+    place[np.argsort(first, kind="stable")] = np.arange(len(first))
+    owner_of_item = place[same.reshape(-1)]
+    seqs = [item_seqs[i] for i in np.sort(first).tolist()]
+    item, fids, pages, slots = columns.forget_flat(layer, rows, np.repeat(np.arange(n_items), lens),
+                                                   np.asarray(positions, np.int64))
+    counts = np.bincount(item, minlength=n_items).tolist()
     if not len(item):
         return counts
     owner = owner_of_item[item]

@@ -26,9 +26,10 @@ from trtkv.cache.budget import PoolPlan
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
 from trtkv.cache.eviction import (evict_one_by_one, evict_one_each,
-                                  evict_one_each_layers, evict_private, evict_private_many)
+                                  evict_one_each_layers, evict_private, evict_private_flat, evict_private_many)
 from trtkv.cache.flush import flush_many
 from trtkv.cache.forks import FORK_MODES, PageRefs
+from trtkv.cache.index_ops import split_counts
 from trtkv.cache.pool import PagePool
 from trtkv.cache.pool_set import PoolSet
 from trtkv.cache.release import release_tables
@@ -387,10 +388,8 @@ class KVCacheManager:
                 or (repeated and self.cfg.eviction == "compact"):
             return [self.evict(s, layer, p) if counted else self.evict(s, layer, p, False) for s, p in items]
         counts = evict_private_many(self.pools[layer], self.columns, layer, items, self.cfg.eviction != "compact")
-        if counted:  # the batch's counts in one array update (a request may appear more than once)
-            rows = np.fromiter((s.row for s, _ in items), np.int64, len(items))
-            self.columns.count_evicted(rows, np.asarray(counts, np.int64))
-            self.evictions_total += int(sum(counts))
+        if counted:
+            self._count_evicted([s for s, _ in items], counts)
         if self.cfg.eviction == "compact":  # every request that lost tokens, in order, each once
             hit = {id(seq): seq for (seq, _), n in zip(items, counts) if n}
             if hit:
@@ -483,6 +482,22 @@ class KVCacheManager:
     def gather_keys_flat(self, layer: int, items: list[tuple[SeqKV, object]]) -> torch.Tensor:
         """The dequantized keys of several requests' paged positions, concatenated ``[sum m, H, D]``."""
         return reads.gather_kv_flat(self.pools, self.columns, layer, items, keys_only=True)[0]
+
+    def evict_flat(self, layer: int, seqs: list[SeqKV], positions: np.ndarray, lens: np.ndarray) -> list[int]:
+        """``evict_many`` with the victims concatenated, ``lens[i]`` of ``positions`` the ``i``-th job's (of
+        ``seqs[i]``, which may repeat): a batch's anneal or event without an array per job."""
+        if (self.cfg.eviction == "compact" or int(lens.sum()) < EVICT_BATCH_MIN or int(lens.max(initial=0)) <= 1
+                or any(s.fork_mode is not None for s in seqs)):
+            return self.evict_many(layer, list(zip(seqs, split_counts(positions, lens))))
+        counts = evict_private_flat(self.pools[layer], self.columns, layer, seqs, positions, lens)
+        self._count_evicted(seqs, counts)
+        return counts
+
+    def _count_evicted(self, seqs: list[SeqKV], counts: list[int]) -> None:
+        """A batch's eviction counts in one array update (a request may appear more than once)."""
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        self.columns.count_evicted(rows, np.asarray(counts, np.int64))
+        self.evictions_total += int(sum(counts))
 
     def block_tables(self, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""

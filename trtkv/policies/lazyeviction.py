@@ -252,7 +252,7 @@ class LazyEvictionPolicy(ScorerPolicy):
     def events_each(self, due: list) -> None:
         """The events of several requests at one step, layer by layer: the requests over the budget with nothing
         buffered and the same number of held tokens are scored and ranked as one stack (``lexi_top``'s order per
-        row, ``np.lexsort`` along rows) and evicted in one ``evict_many``; the others go through ``evict_layer``."""
+        row, ``np.lexsort`` along rows) and evicted in one ``evict_flat``; the others go through ``evict_layer``."""
         if len(due) < 2 or any(r.state.memo.ts is None for r in due):
             return super().events_each(due)
         first = due[0]
@@ -268,7 +268,7 @@ class LazyEvictionPolicy(ScorerPolicy):
             acted[over] = True
             paged = first.num_paged_many(layer, due)
             whole = over[paged[over] == live[over]]  # nothing buffered: the held tokens are the paged ones
-            jobs = []
+            owners, victims_of, lens = [], [], []
             for n in np.unique(live[whole]).tolist():
                 at = whole[live[whole] == n]
                 n_cand = n - min(self.recent, n)  # the newest `recent` held are protected (n_sink = 0)
@@ -280,9 +280,11 @@ class LazyEvictionPolicy(ScorerPolicy):
                 score = mri_score(step[torch.from_numpy(at)].to(ts.device), ts, mri, self.score, self.ablate)
                 order = np.lexsort((-cand, -ts.cpu().numpy(), mri.cpu().numpy(), -score.cpu().numpy()), axis=-1)
                 victims = np.sort(np.take_along_axis(cand, order[:, max(n_keep, 0):], 1), axis=1)
-                jobs += [(due[i], v) for i, v in zip(at.tolist(), victims)]
-            if jobs:
-                first.evict_many(layer, jobs)
+                owners += [due[i] for i in at.tolist()]
+                victims_of.append(victims.reshape(-1))
+                lens.append(np.full(len(at), victims.shape[1], np.int64))
+            if owners:
+                first.evict_flat(layer, owners, np.concatenate(victims_of), np.concatenate(lens))
             for i in np.setdiff1d(over, whole).tolist():
                 self.evict_layer(due[i], layer, target)
         for r, a in zip(due, acted.tolist()):

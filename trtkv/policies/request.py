@@ -74,6 +74,9 @@ class PolicyRequest(Protocol):
     def evict_many(self, layer: int, jobs: list[tuple["PolicyRequest", Any]]) -> list[int]:
         """``evict`` of ``(request, positions)`` jobs of requests in this one's batch, in one pass (a batch
         hook's anneal evicts from every request at once); returns each job's count."""
+    def evict_flat(self, layer: int, reqs: list["PolicyRequest"], positions: np.ndarray, lens: np.ndarray) -> list[int]:
+        """``evict_many`` with the victims concatenated: ``lens[i]`` of ``positions`` are job ``i``'s, of ``reqs[i]``
+        (a request may repeat); no array per job."""
     def evict_each(self, layer: int, reqs: list["PolicyRequest"], positions: np.ndarray) -> None:
         """``evict`` of ``positions[i]`` (one position each, -1 none) of ``reqs[i]`` (distinct requests of this
         one's batch) in one layer, by array operations where the cache allows; passing the same list object

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from trtkv.cache.index_ops import split_counts  # (a numpy helper, no cache state)
 from trtkv.errors import TrtkvError
 from trtkv.policies.base import KVPolicy, ReportColumn, StatsRequest
 
@@ -400,7 +399,7 @@ class ThinKVPolicy(KVPolicy):
             ji, col = np.nonzero(keep >= 0)
             victim[ji, keep[ji, col]] = False
             victims = np.concatenate([members for _, members in pairs])[victim[held]]
-            group[0][0].evict_many(layer, list(zip([req for req, _ in pairs], split_counts(victims, victim.sum(1)))))
+            group[0][0].evict_flat(layer, [req for req, _ in pairs], victims, victim.sum(1))
 
     # --- after each step: label the open segment at refresh steps, account tokens -----------
     def on_decode_step_end(self, req, stats) -> None:

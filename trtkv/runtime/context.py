@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trtkv.cache.index_ops import split_counts
 from trtkv.cache.manager import KVCacheManager, SeqKV
 from trtkv.distributed.group import HeadShards
 
@@ -184,6 +185,17 @@ class RequestContext:
         if self._cache.cfg.demote != "none":
             return [req.evict(layer, positions) for req, positions in jobs]
         return self._bookkeeping(self._cache.evict_many, layer, [(req._seq, positions) for req, positions in jobs])
+
+    def evict_flat(self, layer: int, reqs: list["RequestContext"], positions: np.ndarray, lens: np.ndarray
+                   ) -> list[int]:
+        """``evict_many`` with the victims concatenated: ``lens[i]`` of ``positions`` are the ``i``-th job's, of
+        ``reqs[i]`` (requests of this one's batch, a request may repeat)."""
+        if self._cache.cfg.demote != "none":
+            return self.evict_many(layer, list(zip(reqs, split_counts(positions, lens))))
+        if any(req._cache is not self._cache for req in reqs):
+            raise ValueError("evict_flat: every request must share this request's cache")
+        return self._bookkeeping(self._cache.evict_flat, layer, [req._seq for req in reqs],
+                                 np.asarray(positions, np.int64), np.asarray(lens, np.int64))
 
     def evict_each(self, layer: int, reqs: list["RequestContext"], positions: np.ndarray) -> None:
         """One position (-1: none) of each of ``reqs`` (distinct) in one layer: ``evict_many``'s array path."""
