@@ -333,7 +333,8 @@ def held_columns(where: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tenso
 
 
 def mri_track(ts: torch.Tensor, mri: torch.Tensor, layer: int, rows: torch.Tensor, positions: torch.Tensor,
-              values: list[torch.Tensor], divisor: float, alpha: float, prompt: torch.Tensor, step: torch.Tensor) -> None:
+              values: list[torch.Tensor], divisor: float, alpha: float, prompt: torch.Tensor,
+              step: torch.Tensor) -> None:
     """LazyEviction's tracking update of a batch in one layer (positions ``[b, n]``) or in layers ``layer..`` (``[L, b,
     n]``), a token activated where ``values / divisor >= alpha``, in place (see mri_track/reference.py): the compiled
     CPU kernel for contiguous int32 tables on CPU, else the reference."""

@@ -1,4 +1,4 @@
-"""LazyEviction's tracking update of one decode step for a batch, in one layer or in several (trtkv/policies/lazyeviction.py).
+"""LazyEviction's tracking update of one decode step for a batch, in one layer or several (policies/lazyeviction.py).
 
 Contract: ``ts, mri [layers, R, cap]`` int32, updated in place — per table row and position, TS minus the token's
 creation step and the maximum recurrence interval; ``layer``; ``rows [b]`` int64 (distinct table rows);
