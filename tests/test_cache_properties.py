@@ -9,6 +9,7 @@ dequantized live tokens, and compaction changes no attention output.
 from __future__ import annotations
 
 import math
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 import plugins  # noqa: F401
 from trtkv.cache import reads
+from trtkv.cache.block_table import BlockTable
 from trtkv.cache.eviction import evict_private
 from trtkv.cache.fresh_pages import DEPTH
 from trtkv.cache.manager import CacheConfig, KVCacheManager
@@ -625,6 +627,8 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
         ids = sorted(caches[0].seqs)
     picked = [(ids[i % len(ids)], [p % max(1, next_pos[ids[i % len(ids)]]) for p in victims]) for i, victims in jobs]
     picked = [(sid, list(dict.fromkeys(v))) for sid, v in picked]
+    for c in caches:  # the batch's block tables read now follow the eviction in place (pages leaving their lists)
+        _check_block_tables(c)
     got = caches[0].evict_many(1, [(caches[0].seqs[sid], v) for sid, v in picked])
     want = [caches[1].evict(caches[1].seqs[sid], 1, v) for sid, v in picked]
     flat = caches[2].evict_flat(1, [caches[2].seqs[sid] for sid, _ in picked],
@@ -633,6 +637,8 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
     assert got == want and flat == want
     assert _state(caches[0]) == _state(caches[1]) == _state(caches[2])
     check_invariants(caches[2])
+    for c in caches:
+        _check_block_tables(c)
     check_invariants(caches[0])
     for sid in ids:  # the codes moved with their tokens (compaction)
         live = caches[1].live_positions(caches[1].seqs[sid], 1)
@@ -751,6 +757,35 @@ def test_block_tables_of_a_layer_survive_another_layers_page_change():
     assert all(a is b for (_, a), (_, b) in zip(cache.block_tables(0, seqs), before[0]))
     (_, bt), = cache.block_tables(1, seqs)
     assert bt.tolist() != before[1][0][1].tolist()
+    _check_block_tables(cache)
+
+
+@pytest.mark.parametrize("classes", [1, 2])
+def test_block_tables_drop_an_events_emptied_pages_in_place(classes):
+    """Eviction events emptying pages of every request (of one or two classes) leave block tables that drop those
+    pages in place, two events between reads included, without rewriting any row from its lists, equal to tables
+    built anew; a row that also changed in a way not recorded is rewritten."""
+    cache = make_cache(g=1)
+    for sid in range(4):
+        cache.add_sequence(sid)
+    seqs = [cache.seqs[s] for s in sorted(cache.seqs)]
+    k = v = torch.ones(len(seqs), H, D)
+    for pos in range(24):  # six pages each, alternating classes in fours when there are two
+        cls = ("fp32", (pos // 4) % classes)
+        for layer in range(L):
+            cache.write_through(layer, seqs, k, v, [pos] * len(seqs), cls)
+    for layer in range(L):
+        cache.block_tables(layer, seqs)
+    victims = [[0, 1, 2, 3, 8, 9, 10, 11, 13], [4, 5, 6, 7], [], [16, 17, 18, 19, 20, 21, 22, 23, 0]]
+    cache.evict_many(1, [(s, v) for s, v in zip(seqs, victims)])
+    cache.evict_many(1, [(s, v) for s, v in zip(seqs[:3], [[20, 21, 22, 23], [12, 13, 14, 15], [8, 9, 10, 11]])])
+    cache.evict(seqs[3], 1, [4, 5, 6, 7])  # row 3 changes again, one by one: another page goes, unrecorded
+    rewritten = []
+    original = BlockTable.catch_up_each
+    with patch.object(BlockTable, "catch_up_each", lambda tabs: (rewritten.extend(tabs), original(tabs))):
+        (_, bt), = cache.block_tables(1, seqs)
+    assert rewritten == [seqs[3].layers[1]]
+    assert ((bt >= 0).sum(1) < 6).all()  # (every row lost pages)
     _check_block_tables(cache)
 
 

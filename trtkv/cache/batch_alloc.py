@@ -109,7 +109,7 @@ def alloc_slots_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarra
     else:
         for i, ps in zip(need.tolist(), split_counts(fresh, per)):
             seqs[i].layers[layer].hold_fresh(cls, ps.tolist(), cost * len(ps))
-        cols.touch_rows(layer, rows[need])
+        cols.changes.touch_rows(layer, rows[need])
     if partial.any():  # a last page with tail left stays the class's open page (as ``new_page`` made it)
         cols.set_opens(layer, rows[need[partial]], cls, last[partial])
     return pages, slots
@@ -195,7 +195,7 @@ def _queue_pages(table_of: Callable[[int], BlockTable], cols: TableColumns, laye
     for j in range(per):
         fresh.add(layer, rows, fmt_id, pages[:, j], cls[1])
     cols.reuse.note_orders(layer, cls[0], pages.reshape(-1), orders.reshape(-1))
-    cols.append_rows(layer, rows, cls[0], pages if per > 1 else pages[:, 0], at_end)
+    cols.changes.append_rows(layer, rows, fmt_id, pages if per > 1 else pages[:, 0], at_end)
 
 
 def add_full_pages_each(tables: list[BlockTable], cols: TableColumns, layer: int, rows: np.ndarray,
@@ -215,6 +215,6 @@ def add_full_pages_each(tables: list[BlockTable], cols: TableColumns, layer: int
     at_end = np.fromiter((t.hold_numbered(cls, ps, cost) for t, cls, ps in zip(tables, classes, pages.tolist())),
                          bool, G)
     if one_fmt:
-        cols.append_rows(layer, rows, fmts[0], pages, at_end)
+        cols.changes.append_rows(layer, rows, cols.fmt_id(fmts[0]), pages, at_end)
     else:
-        cols.touch_rows(layer, rows)
+        cols.changes.touch_rows(layer, rows)

@@ -324,7 +324,11 @@ class BlockTable:
             mine = pages if len(at) == len(tables) else pages[np.repeat(np.isin(np.arange(len(tables)), at), counts)]
             cols.reuse.drop_pages_each(layer, rows[at], cls, mine, counts[at])
         pool.release_pages(pages)
-        _touch(cols, layer, rows)
+        # each row's emptied pages, recorded so the batch's block tables drop them in place
+        row_of_page = np.repeat(rows, counts)
+        order = np.argsort(row_of_page, kind="stable")
+        changed, per_row = np.unique(row_of_page[order], return_counts=True)
+        cols.changes.remove_rows(layer, changed, cols.fmt_id(classes[0][0]), pages[order], per_row)
 
     def _unlist(self, cls: Cls, pages: list[int], cost: int) -> int:
         """Pages of ``cls`` leave the list (``cost`` each goes); returns this table's row."""
@@ -431,7 +435,7 @@ class BlockTable:
 
     def _pages_changed(self) -> None:
         self._flat = self._single_bt = None
-        self._cols.touch(self.layer, self._row)
+        self._cols.changes.touch(self.layer, self._row)
 
 
 def _by_class(classes: list[Cls]) -> Iterator[tuple[Cls, np.ndarray]]:
@@ -442,4 +446,4 @@ def _by_class(classes: list[Cls]) -> Iterator[tuple[Cls, np.ndarray]]:
 
 def _touch(cols: TableColumns, layer: int, rows: np.ndarray) -> None:
     """A batch verb changed the page lists of ``rows`` (repeats allowed): each row's stamp moves once."""
-    cols.touch_rows(layer, np.asarray(list(dict.fromkeys(rows.tolist())), np.int64))
+    cols.changes.touch_rows(layer, np.asarray(list(dict.fromkeys(rows.tolist())), np.int64))

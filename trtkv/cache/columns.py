@@ -21,6 +21,7 @@ import torch
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.fresh_pages import FreshPages
 from trtkv.cache.index_ops import add_at, split_counts
+from trtkv.cache.page_changes import PageChanges
 from trtkv.cache.pool_stack import flat
 from trtkv.cache.reuse import Cls, ReusableSlots
 
@@ -28,7 +29,6 @@ Where = tuple[str, int, int]  # (format, page, slot)
 
 NOT_HELD = -1
 _SLOT_SHIFT, _PAGE_SHIFT = 3, 8
-APPEND_MAX = 4  # pages one change may append to a row's list that a batch's block tables take in place
 _FMT_MASK, _SLOT_MASK = 7, 31
 MAX_FORMATS = 8
 FIRST_ROWS, FIRST_WIDTH = 8, 64
@@ -49,15 +49,7 @@ class TableColumns:
         self._open: dict[Cls, np.ndarray] = {}  # open page, -1 none
         self._holes = np.zeros((num_layers, FIRST_ROWS), bool)  # an eviction ever hit the table
         self._evicted = np.zeros(FIRST_ROWS, np.int64)  # tokens evicted per request, summed over layers
-        self._stamp = np.zeros((num_layers, FIRST_ROWS), np.int64)  # changes whenever a page list changes
-        # when a row's last page-list change was up to APPEND_MAX pages joining the end of its format's list (a page
-        # boundary, a flush's group): those pages (page << 3 | format id; -1 padded, all -1 another change) and the
-        # stamp before them, so a batch's block tables take the pages in place instead of being rebuilt from every
-        # request's lists
-        self._appended = np.full((num_layers, FIRST_ROWS, APPEND_MAX), -1, np.int64)
-        self._stamp_before = np.zeros((num_layers, FIRST_ROWS), np.int64)
-        self._clock = 0
-        self._layer_clock = np.zeros(num_layers, np.int64)  # the latest stamp handed out in each layer
+        self.changes = PageChanges(num_layers, FIRST_ROWS)  # page-list stamps, for the batch's block tables
         self._free = list(range(FIRST_ROWS - 1, -1, -1))  # a stack: the lowest free row on top
         self._fmt_ids: dict[str, int] = {}
         self._fmt_names: list[str] = []
@@ -78,10 +70,7 @@ class TableColumns:
         self._live[:, row] = 0
         self._holes[:, row] = False
         self._evicted[row] = 0
-        self._clock += 1
-        self._stamp[:, row] = self._clock
-        self._layer_clock[:] = self._clock
-        self._appended[:, row] = -1
+        self.changes.clear_row(row)
         self.fresh.clear_row(row)
         self.reuse.clear_row(row)
         self._free.append(row)
@@ -97,11 +86,7 @@ class TableColumns:
         self._holes = np.concatenate([self._holes, np.zeros((self.num_layers, new - old), bool)], axis=1)
         self._evicted = np.concatenate([self._evicted, np.zeros(new - old, np.int64)])
         self._live = np.concatenate([self._live, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
-        self._stamp = np.concatenate([self._stamp, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
-        self._appended = np.concatenate([self._appended, np.full((self.num_layers, new - old, APPEND_MAX), -1,
-                                                                 np.int64)], axis=1)
-        self._stamp_before = np.concatenate([self._stamp_before, np.zeros((self.num_layers, new - old), np.int64)],
-                                            axis=1)
+        self.changes.grow_rows(new)
         self.fresh.grow_rows(new)
         self.reuse.grow_rows(new)
         self._free = list(range(new - 1, old - 1, -1)) + self._free
@@ -441,49 +426,6 @@ class TableColumns:
         ``closed[l, j]``."""
         layer, j = np.nonzero(closed)
         self._open[cls][layer, rows[j]] = -1
-
-    # --- page-list stamps (BlockTableCache: which rows' block tables changed) -------------------------
-    def touch(self, layer: int, row: int) -> None:
-        self._clock += 1
-        self._stamp[layer, row] = self._clock
-        self._layer_clock[layer] = self._clock
-        self._appended[layer, row] = -1
-
-    def touch_rows(self, layer: int, rows: np.ndarray) -> None:
-        self._stamp[layer, rows] = self._clock + 1 + np.arange(len(rows))
-        self._clock += len(rows)
-        self._layer_clock[layer] = self._clock
-        self._appended[layer, rows] = -1
-
-    def append_rows(self, layer: int, rows: np.ndarray, fmt: str, pages: np.ndarray, at_end: np.ndarray) -> None:
-        """``touch_rows`` for page ``pages[i]`` (``[n]``), or the pages ``pages[i]`` in order (``[n, m]``), joining
-        row ``rows[i]``'s ``fmt`` pages, the last of that format's list where ``at_end[i]`` (block tables may
-        append them; more than APPEND_MAX pages a row are a plain touch)."""
-        self._stamp_before[layer, rows] = self._stamp[layer, rows]
-        self.touch_rows(layer, rows)
-        pages = np.asarray(pages, np.int64)
-        pages = pages[:, None] if pages.ndim == 1 else pages
-        if pages.shape[1] > APPEND_MAX:
-            return
-        code = (pages << _SLOT_SHIFT) | self.fmt_id(fmt)  # (a format id fits 3 bits)
-        self._appended[layer, rows, :pages.shape[1]] = np.where(at_end[:, None], code, -1)
-
-    def layer_clock(self, layer: int) -> int:
-        """Changes whenever a row's page list in ``layer`` changes (the latest stamp handed out there): layers
-        whose pages change at different steps (per-layer budgets) keep each other's block tables."""
-        return int(self._layer_clock[layer])
-
-    def stamps(self, layer: int, rows: np.ndarray) -> np.ndarray:
-        return self._stamp[layer, rows]
-
-    def appended(self, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(stamps before, format ids, pages [n, APPEND_MAX])`` of rows whose last page-list change was pages
-        appended to the end of a format's list (-1 padded, in order); format id -1 for rows whose last change was
-        another."""
-        code = self._appended[layer, rows]
-        first = code[:, 0]
-        return (self._stamp_before[layer, rows], np.where(first >= 0, first & _FMT_MASK, -1),
-                np.where(code >= 0, code >> _SLOT_SHIFT, -1))
 
 
 def _held_columns(where: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:

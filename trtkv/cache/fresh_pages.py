@@ -5,7 +5,7 @@ Every request of a lockstep batch fills its open page (or its residual buffer) o
 (request, layer). Here a boundary records the pages, their format and class per (layer, row) as array writes
 (their order numbers go to ``ReusableSlots``, which keeps every page's), and a table moves its row's entries
 into its lists the first time it reads them (``BlockTable``: page lists, flat page arrays). The batch's block
-tables take the pages in place meanwhile (``TableColumns.append_rows``), so a decode step reads no table's lists
+tables take the pages in place meanwhile (``PageChanges.append_rows``), so a decode step reads no table's lists
 and the entries wait.
 
 A format's block table is its class lists joined in the order the table first listed each class, so a page

@@ -152,12 +152,12 @@ class BlockTableCache:
                 (pools[fmt], torch.from_numpy(pages[None]).to(pools[fmt].device))
                 for fmt, pages in flat.items() if len(pages)])  # (a format whose pages were all released has none)
         last = self._last[layer]
-        clock = columns.layer_clock(layer)
+        clock = columns.changes.layer_clock(layer)
         if last is not None and last[1] == clock and (last[0] is rows or np.array_equal(last[0], rows)):
             return last[2]  # no page list of this layer changed since, the same requests
         tables = self._tables[layer]
         tables.fit(int(rows.max()) + 1, pools)
-        stamps = columns.stamps(layer, rows)
+        stamps = columns.changes.stamps(layer, rows)
         stale = np.flatnonzero(tables.seen[rows] != stamps)
         if len(stale):
             self._bring_up_to_date(tables, layer, seqs, stale, columns, rows[stale])
@@ -174,24 +174,18 @@ class BlockTableCache:
     def _bring_up_to_date(tables: _RowTables, layer: int, seqs: list[SeqKV], stale: np.ndarray,
                           columns: TableColumns, rows: np.ndarray) -> None:
         """Rows ``rows`` (of ``seqs[stale]``) whose page lists changed since they were last read: the ones whose
-        last change was one page joining the end of a format's list, right after that read, take it in place
-        (array operations: a page boundary of the whole batch touches no request object); the others are
-        rewritten from their lists."""
-        before, fids, pages = columns.appended(layer, rows)
-        append = (fids >= 0) & (before == tables.seen[rows])
+        changes since that read were pages joining the end of a format's list or leaving it (``PageChanges``) apply
+        them in place (array operations: a page boundary or an eviction event of the whole batch touches no request
+        object); the others are rewritten from their lists."""
+        covered, changes = columns.changes.since(layer, rows, tables.seen[rows])
         names = columns.fmt_names
-        for f in np.unique(fids[append]).tolist():
-            mine = append & (fids == f)
-            at, new = rows[mine], pages[mine]
-            count = (new >= 0).sum(axis=1)
-            tables.fit(0, (names[f],))
-            lens = tables.lens[names[f]]
-            bt = tables.widen(names[f], int((lens[at] + count).max()))
-            for j in range(int(count.max())):
-                has = count > j
-                bt[at[has], lens[at[has]] + j] = new[has, j]
-            lens[at] += count
-        rest = np.flatnonzero(~append)
+        for applies, fids, pages, removed in changes:
+            for f in np.unique(fids[applies]).tolist():
+                tables.fit(0, (names[f],))
+                mine = applies & (fids == f)
+                _append_in_place(tables, names[f], rows[mine & ~removed], pages[mine & ~removed])
+                _remove_in_place(tables, names[f], rows[mine & removed], pages[mine & removed])
+        rest = np.flatnonzero(~covered)
         if not len(rest):
             return
         tabs = [seqs[i].layers[layer] for i in stale[rest].tolist()]
@@ -208,6 +202,33 @@ class BlockTableCache:
 
 
 FIRST_TABLE_WIDTH = 16  # pages a row of a layer's block tables holds before its format's table widens
+
+
+def _append_in_place(tables: _RowTables, fmt: str, at: np.ndarray, new: np.ndarray) -> None:
+    """Rows ``at`` of ``fmt``'s block table take pages ``new [n, k]`` (-1 padded) at their ends."""
+    if not len(at):
+        return
+    count = (new >= 0).sum(axis=1)
+    lens = tables.lens[fmt]
+    bt = tables.widen(fmt, int((lens[at] + count).max()))
+    for j in range(int(count.max())):
+        has = count > j
+        bt[at[has], lens[at[has]] + j] = new[has, j]
+    lens[at] += count
+
+
+def _remove_in_place(tables: _RowTables, fmt: str, at: np.ndarray, gone: np.ndarray) -> None:
+    """Rows ``at`` of ``fmt``'s block table drop pages ``gone [n, k]`` (-1 padded); the others keep their order."""
+    if not len(at):
+        return
+    lens, bt = tables.lens[fmt], tables.pages[fmt]
+    width = int(lens[at].max(initial=0))
+    cur = bt[at, :width]
+    inside = np.arange(width) < lens[at][:, None]
+    kept = inside & ~(cur[:, :, None] == np.where(gone >= 0, gone, -2)[:, None, :]).any(axis=2)
+    order = np.argsort(~kept, axis=1, kind="stable")  # each row's kept pages first, in order
+    bt[at, :width] = np.where(np.arange(width) < kept.sum(axis=1)[:, None], np.take_along_axis(cur, order, 1), -1)
+    lens[at] = kept.sum(axis=1)
 
 
 def _fill_rows(bt: np.ndarray, at: np.ndarray, rows: list[list[list[int]]], lens: np.ndarray) -> None:

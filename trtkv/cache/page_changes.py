@@ -1,0 +1,111 @@
+"""``PageChanges``: which block tables' page lists changed, and how, so a batch's block tables follow them.
+
+Every (layer, table row) has a stamp that moves whenever its page lists change; a batch's block tables
+(``cache/reads.py``) remember the stamp of each row they last read and rewrite a row from its table's Python lists
+when it moved. At 32 layers × 256 requests a page boundary or an eviction event changes 8,192 lists at once, and
+rewriting each from Python is the cost. So the last two changes of a row are also recorded when they are ones a
+block table can apply in place: up to ``CHANGE_MAX`` pages of one format that joined the end of its list (a page
+boundary, a flush's group) or that left it (pages an eviction emptied), each with the stamp before it. A block
+table that read the row at one of those stamps applies what followed by array operations (an event's removals and
+the next step's page boundary come between two reads); any other change is a plain touch, which forgets them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+CHANGE_MAX = 8  # pages of one change a batch's block tables apply in place (more: the row is rewritten)
+_FMT_BITS, _FMT_MASK = 3, 7  # page << 3 | format id (a format id fits 3 bits)
+
+
+class PageChanges:
+    """Per layer and table row: the stamp, and the last two changes when block tables can apply them in place."""
+
+    def __init__(self, num_layers: int, rows: int) -> None:
+        self._stamp = np.zeros((num_layers, rows), np.int64)
+        # [0]: the change before the last, [1]: the last; each the stamp before it, its pages (page << 3 | format
+        # id, -1 padded; all -1: not recorded) and whether they left the list (else joined the end of its format's)
+        self._before = np.zeros((2, num_layers, rows), np.int64)
+        self._pages = np.full((2, num_layers, rows, CHANGE_MAX), -1, np.int64)
+        self._removed = np.zeros((2, num_layers, rows), bool)
+        self._clock = 0
+        self._layer_clock = np.zeros(num_layers, np.int64)  # the latest stamp handed out in each layer
+
+    def grow_rows(self, rows: int) -> None:
+        old = self._stamp.shape[1]
+        self._stamp = np.concatenate([self._stamp, np.zeros((self._stamp.shape[0], rows - old), np.int64)], axis=1)
+        self._before, self._removed = (np.concatenate([a, np.zeros((*a.shape[:2], rows - old), a.dtype)], axis=2)
+                                       for a in (self._before, self._removed))
+        self._pages = np.concatenate([self._pages, np.full((*self._pages.shape[:2], rows - old, CHANGE_MAX), -1,
+                                                           np.int64)], axis=2)
+
+    def clear_row(self, row: int) -> None:
+        """Row ``row`` changed in every layer (its request was freed)."""
+        self._clock += 1
+        self._stamp[:, row] = self._clock
+        self._layer_clock[:] = self._clock
+        self._pages[:, :, row] = -1
+
+    def touch(self, layer: int, row: int) -> None:
+        self.touch_rows(layer, np.array([row], np.int64))
+
+    def touch_rows(self, layer: int, rows: np.ndarray) -> None:
+        """The page lists of ``rows`` (distinct) changed in ``layer``, in a way not recorded."""
+        self._stamp_rows(layer, rows)
+        self._pages[:, layer, rows] = -1
+
+    def _stamp_rows(self, layer: int, rows: np.ndarray) -> None:
+        self._stamp[layer, rows] = self._clock + 1 + np.arange(len(rows))
+        self._clock += len(rows)
+        self._layer_clock[layer] = self._clock
+
+    def append_rows(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray, at_end: np.ndarray) -> None:
+        """``touch_rows`` for page ``pages[i]`` (``[n]``), or the pages ``pages[i]`` in order (``[n, m]``), joining
+        row ``rows[i]``'s pages of format ``fmt_id``, the last of that format's list where ``at_end[i]``."""
+        pages = np.asarray(pages, np.int64)
+        self._record(layer, rows, fmt_id, pages[:, None] if pages.ndim == 1 else pages, at_end, removed=False)
+
+    def remove_rows(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray, counts: np.ndarray) -> None:
+        """``touch_rows`` for ``counts[i]`` of ``pages`` (row by row) leaving row ``rows[i]``'s (distinct) pages of
+        format ``fmt_id``."""
+        width = int(counts.max(initial=0))
+        grid = np.full((len(rows), max(width, 1)), -1, np.int64)
+        starts = np.cumsum(counts) - counts
+        grid[np.repeat(np.arange(len(rows)), counts), np.arange(len(pages)) - np.repeat(starts, counts)] = pages
+        self._record(layer, rows, fmt_id, grid, np.ones(len(rows), bool), removed=True)
+
+    def _record(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray, ok: np.ndarray,
+                removed: bool) -> None:
+        for a in (self._before, self._pages, self._removed):  # the last change becomes the one before it
+            a[0, layer, rows] = a[1, layer, rows]
+        self._before[1, layer, rows] = self._stamp[layer, rows]
+        self._stamp_rows(layer, rows)
+        self._pages[1, layer, rows] = -1
+        if pages.shape[1] > CHANGE_MAX:
+            return
+        code = np.where(pages >= 0, (pages << _FMT_BITS) | fmt_id, -1)
+        self._pages[1, layer, rows, :pages.shape[1]] = np.where(ok[:, None], code, -1)
+        self._removed[1, layer, rows] = removed
+
+    def layer_clock(self, layer: int) -> int:
+        """Changes whenever a row's page list in ``layer`` changes (the latest stamp handed out there): layers
+        whose pages change at different steps (per-layer budgets) keep each other's block tables."""
+        return int(self._layer_clock[layer])
+
+    def stamps(self, layer: int, rows: np.ndarray) -> np.ndarray:
+        return self._stamp[layer, rows]
+
+    def since(self, layer: int, rows: np.ndarray, seen: np.ndarray
+              ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]]:
+        """What changed in ``rows`` since stamps ``seen`` when block tables can apply it: ``(covered, changes)``,
+        ``covered`` the rows whose changes since are all recorded, ``changes`` to apply in order, each ``(rows
+        mask, format ids, pages [n, CHANGE_MAX] -1 padded in order, removed)`` (the change before the last, for the
+        rows that read before it; the last)."""
+        code = self._pages[:, layer, rows]
+        recorded = code[:, :, 0] >= 0
+        last = recorded[1] & (self._before[1, layer, rows] == seen)
+        both = recorded[1] & recorded[0] & (self._before[0, layer, rows] == seen)
+        changes = []
+        for i, mask in ((0, both), (1, last | both)):
+            changes.append((mask, np.where(recorded[i], code[i, :, 0] & _FMT_MASK, -1),
+                            np.where(code[i] >= 0, code[i] >> _FMT_BITS, -1), self._removed[i, layer, rows]))
+        return last | both, changes
