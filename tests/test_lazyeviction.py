@@ -233,3 +233,27 @@ def test_soft_bound_reported(le):
     res = eng.generate(PROMPT, SP)[0]
     P = res.stats["prompt_tokens"]
     assert res.stats["peak_live_tokens"] == min(P + SP.max_tokens, max(P, B) + W)
+
+
+def test_stacked_events_equal_layer_by_layer(le, monkeypatch):
+    """A lockstep batch's events (same held count in every layer) scored and ranked as one [L, k, n] stack keep
+    exactly the tokens the layer-by-layer path keeps, and that path did run."""
+    eng = le()
+    prompts = [PROMPT, PROMPT.upper(), PROMPT[::-1]]
+    lengths = {len(eng.tokenizer.encode(p)) for p in prompts}
+    prompts = [PROMPT] * 3 if len(lengths) != 1 else prompts  # (lockstep needs one prompt length)
+    pol, stacked, runs = eng.core.policy, type(eng.core.policy)._events_stacked, []
+
+    def counted(self, *args):
+        runs.append(stacked(self, *args))
+        return runs[-1]
+
+    with Probe(eng, record_sets=True) as fast:
+        monkeypatch.setattr(type(pol), "_events_stacked", counted)
+        want = [r.token_ids for r in eng.generate(prompts, SP)]
+    assert any(runs)
+    monkeypatch.setattr(type(pol), "_events_stacked", lambda self, *args: False)
+    with Probe(eng, record_sets=True) as slow:
+        got = [r.token_ids for r in eng.generate(prompts, SP)]
+    assert got == want
+    assert [fast.sets[k] for k in sorted(fast.sets)] == [slow.sets[k] for k in sorted(slow.sets)]

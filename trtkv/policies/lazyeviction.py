@@ -192,6 +192,16 @@ class MRIScorer(Scorer):
         return (self._ts.take(layer, flat_ts).view(positions.shape) + created,
                 self._mri.take(layer, flat_mri).view(positions.shape))
 
+    def rows_of_layers(self, memos: list[MRIMemo], positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows_of`` of every layer at once: ``(TS, MRI)`` ``[L, k, n]`` of ``positions [L, k, n]``."""
+        rows = torch.from_numpy(np.fromiter((m.ts.row for m in memos), np.int64, len(memos)))
+        prompt = np.fromiter((m.prompt_len for m in memos), np.int64, len(memos))[:, None]
+        self._ts.ensure(int(positions.max(initial=0)))
+        self._mri.ensure(int(positions.max(initial=0)))
+        at = (torch.arange(positions.shape[0])[:, None, None], rows[None, :, None], torch.from_numpy(positions))
+        created = torch.from_numpy(created_at(positions, prompt[None])).to(self._ts.device)
+        return self._ts.data[at] + created, self._mri.data[at]
+
     def ts(self, memo: MRIMemo, layer: int, positions) -> torch.Tensor:
         """TS of ``positions`` (the step of their last activation, or their creation step)."""
         created = created_at(torch.from_numpy(np.asarray(positions, np.int64)), memo.prompt_len)
@@ -258,6 +268,8 @@ class LazyEvictionPolicy(ScorerPolicy):
         first = due[0]
         memos = [r.state.memo for r in due]
         step = torch.from_numpy(np.fromiter((r.step for r in due), np.int64, len(due)))[:, None]
+        if self._events_stacked(due, memos, step):
+            return
         acted = np.zeros(len(due), bool)
         for layer in range(first.num_layers):
             target = self.target(first, layer)
@@ -290,6 +302,35 @@ class LazyEvictionPolicy(ScorerPolicy):
         for r, a in zip(due, acted.tolist()):
             r.state.events += int(a)
             self.scorer.reset(r.state.memo)
+
+    def _events_stacked(self, due: list, memos: list[MRIMemo], step: torch.Tensor) -> bool:
+        """``events_each`` when every request holds the same number of tokens in every layer, all paged, over the
+        same target (the steady state of a batch in lockstep): every layer's candidates scored and ranked as one
+        ``[L, k, n]`` stack, then each layer's victims evicted in one call. False (nothing done) otherwise."""
+        first = due[0]
+        L = first.num_layers
+        targets = {self.target(first, layer) for layer in range(L)}
+        live = first.num_live_layers(due)
+        n = int(live[0, 0])
+        if len(targets) != 1 or not (live == n).all() or not (first.num_paged_layers(due) == n).all():
+            return False
+        target = targets.pop()
+        n_cand = n - min(self.recent, n)  # the newest `recent` held are protected (n_sink = 0)
+        n_keep = target - (n - n_cand)
+        if n <= target or n_keep >= n_cand:
+            return False
+        cand = first.live_positions_layers(due, n)[:, :, :n_cand]
+        ts, mri = self.scorer.rows_of_layers(memos, cand)
+        score = mri_score(step[None].to(ts.device), ts, mri, self.score, self.ablate)
+        order = np.lexsort((-cand, -ts.cpu().numpy(), mri.cpu().numpy(), -score.cpu().numpy()), axis=-1)
+        victims = np.sort(np.take_along_axis(cand, order[..., max(n_keep, 0):], -1), axis=-1)
+        lens = np.full(len(due), victims.shape[2], np.int64)
+        for layer in range(L):
+            first.evict_flat(layer, due, victims[layer].reshape(-1), lens)
+        for r in due:
+            r.state.events += 1
+            self.scorer.reset(r.state.memo)
+        return True
 
     def keep(self, req, layer, cand, scores, k):
         """Lexicographic (I desc, MRI asc, TS desc, position desc), spec §3.9."""
