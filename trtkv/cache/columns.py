@@ -173,15 +173,20 @@ class TableColumns:
 
     def positions_in_many(self, layer: int, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[np.ndarray]:
         """``positions_in`` of each ``(rows[i], lo[i], hi[i])``, by one read of the ranges side by side."""
+        return split_counts(*self.positions_in_flat(layer, rows, lo, hi))
+
+    def positions_in_flat(self, layer: int, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """``positions_in_many`` concatenated: ``(positions, counts)``, ``counts[i]`` of them the ``i``-th range's."""
         w = self._where[layer]
         lo, hi = np.clip(lo, 0, w.shape[1]), np.clip(hi, 0, w.shape[1])
         width = int((hi - lo).max(initial=0))
         if width <= 0:
-            return [np.empty(0, np.int64) for _ in range(len(rows))]
+            return np.empty(0, np.int64), np.zeros(len(rows), np.int64)
         cols = lo[:, None] + np.arange(width)
         held = (w[rows[:, None], np.minimum(cols, w.shape[1] - 1)] >= 0) & (cols < hi[:, None])
         r, c = np.nonzero(held)
-        return split_counts(lo[r] + c, held.sum(1))
+        return lo[r] + c, held.sum(1)
 
     def held_many(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Whether each ``(row, position)`` pair is held (in a page), as one array read."""

@@ -462,8 +462,13 @@ class KVCacheManager:
 
     def live_positions_in_many(self, seqs: list[SeqKV], layer: int, lo: np.ndarray, hi: np.ndarray) -> list[np.ndarray]:
         """``live_positions_in`` of each ``(seqs[i], lo[i], hi[i])`` (a request may appear more than once)."""
+        return split_counts(*self.live_positions_in_flat(seqs, layer, lo, hi))
+
+    def live_positions_in_flat(self, seqs: list[SeqKV], layer: int, lo: np.ndarray, hi: np.ndarray
+                               ) -> tuple[np.ndarray, np.ndarray]:
+        """``live_positions_in_many`` concatenated: ``(positions, counts)``."""
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
-        return self.columns.positions_in_many(layer, rows, np.asarray(lo, np.int64), np.asarray(hi, np.int64))
+        return self.columns.positions_in_flat(layer, rows, np.asarray(lo, np.int64), np.asarray(hi, np.int64))
 
     def locate_many(self, seqs: list[SeqKV], layer: int, positions: list[np.ndarray]
                     ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -479,9 +484,12 @@ class KVCacheManager:
         """``gather_kv`` of several requests in one read per format (``trtkv/cache/reads.py``)."""
         return reads.gather_kv_many(self.pools, self.columns, layer, items, keys_only)
 
-    def gather_keys_flat(self, layer: int, items: list[tuple[SeqKV, object]]) -> torch.Tensor:
-        """The dequantized keys of several requests' paged positions, concatenated ``[sum m, H, D]``."""
-        return reads.gather_kv_flat(self.pools, self.columns, layer, items, keys_only=True)[0]
+    def gather_keys_flat(self, layer: int, seqs: list[SeqKV], positions: np.ndarray, counts: np.ndarray
+                         ) -> torch.Tensor:
+        """The dequantized keys of paged positions, ``counts[i]`` of ``positions`` of ``seqs[i]``, concatenated
+        ``[sum counts, H, D]``."""
+        rows = np.repeat(np.fromiter((s.row for s in seqs), np.int64, len(seqs)), counts)
+        return reads.gather_kv_rows(self.pools, self.columns, layer, rows, positions, keys_only=True)[0]
 
     def evict_flat(self, layer: int, seqs: list[SeqKV], positions: np.ndarray, lens: np.ndarray) -> list[int]:
         """``evict_many`` with the victims concatenated, ``lens[i]`` of ``positions`` the ``i``-th job's (of

@@ -30,11 +30,19 @@ def gather_kv_many(pools: PoolSet, columns: TableColumns, layer: int, items: lis
 def gather_kv_flat(pools: PoolSet, columns: TableColumns, layer: int, items: list[tuple[SeqKV, object]],
                    keys_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``gather_kv_many``'s keys and values concatenated, ``[sum m, H, D]`` each (no tensor per request)."""
+    rows = np.repeat(np.fromiter((seq.row for seq, _ in items), np.int64, len(items)),
+                     np.fromiter((len(p) for _, p in items), np.int64, len(items)))
+    pos = np.concatenate([np.asarray(p, np.int64).reshape(-1) for _, p in items]) if items else rows
+    return gather_kv_rows(pools, columns, layer, rows, pos, keys_only)
+
+
+def gather_kv_rows(pools: PoolSet, columns: TableColumns, layer: int, rows: np.ndarray, positions: np.ndarray,
+                   keys_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``gather_kv_flat`` of ``positions[i]`` of table row ``rows[i]``, every i."""
     cfg = pools.cfg
-    sizes = [len(positions) for _, positions in items]
-    by_fmt = _slots_by_lookup(pools[layer], columns, layer, items)
+    by_fmt = _slots_by_lookup(pools[layer], columns, layer, rows, positions)
     if len(by_fmt) != 1:  # rows of several formats (or none) land in one output; one format's decode is it
-        out_k = torch.empty(sum(sizes), cfg.num_kv_heads, cfg.head_dim, device=cfg.device)
+        out_k = torch.empty(len(positions), cfg.num_kv_heads, cfg.head_dim, device=cfg.device)
         out_v = None if keys_only else torch.empty_like(out_k)
     for fmt, (rows, flat) in by_fmt.items():
         pool = pools[layer][fmt]
@@ -72,13 +80,10 @@ def locate_many(columns: TableColumns, seqs: list[SeqKV], layer: int, positions:
     return columns.fmt_names, fids, pages, slots, held
 
 
-def _slots_by_lookup(pools: dict[str, PagePool], columns: TableColumns, layer: int, items
-                     ) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
+def _slots_by_lookup(pools: dict[str, PagePool], columns: TableColumns, layer: int, rows: np.ndarray,
+                     pos: np.ndarray) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
     """Per format: ``(rows of the output, or None for every row in order; flat slot ids page * B + slot)`` of
-    every asked position, from the requests' position maps (one array read for the batch)."""
-    rows = np.repeat(np.fromiter((seq.row for seq, _ in items), np.int64, len(items)),
-                     np.fromiter((len(p) for _, p in items), np.int64, len(items)))
-    pos = np.concatenate([np.asarray(p, np.int64).reshape(-1) for _, p in items]) if items else rows
+    every asked position (``pos[i]`` of table row ``rows[i]``), from the position maps (one array read)."""
     fids, pages, slots = columns.lookup_many(layer, rows, pos)
     names = columns.fmt_names
     present = np.unique(fids).tolist()

@@ -68,6 +68,10 @@ class PolicyRequest(Protocol):
         """``keys`` of ``(request, positions)`` jobs of requests in this one's batch as one ``[J, rows, H, D]``
         tensor (job j's in its first rows, zeros after), in one read per storage format (a batch hook's
         selection reads every request's keys at once)."""
+    def keys_padded_flat(self, layer: int, reqs: list["PolicyRequest"], positions: np.ndarray, counts: np.ndarray,
+                         rows: int) -> torch.Tensor:
+        """``keys_padded`` with the jobs' positions concatenated: ``counts[j]`` of ``positions`` are job ``j``'s, of
+        ``reqs[j]`` (no array per job)."""
     def evict(self, layer: int, positions) -> int:
         """Evict paged positions of one layer (buffered ones are ignored); returns how many went. With the
         cache setting ``demote=host|host-<format>`` the victims move to a host tier instead (still attended)."""
@@ -99,6 +103,9 @@ class PolicyRequest(Protocol):
     def live_positions_in_many(self, layer: int, reqs: list["PolicyRequest"], lo: np.ndarray, hi: np.ndarray
                                ) -> list[np.ndarray]:
         """``live_positions_in(layer, lo[i], hi[i])`` of each ``reqs[i]`` (a request may repeat), in one array read."""
+    def live_positions_in_flat(self, layer: int, reqs: list["PolicyRequest"], lo: np.ndarray, hi: np.ndarray
+                               ) -> tuple[np.ndarray, np.ndarray]:
+        """``live_positions_in_many`` concatenated: ``(positions, counts)``, ``counts[i]`` of them ``reqs[i]``'s."""
     def live_positions_layers(self, reqs: list["PolicyRequest"], n: int) -> np.ndarray:
         """``[L, len(reqs), n]``: ``live_positions_each`` of every request in every layer, where each holds exactly
         ``n`` paged tokens in every layer, in one array read."""

@@ -105,6 +105,17 @@ class Segment:
 
 
 @dataclass
+class AnnealRound:
+    """One round of a step's anneals: job ``j`` keeps ``target[j]`` of the tokens of ``reqs[j]``'s segment ``[lo[j],
+    hi[j])``; ``owner[j]``: its request's place among the round's requests (a request's jobs are together)."""
+    reqs: list
+    owner: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    target: np.ndarray
+
+
+@dataclass
 class ThinKVState:
     segments: list = field(default_factory=list)  # Segment records; [0] is the prompt
     ops: list = field(default_factory=list)  # this step's anneals: (segment, target live count)
@@ -141,6 +152,7 @@ class ThinKVPolicy(KVPolicy):
     _formats: dict[int, str] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._round_plan = None  # (requests, first one's ops, rounds): a step's anneal rounds (_anneal_rounds)
         if self.kv_format not in ("auto", "fp32", "fp16", "bf16"):  # build writes the engine dtype back
             self._fixed_format_error()
         if self.avg_bits is not None and not self.avg_bits > 0:
@@ -351,55 +363,73 @@ class ThinKVPolicy(KVPolicy):
         """Apply this step's anneals in this layer (after its flush): k-means keeps ``target`` tokens.
         Ops on distinct segments of every request share batched k-means calls; a segment annealed twice in
         a step (case 1, then case 2) is processed again in a later round, from its survivors."""
-        pending = [(req, list(req.state.ops)) for req in reqs if req.state.ops]
+        for anneal_round in self._anneal_rounds(reqs):
+            self._anneal_layer(layer, anneal_round)
+
+    def _anneal_rounds(self, reqs) -> list[AnnealRound]:
+        """This step's anneals of ``reqs`` as rounds of jobs (each segment at most once a round), worked out once a
+        step: every layer passes the same list and the ops do not change during the step."""
+        plan = self._round_plan
+        if plan is not None and plan[0] is reqs and plan[1] is reqs[0].state.ops:
+            return plan[2]
+        rounds, pending = [], [(req, list(req.state.ops)) for req in reqs if req.state.ops]
         while pending:
-            rounds, later = [], []
-            for req, ops in pending:
-                seen, batch, rest = set(), [], []
+            jobs, later = [], []  # (owner, request, segment, target)
+            for owner, (req, ops) in enumerate(pending):
+                seen, rest = set(), []
                 for seg, target in ops:
-                    (rest if seg.sid in seen else batch).append((seg, target))
-                    seen.add(seg.sid)
-                rounds.append((req, batch))
+                    if seg.sid in seen:
+                        rest.append((seg, target))
+                    else:
+                        jobs.append((owner, req, seg, target))
+                        seen.add(seg.sid)
                 if rest:
                     later.append((req, rest))
-            self._anneal_layer(layer, rounds)
+            rounds.append(AnnealRound(
+                [req for _, req, _, _ in jobs], np.fromiter((o for o, _, _, _ in jobs), np.int64, len(jobs)),
+                np.fromiter((req.prompt_len + seg.start for _, req, seg, _ in jobs), np.int64, len(jobs)),
+                np.fromiter((req.prompt_len + seg.end(self.tau) for _, req, seg, _ in jobs), np.int64, len(jobs)),
+                np.fromiter((t for _, _, _, t in jobs), np.int64, len(jobs))))
             pending = later
+        self._round_plan = (reqs, reqs[0].state.ops, rounds) if reqs else None
+        return rounds
 
-    def _anneal_layer(self, layer: int, rounds) -> None:
-        """One round of anneals of several requests: their k-means jobs run in one call per job shape."""
-        calls: dict[tuple[int, int], list] = {}  # (padded rows, clusters) -> [(req, jobs)]
-        every = [(req, seg) for req, ops in rounds for seg, _ in ops]
-        if not every:
+    def _anneal_layer(self, layer: int, jobs: AnnealRound) -> None:
+        """One round of anneals of several requests: their k-means jobs run in one call per job shape (a request's
+        padded rows and clusters: its jobs' largest), on arrays over the round's jobs."""
+        if not jobs.reqs:
             return
-        found = iter(every[0][0].live_positions_in_many(  # every segment's live members, one read for the round
-            layer, [req for req, _ in every],
-            np.fromiter((req.prompt_len + seg.start for req, seg in every), np.int64, len(every)),
-            np.fromiter((req.prompt_len + seg.end(self.tau) for req, seg in every), np.int64, len(every))))
-        for req, ops in rounds:
-            jobs = []
-            for (_, target), members in zip(ops, found):
-                if len(members) > target:
-                    jobs.append((members, target))
-            if jobs:  # requests batch only with requests of the same padded shape, so every job's
-                # arithmetic is exactly what a call of its request alone would do (same tokens either way)
-                shape = (max(len(mem) for mem, _ in jobs), max(t for _, t in jobs))
-                calls.setdefault(shape, []).append((req, jobs))
-        for (m, _), group in calls.items():
-            pairs = [(req, members) for req, jobs in group for members, _ in jobs]
-            keys = group[0][0].keys_padded(layer, pairs, m)
+        first = jobs.reqs[0]
+        members, counts = first.live_positions_in_flat(layer, jobs.reqs, jobs.lo, jobs.hi)  # one read for the round
+        go = np.flatnonzero(counts > jobs.target)
+        if not len(go):
+            return
+        owner = jobs.owner[go]  # (ascending: a request's jobs are together)
+        starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+        rows_of = np.maximum.reduceat(counts[go], starts)  # per request with a job: its shape
+        clusters_of = np.maximum.reduceat(jobs.target[go], starts)
+        shape = rows_of * (int(clusters_of.max()) + 1) + clusters_of
+        shape_of_job = np.repeat(shape, np.diff(np.r_[starts, len(go)]))
+        _, first_at = np.unique(shape, return_index=True)
+        for g in np.sort(first_at).tolist():  # requests batch only with requests of the same padded shape, so every
+            # job's arithmetic is exactly what a call of its request alone would do (same tokens either way)
+            sel = go[shape_of_job == shape[g]]
+            m, lens = int(rows_of[g]), counts[sel]
+            take = np.zeros(len(counts), bool)
+            take[sel] = True
+            mine = members[np.repeat(take, counts)]
+            reqs = [jobs.reqs[j] for j in sel.tolist()]
+            keys = first.keys_padded_flat(layer, reqs, mine, lens, m)
             feats = keys.reshape(len(keys), m, -1)  # (zero rows pad the segments that are not full)
-            lens = np.fromiter((len(members) for _, members in pairs), np.int32, len(pairs))
-            k_keep = np.fromiter((t for _, jobs in group for _, t in jobs), np.int32, len(pairs))
-            keep = torch.ops.trtkv.kmeans_select(feats, torch.from_numpy(lens).to(feats.device),
-                                                 torch.from_numpy(k_keep).to(feats.device), self.kmeans_iters)
-            keep = keep.cpu().numpy()
-            # the victims: each job's members the k-means did not keep, in member order, for the round at once
+            keep = torch.ops.trtkv.kmeans_select(feats, torch.from_numpy(lens.astype(np.int32)).to(feats.device),
+                                                 torch.from_numpy(jobs.target[sel].astype(np.int32)).to(feats.device),
+                                                 self.kmeans_iters).cpu().numpy()
+            # the victims: each job's members the k-means did not keep, in member order
             held = np.arange(m) < lens[:, None]
             victim = held.copy()
             ji, col = np.nonzero(keep >= 0)
             victim[ji, keep[ji, col]] = False
-            victims = np.concatenate([members for _, members in pairs])[victim[held]]
-            group[0][0].evict_flat(layer, [req for req, _ in pairs], victims, victim.sum(1))
+            first.evict_flat(layer, reqs, mine[victim[held]], victim.sum(1))
 
     # --- after each step: label the open segment at refresh steps, account tokens -----------
     def on_decode_step_end(self, req, stats) -> None:
@@ -421,6 +451,7 @@ class ThinKVPolicy(KVPolicy):
         if flushed_now:
             seg.live += self.group
         st.ops = []
+        self._round_plan = None  # (the step's requests are not held past it)
 
     def extra_stats(self, req) -> dict[str, Any]:
         from plugins.formats import get_format

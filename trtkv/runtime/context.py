@@ -134,32 +134,46 @@ class RequestContext:
         """``keys`` of several requests of this one's batch (same cache) as one ``[J, rows, H, D]`` tensor: job
         ``j``'s positions in its first rows, zeros after (a batch's selection takes them as one array). One read
         per format for every paged job; a job touching the residual buffer reads through ``kv``."""
-        if any(req._cache is not self._cache for req, _ in jobs):
+        positions = [np.asarray(p, dtype=np.int64).reshape(-1) for _, p in jobs]
+        counts = np.fromiter(map(len, positions), np.int64, len(positions))
+        flat = np.concatenate(positions) if positions else np.empty(0, np.int64)
+        return self.keys_padded_flat(layer, [req for req, _ in jobs], flat, counts, rows)
+
+    def keys_padded_flat(self, layer: int, reqs: list["RequestContext"], positions: np.ndarray, counts: np.ndarray,
+                         rows: int) -> torch.Tensor:
+        """``keys_padded`` with the jobs' positions concatenated: ``counts[j]`` of ``positions`` are job ``j``'s, of
+        ``reqs[j]``."""
+        if any(req._cache is not self._cache for req in reqs):
             raise ValueError("keys_padded: every request must share this request's cache")
-        seqs = [req._seq for req, _ in jobs]
-        paged = [(j, seq, np.asarray(positions, dtype=np.int64)) for j, (seq, (_, positions)) in
-                 enumerate(zip(seqs, jobs))]
-        if any(len(pos) > rows for _, _, pos in paged):
+        if (counts > rows).any():
             raise ValueError(f"keys_padded: a job of more than {rows} positions")
+        seqs = [req._seq for req in reqs]
         lone = []
-        for j in np.flatnonzero(self._cache.buffered_many(seqs, layer)).tolist():  # (most steps: none buffered)
-            if not set(seqs[j].buffered_positions(layer)).isdisjoint(paged[j][2].tolist()):  # (np.isin: ~50 us)
-                lone.append((j, jobs[j][0], paged[j][2]))
+        buffered = np.flatnonzero(self._cache.buffered_many(seqs, layer))  # (most steps: none buffered)
+        if len(buffered):
+            starts = (np.cumsum(counts) - counts).tolist()
+            for j in buffered.tolist():
+                mine = positions[starts[j]:starts[j] + int(counts[j])]
+                if not set(seqs[j].buffered_positions(layer)).isdisjoint(mine.tolist()):  # (np.isin: ~50 us)
+                    lone.append((j, reqs[j], mine))
+        paged = np.ones(len(reqs), bool)
+        paged[[j for j, _, _ in lone]] = False
         if lone:
-            at_lone = {j for j, _, _ in lone}
-            paged = [p for p in paged if p[0] not in at_lone]
-        flat = self._cache.gather_keys_flat(layer, [(seq, pos) for _, seq, pos in paged])
-        sizes = np.fromiter((len(pos) for _, _, pos in paged), np.int64, len(paged))
-        if not lone and (sizes == rows).all():  # every job full (the common case): the read is the stack
-            out = flat.view(len(jobs), rows, *flat.shape[1:])
+            keep = np.repeat(paged, counts)
+            flat = self._cache.gather_keys_flat(layer, [s for s, p in zip(seqs, paged.tolist()) if p],
+                                                positions[keep], counts[paged])
         else:
-            out = flat.new_zeros((len(jobs), rows, *flat.shape[1:]))
-            jobs_at = np.fromiter((j for j, _, _ in paged), np.int64, len(paged))
+            flat = self._cache.gather_keys_flat(layer, seqs, positions, counts)
+        if not lone and (counts == rows).all():  # every job full (the common case): the read is the stack
+            out = flat.view(len(reqs), rows, *flat.shape[1:])
+        else:
+            out = flat.new_zeros((len(reqs), rows, *flat.shape[1:]))
+            sizes, jobs_at = counts[paged], np.flatnonzero(paged)
             starts = np.repeat(jobs_at * rows - (np.cumsum(sizes) - sizes), sizes)
             at = torch.from_numpy(starts + np.arange(int(sizes.sum()))).to(flat.device)
             out.view(-1, *flat.shape[1:])[at] = flat
-            for j, req, positions in lone:
-                out[j, :len(positions)] = req.kv_local(layer, positions)[0]
+            for j, req, mine in lone:
+                out[j, :len(mine)] = req.kv_local(layer, mine)[0]
         return out if self._shards is None else self._shards.gather(out, 2)  # one collective for every job
 
     def _bookkeeping(self, run, *args):
@@ -241,6 +255,13 @@ class RequestContext:
         if any(req._cache is not self._cache for req in reqs):
             raise ValueError("live_positions_in_many: every request must share this request's cache")
         return self._cache.live_positions_in_many([req._seq for req in reqs], layer, lo, hi)
+
+    def live_positions_in_flat(self, layer: int, reqs: list["RequestContext"], lo: np.ndarray, hi: np.ndarray
+                               ) -> tuple[np.ndarray, np.ndarray]:
+        """``live_positions_in_many`` concatenated: ``(positions, counts)``, ``counts[i]`` of them ``reqs[i]``'s."""
+        if any(req._cache is not self._cache for req in reqs):
+            raise ValueError("live_positions_in_flat: every request must share this request's cache")
+        return self._cache.live_positions_in_flat([req._seq for req in reqs], layer, lo, hi)
 
     def live_positions_layers(self, reqs: list["RequestContext"], n: int) -> np.ndarray:
         return self._cache.live_positions_rows_layers(self._seqs(reqs), n)
