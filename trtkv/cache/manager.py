@@ -397,6 +397,22 @@ class KVCacheManager:
                                                                  layer)
         return counts
 
+    def evict_flat(self, layer: int, seqs: list[SeqKV], positions: np.ndarray, lens: np.ndarray) -> list[int]:
+        """``evict_many`` with the victims concatenated, ``lens[i]`` of ``positions`` the ``i``-th job's (of
+        ``seqs[i]``, which may repeat): a batch's anneal or event without an array per job."""
+        if (self.cfg.eviction == "compact" or int(lens.sum()) < EVICT_BATCH_MIN or int(lens.max(initial=0)) <= 1
+                or any(s.fork_mode is not None for s in seqs)):
+            return self.evict_many(layer, list(zip(seqs, split_counts(positions, lens))))
+        counts = evict_private_flat(self.pools[layer], self.columns, layer, seqs, positions, lens)
+        self._count_evicted(seqs, counts)
+        return counts
+
+    def _count_evicted(self, seqs: list[SeqKV], counts: list[int]) -> None:
+        """A batch's eviction counts in one array update (a request may appear more than once)."""
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        self.columns.count_evicted(rows, np.asarray(counts, np.int64))
+        self.evictions_total += int(sum(counts))
+
     def evict_one_each(self, layer: int, seqs: list[SeqKV], positions) -> list[int]:
         """``evict`` of at most one position of each of ``seqs`` (distinct, unforked; -1: none) in one layer, by
         array operations (``trtkv/cache/eviction.py``); in-place eviction only."""
@@ -490,22 +506,6 @@ class KVCacheManager:
         ``[sum counts, H, D]``."""
         rows = np.repeat(np.fromiter((s.row for s in seqs), np.int64, len(seqs)), counts)
         return reads.gather_kv_rows(self.pools, self.columns, layer, rows, positions, keys_only=True)[0]
-
-    def evict_flat(self, layer: int, seqs: list[SeqKV], positions: np.ndarray, lens: np.ndarray) -> list[int]:
-        """``evict_many`` with the victims concatenated, ``lens[i]`` of ``positions`` the ``i``-th job's (of
-        ``seqs[i]``, which may repeat): a batch's anneal or event without an array per job."""
-        if (self.cfg.eviction == "compact" or int(lens.sum()) < EVICT_BATCH_MIN or int(lens.max(initial=0)) <= 1
-                or any(s.fork_mode is not None for s in seqs)):
-            return self.evict_many(layer, list(zip(seqs, split_counts(positions, lens))))
-        counts = evict_private_flat(self.pools[layer], self.columns, layer, seqs, positions, lens)
-        self._count_evicted(seqs, counts)
-        return counts
-
-    def _count_evicted(self, seqs: list[SeqKV], counts: list[int]) -> None:
-        """A batch's eviction counts in one array update (a request may appear more than once)."""
-        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
-        self.columns.count_evicted(rows, np.asarray(counts, np.int64))
-        self.evictions_total += int(sum(counts))
 
     def block_tables(self, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""
