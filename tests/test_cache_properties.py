@@ -342,7 +342,8 @@ def test_slot_lookup_names_the_slots_holding_the_positions(ops, eviction, picks)
         asked = np.concatenate([np.asarray(p, np.int64) for _, p in items])
         if not len(asked):
             continue
-        got = reads._slots_by_lookup(cache.pools[layer], cache.columns, layer, items)
+        table_rows = np.repeat([seq.row for seq, _ in items], [len(p) for _, p in items]).astype(np.int64)
+        got = reads._slots_by_lookup(cache.pools[layer], cache.columns, layer, table_rows, asked)
         seen = np.zeros(len(asked), bool)
         for fmt, (rows, flat) in got.items():
             rows = np.arange(len(asked)) if rows is None else rows
