@@ -169,13 +169,13 @@ def _open_fresh(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, ne
 
 
 def add_fresh_pages_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool, cls: Cls,
-                         pages: np.ndarray, order: Iterator[int]) -> None:
+                         pages: np.ndarray, order: Iterator[int], extra: int = 0) -> None:
     """``add_full_pages_each`` of one class as ``FreshPages`` entries: the ``[G, per]`` pages just taken from
     ``pool`` and filled at once join ``seqs[i]``'s table (row ``rows[i]``) in ``layer``, numbered table after
     table as ``hold_fresh`` numbers them, and the batch's block tables take them in place; each request is charged
-    once."""
+    once (``extra`` more bytes with them: its key-scale group)."""
     _queue_pages(lambda j: seqs[j].layers[layer], cols, layer, rows, cols.fmt_id(cls[0]), cls, pages, order)
-    cost = pages.shape[1] * held_page_bytes(pool)
+    cost = pages.shape[1] * held_page_bytes(pool) + extra
     for s in seqs:
         s.account.add(cost)
 

@@ -54,7 +54,7 @@ def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, lay
     rows = np.fromiter((s.row for s in seqs), np.int64, G)
     fresh = _alloc_fresh(columns, layer, pool, n, seqs, rows, classes, order)
     if fresh is not None:
-        pg, sl, gids = fresh
+        pg, sl, gids = np.repeat(fresh[0], pool.B), np.tile(np.arange(pool.B, dtype=np.int64), len(fresh[0])), fresh[1]
     else:
         pages, slots = _alloc(columns, layer, pool, n, seqs, classes, order)
         gids = [s.alloc_group(layer, pool, n) for s in seqs]
@@ -71,16 +71,21 @@ def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, lay
         clk.switch(prev)
     positions = arena.take_rows(layer, np.fromiter((s.residual.row for s in seqs), np.int64, G), n)  # [G, n]
     seg = segs[0] if all(x == segs[0] for x in segs) else np.repeat(np.asarray(segs, np.int64), n)
-    pool.mark_written(pg, sl, positions.reshape(-1), seg)
+    if fresh is not None:  # whole fresh pages: a row a page
+        pool.mark_pages_written(fresh[0], positions.reshape(-1, pool.B),
+                                seg if np.ndim(seg) == 0 else seg.reshape(-1, pool.B))
+    else:
+        pool.mark_written(pg, sl, positions.reshape(-1), seg)
     columns.place_groups(layer, rows, fmt, pg.reshape(G, n), sl.reshape(G, n), positions)
 
 
 def _alloc_fresh(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs: list[SeqKV], rows: np.ndarray,
-                 classes: list[Cls], order: Iterator[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+                 classes: list[Cls], order: Iterator[int]) -> tuple[np.ndarray, np.ndarray] | None:
     """The common flush by array operations: every request of one class, no reusable slot and no open page of
-    it, ``n`` a whole number of pages that the pool and the key-scale arena have. ``(pages, slots, key-scale
-    groups)``, the ones ``_alloc`` and each request's ``alloc_group`` give, with the same tables, order numbers
-    and bytes; None (nothing done) otherwise. The pages wait in ``FreshPages``."""
+    it, ``n`` a whole number of pages that the pool and the key-scale arena have. ``(pages, key-scale groups)``,
+    request after request (each page's slots in order), the ones ``_alloc`` and each request's ``alloc_group``
+    give, with the same tables, order numbers and bytes; None (nothing done) otherwise. The pages wait in
+    ``FreshPages``."""
     cls, B = classes[0], pool.B
     if n % B or any(c != cls for c in classes):
         return None
@@ -95,11 +100,10 @@ def _alloc_fresh(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs
         return None
     got = pool.alloc_pages(G * per, cls[1])
     pool.mark_full(got)
-    add_fresh_pages_each(seqs, columns, layer, rows, pool, cls, got.reshape(G, per), order)
-    if pool.group_specs:
-        for s in seqs:
-            s.add_bytes(pool.group_bytes)
-    return np.repeat(got, B), np.tile(np.arange(B, dtype=np.int64), G * per), gids
+    # (a request's group and pages charged at once: both only grow its bytes, so its peak is the same)
+    add_fresh_pages_each(seqs, columns, layer, rows, pool, cls, got.reshape(G, per), order,
+                         extra=pool.group_bytes if pool.group_specs else 0)
+    return got, gids
 
 
 def _buffers(arena: ResidualArena, seqs: list[SeqKV], layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -332,6 +332,22 @@ class PagePool:
             self.slot_seg[p, s] = seg
         self._valid_dirty = True
 
+    def mark_pages_written(self, pages: np.ndarray, positions: np.ndarray, seg: int | np.ndarray = -1) -> None:
+        """``mark_written`` of every slot of ``pages`` (distinct, none live, tails taken: ``mark_full``): slot ``s`` of
+        ``pages[i]`` holds ``positions[i, s]`` (of segment ``seg``, one for all or ``[len(pages), B]``). A flush of
+        whole fresh pages: a row a page instead of ``mark_written``'s accumulations over every slot."""
+        assert not self.valid[pages].any(), "writing into a live slot"
+        self.valid[pages] = self._all_slots
+        self.live[pages] += self.B
+        self.slot_pos[pages] = positions
+        self.slot_seg[pages] = seg
+        self._valid_dirty = True
+
+    @cached_property
+    def _all_slots(self) -> np.int32:
+        """The validity word of a page whose every slot is live (bit ``B - 1`` is the sign bit when ``B`` is 32)."""
+        return np.bitwise_or.reduce(np.left_shift(np.int32(1), np.arange(self.B, dtype=np.int32)))
+
     def mark_written_distinct(self, pages: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
         """``mark_written`` of one slot in each of ``pages`` (distinct; segment -1): plain fancy indexing (a
         decode step's write-through, one slot per request)."""
