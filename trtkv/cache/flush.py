@@ -26,32 +26,36 @@ from trtkv.cache.sequence import SeqKV
 
 
 def flush_many(pools: PoolSet, arena: ResidualArena, columns: TableColumns, layer: int, seqs: list[SeqKV],
-               classes: list[Cls], segs: list[int], order: Iterator[int], clock=None) -> None:
-    """Write the buffered tokens of ``seqs`` in ``layer`` to pages, request ``i`` as one group of class
-    ``classes[i]`` (segment ``segs[i]``); requests of one format with equal fill share a kernel call.
-    ``order``: the cache's page numbering; ``clock``: the decode-step profile clock (the kernel's time is
-    "kv_write")."""
-    fill = arena.fill[np.fromiter((s.residual.row for s in seqs), np.int64, len(seqs)), layer]
-    one_fmt = all(c[0] == classes[0][0] for c in classes)
+               rows: np.ndarray, res_rows: np.ndarray, classes: list[Cls], segs: list[int], order: Iterator[int],
+               clock=None) -> None:
+    """Write the buffered tokens of ``seqs`` (rows ``rows`` of the columns, ``res_rows`` of the arena) in ``layer``
+    to pages, request ``i`` as one group of class ``classes[i]`` (segment ``segs[i]``); requests of one format with
+    equal fill share a kernel call. ``order``: the cache's page numbering; ``clock``: the decode-step profile clock
+    (the kernel's time is "kv_write")."""
+    fill = arena.fill[res_rows, layer]
+    first = classes[0] if classes else None
+    one_fmt = all(c[0] == first[0] for c in classes)
     if one_fmt and len(seqs) and (fill == fill[0]).all():  # (a lockstep batch: every buffer full at once)
-        calls = {(classes[0][0], int(fill[0])): range(len(seqs))} if fill[0] else {}
+        calls = {(first[0], int(fill[0])): range(len(seqs))} if fill[0] else {}
     else:
         calls: dict[tuple[str, int], list[int]] = {}
         for i, n in enumerate(fill.tolist()):
             if n:
                 calls.setdefault((classes[i][0], n), []).append(i)
     for (fmt, n), idx in calls.items():
-        every = len(idx) == len(seqs)
-        _flush_call(pools, arena, columns, layer, fmt, n, seqs if every else [seqs[i] for i in idx],
-                    classes if every else [classes[i] for i in idx], segs if every else [segs[i] for i in idx],
-                    order, clock)
+        if len(idx) == len(seqs):
+            _flush_call(pools, arena, columns, layer, fmt, n, seqs, rows, res_rows, classes, segs, order, clock)
+        else:
+            at = np.asarray(idx, np.int64)
+            _flush_call(pools, arena, columns, layer, fmt, n, [seqs[i] for i in idx], rows[at], res_rows[at],
+                        [classes[i] for i in idx], [segs[i] for i in idx], order, clock)
 
 
 def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, layer: int, fmt: str, n: int,
-                seqs: list[SeqKV], classes: list[Cls], segs: list[int], order: Iterator[int], clock) -> None:
+                seqs: list[SeqKV], rows: np.ndarray, res_rows: np.ndarray, classes: list[Cls], segs: list[int],
+                order: Iterator[int], clock) -> None:
     pool = pools.pool(layer, fmt)
     G = len(seqs)
-    rows = np.fromiter((s.row for s in seqs), np.int64, G)
     fresh = _alloc_fresh(columns, layer, pool, n, seqs, rows, classes, order)
     if fresh is not None:
         pg, sl, gids = np.repeat(fresh[0], pool.B), np.tile(np.arange(pool.B, dtype=np.int64), len(fresh[0])), fresh[1]
@@ -59,7 +63,7 @@ def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, lay
         pages, slots = _alloc(columns, layer, pool, n, seqs, classes, order)
         gids = [s.alloc_group(layer, pool, n) for s in seqs]
         pg, sl = np.concatenate(pages), np.concatenate(slots)
-    k, v = _buffers(arena, seqs, layer, n)
+    k, v = _buffers(arena, res_rows, layer, n)
     sc = pools.layer_scales(layer, fmt)
     clk = clock
     prev = clk.switch("kv_write") if clk is not None else None
@@ -69,8 +73,9 @@ def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, lay
                                torch.as_tensor(gids, dtype=torch.int64), pool.fmt.code, sc.k, sc.v)
     if clk is not None:
         clk.switch(prev)
-    positions = arena.take_rows(layer, np.fromiter((s.residual.row for s in seqs), np.int64, G), n)  # [G, n]
-    seg = segs[0] if all(x == segs[0] for x in segs) else np.repeat(np.asarray(segs, np.int64), n)
+    positions = arena.take_rows(layer, res_rows, n)  # [G, n]
+    seg0 = segs[0]
+    seg = seg0 if all(x == seg0 for x in segs) else np.repeat(np.asarray(segs, np.int64), n)
     if fresh is not None:  # whole fresh pages: a row a page
         pool.mark_pages_written(fresh[0], positions.reshape(-1, pool.B),
                                 seg if np.ndim(seg) == 0 else seg.reshape(-1, pool.B))
@@ -106,13 +111,13 @@ def _alloc_fresh(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs
     return got, gids
 
 
-def _buffers(arena: ResidualArena, seqs: list[SeqKV], layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``n`` buffered tokens of ``seqs`` in ``layer``, ``[G, n, H, D]``: a view of the arena when
-    their rows are consecutive (a batch admitted together), else a gather (the kernel converts either)."""
-    r0 = seqs[0].residual.row
-    if all(s.residual.row == r0 + j for j, s in enumerate(seqs)):
-        return arena.k[r0:r0 + len(seqs), layer, :n], arena.v[r0:r0 + len(seqs), layer, :n]
-    rows = arena.rows([s.residual for s in seqs])
+def _buffers(arena: ResidualArena, res_rows: np.ndarray, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` buffered tokens of arena rows ``res_rows`` in ``layer``, ``[G, n, H, D]``: a view of the arena
+    when the rows are consecutive (a batch admitted together), else a gather (the kernel converts either)."""
+    r0, G = int(res_rows[0]), len(res_rows)
+    if res_rows[-1] == r0 + G - 1 and (np.diff(res_rows) == 1).all():
+        return arena.k[r0:r0 + G, layer, :n], arena.v[r0:r0 + G, layer, :n]
+    rows = torch.from_numpy(res_rows).to(arena.k.device)
     return arena.k[rows, layer, :n], arena.v[rows, layer, :n]
 
 

@@ -347,7 +347,8 @@ class KVCacheManager:
 
     def flush_many(self, layer: int, seqs: list[SeqKV], classes: list[Cls], segs: list[int]) -> None:
         """``flush`` of several requests in one layer, batched (``trtkv/cache/flush.py``)."""
-        flush_many(self.pools, self.residual, self.columns, layer, seqs, classes, segs, self._page_order, self.clock)
+        flush_many(self.pools, self.residual, self.columns, layer, seqs, self.rows(seqs), self.residual_rows(seqs),
+                   classes, segs, self._page_order, self.clock)
 
     def discard_buffered(self, seq: SeqKV, layer: int) -> list[int]:
         """Empty one layer's residual buffer without writing it (a runtime that wrote the group to pages

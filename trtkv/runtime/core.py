@@ -63,6 +63,7 @@ class DecodeStep:
     buffer_plan: torch.Tensor | None = None  # every layer's residual-buffer slots, recorded when layer 0 appends
     acts: bool = True  # the policy's before_attention_batch does something this step (asked once, after its begin)
     deferred: list | None = None  # batch form: layers whose positions are read at the step's end (resolve_positions)
+    flush_all: tuple[list, list] | None = None  # the write classes and segments of a flush of every request
 
 
 class EngineCore:
@@ -334,8 +335,13 @@ class EngineCore:
                 if narrow:
                     torch.set_num_threads(step.threads)
                 try:
-                    cache.flush_many(layer, [seqs[i] for i in full], [classes[i][:2] for i in full],
-                                     [classes[i][2] for i in full])
+                    if len(full) == len(seqs):  # (every request, every layer: the step's lists, made once)
+                        if step.flush_all is None:
+                            step.flush_all = ([c[:2] for c in classes], [c[2] for c in classes])
+                        cache.flush_many(layer, seqs, *step.flush_all)
+                    else:
+                        cache.flush_many(layer, [seqs[i] for i in full], [classes[i][:2] for i in full],
+                                         [classes[i][2] for i in full])
                 finally:
                     if narrow:
                         torch.set_num_threads(self.small_ops_threads)
