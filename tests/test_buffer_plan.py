@@ -4,11 +4,15 @@ and the same buffers and pages, for requests of different lengths (so some steps
 plan nothing, and the others append through the plan)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 from policy_matrix import Probe, one_thread
 
 from trtkv.api import SamplingParams
+from trtkv.cache.config import CacheConfig
 from trtkv.cache.manager import KVCacheManager
+from trtkv.cache.residual import ResidualArena
 
 assert one_thread  # autouse: one intra-op thread for this module
 
@@ -42,3 +46,21 @@ def test_planned_buffer_appends_equal_layer_by_layer(engine_factory, load_engine
     assert any(planned) and not all(planned)  # planned steps, and steps whose buffers fill (layer by layer)
     monkeypatch.setattr(KVCacheManager, "plan_buffer_append", lambda self, seqs, positions: None)
     assert got == _run(eng)
+
+
+def test_buffer_membership_of_jobs_equals_a_set_per_job():
+    """``ResidualArena.holds_any``: per job, whether the row's buffer in the layer holds any of its positions (stale
+    entries past a buffer's fill are not held), as a set per job says; rows may repeat across jobs."""
+    rng = np.random.default_rng(0)
+    arena = ResidualArena(CacheConfig(num_layers=3, num_kv_heads=1, head_dim=2, block_size=4, residual_group=4,
+                                      residual_dtype=torch.float32), rows=6)
+    arena.pos[:] = rng.integers(0, 30, arena.pos.shape)
+    arena.fill[:] = rng.integers(0, 5, arena.fill.shape)
+    for layer in range(3):
+        rows = rng.integers(0, 6, 9)
+        counts = rng.integers(0, 5, 9)
+        positions = rng.integers(0, 30, int(counts.sum()))
+        starts = np.cumsum(counts) - counts
+        want = [bool(set(arena.pos[r, layer, :arena.fill[r, layer]].tolist()) &
+                     set(positions[s:s + c].tolist())) for r, s, c in zip(rows, starts, counts)]
+        assert arena.holds_any(layer, rows, positions, counts).tolist() == want

@@ -289,6 +289,12 @@ class KVCacheManager:
             return np.zeros(len(seqs), np.int64)
         return self.residual.fill[self.residual_rows(seqs), layer]
 
+    def buffered_any(self, layer: int, seqs: list[SeqKV], positions: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Per request ``i``: whether any of its ``counts[i]`` of ``positions`` is in its ``layer`` residual buffer."""
+        if self.residual is None:
+            return np.zeros(len(seqs), bool)
+        return self.residual.holds_any(layer, self.residual_rows(seqs), positions, counts)
+
     def _array_of(self, positions: list[int]) -> np.ndarray:
         """``positions`` as an int64 array, remembered for the same list like ``rows``."""
         last, arr = self._positions_of

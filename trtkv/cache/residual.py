@@ -151,6 +151,15 @@ class ResidualArena:
         self.fill[rows] += 1
         return (rows[None, :] * L + layers) * g + fill, fill + 1
 
+    def holds_any(self, layer: int, rows: np.ndarray, positions: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Per job ``j`` (``counts[j]`` of ``positions``, of arena row ``rows[j]``): whether ``layer``'s buffer holds
+        any of its positions, ``[len(rows)]`` bool."""
+        owner = np.repeat(np.arange(len(rows)), counts)
+        r = rows[owner]
+        filled = np.arange(self.pos.shape[2]) < self.fill[r, layer][:, None]
+        held = (self.pos[r, layer] == positions[:, None]) & filled
+        return np.bincount(owner[held.any(1)], minlength=len(rows)) > 0
+
     def take_rows(self, layer: int, rows: np.ndarray, n: int) -> np.ndarray:
         """Empty ``layer``'s buffers of ``rows`` (each holding ``n`` tokens, written to pages): their positions
         ``[len(rows), n]``."""

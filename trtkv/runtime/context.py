@@ -149,13 +149,10 @@ class RequestContext:
             raise ValueError(f"keys_padded: a job of more than {rows} positions")
         seqs = [req._seq for req in reqs]
         lone = []
-        buffered = np.flatnonzero(self._cache.buffered_many(seqs, layer))  # (most steps: none buffered)
-        if len(buffered):
-            starts = (np.cumsum(counts) - counts).tolist()
-            for j in buffered.tolist():
-                mine = positions[starts[j]:starts[j] + int(counts[j])]
-                if not set(seqs[j].buffered_positions(layer)).isdisjoint(mine.tolist()):  # (np.isin: ~50 us)
-                    lone.append((j, reqs[j], mine))
+        hit = np.flatnonzero(self._cache.buffered_any(layer, seqs, positions, counts))  # (most steps: none)
+        if len(hit):
+            starts = np.cumsum(counts) - counts
+            lone = [(j, reqs[j], positions[starts[j]:starts[j] + counts[j]]) for j in hit.tolist()]
         paged = np.ones(len(reqs), bool)
         paged[[j for j, _, _ in lone]] = False
         if lone:
