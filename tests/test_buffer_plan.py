@@ -64,3 +64,31 @@ def test_buffer_membership_of_jobs_equals_a_set_per_job():
         want = [bool(set(arena.pos[r, layer, :arena.fill[r, layer]].tolist()) &
                      set(positions[s:s + c].tolist())) for r, s, c in zip(rows, starts, counts)]
         assert arena.holds_any(layer, rows, positions, counts).tolist() == want
+
+
+@pytest.mark.parametrize("settings", [{}, {"kv_format": "int4"}])
+def test_tiered_steps_planned_equal_layer_by_layer(engine_factory, load_engine, tiny_ckpt, monkeypatch, settings):
+    """With host tiers, a decode step's write slots (or buffer slots) are planned at layer 0 too: the same tokens,
+    attended positions and stats as planning nothing (tiers change only at the policy's events, and staging reads
+    them without touching the device's tables)."""
+    eng = load_engine(engine_factory(tiny_ckpt, "tiered", budget=24, interval=8, window=8, **settings))
+    planner = "plan_buffer_append" if eng.core.g > 1 else "plan_write_through"
+    plan, planned = getattr(KVCacheManager, planner), []
+
+    def spy(self, *args):
+        at = plan(self, *args)
+        planned.append(at is not None)
+        return at
+
+    monkeypatch.setattr(KVCacheManager, planner, spy)
+    got = _tiered_run(eng)
+    assert eng.core.cache.has_tiers and any(planned) and any(st["tokens_host"] for st in got[2])  # (tokens moved)
+    monkeypatch.setattr(KVCacheManager, planner, lambda self, *args: None)
+    assert got == _tiered_run(eng)
+
+
+def _tiered_run(eng):
+    with Probe(eng, record_sets=True) as probe:
+        res = eng.generate(PROMPTS, PARAMS)
+    stats = [{k: v for k, v in r.stats.items() if not k.endswith("_s")} for r in res]  # (not the wall times)
+    return [r.token_ids for r in res], [probe.sets[i] for i in sorted(probe.sets)], stats

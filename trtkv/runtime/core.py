@@ -310,8 +310,9 @@ class EngineCore:
         if self.g == 1:
             if step.write_cls is not None:
                 # every layer's slots at once when nothing the policy does between two layers' writes changes another
-                # layer's tables (trtkv/cache/write_plan.py)
-                if layer == 0 and step.plan is None and not (step.acts or cache.has_tiers):
+                # layer's tables (trtkv/cache/write_plan.py; host tiers change only at a policy's events and
+                # before_attention, and staging reads them without touching the device's tables)
+                if layer == 0 and step.plan is None and not step.acts:
                     step.plan = cache.plan_write_through(seqs, positions, step.write_cls)
                 if step.plan is not None:
                     cache.write_planned(step.plan, layer, k, v)
@@ -321,7 +322,7 @@ class EngineCore:
                 for i, s in enumerate(seqs):
                     cache.write(s, layer, k[i:i + 1], v[i:i + 1], [positions[i]], classes[i][:2], classes[i][2])
         else:
-            if layer == 0 and step.buffer_plan is None and not (step.acts or cache.has_tiers):
+            if layer == 0 and step.buffer_plan is None and not step.acts:
                 # every layer's buffer slots at once when no buffer fills up this step (no flush: nothing between
                 # two layers' appends reads another layer's buffer)
                 step.buffer_plan = cache.plan_buffer_append(seqs, positions)
