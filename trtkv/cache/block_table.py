@@ -417,7 +417,13 @@ class BlockTable:
         for cls, at in _by_class([cls for _, cls in jobs]):
             cols.reuse.clear(layer, rows[at], cls)
             cols.set_opens(layer, rows[at], cls, lasts[at])
-        _touch(cols, layer, rows)
+        # the batch's block tables: each list kept its first pages in order, so the cut ones leave them in place
+        cuts = np.fromiter((len(drop) for _, _, drop in cut), np.int64, len(cut))
+        changed = rows[cuts > 0]
+        if len(np.unique(changed)) == len(changed):
+            cols.changes.remove_rows(layer, changed, cols.fmt_id(fmt), np.asarray(gone, np.int64), cuts[cuts > 0])
+        else:  # (a table with several classes of the format)
+            _touch(cols, layer, changed)
 
     def _cut(self, cls: Cls, keep: int, cost: int) -> tuple[int, int, list[int]]:
         """``cls`` keeps its first ``keep`` pages (the rest's ``cost`` each goes; the caller releases them): ``(row,
