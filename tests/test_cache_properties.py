@@ -790,6 +790,36 @@ def test_block_tables_drop_an_events_emptied_pages_in_place(classes):
     _check_block_tables(cache)
 
 
+@pytest.mark.parametrize("depth", [2, 3])
+def test_block_tables_follow_a_compacting_event_and_a_page_boundary_in_place(depth):
+    """A compacting event (pages it emptied leave, then the pages its compaction cut) and the next step's page
+    boundary come between two reads of the batch's block tables: three changes, applied in place when the columns
+    keep three (rows with one or two changes in place either way), equal to tables built anew."""
+    with patch("trtkv.cache.page_changes.DEPTH", depth):
+        cache = make_cache("compact", g=1)
+    for sid in range(4):
+        cache.add_sequence(sid)
+    seqs = [cache.seqs[s] for s in sorted(cache.seqs)]
+    k = v = torch.ones(len(seqs), H, D)
+    for pos in range(24):  # six full pages each
+        for layer in range(L):
+            cache.write_through(layer, seqs, k, v, [pos] * len(seqs), ("fp32", 0))
+    for layer in range(L):
+        cache.block_tables(layer, seqs)
+    # rows 0 and 1 empty a page and cut one more; row 2 keeps everything; row 3 empties none and cuts two
+    victims = [[0, 1, 2, 3, 5, 9, 13, 17], [4, 5, 6, 7, 10, 14, 18, 22], [], [1, 2, 3, 4, 6, 7, 8, 9]]
+    cache.evict_many(1, [(s, v) for s, v in zip(seqs, victims) if v])
+    for layer in range(L):  # 16 or 24 tokens in full pages: the next write opens a page everywhere
+        cache.write_through(layer, seqs, k, v, [24] * len(seqs), ("fp32", 0))
+    rewritten = []
+    original = BlockTable.catch_up_each
+    with patch.object(BlockTable, "catch_up_each", lambda tabs: (rewritten.extend(tabs), original(tabs))):
+        (_, bt), = cache.block_tables(1, seqs)
+    assert rewritten == ([] if depth == 3 else [seqs[0].layers[1], seqs[1].layers[1]])
+    assert (bt >= 0).sum(1).tolist() == [5, 5, 7, 5]
+    _check_block_tables(cache)
+
+
 def test_block_tables_follow_a_flushed_page_joining_the_middle_of_its_format():
     """The same for a batch's flush into fresh whole pages (one group a page)."""
     g = 4

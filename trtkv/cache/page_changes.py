@@ -5,28 +5,31 @@ Every (layer, table row) has a stamp that moves whenever its page lists change; 
 when it moved. At 32 layers × 256 requests a page boundary or an eviction event changes 8,192 lists at once, and
 rewriting each from Python is the cost. So the last two changes of a row are also recorded when they are ones a
 block table can apply in place: up to ``CHANGE_MAX`` pages of one format that joined the end of its list (a page
-boundary, a flush's group) or that left it (pages an eviction emptied), each with the stamp before it. A block
-table that read the row at one of those stamps applies what followed by array operations (an event's removals and
-the next step's page boundary come between two reads); any other change is a plain touch, which forgets them.
+boundary, a flush's group) or that left it (pages an eviction emptied, or a compaction cut), each with the stamp
+before it. A block table that read the row at one of those stamps applies what followed by array operations (an
+event's emptied pages, its compaction's cut ones and the next step's page boundary come between two reads); any
+other change is a plain touch, which forgets them.
 """
 from __future__ import annotations
 
 import numpy as np
 
 CHANGE_MAX = 8  # pages of one change a batch's block tables apply in place (more: the row is rewritten)
+DEPTH = 3  # the last changes of a row kept for block tables that read it before them
 _FMT_BITS, _FMT_MASK = 3, 7  # page << 3 | format id (a format id fits 3 bits)
 
 
 class PageChanges:
-    """Per layer and table row: the stamp, and the last two changes when block tables can apply them in place."""
+    """Per layer and table row: the stamp, and the last ``DEPTH`` changes when block tables can apply them in
+    place."""
 
     def __init__(self, num_layers: int, rows: int) -> None:
         self._stamp = np.zeros((num_layers, rows), np.int64)
-        # [0]: the change before the last, [1]: the last; each the stamp before it, its pages (page << 3 | format
+        # [-1]: the last change, [-2] the one before, ...; each the stamp before it, its pages (page << 3 | format
         # id, -1 padded; all -1: not recorded) and whether they left the list (else joined the end of its format's)
-        self._before = np.zeros((2, num_layers, rows), np.int64)
-        self._pages = np.full((2, num_layers, rows, CHANGE_MAX), -1, np.int64)
-        self._removed = np.zeros((2, num_layers, rows), bool)
+        self._before = np.zeros((DEPTH, num_layers, rows), np.int64)
+        self._pages = np.full((DEPTH, num_layers, rows, CHANGE_MAX), -1, np.int64)
+        self._removed = np.zeros((DEPTH, num_layers, rows), bool)
         self._clock = 0
         self._layer_clock = np.zeros(num_layers, np.int64)  # the latest stamp handed out in each layer
 
@@ -75,16 +78,16 @@ class PageChanges:
 
     def _record(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray, ok: np.ndarray,
                 removed: bool) -> None:
-        for a in (self._before, self._pages, self._removed):  # the last change becomes the one before it
-            a[0, layer, rows] = a[1, layer, rows]
-        self._before[1, layer, rows] = self._stamp[layer, rows]
+        for a in (self._before, self._pages, self._removed):  # each change moves one back, the oldest goes
+            a[:-1, layer, rows] = a[1:, layer, rows]
+        self._before[-1, layer, rows] = self._stamp[layer, rows]
         self._stamp_rows(layer, rows)
-        self._pages[1, layer, rows] = -1
+        self._pages[-1, layer, rows] = -1
         if pages.shape[1] > CHANGE_MAX:
             return
         code = np.where(pages >= 0, (pages << _FMT_BITS) | fmt_id, -1)
-        self._pages[1, layer, rows, :pages.shape[1]] = np.where(ok[:, None], code, -1)
-        self._removed[1, layer, rows] = removed
+        self._pages[-1, layer, rows, :pages.shape[1]] = np.where(ok[:, None], code, -1)
+        self._removed[-1, layer, rows] = removed
 
     def layer_clock(self, layer: int) -> int:
         """Changes whenever a row's page list in ``layer`` changes (the latest stamp handed out there): layers
@@ -98,14 +101,14 @@ class PageChanges:
               ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]]:
         """What changed in ``rows`` since stamps ``seen`` when block tables can apply it: ``(covered, changes)``,
         ``covered`` the rows whose changes since are all recorded, ``changes`` to apply in order, each ``(rows
-        mask, format ids, pages [n, CHANGE_MAX] -1 padded in order, removed)`` (the change before the last, for the
-        rows that read before it; the last)."""
+        mask, format ids, pages [n, CHANGE_MAX] -1 padded in order, removed)``, oldest first (each for the rows that
+        read before it or before an older one whose changes since are all recorded)."""
         code = self._pages[:, layer, rows]
         recorded = code[:, :, 0] >= 0
-        last = recorded[1] & (self._before[1, layer, rows] == seen)
-        both = recorded[1] & recorded[0] & (self._before[0, layer, rows] == seen)
-        changes = []
-        for i, mask in ((0, both), (1, last | both)):
-            changes.append((mask, np.where(recorded[i], code[i, :, 0] & _FMT_MASK, -1),
-                            np.where(code[i] >= 0, code[i] >> _FMT_BITS, -1), self._removed[i, layer, rows]))
-        return last | both, changes
+        since = np.logical_and.accumulate(recorded[::-1], axis=0)[::-1]  # [i]: changes i.. all recorded
+        starts = since & (self._before[:, layer, rows] == seen)  # [i]: the row was read right before change i
+        applies = np.logical_or.accumulate(starts, axis=0)  # [i]: change i follows the row's read
+        changes = [(applies[i], np.where(recorded[i], code[i, :, 0] & _FMT_MASK, -1),
+                    np.where(code[i] >= 0, code[i] >> _FMT_BITS, -1), self._removed[i, layer, rows])
+                   for i in range(len(code))]
+        return applies[-1], changes
