@@ -41,14 +41,22 @@ class StreamingLLMPolicy(KVPolicy):
     def on_decode_step_begin_batch(self, reqs) -> None:
         """The batch's window slides together: each layer's victims (one a request once the window is full) are
         evicted in one call for the batch."""
+        if not reqs:
+            return
+        first, layers = reqs[0], np.arange(reqs[0].num_layers)
+        held = first.num_paged_many(0, reqs)
+        due = np.flatnonzero(held + 1 > self.budget)
+        if not len(due):  # (the window still filling)
+            return
+        if (held[due] == self.budget).all():
+            # the steady window: one victim a request, its oldest past the sinks, read for the batch at once; every
+            # layer at once
+            victims = first.live_positions_each(0, reqs, due, self.budget)[:, self.n_sink]
+            at = np.broadcast_to(victims, (len(layers), len(victims)))
+            first.evict_each_layers(layers, [reqs[i] for i in due.tolist()], at)
+            return
         jobs = [(req, v) for req in reqs if len(v := self._victims(req, 1))]
         if not jobs:
-            return
-        first, layers = jobs[0][0], np.arange(jobs[0][0].num_layers)
-        if all(len(v) == 1 for _, v in jobs):  # the steady window: one victim a request, every layer at once
-            victims = np.fromiter((int(v[0]) for _, v in jobs), np.int64, len(jobs))
-            at = np.broadcast_to(victims, (len(layers), len(victims)))
-            first.evict_each_layers(layers, [req for req, _ in jobs], at)
             return
         for layer in layers.tolist():
             first.evict_many(layer, jobs)
