@@ -74,8 +74,7 @@ def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, lay
     if clk is not None:
         clk.switch(prev)
     positions = arena.take_rows(layer, res_rows, n)  # [G, n]
-    seg0 = segs[0]
-    seg = seg0 if all(x == seg0 for x in segs) else np.repeat(np.asarray(segs, np.int64), n)
+    seg = segs[0] if all(x == segs[0] for x in segs) else np.repeat(np.asarray(segs, np.int64), n)
     if fresh is not None:  # whole fresh pages: a row a page
         pool.mark_pages_written(fresh[0], positions.reshape(-1, pool.B),
                                 seg if np.ndim(seg) == 0 else seg.reshape(-1, pool.B))
@@ -115,7 +114,7 @@ def _buffers(arena: ResidualArena, res_rows: np.ndarray, layer: int, n: int) -> 
     """The first ``n`` buffered tokens of arena rows ``res_rows`` in ``layer``, ``[G, n, H, D]``: a view of the arena
     when the rows are consecutive (a batch admitted together), else a gather (the kernel converts either)."""
     r0, G = int(res_rows[0]), len(res_rows)
-    if res_rows[-1] == r0 + G - 1 and (np.diff(res_rows) == 1).all():
+    if (np.diff(res_rows) == 1).all():
         return arena.k[r0:r0 + G, layer, :n], arena.v[r0:r0 + G, layer, :n]
     rows = torch.from_numpy(res_rows).to(arena.k.device)
     return arena.k[rows, layer, :n], arena.v[rows, layer, :n]

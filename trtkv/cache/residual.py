@@ -154,6 +154,8 @@ class ResidualArena:
     def holds_any(self, layer: int, rows: np.ndarray, positions: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Per job ``j`` (``counts[j]`` of ``positions``, of arena row ``rows[j]``): whether ``layer``'s buffer holds
         any of its positions, ``[len(rows)]`` bool."""
+        if not self.fill[rows, layer].any():  # (nothing buffered: no comparison)
+            return np.zeros(len(rows), bool)
         owner = np.repeat(np.arange(len(rows)), counts)
         r = rows[owner]
         filled = np.arange(self.pos.shape[2]) < self.fill[r, layer][:, None]
