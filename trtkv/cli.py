@@ -18,25 +18,37 @@ class TrtkvGroup(click.Group):
         kwargs["standalone_mode"] = False
         try:
             rv = super().main(*args, **kwargs)
-            if isinstance(rv, int):
-                sys.exit(rv)
-            return rv
+            if not isinstance(rv, int):
+                return rv
+            code = rv
+        except SystemExit as e:  # a command's own sys.exit (serve's status)
+            code = e.code
         except click.exceptions.Abort:
             click.echo("trtkv: aborted", err=True)
-            sys.exit(130)
+            code = 130
         except click.exceptions.Exit as e:
-            sys.exit(e.exit_code)
+            code = e.exit_code
         except click.ClickException as e:
             ctx = getattr(e, "ctx", None)
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             click.echo(f"trtkv: error: {e.format_message()}{hint}", err=True)
-            sys.exit(EXIT_USAGE)
+            code = EXIT_USAGE
         except TrtkvError as e:
             click.echo(f"trtkv: error: {e}", err=True)
-            sys.exit(EXIT_USAGE)
+            code = EXIT_USAGE
         except KeyboardInterrupt:
             click.echo("trtkv: interrupted", err=True)
-            sys.exit(130)
+            code = 130
+        _exit(code)
+
+
+def _exit(code) -> None:
+    """Exit with ``code``; a tensor-parallel process whose group was lost exits without the interpreter's teardown
+    (``trtkv.distributed.launch.exit_process``). The module is looked up, not imported: it pulls in torch."""
+    launch = sys.modules.get("trtkv.distributed.launch")
+    if launch is not None and isinstance(code, int):
+        launch.exit_process(code)
+    sys.exit(code)
 
 
 @click.group(cls=TrtkvGroup, context_settings={"help_option_names": ["-h", "--help"]})

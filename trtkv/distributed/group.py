@@ -63,6 +63,7 @@ class TensorParallelGroup:
     def __init__(self, rank: int, size: int, device: str = "cpu"):
         self.rank, self.size = rank, size
         self.device = device
+        self.lost = False  # a collective failed: the backend's threads may still wait on the dead peer
 
     @property
     def is_leader(self) -> bool:
@@ -98,6 +99,7 @@ class TensorParallelGroup:
         try:
             return op(*args)
         except (RuntimeError, dist.DistError) as e:  # gloo: the peer closed its connection, or the timeout
+            self.lost = True
             raise RankLost(f"tensor-parallel rank lost (this is rank {self.rank} of {self.size}): "
                            f"{_first_line(e)}") from None
 

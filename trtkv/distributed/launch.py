@@ -77,6 +77,22 @@ def stop_ranks() -> None:
         shutil.rmtree(_log_dir, ignore_errors=True)
 
 
+def exit_process(code: int) -> None:
+    """End this process with ``code``. A process whose group was lost runs its exit handlers (stopping the ranks
+    it started), flushes and leaves without the interpreter's teardown: destroying gloo's state while a thread
+    still waits on the dead peer aborts (``terminate called without an active exception``, exit -6)."""
+    group = current_group()
+    if group is None or not group.lost:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def join_ranks(tp: int, device: str | None = None) -> TensorParallelGroup | None:
     """A command's ``tp`` ranks: started here when the environment names none (this process is rank 0), else
     joined (a rank trtkv or ``torchrun`` started). Ranks other than 0 print nothing to stdout. None for one rank."""
