@@ -954,3 +954,33 @@ def test_freeing_many_requests_at_once_matches_each_in_turn(ops):
         assert _state(batched) == _state(each)
         assert_same_bytes(batched, each)
     check_invariants(batched)
+
+
+def test_catching_up_tables_with_pages_of_several_classes_waiting_matches_each_table_alone():
+    """A batch's flushes in changing classes leave pages of several classes waiting for a table; ``catch_up_each``
+    (grouped by array operations) gives every table the lists, list order and pages that each table taking its own
+    waiting pages gives."""
+    g = 4
+    caches = [make_cache(block=g, g=g, max_pages=512), make_cache(block=g, g=g, max_pages=512)]
+    classes = [("nvfp4", 0), ("nvfp4", 1), ("fp32", 0)]
+    for c in caches:
+        for sid in range(5):
+            c.add_sequence(sid)
+    gen = torch.Generator().manual_seed(0)
+    for pos in range(10 * g):
+        k, v = torch.randn(5, H, D, generator=gen), torch.randn(5, H, D, generator=gen)
+        for c in caches:
+            seqs = [c.seqs[s] for s in sorted(c.seqs)]
+            for layer in range(L):
+                c.buffer_append(layer, seqs, k, v, [pos] * 5)
+                if pos % g == g - 1:  # the batch's flush, in one class a group (whole fresh pages, waiting)
+                    c.flush_many(layer, seqs, [classes[(pos // g) % 3]] * 5, [7] * 5)
+    joined = []
+    original = BlockTable._join_waiting_each
+    with patch.object(BlockTable, "_join_waiting_each", lambda tabs, *a: (joined.extend(tabs), original(tabs, *a))):
+        BlockTable.catch_up_each([caches[0].seqs[s].layers[1] for s in range(5)])
+    assert joined  # (tables with pages of several classes waiting)
+    for s in range(5):
+        caches[1].seqs[s].layers[1].take_waiting_pages()
+        assert list(caches[0].seqs[s].layers[1].pages.items()) == list(caches[1].seqs[s].layers[1].pages.items())
+    _check_block_tables(caches[0])

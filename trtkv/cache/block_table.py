@@ -80,14 +80,37 @@ class BlockTable:
         past = np.arange(fids.shape[1]) >= n[:, None]
         one = ((fids == fids[:, :1]) & (classes == classes[:, :1]) | past).all(1)
         names = cols.fmt_names
-        for j, (i, k, f, c, ps, same) in enumerate(zip(at.tolist(), n.tolist(), fids[:, 0].tolist(),
-                                                       classes[:, 0].tolist(), pages.tolist(), one.tolist())):
+        for i, k, f, c, ps in zip(at[one].tolist(), n[one].tolist(), fids[one, 0].tolist(), classes[one, 0].tolist(),
+                                  pages[one].tolist()):
             t = tables[i]
-            if same:
-                t._page_lists.setdefault((names[f], c), []).extend(ps[:k])  # noqa: SLF001
-                t._flat = t._single_bt = None  # noqa: SLF001
-            else:
-                t._join_waiting(fids[j, :k].tolist(), classes[j, :k].tolist(), ps[:k])  # noqa: SLF001
+            t._page_lists.setdefault((names[f], c), []).extend(ps[:k])  # noqa: SLF001
+            t._flat = t._single_bt = None  # noqa: SLF001
+        if not one.all():
+            BlockTable._join_waiting_each([tables[i] for i in at[~one].tolist()], n[~one], fids[~one],
+                                          classes[~one], pages[~one])
+
+    @staticmethod
+    def _join_waiting_each(tables: list[BlockTable], n: np.ndarray, fids: np.ndarray, classes: np.ndarray,
+                           pages: np.ndarray) -> None:
+        """``_join_waiting`` of each of ``tables`` (row ``i``'s first ``n[i]`` entries its pages): the pages grouped by
+        (table, format, class) with array operations, each group's list extended once, the classes of a table in
+        the order their first page waited (a class new to the table is listed in that order)."""
+        j, col = np.nonzero(np.arange(fids.shape[1]) < n[:, None])  # (row-major: a table's pages in order)
+        c = classes[j, col].astype(np.int64) - int(classes.min())
+        code = (j * (int(fids.max()) + 1) + fids[j, col]) * (int(c.max()) + 1) + c
+        _, first, group = np.unique(code, return_index=True, return_inverse=True)
+        rank = np.empty(len(first), np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(len(first))  # groups in order of their first page
+        order = np.argsort(rank[group.reshape(-1)], kind="stable")
+        bounds = np.r_[0, np.cumsum(np.bincount(group.reshape(-1), minlength=len(first))[np.argsort(rank)])].tolist()
+        heads = order[bounds[:-1]]
+        names = tables[0]._cols.fmt_names  # noqa: SLF001
+        flat_pages = pages[j, col][order].tolist()
+        for a, b, t_at, f, c in zip(bounds[:-1], bounds[1:], j[heads].tolist(), fids[j[heads], col[heads]].tolist(),
+                                    classes[j[heads], col[heads]].tolist()):
+            tables[t_at]._page_lists.setdefault((names[f], c), []).extend(flat_pages[a:b])  # noqa: SLF001
+        for t in tables:
+            t._flat = t._single_bt = None  # noqa: SLF001
 
     def _join_waiting(self, fids: list[int], classes: list[int], pages: list[int]) -> None:
         names = self._cols.fmt_names
