@@ -140,16 +140,40 @@ def open_fresh_pages(seqs: list, cols: TableColumns, layer: int, rows: np.ndarra
 
 def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, short: np.ndarray,
                             pool_of: Callable[[int], PagePool], cls: Cls, order: Iterator[int]) -> None:
-    """``open_fresh_pages`` for ``rows[short[l]]`` in each layer ``l`` (``pool_of(l)``: the layer's pool), layer by
-    layer, each request charged once for all its layers."""
+    """``open_fresh_pages`` for ``rows[short[l]]`` in each layer ``l`` (``pool_of(l)``: the layer's pool): pages taken
+    layer by layer, then waiting in ``FreshPages`` for every layer in one pass; each request charged once for all
+    its layers."""
     charge = np.zeros(len(rows), np.int64)
+    taken: list[tuple[int, np.ndarray, np.ndarray]] = []  # (layer, need, pages) not yet queued
     for layer in np.flatnonzero(short.any(1)).tolist():
         need = np.flatnonzero(short[layer])
         pool = pool_of(layer)
-        if _open_fresh(seqs, cols, layer, rows, need, pool, cls, order):
-            charge[need] += held_page_bytes(pool)
+        pages = pool.alloc_pages(len(need), cls[1])
+        if pages is None:  # the pool lacks them: each table takes its own (a full pool names its request)
+            _queue_layers(seqs, cols, rows, taken, cls, order)  # (the pages taken before, numbered first)
+            taken = []
+            for i in need.tolist():
+                seqs[i].layers[layer].new_page(pool, cls)
+            continue
+        taken.append((layer, need, pages))
+        charge[need] += held_page_bytes(pool)
+    _queue_layers(seqs, cols, rows, taken, cls, order)
     for i in np.flatnonzero(charge).tolist():
         seqs[i].account.add(int(charge[i]))
+
+
+def _queue_layers(seqs: list, cols: TableColumns, rows: np.ndarray, taken: list[tuple[int, np.ndarray, np.ndarray]],
+                  cls: Cls, order: Iterator[int]) -> None:
+    """Each ``(layer, need, pages)`` of ``taken``: page ``pages[i]`` is the open page of ``rows[need[i]]`` in
+    ``layer``, waiting in ``FreshPages``; every layer's in one ``_queue_pages`` (numbered layer after layer)."""
+    if not taken:
+        return
+    layers = np.concatenate([np.full(len(need), layer, np.int64) for layer, need, _ in taken])
+    need = np.concatenate([need for _, need, _ in taken])
+    pages = np.concatenate([pages for _, _, pages in taken])
+    _queue_pages(lambda j: seqs[need[j]].layers[layers[j]], cols, layers, rows[need], cols.fmt_id(cls[0]), cls,
+                 pages[:, None], order)
+    cols.set_opens(layers, rows[need], cls, pages)
 
 
 def _open_fresh(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, need: np.ndarray, pool: PagePool,
@@ -180,10 +204,11 @@ def add_fresh_pages_each(seqs: list, cols: TableColumns, layer: int, rows: np.nd
         s.account.add(cost)
 
 
-def _queue_pages(table_of: Callable[[int], BlockTable], cols: TableColumns, layer: int, rows: np.ndarray, fmt_id: int,
-                 cls: Cls, pages: np.ndarray, order: Iterator[int]) -> None:
+def _queue_pages(table_of: Callable[[int], BlockTable], cols: TableColumns, layer: int | np.ndarray, rows: np.ndarray,
+                 fmt_id: int, cls: Cls, pages: np.ndarray, order: Iterator[int]) -> None:
     """Pages ``pages[i]`` (``[n, per]``, in order) of ``cls`` wait in ``FreshPages`` for ``table_of(i)`` (row
-    ``rows[i]``), numbered from ``order`` table after table; the batch's block tables take them in place. Rows whose
+    ``rows[i]`` of ``layer``, or of ``layer[i]``), numbered from ``order`` table after table; the batch's block
+    tables take them in place. Rows whose
     queue cannot take ``per`` more take theirs in first (the only tables looked up: a batch's 8,192 lookups at a
     page boundary cost ~4 ms). Bytes are the caller's."""
     n, per = pages.shape
@@ -194,7 +219,8 @@ def _queue_pages(table_of: Callable[[int], BlockTable], cols: TableColumns, laye
     at_end = fresh.list_classes(layer, rows, fmt_id, cls[1])
     for j in range(per):
         fresh.add(layer, rows, fmt_id, pages[:, j], cls[1])
-    cols.reuse.note_orders(layer, cls[0], pages.reshape(-1), orders.reshape(-1))
+    cols.reuse.note_orders(np.repeat(layer, per) if np.ndim(layer) else layer, cls[0], pages.reshape(-1),
+                           orders.reshape(-1))
     cols.changes.append_rows(layer, rows, fmt_id, pages if per > 1 else pages[:, 0], at_end)
 
 

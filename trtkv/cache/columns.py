@@ -404,8 +404,9 @@ class TableColumns:
     def set_open(self, layer: int, row: int, cls: Cls, p: int) -> None:
         self._col(self._open, layer, cls, -1, np.int64)[row] = p
 
-    def set_opens(self, layer: int, rows: np.ndarray, cls: Cls, pages: np.ndarray) -> None:
-        self._col(self._open, layer, cls, -1, np.int64)[rows] = pages
+    def set_opens(self, layer: int | np.ndarray, rows: np.ndarray, cls: Cls, pages: np.ndarray) -> None:
+        """The open page of ``cls`` of row ``rows[i]`` in ``layer`` (or ``layer[i]``) is ``pages[i]`` (-1: none)."""
+        self._class_col(self._open, cls, -1, np.int64)[layer, rows] = pages
 
     def open_pages_of(self, layer: int, row: int) -> dict[Cls, int]:
         return {cls: col.item(layer, row) for cls, col in self._open.items() if col.item(layer, row) >= 0}

@@ -32,9 +32,9 @@ class FreshPages:
         self._listed: dict[tuple[int, int], np.ndarray] = {}  # (format id, class) -> [layers, rows] listed
         self._last: dict[int, np.ndarray] = {}  # format id -> [layers, rows] its class listed last, -1 none
 
-    def add(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray, cls: int = 0) -> None:
-        """Page ``pages[i]`` (format ``fmt_id``, class ``cls``) joins row ``rows[i]`` (distinct, none of them
-        ``full``)."""
+    def add(self, layer: int | np.ndarray, rows: np.ndarray, fmt_id: int, pages: np.ndarray, cls: int = 0) -> None:
+        """Page ``pages[i]`` (format ``fmt_id``, class ``cls``) joins row ``rows[i]`` of ``layer`` (or of ``layer[i]``;
+        (layer, row) pairs distinct, none of them ``full``)."""
         n = self._n[layer, rows]
         self._page[layer, rows, n] = pages
         self._fmt[layer, rows, n] = fmt_id
@@ -85,15 +85,15 @@ class FreshPages:
             listed[layer, row] = True
             last[layer, row] = cls
 
-    def list_classes(self, layer: int, rows: np.ndarray, fmt_id: int, cls: int) -> np.ndarray:
-        """``list_class`` for every one of ``rows``; returns whether pages of the class joining each row end its
-        format's pages (the class is, or becomes, the format's last listed)."""
+    def list_classes(self, layer: int | np.ndarray, rows: np.ndarray, fmt_id: int, cls: int) -> np.ndarray:
+        """``list_class`` for every one of ``rows`` (of ``layer``, or of ``layer[i]``); returns whether pages of the
+        class joining each row end its format's pages (the class is, or becomes, the format's last listed)."""
         listed, last = self._columns(fmt_id, cls)
         known = listed[layer, rows]
         at_end = ~known | (last[layer, rows] == cls)
-        new = rows[~known]
-        listed[layer, new] = True
-        last[layer, new] = cls
+        new_layer, new = (layer if np.ndim(layer) == 0 else layer[~known]), rows[~known]
+        listed[new_layer, new] = True
+        last[new_layer, new] = cls
         return at_end
 
     # --- rows ---------------------------------------------------------------------------------------------

@@ -61,9 +61,11 @@ class PageChanges:
         self._clock += len(rows)
         self._layer_clock[layer] = self._clock
 
-    def append_rows(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray, at_end: np.ndarray) -> None:
+    def append_rows(self, layer: int | np.ndarray, rows: np.ndarray, fmt_id: int, pages: np.ndarray,
+                    at_end: np.ndarray) -> None:
         """``touch_rows`` for page ``pages[i]`` (``[n]``), or the pages ``pages[i]`` in order (``[n, m]``), joining
-        row ``rows[i]``'s pages of format ``fmt_id``, the last of that format's list where ``at_end[i]``."""
+        row ``rows[i]``'s pages of format ``fmt_id`` in ``layer`` (or ``layer[i]``; pairs distinct), the last of
+        that format's list where ``at_end[i]``."""
         pages = np.asarray(pages, np.int64)
         self._record(layer, rows, fmt_id, pages[:, None] if pages.ndim == 1 else pages, at_end, removed=False)
 
@@ -89,6 +91,10 @@ class PageChanges:
         self._pages[-1, layer, rows, :pages.shape[1]] = np.where(ok[:, None], code, -1)
         self._removed[-1, layer, rows] = removed
 
+    def layer_clocks(self) -> np.ndarray:
+        """``layer_clock`` of every layer (a copy)."""
+        return self._layer_clock.copy()
+
     def layer_clock(self, layer: int) -> int:
         """Changes whenever a row's page list in ``layer`` changes (the latest stamp handed out there): layers
         whose pages change at different steps (per-layer budgets) keep each other's block tables."""
@@ -97,12 +103,17 @@ class PageChanges:
     def stamps(self, layer: int, rows: np.ndarray) -> np.ndarray:
         return self._stamp[layer, rows]
 
-    def since(self, layer: int, rows: np.ndarray, seen: np.ndarray
+    def stamps_layers(self, rows: np.ndarray) -> np.ndarray:
+        """``stamps`` of every layer: ``[layers, len(rows)]``."""
+        return self._stamp[:, rows]
+
+    def since(self, layer: int | np.ndarray, rows: np.ndarray, seen: np.ndarray
               ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]]:
-        """What changed in ``rows`` since stamps ``seen`` when block tables can apply it: ``(covered, changes)``,
-        ``covered`` the rows whose changes since are all recorded, ``changes`` to apply in order, each ``(rows
-        mask, format ids, pages [n, CHANGE_MAX] -1 padded in order, removed)``, oldest first (each for the rows that
-        read before it or before an older one whose changes since are all recorded)."""
+        """What changed in ``rows`` (of ``layer``, or of ``layer[i]`` each) since stamps ``seen`` when block tables
+        can apply it: ``(covered, changes)``, ``covered`` the rows whose changes since are all recorded, ``changes``
+        to apply in order, each ``(rows mask, format ids, pages [n, CHANGE_MAX] -1 padded in order, removed)``,
+        oldest first (each for the rows that read before it or before an older one whose changes since are all
+        recorded; a change no row applies is left out)."""
         code = self._pages[:, layer, rows]
         recorded = code[:, :, 0] >= 0
         since = np.logical_and.accumulate(recorded[::-1], axis=0)[::-1]  # [i]: changes i.. all recorded
@@ -110,5 +121,5 @@ class PageChanges:
         applies = np.logical_or.accumulate(starts, axis=0)  # [i]: change i follows the row's read
         changes = [(applies[i], np.where(recorded[i], code[i, :, 0] & _FMT_MASK, -1),
                     np.where(code[i] >= 0, code[i] >> _FMT_BITS, -1), self._removed[i, layer, rows])
-                   for i in range(len(code))]
+                   for i in range(len(code)) if applies[i].any()]  # (none read before the older ones: skipped)
         return applies[-1], changes

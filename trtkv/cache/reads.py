@@ -103,50 +103,53 @@ def _ints(positions) -> list[int]:
 
 
 class _RowTables:
-    """One layer's block tables, one row per table row of ``TableColumns`` (any request that was read), per
-    format: ``pages [rows, width]`` (-1 padded, spare columns) and ``lens [rows]``; ``seen [rows]`` is each row's
-    page-list stamp when it was last brought up to date (-1: never)."""
+    """Every layer's block tables, one row per table row of ``TableColumns`` (any request that was read), per
+    format: ``pages [layers, rows, width]`` (-1 padded, spare columns) and ``lens [layers, rows]``; ``seen [layers,
+    rows]`` is each row's page-list stamp when it was last brought up to date (-1: never). Layers side by side, so a
+    page boundary that changed every layer's rows is applied to all of them in one pass."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_layers: int) -> None:
         self.pages: dict[str, np.ndarray] = {}
         self.lens: dict[str, np.ndarray] = {}
-        self.seen = np.full(0, -1, np.int64)
+        self.seen = np.full((num_layers, 0), -1, np.int64)
 
     def fit(self, rows: int, fmts) -> None:
         """Room for rows ``[0, rows)`` and a table for every format of ``fmts``."""
-        have = len(self.seen)
+        L, have = self.seen.shape
         if rows > have:
             grow = max(rows, 2 * have) - have
-            self.seen = np.concatenate([self.seen, np.full(grow, -1, np.int64)])
-            for fmt in self.pages:
-                self.pages[fmt] = np.concatenate([self.pages[fmt], np.full((grow, self.pages[fmt].shape[1]), -1,
-                                                                           np.int32)])
-                self.lens[fmt] = np.concatenate([self.lens[fmt], np.zeros(grow, np.int64)])
+            self.seen = np.concatenate([self.seen, np.full((L, grow), -1, np.int64)], axis=1)
+            for fmt, bt in self.pages.items():
+                self.pages[fmt] = np.concatenate([bt, np.full((L, grow, bt.shape[2]), -1, np.int32)], axis=1)
+                self.lens[fmt] = np.concatenate([self.lens[fmt], np.zeros((L, grow), np.int64)], axis=1)
         for fmt in fmts:
             if fmt not in self.pages:
-                self.pages[fmt] = np.full((len(self.seen), FIRST_TABLE_WIDTH), -1, np.int32)
-                self.lens[fmt] = np.zeros(len(self.seen), np.int64)
+                self.pages[fmt] = np.full((*self.seen.shape, FIRST_TABLE_WIDTH), -1, np.int32)
+                self.lens[fmt] = np.zeros(self.seen.shape, np.int64)
 
     def widen(self, fmt: str, width: int) -> np.ndarray:
-        """Format ``fmt``'s table, at least ``width`` columns wide (doubling)."""
+        """Format ``fmt``'s tables, at least ``width`` columns wide (doubling)."""
         bt = self.pages[fmt]
-        if width > bt.shape[1]:
-            grown = np.full((bt.shape[0], max(width, 2 * bt.shape[1])), -1, np.int32)
-            grown[:, : bt.shape[1]] = bt
+        if width > bt.shape[2]:
+            grown = np.full((*bt.shape[:2], max(width, 2 * bt.shape[2])), -1, np.int32)
+            grown[:, :, : bt.shape[2]] = bt
             self.pages[fmt] = bt = grown
         return bt
 
 
 class BlockTableCache:
     """Each layer's block tables kept per table row: a row is brought up to date only when its page list changed
-    since it was last read (page-list stamps, one array comparison for the batch) — taking a page appended at
-    the end of a format's list in place, rewriting the row from its lists otherwise — and a batch's tables are
-    its rows gathered. Batches that differ from step to step (requests finishing and joining, groups taking
-    turns) reuse every row they share."""
+    since it was last read (page-list stamps, one array comparison for the batch) — taking pages appended at the
+    end of a format's list or leaving it in place, rewriting the row from its lists otherwise — and a batch's
+    tables are its rows gathered. Reading one layer brings the batch's rows of every layer up to date (a page
+    boundary changes them all at once; a layer changed again before it is read is brought up to date again).
+    Batches that differ from step to step (requests finishing and joining, groups taking turns) reuse every row
+    they share."""
 
     def __init__(self, num_layers: int) -> None:
-        self._tables = [_RowTables() for _ in range(num_layers)]
+        self._tables = _RowTables(num_layers)
         self._last: list[tuple[np.ndarray, int, list] | None] = [None] * num_layers  # rows, clock, what get returned
+        self._current: tuple[np.ndarray, np.ndarray] | None = None  # rows all brought up to date, each layer's clock
 
     def get(self, pools: dict[str, PagePool], layer: int, seqs: list[SeqKV], columns: TableColumns,
             rows: np.ndarray) -> list[tuple[PagePool, torch.Tensor]]:
@@ -160,80 +163,87 @@ class BlockTableCache:
         clock = columns.changes.layer_clock(layer)
         if last is not None and last[1] == clock and (last[0] is rows or np.array_equal(last[0], rows)):
             return last[2]  # no page list of this layer changed since, the same requests
-        tables = self._tables[layer]
+        tables = self._tables
         tables.fit(int(rows.max()) + 1, pools)
-        stamps = columns.changes.stamps(layer, rows)
-        stale = np.flatnonzero(tables.seen[rows] != stamps)
-        if len(stale):
-            self._bring_up_to_date(tables, layer, seqs, stale, columns, rows[stale])
-            tables.seen[rows[stale]] = stamps[stale]
+        current = self._current
+        if current is None or current[0] is not rows or current[1][layer] != clock:
+            stamps = columns.changes.stamps_layers(rows)
+            at_layer, at = np.nonzero(tables.seen[:, rows] != stamps)
+            if len(at):
+                self._bring_up_to_date(tables, at_layer, seqs, at, columns, rows[at])
+                tables.seen[at_layer, rows[at]] = stamps[at_layer, at]
+            # every layer's rows now up to date: a layer whose clock has not moved since needs no look
+            self._current = (rows, columns.changes.layer_clocks())
         out = []
         for fmt, pool in pools.items():
-            width = int(tables.lens[fmt][rows].max(initial=0))
+            width = int(tables.lens[fmt][layer, rows].max(initial=0))
             if width:
-                out.append((pool, torch.from_numpy(tables.pages[fmt][rows, :width]).to(pool.device)))
+                out.append((pool, torch.from_numpy(tables.pages[fmt][layer, rows, :width]).to(pool.device)))
         self._last[layer] = (rows, clock, out)
         return out
 
     @staticmethod
-    def _bring_up_to_date(tables: _RowTables, layer: int, seqs: list[SeqKV], stale: np.ndarray,
+    def _bring_up_to_date(tables: _RowTables, layers: np.ndarray, seqs: list[SeqKV], stale: np.ndarray,
                           columns: TableColumns, rows: np.ndarray) -> None:
-        """Rows ``rows`` (of ``seqs[stale]``) whose page lists changed since they were last read: the ones whose
-        changes since that read were pages joining the end of a format's list or leaving it (``PageChanges``) apply
-        them in place (array operations: a page boundary or an eviction event of the whole batch touches no request
-        object); the others are rewritten from their lists."""
-        covered, changes = columns.changes.since(layer, rows, tables.seen[rows])
+        """Rows ``rows`` of ``layers`` (of ``seqs[stale]``; (layer, row) pairs) whose page lists changed since they
+        were last read: the ones whose changes since that read were pages joining the end of a format's list or
+        leaving it (``PageChanges``) apply them in place (array operations: a page boundary or an eviction event of
+        the whole batch touches no request object); the others are rewritten from their lists."""
+        covered, changes = columns.changes.since(layers, rows, tables.seen[layers, rows])
         names = columns.fmt_names
         for applies, fids, pages, removed in changes:
             for f in np.unique(fids[applies]).tolist():
                 tables.fit(0, (names[f],))
                 mine = applies & (fids == f)
-                _append_in_place(tables, names[f], rows[mine & ~removed], pages[mine & ~removed])
-                _remove_in_place(tables, names[f], rows[mine & removed], pages[mine & removed])
+                add, gone = mine & ~removed, mine & removed
+                _append_in_place(tables, names[f], layers[add], rows[add], pages[add])
+                _remove_in_place(tables, names[f], layers[gone], rows[gone], pages[gone])
         rest = np.flatnonzero(~covered)
-        if not len(rest):
-            return
-        tabs = [seqs[i].layers[layer] for i in stale[rest].tolist()]
-        BlockTable.catch_up_each(tabs)
-        at = rows[rest]
-        tables.fit(0, {fmt for t in tabs for fmt, _ in t.pages})
-        for fmt, lens in tables.lens.items():
-            mine = [t.page_lists_of(fmt) for t in tabs]
-            new = np.fromiter((sum(map(len, ls)) for ls in mine), np.int64, len(mine))
-            bt = tables.widen(fmt, int(new.max(initial=0)))
-            bt[at, : int(lens[at].max(initial=0))] = -1
-            lens[at] = new
-            _fill_rows(bt, at, mine, new)
+        for layer in np.unique(layers[rest]).tolist():  # (rewritten from the tables' lists, a layer at a time)
+            mine = rest[layers[rest] == layer]
+            tabs = [seqs[i].layers[layer] for i in stale[mine].tolist()]
+            BlockTable.catch_up_each(tabs)
+            at = rows[mine]
+            tables.fit(0, {fmt for t in tabs for fmt, _ in t.pages})
+            for fmt, lens in tables.lens.items():
+                lists = [t.page_lists_of(fmt) for t in tabs]
+                new = np.fromiter((sum(map(len, ls)) for ls in lists), np.int64, len(lists))
+                bt = tables.widen(fmt, int(new.max(initial=0)))
+                bt[layer, at, : int(lens[layer, at].max(initial=0))] = -1
+                lens[layer, at] = new
+                _fill_rows(bt[layer], at, lists, new)
 
 
 FIRST_TABLE_WIDTH = 16  # pages a row of a layer's block tables holds before its format's table widens
 
 
-def _append_in_place(tables: _RowTables, fmt: str, at: np.ndarray, new: np.ndarray) -> None:
-    """Rows ``at`` of ``fmt``'s block table take pages ``new [n, k]`` (-1 padded) at their ends."""
+def _append_in_place(tables: _RowTables, fmt: str, layers: np.ndarray, at: np.ndarray, new: np.ndarray) -> None:
+    """Rows ``at`` (of ``layers``) of ``fmt``'s block tables take pages ``new [n, k]`` (-1 padded) at their ends."""
     if not len(at):
         return
     count = (new >= 0).sum(axis=1)
     lens = tables.lens[fmt]
-    bt = tables.widen(fmt, int((lens[at] + count).max()))
+    bt = tables.widen(fmt, int((lens[layers, at] + count).max()))
     for j in range(int(count.max())):
         has = count > j
-        bt[at[has], lens[at[has]] + j] = new[has, j]
-    lens[at] += count
+        bt[layers[has], at[has], lens[layers[has], at[has]] + j] = new[has, j]
+    lens[layers, at] += count
 
 
-def _remove_in_place(tables: _RowTables, fmt: str, at: np.ndarray, gone: np.ndarray) -> None:
-    """Rows ``at`` of ``fmt``'s block table drop pages ``gone [n, k]`` (-1 padded); the others keep their order."""
+def _remove_in_place(tables: _RowTables, fmt: str, layers: np.ndarray, at: np.ndarray, gone: np.ndarray) -> None:
+    """Rows ``at`` (of ``layers``) of ``fmt``'s block tables drop pages ``gone [n, k]`` (-1 padded); the others keep
+    their order."""
     if not len(at):
         return
     lens, bt = tables.lens[fmt], tables.pages[fmt]
-    width = int(lens[at].max(initial=0))
-    cur = bt[at, :width]
-    inside = np.arange(width) < lens[at][:, None]
+    width = int(lens[layers, at].max(initial=0))
+    cur = bt[layers, at, :width]
+    inside = np.arange(width) < lens[layers, at][:, None]
     kept = inside & ~(cur[:, :, None] == np.where(gone >= 0, gone, -2)[:, None, :]).any(axis=2)
     order = np.argsort(~kept, axis=1, kind="stable")  # each row's kept pages first, in order
-    bt[at, :width] = np.where(np.arange(width) < kept.sum(axis=1)[:, None], np.take_along_axis(cur, order, 1), -1)
-    lens[at] = kept.sum(axis=1)
+    bt[layers[:, None], at[:, None], np.arange(width)] = np.where(
+        np.arange(width) < kept.sum(axis=1)[:, None], np.take_along_axis(cur, order, 1), -1)
+    lens[layers, at] = kept.sum(axis=1)
 
 
 def _fill_rows(bt: np.ndarray, at: np.ndarray, rows: list[list[list[int]]], lens: np.ndarray) -> None:
