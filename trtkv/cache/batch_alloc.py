@@ -132,10 +132,14 @@ def open_fresh_pages(seqs: list, cols: TableColumns, layer: int, rows: np.ndarra
                      pool: PagePool, cls: Cls, order: Iterator[int]) -> None:
     """A fresh open page of ``cls`` for each of ``rows[need]`` (``seqs[i]``: the request of ``rows[i]``), taken
     from ``pool`` in one call when it has them all; they wait in ``FreshPages``."""
-    if _open_fresh(seqs, cols, layer, rows, need, pool, cls, order):
-        cost = held_page_bytes(pool)
-        for i in need.tolist():
-            seqs[i].account.add(cost)
+    pages = pool.alloc_pages(len(need), cls[1])
+    if pages is None:
+        _each_opens_its_own(seqs, layer, need, pool, cls)
+        return
+    _queue_layers(seqs, cols, rows, [(layer, need, pages)], cls, order)
+    cost = held_page_bytes(pool)
+    for i in need.tolist():
+        seqs[i].account.add(cost)
 
 
 def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, short: np.ndarray,
@@ -149,11 +153,10 @@ def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, sh
         need = np.flatnonzero(short[layer])
         pool = pool_of(layer)
         pages = pool.alloc_pages(len(need), cls[1])
-        if pages is None:  # the pool lacks them: each table takes its own (a full pool names its request)
+        if pages is None:
             _queue_layers(seqs, cols, rows, taken, cls, order)  # (the pages taken before, numbered first)
             taken = []
-            for i in need.tolist():
-                seqs[i].layers[layer].new_page(pool, cls)
+            _each_opens_its_own(seqs, layer, need, pool, cls)
             continue
         taken.append((layer, need, pages))
         charge[need] += held_page_bytes(pool)
@@ -162,10 +165,18 @@ def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, sh
         seqs[i].account.add(int(charge[i]))
 
 
+def _each_opens_its_own(seqs: list, layer: int, need: np.ndarray, pool: PagePool, cls: Cls) -> None:
+    """The pool lacks a page for each of ``seqs[need]``: each table opens its own in turn, so a full pool names the
+    request that ran out (bytes charged)."""
+    for i in need.tolist():
+        seqs[i].layers[layer].new_page(pool, cls)
+
+
 def _queue_layers(seqs: list, cols: TableColumns, rows: np.ndarray, taken: list[tuple[int, np.ndarray, np.ndarray]],
                   cls: Cls, order: Iterator[int]) -> None:
     """Each ``(layer, need, pages)`` of ``taken``: page ``pages[i]`` is the open page of ``rows[need[i]]`` in
-    ``layer``, waiting in ``FreshPages``; every layer's in one ``_queue_pages`` (numbered layer after layer)."""
+    ``layer``, waiting in ``FreshPages`` instead of joining the tables' lists; every layer's in one ``_queue_pages``
+    (numbered layer after layer)."""
     if not taken:
         return
     layers = np.concatenate([np.full(len(need), layer, np.int64) for layer, need, _ in taken])
@@ -174,22 +185,6 @@ def _queue_layers(seqs: list, cols: TableColumns, rows: np.ndarray, taken: list[
     _queue_pages(lambda j: seqs[need[j]].layers[layers[j]], cols, layers, rows[need], cols.fmt_id(cls[0]), cls,
                  pages[:, None], order)
     cols.set_opens(layers, rows[need], cls, pages)
-
-
-def _open_fresh(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, need: np.ndarray, pool: PagePool,
-                cls: Cls, order: Iterator[int]) -> bool:
-    """The pages of ``open_fresh_pages``: they wait in the columns (``FreshPages``) instead of joining every
-    table's lists; False when the pool lacked them and each table took its own (a full pool names its request),
-    bytes charged."""
-    fresh = pool.alloc_pages(len(need), cls[1])
-    if fresh is None:
-        for i in need.tolist():
-            seqs[i].layers[layer].new_page(pool, cls)
-        return False
-    _queue_pages(lambda j: seqs[need[j]].layers[layer], cols, layer, rows[need], cols.fmt_id(cls[0]), cls,
-                 fresh[:, None], order)
-    cols.set_opens(layer, rows[need], cls, fresh)
-    return True
 
 
 def add_fresh_pages_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool, cls: Cls,
@@ -208,9 +203,8 @@ def _queue_pages(table_of: Callable[[int], BlockTable], cols: TableColumns, laye
                  fmt_id: int, cls: Cls, pages: np.ndarray, order: Iterator[int]) -> None:
     """Pages ``pages[i]`` (``[n, per]``, in order) of ``cls`` wait in ``FreshPages`` for ``table_of(i)`` (row
     ``rows[i]`` of ``layer``, or of ``layer[i]``), numbered from ``order`` table after table; the batch's block
-    tables take them in place. Rows whose
-    queue cannot take ``per`` more take theirs in first (the only tables looked up: a batch's 8,192 lookups at a
-    page boundary cost ~4 ms). Bytes are the caller's."""
+    tables take them in place. Rows whose queue cannot take ``per`` more take theirs in first (the only tables
+    looked up: a batch's 8,192 lookups at a page boundary cost ~4 ms). Bytes are the caller's."""
     n, per = pages.shape
     fresh = cols.fresh
     for i in np.flatnonzero(fresh.full(layer, rows, per)).tolist():

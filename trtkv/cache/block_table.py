@@ -96,13 +96,14 @@ class BlockTable:
         (table, format, class) with array operations, each group's list extended once, the classes of a table in
         the order their first page waited (a class new to the table is listed in that order)."""
         j, col = np.nonzero(np.arange(fids.shape[1]) < n[:, None])  # (row-major: a table's pages in order)
-        c = classes[j, col].astype(np.int64) - int(classes.min())
-        code = (j * (int(fids.max()) + 1) + fids[j, col]) * (int(c.max()) + 1) + c
+        cl = classes[j, col].astype(np.int64) - int(classes.min())
+        code = (j * (int(fids.max()) + 1) + fids[j, col]) * (int(cl.max()) + 1) + cl
         _, first, group = np.unique(code, return_index=True, return_inverse=True)
+        by_first = np.argsort(first, kind="stable")  # groups in order of their first page
         rank = np.empty(len(first), np.int64)
-        rank[np.argsort(first, kind="stable")] = np.arange(len(first))  # groups in order of their first page
+        rank[by_first] = np.arange(len(first))
         order = np.argsort(rank[group.reshape(-1)], kind="stable")
-        bounds = np.r_[0, np.cumsum(np.bincount(group.reshape(-1), minlength=len(first))[np.argsort(rank)])].tolist()
+        bounds = np.r_[0, np.cumsum(np.bincount(group.reshape(-1), minlength=len(first))[by_first])].tolist()
         heads = order[bounds[:-1]]
         names = tables[0]._cols.fmt_names  # noqa: SLF001
         flat_pages = pages[j, col][order].tolist()
