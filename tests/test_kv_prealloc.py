@@ -56,12 +56,24 @@ def unchecked_request(eng, prompt, params, monkeypatch):
         return eng.make_request(prompt, params)
 
 
+def pool_readiness(cache) -> dict:
+    """How many pages and groups each device pool has initialised."""
+    return {(layer, fmt): (p.ready, p.groups_ready) for layer, pools in enumerate(cache.pools)
+            for fmt, p in pools.items()}
+
+
 class PoolWatch(EngineObserver):
     def __init__(self, cache):
         self.cache, self.before, self.steps = cache, pool_identity(cache), 0
+        self.ready = None
+
+    def on_prefill(self, req, logits, stats) -> None:
+        self.ready = pool_readiness(self.cache)
 
     def on_step_end(self, reqs) -> None:
         assert pool_identity(self.cache) == self.before, "a KV pool was reallocated during decode"
+        # admission readied what the requests reserved: no decode step initialises (first-touches) pool memory
+        assert pool_readiness(self.cache) == self.ready, "a decode step initialised pool pages"
         self.steps += 1
 
 

@@ -14,6 +14,7 @@ a ``BlockTable`` per layer, its ``ResidualBuffer``, its ``ByteAccount``) → ``P
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -169,6 +170,11 @@ class KVCacheManager(CacheReads):
     def capacity_groups(self, fmt: str) -> int:
         """Key-scale groups of one (layer, format) pool's arena."""
         return self.pools.capacity_groups(fmt)
+
+    def prepare(self, pages: Mapping[str, int], groups: Mapping[str, int]) -> None:
+        """Ready the pages (and key-scale groups) per (layer, format) pool that admission reserved, before the
+        decode steps that hand them out (on CPU, their memory's first touch)."""
+        self.pools.prepare(pages, groups)
 
     @property
     def reserves_groups(self) -> bool:

@@ -5,9 +5,11 @@ words are mirrored to the device for the attention kernel (on CPU the mirror *is
 
 A pool is allocated once, at its full size (``trtkv/cache/budget.py`` decides the size), and never grows:
 a full pool raises ``OutOfKVMemory``. Its tensors come from ``host_empty`` (``torch.empty``, large CPU ones on
-huge pages: trtkv/cache/host_memory.py) and are initialised a chunk at a time as pages are first handed out
-(pages and groups are handed out lowest-first), so on CPU the memory of pages never used is never touched and
-costs no resident memory beyond the huge page it shares with used ones.
+huge pages: trtkv/cache/host_memory.py) and are initialised before first use: the pages admission reserved for
+the running requests at admission (``prepare``), any others a chunk at a time as they are handed out (pages and
+groups are handed out lowest-first, so the reserved ones are those the requests can use). On CPU the memory of
+pages never reserved is never touched, and a decode step does not pay for touching memory first (~0.5 GB/s on a
+VM: a full cache at 32 layers x 256 requests spent ~3 ms a step on it).
 """
 from __future__ import annotations
 
@@ -112,9 +114,22 @@ class PagePool:
         return OutOfKVMemory(f"the {self.fmt.name} KV pool is full ({self.capacity} pages of {self.B} slots per "
                              f"layer); raise --kv-memory (or --set max_pages) or lower the batch size")
 
+    def prepare(self, pages: int, groups: int) -> None:
+        """Initialise the first ``pages`` pages and ``groups`` groups now (at most the capacity), so that handing
+        them out later touches no fresh memory: admission calls this with what its running requests reserved
+        (pages and groups are handed out lowest-first, so those are the ones they can use)."""
+        if self.growable:
+            return
+        if pages > self.ready:
+            self._init_page_range(min(self.capacity, pages))
+        if groups > self.groups_ready:
+            self._init_group_range(min(self.group_capacity, groups))
+
     def _init_pages(self, upto: int) -> None:
         """Initialise pages ``[ready, upto)`` (and a doubling chunk beyond, at most AHEAD_MAX) before first use."""
-        end = min(self.capacity, max(upto, min(2 * self.ready, upto + AHEAD_MAX), FIRST_CHUNK))
+        self._init_page_range(min(self.capacity, max(upto, min(2 * self.ready, upto + AHEAD_MAX), FIRST_CHUNK)))
+
+    def _init_page_range(self, end: int) -> None:
         lo = self.ready
         for t in self.fields:
             t[lo:end].zero_()
@@ -124,7 +139,10 @@ class PagePool:
         self.ready = end
 
     def _init_groups(self, upto: int) -> None:
-        end = min(self.group_capacity, max(upto, min(2 * self.groups_ready, upto + AHEAD_MAX), FIRST_CHUNK))
+        self._init_group_range(
+            min(self.group_capacity, max(upto, min(2 * self.groups_ready, upto + AHEAD_MAX), FIRST_CHUNK)))
+
+    def _init_group_range(self, end: int) -> None:
         for t in self.group_fields:
             t[self.groups_ready:end].zero_()
         self.groups_ready = end

@@ -7,6 +7,8 @@ use, so a cache that never runs costs nothing. Host pools (``growable``, the hos
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from plugins.formats import LayerScales, get_format
 from trtkv.cache.budget import PoolPlan, plan_pools
 from trtkv.cache.config import CacheConfig
@@ -122,6 +124,19 @@ class PoolSet:
             else:
                 self._scales[key] = LayerScales()
         return self._scales[key]
+
+    def prepare(self, pages: Mapping[str, int], groups: Mapping[str, int]) -> None:
+        """Make the first ``pages[fmt]`` pages (and ``groups[fmt]`` groups; without an entry, the arena's share of
+        those pages) of every layer's ``fmt`` pool ready before they are handed out (``PagePool.prepare``).
+        Host pools grow instead: nothing to do."""
+        if self.growable:
+            return
+        for fmt, n in pages.items():
+            if n <= 0:
+                continue
+            g = groups.get(fmt, -(-n * self.capacity_groups(fmt) // self.capacity_pages(fmt)))
+            for layer in range(len(self._layers)):
+                self.pool(layer, fmt).prepare(n, g)
 
     # --- bytes ---------------------------------------------------------------------------------------
     def pages_in_use(self) -> int:

@@ -103,6 +103,16 @@ class Scheduler:
                              if core.cache.reserves_groups else {})
         return req.kv_groups
 
+    def _ready_reserved(self, also: Request | None = None) -> None:
+        """Have the pools initialise every page (and group) the admitted requests reserved — and ``also``'s, n
+        samples — now, at admission, rather than a chunk at a time inside decode steps (on a CPU host that is
+        the first touch of the memory: ~0.5 GB/s on a VM)."""
+        pages, groups = Counter(self._held_pages), Counter(self._held_groups)
+        if also is not None:
+            pages.update({f: n * also.params.n for f, n in self.reserved_pages(also).items()})
+            groups.update({f: n * also.params.n for f, n in self.reserved_groups(also).items()})
+        self.core.cache.prepare(pages, groups)
+
     def free_pages(self) -> dict[str, int]:
         """Pages per format (of every layer's pool) not reserved by a running request."""
         return self._free(self._held_pages, self.core.cache.capacity_pages)
@@ -213,6 +223,8 @@ class Scheduler:
     def _prefill_group(self, group: list[Request]) -> list[Request]:
         """Prefill the reserved ``group`` in one packed pass and start it running; if that fails, take it back and
         prefill its requests one at a time (so a bad or too-large request fails alone, as ``_prefill`` decides)."""
+        if group:
+            self._ready_reserved()
         if len(group) > 1:
             try:
                 self._run("prefill", self.core.prefill_many, group, group)
@@ -233,6 +245,7 @@ class Scheduler:
         if its prefill fails, or a running request over its reservation that filled the pool (then ``req``'s
         prefill is run again)."""
         failed: list[Request] = []
+        self._ready_reserved(req)
         while True:
             try:
                 self._run("prefill", self.core.prefill, req, [req])
