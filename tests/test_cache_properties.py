@@ -21,7 +21,7 @@ import plugins  # noqa: F401
 from trtkv.cache import reads
 from trtkv.cache.block_table import BlockTable
 from trtkv.cache.eviction import evict_private
-from trtkv.cache.fresh_pages import DEPTH
+from trtkv.cache.fresh_pages import DEPTH, FreshPages
 from trtkv.cache.manager import CacheConfig, KVCacheManager
 from trtkv.cache.reuse import ReusableSlots
 from trtkv.errors import OutOfKVMemory
@@ -983,4 +983,55 @@ def test_catching_up_tables_with_pages_of_several_classes_waiting_matches_each_t
     for s in range(5):
         caches[1].seqs[s].layers[1].take_waiting_pages()
         assert list(caches[0].seqs[s].layers[1].pages.items()) == list(caches[1].seqs[s].layers[1].pages.items())
+    _check_block_tables(caches[0])
+
+
+def test_releasing_pages_still_waiting_matches_releasing_them_after_each_table_took_its_pages():
+    """An event that empties pages a batch's flush gave (still waiting to join their tables' lists) and pages
+    already in the lists: each table ends with the lists, list order, bytes, pool pages and block tables that
+    taking its waiting pages first and then releasing gives (``FreshPages.drop`` leaves the emptied entries so a
+    table's classes keep their order)."""
+    g = 4
+    caches = [make_cache(block=g, g=g, max_pages=512), make_cache(block=g, g=g, max_pages=512)]
+    classes = [("nvfp4", 0), ("nvfp4", 1), ("fp32", 0)]
+    for c in caches:
+        for sid in range(5):
+            c.add_sequence(sid)
+    gen = torch.Generator().manual_seed(1)
+    rng = np.random.default_rng(1)
+    dropped = []
+    original = FreshPages.drop
+    for pos in range(12 * g):
+        k, v = torch.randn(5, H, D, generator=gen), torch.randn(5, H, D, generator=gen)
+        for c in caches:
+            seqs = [c.seqs[s] for s in sorted(c.seqs)]
+            for layer in range(L):
+                c.buffer_append(layer, seqs, k, v, [pos] * 5)
+                if pos % g == g - 1:  # the batch's flush, in one class a group (whole fresh pages, waiting)
+                    c.flush_many(layer, seqs, [classes[(pos // g) % 3]] * 5, [7] * 5)
+        if pos == 5 * g:  # some tables take their pages in (later pages wait)
+            for s in (0, 2):
+                caches[0].seqs[s].layers[1].take_waiting_pages()
+        if pos % (3 * g) == 3 * g - 1:  # an event: whole groups of some requests evicted in one layer
+            jobs = [(s, np.arange(pos + 1 - 2 * g, pos + 1 - g)) for s in range(5) if rng.random() < 0.8]
+            seq_ids = [s for s, _ in jobs]
+            flat_positions = np.concatenate([p for _, p in jobs])
+            lens = np.array([len(p) for _, p in jobs])
+            for i, c in enumerate(caches):
+                if i == 1:  # the reference: every table takes its waiting pages before the event
+                    for s in seq_ids:
+                        c.seqs[s].layers[1].take_waiting_pages()
+                seen = dropped if i == 0 else []
+                with patch.object(FreshPages, "drop", lambda self, *a, seen=seen: seen.append(original(self, *a)) or
+                                  seen[-1]):
+                    c.evict_flat(1, [c.seqs[s] for s in seq_ids], flat_positions, lens)
+    assert any(d.any() for d in dropped) and any((~d).any() for d in dropped)  # (waiting and listed pages released)
+    for s in range(5):
+        for layer in range(L):
+            a, b = caches[0].seqs[s].layers[layer], caches[1].seqs[s].layers[layer]
+            assert list(a.pages.items()) == list(b.pages.items())
+        assert caches[0].seqs[s].kv_bytes == caches[1].seqs[s].kv_bytes == caches[0].recount_bytes(caches[0].seqs[s])
+    for layer in range(L):
+        for fmt, pool in caches[0].pools[layer].items():
+            assert sorted(pool.free) == sorted(caches[1].pools[layer][fmt].free)
     _check_block_tables(caches[0])

@@ -80,10 +80,11 @@ class BlockTable:
         past = np.arange(fids.shape[1]) >= n[:, None]
         one = ((fids == fids[:, :1]) & (classes == classes[:, :1]) | past).all(1)
         names = cols.fmt_names
-        for i, k, f, c, ps in zip(at[one].tolist(), n[one].tolist(), fids[one, 0].tolist(), classes[one, 0].tolist(),
-                                  pages[one].tolist()):
+        dropped = ((pages < 0) & ~past).any(1)  # (pages released while waiting: FreshPages.drop)
+        for i, k, f, c, ps, d in zip(at[one].tolist(), n[one].tolist(), fids[one, 0].tolist(),
+                                     classes[one, 0].tolist(), pages[one].tolist(), dropped[one].tolist()):
             t = tables[i]
-            t._page_lists.setdefault((names[f], c), []).extend(ps[:k])  # noqa: SLF001
+            t._page_lists.setdefault((names[f], c), []).extend([p for p in ps[:k] if p >= 0] if d else ps[:k])  # noqa: SLF001
             t._flat = t._single_bt = None  # noqa: SLF001
         if not one.all():
             BlockTable._join_waiting_each([tables[i] for i in at[~one].tolist()], n[~one], fids[~one],
@@ -107,9 +108,11 @@ class BlockTable:
         heads = order[bounds[:-1]]
         names = tables[0]._cols.fmt_names  # noqa: SLF001
         flat_pages = pages[j, col][order].tolist()
+        dropped = -1 in flat_pages  # (pages released while waiting: FreshPages.drop)
         for a, b, t_at, f, c in zip(bounds[:-1], bounds[1:], j[heads].tolist(), fids[j[heads], col[heads]].tolist(),
                                     classes[j[heads], col[heads]].tolist()):
-            tables[t_at]._page_lists.setdefault((names[f], c), []).extend(flat_pages[a:b])  # noqa: SLF001
+            tables[t_at]._page_lists.setdefault((names[f], c), []).extend(  # noqa: SLF001
+                [p for p in flat_pages[a:b] if p >= 0] if dropped else flat_pages[a:b])
         for t in tables:
             t._flat = t._single_bt = None  # noqa: SLF001
 
@@ -118,7 +121,7 @@ class BlockTable:
         keys = list(zip(fids, classes))
         for f, c in dict.fromkeys(keys):
             self._page_lists.setdefault((names[f], c), []).extend(
-                [p for p, key in zip(pages, keys) if key == (f, c)])
+                [p for p, key in zip(pages, keys) if key == (f, c) and p >= 0])
         self._flat = self._single_bt = None
 
     def _list(self, cls: Cls) -> None:
@@ -339,11 +342,22 @@ class BlockTable:
         if not tables:
             return
         cols, layer = tables[0]._cols, tables[0].layer  # noqa: SLF001 (tables of one cache and layer)
-        BlockTable.catch_up_each(list(dict.fromkeys(tables)))
         cost = held_page_bytes(pool)
-        rows = np.fromiter((table._unlist_listed(cls, gone, cost)  # noqa: SLF001 (caught up above)
-                            for table, cls, gone in zip(tables, classes, split_counts(pages.tolist(), counts))),
-                           np.int64, len(tables))
+        rows = np.fromiter((table._row for table in tables), np.int64, len(tables))  # noqa: SLF001
+        # pages still waiting to join their tables' lists leave the waiting entries; the others, the lists
+        waiting = cols.fresh.drop(layer, np.repeat(rows, counts), cols.fmt_id(classes[0][0]), pages)
+        if waiting.all():
+            for table, n in zip(tables, counts.tolist()):
+                table._account.add(-cost * n)  # noqa: SLF001
+        else:
+            job = np.repeat(np.arange(len(tables)), counts)
+            waited = np.bincount(job[waiting], minlength=len(tables)).tolist()
+            listed = split_counts(pages[~waiting].tolist(), np.bincount(job[~waiting], minlength=len(tables)))
+            for table, cls, gone, n in zip(tables, classes, listed, waited):
+                if gone:
+                    table._unlist_listed(cls, gone, cost)  # noqa: SLF001 (pages in the lists: no catch-up needed)
+                if n:
+                    table._account.add(-cost * n)  # noqa: SLF001
         for cls, at in _by_class(classes):
             mine = pages if len(at) == len(tables) else pages[np.repeat(np.isin(np.arange(len(tables)), at), counts)]
             cols.reuse.drop_pages_each(layer, rows[at], cls, mine, counts[at])
@@ -360,7 +374,7 @@ class BlockTable:
         return self._unlist_listed(cls, pages, cost)
 
     def _unlist_listed(self, cls: Cls, pages: list[int], cost: int) -> int:
-        """``_unlist`` of a table with no pages waiting."""
+        """``_unlist`` of pages in the lists (none of them waiting)."""
         held = self._page_lists[cls]
         if len(pages) <= 8:  # (a few: one C-level scan each beats a set and a rebuilt list)
             for p in pages:

@@ -49,12 +49,27 @@ class FreshPages:
         return self._n.item(layer, row) > 0
 
     def take(self, layer: int, row: int) -> tuple[list[int], list[int], list[int]]:
-        """Format ids, classes and pages of the pages waiting for ``row`` in ``layer``, oldest first; they wait no
-        more."""
+        """Format ids, classes and pages of the pages waiting for ``row`` in ``layer``, oldest first (-1: a page
+        released while waiting, ``drop``); they wait no more."""
         n = self._n.item(layer, row)
         self._n[layer, row] = 0
         return (self._fmt[layer, row, :n].tolist(), self._cls[layer, row, :n].tolist(),
                 self._page[layer, row, :n].tolist())
+
+    def drop(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray) -> np.ndarray:
+        """Pages ``pages[i]`` (format ``fmt_id``) leave row ``rows[i]``'s waiting pages in ``layer``, where they wait
+        (released before their table read them); returns which of them were waiting. Their entries stay, emptied
+        (-1), so the row's table still lists their classes, in the same order, when it takes its pages in."""
+        n = self._n[layer, rows]
+        w = int(n.max(initial=0))
+        if not w:
+            return np.zeros(len(pages), bool)
+        hit = ((self._page[layer, rows, :w] == pages[:, None]) & (np.arange(w) < n[:, None])
+               & (self._fmt[layer, rows, :w] == fmt_id))
+        found = hit.any(1)
+        at = np.flatnonzero(found)
+        self._page[layer, rows[at], hit[at].argmax(1)] = -1
+        return found
 
     def waiting_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
         """Which of ``rows`` have pages waiting in ``layer``."""
