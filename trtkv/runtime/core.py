@@ -413,8 +413,10 @@ class EngineCore:
         ctxs = [r.ctx for r in reqs]
         for o in self.observers:
             o.on_decode(reqs, logits, forced if forced is not None else stats)
-        contexts = [r.prompt_ids + r.generated if r.params.repetition_penalty != 1.0 else [] for r in reqs]
-        toks = self.sample(logits, [r.params for r in reqs], [r.generator for r in reqs], contexts)
+        params = [r.params for r in reqs]
+        contexts = ([r.prompt_ids + r.generated if p.repetition_penalty != 1.0 else [] for r, p in zip(reqs, params)]
+                    if any(p.repetition_penalty != 1.0 for p in params) else None)  # (only a penalty reads them)
+        toks = self.sample(logits, params, [r.generator for r in reqs], contexts)
         self.steps_total += 1
         seqs = [c.seq for c in ctxs]
         attended = self.cache.num_live_many(seqs, 0).tolist()  # what this step attended
