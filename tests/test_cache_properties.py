@@ -67,6 +67,8 @@ def check_invariants(cache: KVCacheManager) -> None:
                 for s in range(pool.B):
                     if bits >> s & 1 and pool.group_specs:
                         refs[int(pool.k_group[p, s])] += 1
+                    if p < pool.fresh and not bits >> s & 1:  # (a free slot of a handed-out page)
+                        assert pool.slot_pos[p, s] == -1 and pool.slot_seg[p, s] == -1, "a free slot keeps a token"
             assert pool.in_use == sum(1 for f, _ in held if f == fmt)
             if pool.group_specs:
                 assert np.array_equal(refs, pool.group_ref), "arena refcounts disagree with live slots"

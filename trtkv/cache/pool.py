@@ -72,6 +72,8 @@ class PagePool:
             self.slot_pos = np.empty((cap, block_size), np.int64)  # token position in each slot (-1 free)
             self.slot_seg = np.empty((cap, block_size), np.int32)  # policy segment id (ThinKV), -1 free
             self.page_class = np.zeros(cap, np.int32)  # thought type the page is dedicated to
+        # whether a slot ever held a segment id: until then every slot's is -1, so freeing a slot need not write it
+        self.segments = False
         self.free: list[int] = []  # min-heap of released pages; pages >= fresh were never handed out
         self.fresh = 0
         self.ready = 0  # pages [0, ready) are initialised (zero codes, k_group -1, no positions)
@@ -335,6 +337,7 @@ class PagePool:
             max_at(self.hwm, pg, (sl + 1).astype(np.int32))
             self.slot_pos[pg, sl] = positions
             self.slot_seg[pg, sl] = seg
+            self._note_segments(seg)
             self._valid_dirty = True
             return
         valid, live, hwm = self.valid, self.live, self.hwm
@@ -348,6 +351,7 @@ class PagePool:
                 hwm[p] = s + 1
             self.slot_pos[p, s] = pos
             self.slot_seg[p, s] = seg
+        self._note_segments(seg)
         self._valid_dirty = True
 
     def mark_pages_written(self, pages: np.ndarray, positions: np.ndarray, seg: int | np.ndarray = -1) -> None:
@@ -359,7 +363,12 @@ class PagePool:
         self.live[pages] += self.B
         self.slot_pos[pages] = positions
         self.slot_seg[pages] = seg
+        self._note_segments(seg)
         self._valid_dirty = True
+
+    def _note_segments(self, seg: int | np.ndarray) -> None:
+        if not self.segments and (np.any(seg >= 0) if isinstance(seg, np.ndarray) else seg >= 0):
+            self.segments = True
 
     @cached_property
     def _all_slots(self) -> np.int32:
@@ -421,7 +430,8 @@ class PagePool:
         clear_at(self.valid, pages, bits)
         add_at(self.live, pages, -1)
         self.slot_pos[pages, slots] = -1
-        self.slot_seg[pages, slots] = -1
+        if self.segments:
+            self.slot_seg[pages, slots] = -1
         self._valid_dirty = True
 
     def mark_evicted_distinct(self, pages: np.ndarray, slots: np.ndarray) -> None:
@@ -432,7 +442,8 @@ class PagePool:
         self.valid[pages] = v & ~bits
         self.live[pages] -= 1
         self.slot_pos[pages, slots] = -1
-        self.slot_seg[pages, slots] = -1
+        if self.segments:
+            self.slot_seg[pages, slots] = -1
         self._valid_dirty = True
 
     def copy_page(self, p: int) -> int:

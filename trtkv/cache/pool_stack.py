@@ -91,7 +91,8 @@ class SlotStack:
         live[at] -= 1
         at_slot = at * self.B + slots
         flat(self.slot_pos)[at_slot] = -1
-        flat(self.slot_seg)[at_slot] = -1
+        if any(pool.segments for pool in self._pools):  # (else every slot's segment is -1 already)
+            flat(self.slot_seg)[at_slot] = -1
         self._valid_changed()
 
     def table_positions(self, tables: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
