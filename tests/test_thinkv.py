@@ -238,3 +238,47 @@ def test_one_thought_type_labels_everything_r(engine_factory, load_engine, tiny_
     mine = ThinKVPolicy(thought_types=3)
     mine.load_calibration(art)
     assert mine.thought_types == 3  # an explicit --set wins over the calibration
+
+
+def test_chained_anneal_rounds_match_evicting_after_each_round(engine_factory, load_engine, tiny_ckpt):
+    """A step whose segments are annealed twice (case 1, then case 2) runs its later rounds from the earlier rounds'
+    survivors before evicting once (``thinkv_anneal.anneal_layer``): the same tokens and the same live positions in
+    every layer of every request as evicting after each round."""
+    from trtkv.policies import thinkv_anneal
+
+    prompts = [list(range(300 + 7 * i, 316 + 7 * i)) for i in range(4)]
+    params = SamplingParams(max_tokens=120, ignore_eos=True, chat=False)
+
+    def run(each_round: bool, seen: list):
+        eng = load_engine(engine_factory(tiny_ckpt, "thinkv", tau=8, group=8, budget=24, retention="6,4,2",
+                                         thought_schedule="RTTERTTERTTE"))
+        original, less = thinkv_anneal.anneal_layer, thinkv_anneal._less_victims
+
+        def per_round(layer, rounds, iters):
+            for r in rounds:
+                original(layer, [r], iters)  # (each round evicted before the next reads)
+
+        def counted(*a):
+            seen.append(1)
+            return less(*a)
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(thinkv_anneal, "_less_victims", counted)
+            if each_round:
+                m.setattr("trtkv.policies.thinkv.anneal_layer", per_round)
+            reqs = []
+            for ids in prompts:
+                req = eng.make_request("x", params)
+                req.prompt_ids = list(ids)
+                eng.scheduler.add(req)
+                reqs.append(req)
+            live = []
+            while any(r.result is None for r in reqs):
+                eng.scheduler.step()
+                live.append([[sorted(t.loc) for t in r.ctx.seq.layers] for r in reqs if r.result is None])
+        return [r.generated for r in reqs], live
+
+    chained, reference = [], []
+    got, want = run(False, chained), run(True, reference)
+    assert chained and not reference  # (a later round ran from the survivors of an earlier one)
+    assert got == want

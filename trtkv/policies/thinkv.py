@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from trtkv.errors import TrtkvError
 from trtkv.policies.base import KVPolicy, ReportColumn, StatsRequest
+from trtkv.policies.thinkv_anneal import AnnealRound, anneal_layer, plan_rounds
 
 if TYPE_CHECKING:
     from trtkv.artifacts.calibration import CalibrationArtifact
@@ -102,17 +102,6 @@ class Segment:
 
     def end(self, tau: int) -> int:
         return self.start + tau
-
-
-@dataclass
-class AnnealRound:
-    """One round of a step's anneals: job ``j`` keeps ``target[j]`` of the tokens of ``reqs[j]``'s segment ``[lo[j],
-    hi[j])``; ``owner[j]``: its request's place among the round's requests (a request's jobs are together)."""
-    reqs: list
-    owner: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
-    target: np.ndarray
 
 
 @dataclass
@@ -360,76 +349,19 @@ class ThinKVPolicy(KVPolicy):
         return any(req.state.ops for req in reqs)  # this step's anneals (on_decode_step_begin)
 
     def before_attention_batch(self, reqs, layer: int) -> None:
-        """Apply this step's anneals in this layer (after its flush): k-means keeps ``target`` tokens.
-        Ops on distinct segments of every request share batched k-means calls; a segment annealed twice in
-        a step (case 1, then case 2) is processed again in a later round, from its survivors."""
-        for anneal_round in self._anneal_rounds(reqs):
-            self._anneal_layer(layer, anneal_round)
+        """Apply this step's anneals in this layer (after its flush): k-means keeps ``target`` tokens
+        (``trtkv/policies/thinkv_anneal.py``)."""
+        anneal_layer(layer, self._anneal_rounds(reqs), self.kmeans_iters)
 
     def _anneal_rounds(self, reqs) -> list[AnnealRound]:
-        """This step's anneals of ``reqs`` as rounds of jobs (each segment at most once a round), worked out once a
-        step: every layer passes the same list and the ops do not change during the step."""
+        """This step's anneals of ``reqs`` as rounds of jobs, worked out once a step: every layer passes the same list
+        and the ops do not change during the step."""
         plan = self._round_plan
         if plan is not None and plan[0] is reqs and plan[1] is reqs[0].state.ops:
             return plan[2]
-        rounds, pending = [], [(req, list(req.state.ops)) for req in reqs if req.state.ops]
-        while pending:
-            jobs, later = [], []  # (owner, request, segment, target)
-            for owner, (req, ops) in enumerate(pending):
-                seen, rest = set(), []
-                for seg, target in ops:
-                    if seg.sid in seen:
-                        rest.append((seg, target))
-                    else:
-                        jobs.append((owner, req, seg, target))
-                        seen.add(seg.sid)
-                if rest:
-                    later.append((req, rest))
-            rounds.append(AnnealRound(
-                [req for _, req, _, _ in jobs], np.fromiter((o for o, _, _, _ in jobs), np.int64, len(jobs)),
-                np.fromiter((req.prompt_len + seg.start for _, req, seg, _ in jobs), np.int64, len(jobs)),
-                np.fromiter((req.prompt_len + seg.end(self.tau) for _, req, seg, _ in jobs), np.int64, len(jobs)),
-                np.fromiter((t for _, _, _, t in jobs), np.int64, len(jobs))))
-            pending = later
+        rounds = plan_rounds(reqs, self.tau)
         self._round_plan = (reqs, reqs[0].state.ops, rounds) if reqs else None
         return rounds
-
-    def _anneal_layer(self, layer: int, jobs: AnnealRound) -> None:
-        """One round of anneals of several requests: their k-means jobs run in one call per job shape (a request's
-        padded rows and clusters: its jobs' largest), on arrays over the round's jobs."""
-        if not jobs.reqs:
-            return
-        first = jobs.reqs[0]
-        members, counts = first.live_positions_in_flat(layer, jobs.reqs, jobs.lo, jobs.hi)  # one read for the round
-        go = np.flatnonzero(counts > jobs.target)
-        if not len(go):
-            return
-        owner = jobs.owner[go]  # (ascending: a request's jobs are together)
-        starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
-        rows_of = np.maximum.reduceat(counts[go], starts)  # per request with a job: its shape
-        clusters_of = np.maximum.reduceat(jobs.target[go], starts)
-        shape = rows_of * (int(clusters_of.max()) + 1) + clusters_of
-        shape_of_job = np.repeat(shape, np.diff(np.r_[starts, len(go)]))
-        _, first_at = np.unique(shape, return_index=True)
-        for g in np.sort(first_at).tolist():  # requests batch only with requests of the same padded shape, so every
-            # job's arithmetic is exactly what a call of its request alone would do (same tokens either way)
-            sel = go[shape_of_job == shape[g]]
-            m, lens = int(rows_of[g]), counts[sel]
-            take = np.zeros(len(counts), bool)
-            take[sel] = True
-            mine = members[np.repeat(take, counts)]
-            reqs = [jobs.reqs[j] for j in sel.tolist()]
-            keys = first.keys_padded_flat(layer, reqs, mine, lens, m)
-            feats = keys.reshape(len(keys), m, -1)  # (zero rows pad the segments that are not full)
-            keep = torch.ops.trtkv.kmeans_select(feats, torch.from_numpy(lens.astype(np.int32)).to(feats.device),
-                                                 torch.from_numpy(jobs.target[sel].astype(np.int32)).to(feats.device),
-                                                 self.kmeans_iters).cpu().numpy()
-            # the victims: each job's members the k-means did not keep, in member order
-            held = np.arange(m) < lens[:, None]
-            victim = held.copy()
-            ji, col = np.nonzero(keep >= 0)
-            victim[ji, keep[ji, col]] = False
-            first.evict_flat(layer, reqs, mine[victim[held]], victim.sum(1))
 
     # --- after each step: label the open segment at refresh steps, account tokens -----------
     def on_decode_step_end(self, req, stats) -> None:
@@ -494,3 +426,4 @@ class ThinKVTBEPolicy(ThinKVPolicy):
     name = "thinkv-tbe"
     description = "ThinKV ablation: thought-based eviction only (16-bit storage)"
     tbq: bool = False
+
