@@ -57,9 +57,9 @@ def unchecked_request(eng, prompt, params, monkeypatch):
 
 
 def pool_readiness(cache) -> dict:
-    """How many pages and groups each device pool has initialised."""
-    return {(layer, fmt): (p.ready, p.groups_ready) for layer, pools in enumerate(cache.pools)
-            for fmt, p in pools.items()}
+    """How many pages each device pool has initialised (and key-scale groups, where admission reserves them)."""
+    return {(layer, fmt): (p.ready, p.groups_ready if cache.reserves_groups else None)
+            for layer, pools in enumerate(cache.pools) for fmt, p in pools.items()}
 
 
 class PoolWatch(EngineObserver):
@@ -72,7 +72,7 @@ class PoolWatch(EngineObserver):
 
     def on_step_end(self, reqs) -> None:
         assert pool_identity(self.cache) == self.before, "a KV pool was reallocated during decode"
-        # admission readied what the requests reserved: no decode step initialises (first-touches) pool memory
+        # admission readied the pages the requests reserved: no decode step initialises (first-touches) them
         assert pool_readiness(self.cache) == self.ready, "a decode step initialised pool pages"
         self.steps += 1
 

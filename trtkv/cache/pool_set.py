@@ -126,17 +126,15 @@ class PoolSet:
         return self._scales[key]
 
     def prepare(self, pages: Mapping[str, int], groups: Mapping[str, int]) -> None:
-        """Make the first ``pages[fmt]`` pages (and ``groups[fmt]`` groups; without an entry, the arena's share of
-        those pages) of every layer's ``fmt`` pool ready before they are handed out (``PagePool.prepare``).
-        Host pools grow instead: nothing to do."""
+        """Make the first ``pages[fmt]`` pages and ``groups[fmt]`` key-scale groups (none without an entry: arenas
+        admission does not reserve stay first-used, their entries are a few bytes) of every layer's ``fmt`` pool
+        ready before they are handed out (``PagePool.prepare``). Host pools grow instead: nothing to do."""
         if self.growable:
             return
         for fmt, n in pages.items():
-            if n <= 0:
-                continue
-            g = groups.get(fmt, -(-n * self.capacity_groups(fmt) // self.capacity_pages(fmt)))
-            for layer in range(len(self._layers)):
-                self.pool(layer, fmt).prepare(n, g)
+            if n > 0:
+                for layer in range(len(self._layers)):
+                    self.pool(layer, fmt).prepare(n, groups.get(fmt, 0))
 
     # --- bytes ---------------------------------------------------------------------------------------
     def pages_in_use(self) -> int:
