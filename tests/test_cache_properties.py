@@ -958,25 +958,39 @@ def test_freeing_many_requests_at_once_matches_each_in_turn(ops):
     check_invariants(batched)
 
 
+FLUSH_CLASSES = [("nvfp4", 0), ("nvfp4", 1), ("fp32", 0)]
+
+
+def _flushing_caches(g: int) -> list[KVCacheManager]:
+    """Two like caches of five requests, flushing groups of ``g`` tokens into pages of ``g`` slots."""
+    caches = [make_cache(block=g, g=g, max_pages=512) for _ in range(2)]
+    for c in caches:
+        for sid in range(5):
+            c.add_sequence(sid)
+    return caches
+
+
+def _append_and_flush(caches: list[KVCacheManager], pos: int, g: int, gen: torch.Generator) -> None:
+    """One drawn token at ``pos`` for every request in every layer of each cache; at a group's end the batch's flush,
+    in one class a group (``FLUSH_CLASSES`` in turn: whole fresh pages, waiting for their tables)."""
+    k, v = torch.randn(5, H, D, generator=gen), torch.randn(5, H, D, generator=gen)
+    for c in caches:
+        seqs = [c.seqs[s] for s in sorted(c.seqs)]
+        for layer in range(L):
+            c.buffer_append(layer, seqs, k, v, [pos] * 5)
+            if pos % g == g - 1:
+                c.flush_many(layer, seqs, [FLUSH_CLASSES[(pos // g) % 3]] * 5, [7] * 5)
+
+
 def test_catching_up_tables_with_pages_of_several_classes_waiting_matches_each_table_alone():
     """A batch's flushes in changing classes leave pages of several classes waiting for a table; ``catch_up_each``
     (grouped by array operations) gives every table the lists, list order and pages that each table taking its own
     waiting pages gives."""
     g = 4
-    caches = [make_cache(block=g, g=g, max_pages=512), make_cache(block=g, g=g, max_pages=512)]
-    classes = [("nvfp4", 0), ("nvfp4", 1), ("fp32", 0)]
-    for c in caches:
-        for sid in range(5):
-            c.add_sequence(sid)
+    caches = _flushing_caches(g)
     gen = torch.Generator().manual_seed(0)
     for pos in range(10 * g):
-        k, v = torch.randn(5, H, D, generator=gen), torch.randn(5, H, D, generator=gen)
-        for c in caches:
-            seqs = [c.seqs[s] for s in sorted(c.seqs)]
-            for layer in range(L):
-                c.buffer_append(layer, seqs, k, v, [pos] * 5)
-                if pos % g == g - 1:  # the batch's flush, in one class a group (whole fresh pages, waiting)
-                    c.flush_many(layer, seqs, [classes[(pos // g) % 3]] * 5, [7] * 5)
+        _append_and_flush(caches, pos, g, gen)
     joined = []
     original = BlockTable._join_waiting_each
     with patch.object(BlockTable, "_join_waiting_each", lambda tabs, *a: (joined.extend(tabs), original(tabs, *a))):
@@ -994,23 +1008,13 @@ def test_releasing_pages_still_waiting_matches_releasing_them_after_each_table_t
     taking its waiting pages first and then releasing gives (``FreshPages.drop`` leaves the emptied entries so a
     table's classes keep their order)."""
     g = 4
-    caches = [make_cache(block=g, g=g, max_pages=512), make_cache(block=g, g=g, max_pages=512)]
-    classes = [("nvfp4", 0), ("nvfp4", 1), ("fp32", 0)]
-    for c in caches:
-        for sid in range(5):
-            c.add_sequence(sid)
+    caches = _flushing_caches(g)
     gen = torch.Generator().manual_seed(1)
     rng = np.random.default_rng(1)
     dropped = []
     original = FreshPages.drop
     for pos in range(12 * g):
-        k, v = torch.randn(5, H, D, generator=gen), torch.randn(5, H, D, generator=gen)
-        for c in caches:
-            seqs = [c.seqs[s] for s in sorted(c.seqs)]
-            for layer in range(L):
-                c.buffer_append(layer, seqs, k, v, [pos] * 5)
-                if pos % g == g - 1:  # the batch's flush, in one class a group (whole fresh pages, waiting)
-                    c.flush_many(layer, seqs, [classes[(pos // g) % 3]] * 5, [7] * 5)
+        _append_and_flush(caches, pos, g, gen)
         if pos == 5 * g:  # some tables take their pages in (later pages wait)
             for s in (0, 2):
                 caches[0].seqs[s].layers[1].take_waiting_pages()
