@@ -958,7 +958,7 @@ def test_freeing_many_requests_at_once_matches_each_in_turn(ops):
     check_invariants(batched)
 
 
-FLUSH_CLASSES = [("nvfp4", 0), ("nvfp4", 1), ("fp32", 0)]
+WAITING_CLASSES = [("nvfp4", 0), ("nvfp4", 1), ("fp32", 0)]
 
 
 def _flushing_caches(g: int) -> list[KVCacheManager]:
@@ -972,14 +972,14 @@ def _flushing_caches(g: int) -> list[KVCacheManager]:
 
 def _append_and_flush(caches: list[KVCacheManager], pos: int, g: int, gen: torch.Generator) -> None:
     """One drawn token at ``pos`` for every request in every layer of each cache; at a group's end the batch's flush,
-    in one class a group (``FLUSH_CLASSES`` in turn: whole fresh pages, waiting for their tables)."""
+    in one class a group (``WAITING_CLASSES`` in turn: whole fresh pages, waiting for their tables)."""
     k, v = torch.randn(5, H, D, generator=gen), torch.randn(5, H, D, generator=gen)
     for c in caches:
         seqs = [c.seqs[s] for s in sorted(c.seqs)]
         for layer in range(L):
             c.buffer_append(layer, seqs, k, v, [pos] * 5)
             if pos % g == g - 1:
-                c.flush_many(layer, seqs, [FLUSH_CLASSES[(pos // g) % 3]] * 5, [7] * 5)
+                c.flush_many(layer, seqs, [WAITING_CLASSES[(pos // g) % 3]] * 5, [7] * 5)
 
 
 def test_catching_up_tables_with_pages_of_several_classes_waiting_matches_each_table_alone():
