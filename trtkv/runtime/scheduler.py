@@ -3,7 +3,8 @@
 and free a finished request's pages at once.
 
 Admission reserves, per format, the pages each running request may still need at worst
-(``trtkv/cache/budget.py``'s ``pages_needed``): a request whose reservation does not fit *now* waits at the
+(``trtkv/cache/budget.py``'s ``pages_needed``), and the pools ready them before the prefill (no decode step
+touches fresh pool memory first): a request whose reservation does not fit *now* waits at the
 head of the queue until running requests finish; one that could never fit the pools fails with one clear
 ``OutOfKVMemory`` line. If a request outgrows its reservation anyway (a policy's bound was too low), the full
 pool's ``OutOfKVMemory`` fails that request alone: its pages are freed, the other requests' half-done step is
