@@ -346,18 +346,14 @@ class BlockTable:
         rows = np.fromiter((table._row for table in tables), np.int64, len(tables))  # noqa: SLF001
         # pages still waiting to join their tables' lists leave the waiting entries; the others, the lists
         waiting = cols.fresh.drop(layer, np.repeat(rows, counts), cols.fmt_id(classes[0][0]), pages)
-        if waiting.all():
-            for table, n in zip(tables, counts.tolist()):
+        job = np.repeat(np.arange(len(tables)), counts)
+        waited = np.bincount(job[waiting], minlength=len(tables)).tolist()
+        listed = split_counts(pages[~waiting].tolist(), np.bincount(job[~waiting], minlength=len(tables)))
+        for table, cls, gone, n in zip(tables, classes, listed, waited):
+            if len(gone):
+                table._unlist_listed(cls, gone, cost)  # noqa: SLF001 (pages in the lists: no catch-up needed)
+            if n:
                 table._account.add(-cost * n)  # noqa: SLF001
-        else:
-            job = np.repeat(np.arange(len(tables)), counts)
-            waited = np.bincount(job[waiting], minlength=len(tables)).tolist()
-            listed = split_counts(pages[~waiting].tolist(), np.bincount(job[~waiting], minlength=len(tables)))
-            for table, cls, gone, n in zip(tables, classes, listed, waited):
-                if gone:
-                    table._unlist_listed(cls, gone, cost)  # noqa: SLF001 (pages in the lists: no catch-up needed)
-                if n:
-                    table._account.add(-cost * n)  # noqa: SLF001
         for cls, at in _by_class(classes):
             mine = pages if len(at) == len(tables) else pages[np.repeat(np.isin(np.arange(len(tables)), at), counts)]
             cols.reuse.drop_pages_each(layer, rows[at], cls, mine, counts[at])
