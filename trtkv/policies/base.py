@@ -35,15 +35,20 @@ if TYPE_CHECKING:
     from trtkv.policies.request import PolicyRequest
 
 
-@dataclass
+@dataclass(frozen=True)
 class StatsRequest:
-    """What the attention plugin should emit this step (only what the policy will read)."""
+    """What the attention plugin should emit this step (only what the policy will read). Immutable: a policy
+    answers a whole batch with one shared request (``WEIGHTS``), and the runtime reads a batch of the same object
+    once."""
 
     layers: tuple[int, ...] | None = None  # None = every layer
     weights: bool = False  # per-slot attention weights (per query head) with their token positions
     sparsity: bool = False  # per-KV-head sparsity and ThinKV's averaged-row sparsity
     prefill_window: int = 0  # prefill: weights of the last w prompt queries over the prompt
     queries: bool = False  # decode: the step's post-RoPE query ``[Hq, D]`` (StepStats.query)
+
+
+WEIGHTS = StatsRequest(weights=True)  # a decode step's usual request: every layer's weights
 
 
 @dataclass
@@ -224,6 +229,12 @@ class KVPolicy:
     def write_class(self, req: PolicyRequest) -> tuple[str, int, int]:
         """(format, thought class, segment id) of the next token / flush group of this request."""
         return self.kv_format, 0, -1
+
+    def write_classes(self, reqs: list[PolicyRequest]) -> list[tuple[str, int, int]]:
+        """``write_class`` of each of a decode step's requests (one tuple for all where it cannot differ)."""
+        if type(self).write_class is KVPolicy.write_class:
+            return [(self.kv_format, 0, -1)] * len(reqs)
+        return [self.write_class(r) for r in reqs]
 
     def prefill_class(self, req: PolicyRequest) -> tuple[str, int, int]:
         return self.write_class(req)

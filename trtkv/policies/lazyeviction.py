@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from plugins import ops as plugin_ops
-from trtkv.policies.base import BatchLayerStats, StatsRequest, StepBatch, batch_rows_of, every_row, positions_top
+from trtkv.policies.base import WEIGHTS, BatchLayerStats, StepBatch, batch_rows_of, every_row, positions_top
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scored import Cadence, ScorerPolicy
 from trtkv.policies.scorers import Scorer
@@ -128,7 +128,7 @@ class MRIScorer(Scorer):
             assert memo.ts.row == memo.mri.row, "TS and MRI rows out of step"
 
     def stats_request(self, req, phase, observing):
-        return StatsRequest(weights=True) if phase == "decode" else None  # tracking runs every step
+        return WEIGHTS if phase == "decode" else None  # tracking runs every step
 
     def observe(self, req, memo, stats, phase):
         t = req.step

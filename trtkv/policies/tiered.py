@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtkv.policies.base import KVPolicy, ReportColumn, StatsRequest, StepStats, batch_rows_of
+from trtkv.policies.base import WEIGHTS, KVPolicy, ReportColumn, StatsRequest, StepStats, batch_rows_of
 from trtkv.policies.request import PolicyRequest
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scoring import check_choice, head_sums
@@ -120,7 +120,7 @@ class TieredPolicy(KVPolicy):
         return req.state.score.values(0).numpy()
 
     def stats_request(self, req: PolicyRequest, phase: str) -> StatsRequest | None:
-        return StatsRequest(weights=True) if phase == "decode" else None
+        return WEIGHTS if phase == "decode" else None
 
     def on_decode_step_end(self, req: PolicyRequest, stats: StepStats) -> None:
         self._accumulate(req, stats)

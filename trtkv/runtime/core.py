@@ -256,7 +256,7 @@ class EngineCore:
             clk.switch("policy")
         ctxs = [r.ctx for r in reqs]
         self.policy.on_decode_step_begin_batch(ctxs)
-        classes = [self.policy.write_class(c) for c in ctxs]
+        classes = self.policy.write_classes(ctxs)
         sreqs = self.policy.stats_requests(ctxs, "decode")
         if clk is not None:
             clk.switch("bookkeeping")
@@ -392,6 +392,12 @@ class EngineCore:
     @staticmethod
     def _wants(sreqs: list[StatsRequest | None], layer: int) -> tuple[list[bool], list[bool], list[bool], bool]:
         """Which requests asked for attention weights, sparsity and the query in ``layer``, and whether any did."""
+        first = sreqs[0] if sreqs else None
+        if all(sr is first for sr in sreqs):  # (one shared request, the usual step: its flags once)
+            on = first is not None and (first.layers is None or layer in first.layers)
+            w, sp, q = (bool(first.weights), bool(first.sparsity), bool(first.queries)) if on else (False,) * 3
+            n = len(sreqs)
+            return [w] * n, [sp] * n, [q] * n, w or sp or q
         want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
         want_s = [bool(sr and sr.sparsity and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
         want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
@@ -420,8 +426,8 @@ class EngineCore:
         self.steps_total += 1
         seqs = [c.seq for c in ctxs]
         attended = self.cache.num_live_many(seqs, 0).tolist()  # what this step attended
-        for r, c, tok, row, n in zip(reqs, ctxs, toks, logits.unbind(0), attended):
-            r.last_logits = row
+        for i, (r, c, tok, n) in enumerate(zip(reqs, ctxs, toks, attended)):
+            r.set_step_logits(logits, i)
             r.decode_steps += 1
             c.step += 1
             self._append_token(r, tok)

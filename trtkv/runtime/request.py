@@ -88,7 +88,8 @@ class Request:
         self.decode_steps = 0
         self.peak_live_tokens = 0
         self.result: GenerationResult | None = None
-        self.last_logits: torch.Tensor | None = None  # [V] logits of the newest step (forks sample from them)
+        self._step_logits: torch.Tensor | None = None  # the newest step's logits: [V], or the batch's [b, V] ...
+        self._step_row = -1  # ... and this request's row of them
         self.forks: list[Request] = []  # SamplingParams(n=K): the K-1 sibling samples forked after prefill
         self.sample_index = 0  # which of the n samples this request is
         self.kv_pages: dict[str, int] | None = None  # pages per (layer, format) pool admission reserves
@@ -107,6 +108,22 @@ class Request:
         """End the text at ``at`` (before a stop string); later tokens no longer change it."""
         self._text = self.text[:at]
         self._text_cut = True
+
+    @property
+    def last_logits(self) -> torch.Tensor | None:
+        """``[V]`` logits of the newest step (forks and search trees sample and score from them)."""
+        if self._step_logits is None or self._step_row < 0:
+            return self._step_logits
+        return self._step_logits[self._step_row]
+
+    @last_logits.setter
+    def last_logits(self, row: torch.Tensor | None) -> None:
+        self._step_logits, self._step_row = row, -1
+
+    def set_step_logits(self, logits: torch.Tensor, row: int) -> None:
+        """The newest step's logits are row ``row`` of the batch's ``logits [b, V]`` (a view made when read, not a
+        view a request every step)."""
+        self._step_logits, self._step_row = logits, row
 
     @property
     def prompt_len(self) -> int:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trtkv.policies.base import BatchLayerStats, StatsRequest, StepBatch, batch_rows_of, every_row, positions_top
+from trtkv.policies.base import (WEIGHTS, BatchLayerStats, StatsRequest, StepBatch, batch_rows_of, every_row,
+                                 positions_top)
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scoring import accumulate_attention
 from trtkv.policies.scorers.base import Scorer
@@ -42,7 +43,7 @@ class H2OScorer(Scorer):
         if phase == "prefill":
             w = req.prompt_len if self.prefill_queries == 0 else min(self.prefill_queries, req.prompt_len)
             return StatsRequest(weights=True, prefill_window=w)
-        return StatsRequest(weights=True)  # accumulation needs every step's attention
+        return WEIGHTS  # accumulation needs every step's attention
 
     def observe(self, req, memo, stats, phase):
         if stats.layers:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trtkv.policies.base import BatchLayerStats, StatsRequest, batch_rows_of, positions_top
+from trtkv.policies.base import WEIGHTS, BatchLayerStats, StatsRequest, batch_rows_of, positions_top
 from trtkv.policies.score_rows import HeadRows, RowTable
 from trtkv.policies.scoring import group_mean, rkv_z
 from trtkv.policies.scorers.base import Scorer
@@ -83,7 +83,7 @@ class RKVScorer(Scorer):
         if not observing:
             return None
         return StatsRequest(weights=True, prefill_window=self.window_size) if phase == "prefill" \
-            else StatsRequest(weights=True)
+            else WEIGHTS
 
     def observe(self, req, memo, stats, phase):
         H = req.num_kv_heads

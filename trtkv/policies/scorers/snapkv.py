@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trtkv.policies.base import StatsRequest
+from trtkv.policies.base import WEIGHTS, StatsRequest
 from trtkv.policies.scoring import PositionTable, accumulate_attention, pool1d
 from trtkv.policies.scorers.base import Scorer
 
@@ -27,7 +27,7 @@ class SnapKVScorer(Scorer):
         if not observing:
             return None
         return StatsRequest(weights=True, prefill_window=self.window_size) if phase == "prefill" \
-            else StatsRequest(weights=True)
+            else WEIGHTS
 
     def observe(self, req, memo, stats, phase):
         memo.votes = accumulate_attention(memo.votes, req, stats, phase)

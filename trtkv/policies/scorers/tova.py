@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from trtkv.policies.base import StatsRequest, every_row
+from trtkv.policies.base import WEIGHTS, StatsRequest, every_row
 from trtkv.policies.scoring import head_sums, lookup
 from trtkv.policies.scorers.base import Scorer
 
@@ -47,7 +47,7 @@ class TOVAScorer(Scorer):
     def stats_request(self, req, phase, observing):
         if not observing:
             return None
-        return StatsRequest(weights=True, prefill_window=1) if phase == "prefill" else StatsRequest(weights=True)
+        return StatsRequest(weights=True, prefill_window=1) if phase == "prefill" else WEIGHTS
 
     def observe(self, req, memo, stats, phase):
         if stats.layers:
