@@ -22,6 +22,7 @@ from trtkv.cache import reads
 from trtkv.cache.block_table import BlockTable
 from trtkv.cache.eviction import evict_private
 from trtkv.cache.fresh_pages import DEPTH, FreshPages
+from trtkv.cache.leaving_pages import LeavingPages
 from trtkv.cache.manager import CacheConfig, KVCacheManager
 from trtkv.cache.reuse import ReusableSlots
 from trtkv.errors import OutOfKVMemory
@@ -1041,3 +1042,56 @@ def test_releasing_pages_still_waiting_matches_releasing_them_after_each_table_t
         for fmt, pool in caches[0].pools[layer].items():
             assert sorted(pool.free) == sorted(caches[1].pools[layer][fmt].free)
     _check_block_tables(caches[0])
+
+
+@pytest.mark.parametrize("depth", [2, 16])
+def test_pages_an_event_released_leave_the_lists_when_read_as_if_released_at_once(depth):
+    """Events emptying whole pages of a write-through batch (pages in their tables' lists) leave the pages waiting to
+    leave the lists (``LeavingPages``; past a row's room, depth 2, the table drops its own at once) while later page
+    boundaries hand the freed pages back to the same tables: each table ends with the lists, list order, bytes, pool
+    pages and block tables that reading every table right after each event gives."""
+    with patch("trtkv.cache.leaving_pages.DEPTH", depth):
+        caches = [make_cache(g=1, max_pages=512) for _ in range(2)]
+        for c in caches:
+            for sid in range(5):
+                c.add_sequence(sid)
+        gen = torch.Generator().manual_seed(2)
+        fits, released, came_back = [], set(), False
+        original = LeavingPages.fits
+        for pos in range(64):
+            k, v = torch.randn(5, H, D, generator=gen), torch.randn(5, H, D, generator=gen)
+            for c in caches:
+                seqs = [c.seqs[s] for s in sorted(c.seqs)]
+                for layer in range(L):
+                    c.write_through(layer, seqs, k, v, [pos] * 5, ("fp32", 0))
+            if pos == 30:  # every table takes its waiting pages in: the pages the events empty are in the lists
+                for c in caches:
+                    for s in range(5):
+                        c.seqs[s].layers[1].take_waiting_pages()
+            if pos > 30 and pos % 8 == 7:  # an event: an old page of four requests emptied in one layer
+                ids = [s for s in range(5) if s != (pos // 8) % 5]
+                first = 4 * (pos // 8 - 3)
+                flat = np.concatenate([np.arange(first, first + 4)] * len(ids))
+                before = {s: set(caches[1].seqs[s].layers[1].pages[("fp32", 0)]) for s in ids}
+                for i, c in enumerate(caches):
+                    with patch.object(LeavingPages, "fits", lambda self, *a: fits.append(original(self, *a)) or fits[-1]):
+                        c.evict_flat(1, [c.seqs[s] for s in ids], flat, np.full(len(ids), 4))
+                    if i == 1:  # the reference: every table reads its lists at once
+                        for s in ids:
+                            gone = before[s] - set(c.seqs[s].layers[1].pages[("fp32", 0)])
+                            released |= {(s, p) for p in gone}
+            else:
+                came_back |= any(p in caches[1].seqs[s].layers[1].pages[("fp32", 0)] for s, p in released)
+        assert came_back  # (a page that left came back as a fresh page of the same table)
+        assert all(f.all() for f in fits) == (depth == 16)  # (depth 2: some table dropped its pages at once)
+        for s in range(5):
+            for layer in range(L):
+                a, b = caches[0].seqs[s].layers[layer], caches[1].seqs[s].layers[layer]
+                assert list(a.pages.items()) == list(b.pages.items())
+            assert caches[0].seqs[s].kv_bytes == caches[1].seqs[s].kv_bytes == caches[0].recount_bytes(caches[0].seqs[s])
+        for layer in range(L):
+            for fmt, pool in caches[0].pools[layer].items():
+                assert sorted(pool.free) == sorted(caches[1].pools[layer][fmt].free)
+        for c in caches:
+            _check_block_tables(c)
+            check_invariants(c)

@@ -57,13 +57,24 @@ class BlockTable:
         self._page_lists = lists
 
     def _catch_up(self) -> None:
+        if self._cols.leaving.waiting(self.layer, self._row):  # (first: a page that left may be back as a fresh one)
+            self._drop_leaving()
         if self._cols.fresh.waiting(self.layer, self._row):
-            self.take_waiting_pages()
+            self._join_waiting(*self._cols.fresh.take(self.layer, self._row))
+
+    def _drop_leaving(self) -> None:
+        """The pages an event released from this table leave its lists (their bytes went when they were released,
+        and the batch's block tables dropped them then)."""
+        fids, classes, pages = self._cols.leaving.take(self.layer, self._row)
+        names = self._cols.fmt_names
+        keys = list(zip(fids, classes))
+        for f, c in dict.fromkeys(keys):
+            self._remove_listed((names[f], c), [p for p, key in zip(pages, keys) if key == (f, c)])
 
     def take_waiting_pages(self) -> None:
         """The pages waiting for this table join its lists (their bytes were charged and the batch's block
-        tables took them when they were given)."""
-        self._join_waiting(*self._cols.fresh.take(self.layer, self._row))
+        tables took them when they were given), after the pages waiting to leave them have left."""
+        self._catch_up()
 
     @staticmethod
     def catch_up_each(tables: list[BlockTable]) -> None:
@@ -73,6 +84,8 @@ class BlockTable:
             return
         cols, layer = tables[0]._cols, tables[0].layer  # noqa: SLF001 (tables of one cache and layer)
         rows = np.fromiter((t._row for t in tables), np.int64, len(tables))  # noqa: SLF001
+        for i in np.flatnonzero(cols.leaving.waiting_rows(layer, rows)).tolist():
+            tables[i]._drop_leaving()  # noqa: SLF001
         at = np.flatnonzero(cols.fresh.waiting_rows(layer, rows))
         if not len(at):
             return
@@ -344,16 +357,24 @@ class BlockTable:
         cols, layer = tables[0]._cols, tables[0].layer  # noqa: SLF001 (tables of one cache and layer)
         cost = held_page_bytes(pool)
         rows = np.fromiter((table._row for table in tables), np.int64, len(tables))  # noqa: SLF001
-        # pages still waiting to join their tables' lists leave the waiting entries; the others, the lists
-        waiting = cols.fresh.drop(layer, np.repeat(rows, counts), cols.fmt_id(classes[0][0]), pages)
+        fid = cols.fmt_id(classes[0][0])
+        # pages still waiting to join their tables' lists leave the waiting entries; the others wait to leave the
+        # lists (LeavingPages), where their rows have room, else leave them now
+        waiting = cols.fresh.drop(layer, np.repeat(rows, counts), fid, pages)
         job = np.repeat(np.arange(len(tables)), counts)
-        waited = np.bincount(job[waiting], minlength=len(tables)).tolist()
-        listed = split_counts(pages[~waiting].tolist(), np.bincount(job[~waiting], minlength=len(tables)))
-        for table, cls, gone, n in zip(tables, classes, listed, waited):
-            if len(gone):
-                table._unlist_listed(cls, gone, cost)  # noqa: SLF001 (pages in the lists: no catch-up needed)
-            if n:
-                table._account.add(-cost * n)  # noqa: SLF001
+        listed = np.bincount(job[~waiting], minlength=len(tables))
+        fits = cols.leaving.fits(layer, rows, listed)
+        later = ~waiting & fits[job]
+        cols.leaving.add(layer, rows[job[later]], fid,
+                         np.fromiter((c for _, c in classes), np.int64, len(classes))[job[later]], pages[later])
+        if not fits.all():
+            now = np.flatnonzero(~fits & (listed > 0))
+            mine = split_counts(pages[~waiting & ~fits[job]].tolist(), listed[now])
+            for j, gone in zip(now.tolist(), mine):
+                tables[j]._catch_up()  # noqa: SLF001
+                tables[j]._remove_listed(classes[j], gone)  # noqa: SLF001
+        for table, n in zip(tables, counts.tolist()):
+            table._account.add(-cost * n)  # noqa: SLF001
         for cls, at in _by_class(classes):
             mine = pages if len(at) == len(tables) else pages[np.repeat(np.isin(np.arange(len(tables)), at), counts)]
             cols.reuse.drop_pages_each(layer, rows[at], cls, mine, counts[at])
@@ -367,10 +388,12 @@ class BlockTable:
     def _unlist(self, cls: Cls, pages: list[int], cost: int) -> int:
         """Pages of ``cls`` leave the list (``cost`` each goes); returns this table's row."""
         self._catch_up()
-        return self._unlist_listed(cls, pages, cost)
+        self._remove_listed(cls, pages)
+        self._account.add(-cost * len(pages))
+        return self._row
 
-    def _unlist_listed(self, cls: Cls, pages: list[int], cost: int) -> int:
-        """``_unlist`` of pages in the lists (none of them waiting)."""
+    def _remove_listed(self, cls: Cls, pages: list[int]) -> None:
+        """``pages`` (in ``cls``'s list) leave it; no bytes change."""
         held = self._page_lists[cls]
         if len(pages) <= 8:  # (a few: one C-level scan each beats a set and a rebuilt list)
             for p in pages:
@@ -378,9 +401,7 @@ class BlockTable:
         else:
             gone = set(pages)
             held[:] = [p for p in held if p not in gone]
-        self._account.add(-cost * len(pages))
         self._flat = self._single_bt = None
-        return self._row
 
     def drop_page(self, pool: PagePool, cls: Cls, p: int) -> None:
         """Stop holding page ``p`` (its pool page stays with whoever else holds it)."""

@@ -20,6 +20,7 @@ import torch
 
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache.fresh_pages import FreshPages
+from trtkv.cache.leaving_pages import LeavingPages
 from trtkv.cache.index_ops import add_at, split_counts
 from trtkv.cache.page_changes import PageChanges
 from trtkv.cache.pool_stack import flat
@@ -54,6 +55,7 @@ class TableColumns:
         self._fmt_ids: dict[str, int] = {}
         self._fmt_names: list[str] = []
         self.fresh = FreshPages(num_layers, FIRST_ROWS)  # a page boundary's pages, until each table reads its lists
+        self.leaving = LeavingPages(num_layers, FIRST_ROWS)  # emptied pages, until each table reads its lists
         self.reuse = ReusableSlots(num_layers, FIRST_ROWS)  # evicted slots waiting to be written again
 
     # --- rows -------------------------------------------------------------------------------------
@@ -72,6 +74,7 @@ class TableColumns:
         self._evicted[row] = 0
         self.changes.clear_row(row)
         self.fresh.clear_row(row)
+        self.leaving.clear_row(row)
         self.reuse.clear_row(row)
         self._free.append(row)
         if len(self._free) > 1 and self._free[-1] > self._free[-2]:
@@ -88,6 +91,7 @@ class TableColumns:
         self._live = np.concatenate([self._live, np.zeros((self.num_layers, new - old), np.int64)], axis=1)
         self.changes.grow_rows(new)
         self.fresh.grow_rows(new)
+        self.leaving.grow_rows(new)
         self.reuse.grow_rows(new)
         self._free = list(range(new - 1, old - 1, -1)) + self._free
         self._rows = new

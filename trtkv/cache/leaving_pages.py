@@ -1,0 +1,71 @@
+"""``LeavingPages``: pages an eviction emptied and released that are still in their tables' Python page lists.
+
+An event that empties pages in every table of a batch (LazyEviction's and ThinKV's, at 32 layers × 256 requests:
+8,192 tables) would otherwise take each page out of its table's list in Python, table by table. Here the event
+records the pages, their format and class per (layer, row) as array writes, and a table drops its row's entries
+from its lists the first time it reads them (``BlockTable._catch_up``) — before it takes the pages waiting to join
+(``FreshPages``): a page that left may have come back as a fresh page of the same table, and that one stays. The
+batch's block tables drop the pages in place meanwhile (``PageChanges.remove_rows``), so a decode step reads no
+table's lists and the entries wait.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+DEPTH = 16  # pages a row may have waiting to leave; a table whose row cannot take more drops its own at once
+
+
+class LeavingPages:
+    """Per layer and table row, the pages released from the row's lists that are still in them."""
+
+    def __init__(self, num_layers: int, rows: int) -> None:
+        self._n = np.zeros((num_layers, rows), np.int64)
+        self._page = np.zeros((num_layers, rows, DEPTH), np.int32)
+        self._fmt = np.zeros((num_layers, rows, DEPTH), np.int8)
+        self._cls = np.zeros((num_layers, rows, DEPTH), np.int16)
+
+    def fits(self, layer: int, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Whether each job (row ``rows[j]`` leaving ``counts[j]`` pages; a row may repeat) fits its row's room, with
+        every job of the row counted."""
+        u, inv = np.unique(rows, return_inverse=True)
+        total = np.bincount(inv, weights=counts, minlength=len(u)).astype(np.int64)
+        return (self._n[layer, u] + total <= DEPTH)[inv]
+
+    def add(self, layer: int, rows: np.ndarray, fmt_id: int, classes: np.ndarray, pages: np.ndarray) -> None:
+        """Page ``pages[i]`` (format ``fmt_id``, class ``classes[i]``) leaves row ``rows[i]``'s lists in ``layer`` (rows
+        may repeat; ``fits`` said they have room)."""
+        if not len(pages):
+            return
+        order = np.argsort(rows, kind="stable")
+        sorted_rows = rows[order]
+        u, first, counts = np.unique(sorted_rows, return_index=True, return_counts=True)
+        at = np.empty(len(rows), np.int64)
+        at[order] = self._n[layer, sorted_rows] + np.arange(len(rows)) - np.repeat(first, counts)
+        self._page[layer, rows, at] = pages
+        self._fmt[layer, rows, at] = fmt_id
+        self._cls[layer, rows, at] = classes
+        self._n[layer, u] += counts
+
+    def waiting(self, layer: int, row: int) -> bool:
+        return self._n.item(layer, row) > 0
+
+    def waiting_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
+        """Which of ``rows`` have pages waiting to leave in ``layer``."""
+        return self._n[layer, rows] > 0
+
+    def take(self, layer: int, row: int) -> tuple[list[int], list[int], list[int]]:
+        """Format ids, classes and pages leaving ``row`` in ``layer``; they wait no more."""
+        n = self._n.item(layer, row)
+        self._n[layer, row] = 0
+        return (self._fmt[layer, row, :n].tolist(), self._cls[layer, row, :n].tolist(),
+                self._page[layer, row, :n].tolist())
+
+    def clear_row(self, row: int) -> None:
+        self._n[:, row] = 0
+
+    def grow_rows(self, rows: int) -> None:
+        extra = rows - self._n.shape[1]
+        self._n = np.concatenate([self._n, np.zeros((self._n.shape[0], extra), np.int64)], axis=1)
+        self._page, self._fmt, self._cls = (
+            np.concatenate([a, np.zeros((a.shape[0], extra, a.shape[2]), a.dtype)], axis=1)
+            for a in (self._page, self._fmt, self._cls))
