@@ -381,6 +381,7 @@ wt_op = st.one_of(st.tuples(st.just("add")), _step, _step, _step, _step,  # most
                   st.tuples(st.just("evict_each"), st.integers(0, 1), st.lists(st.integers(-1, 200), min_size=4,
                                                                                 max_size=4)),
                   st.tuples(st.just("evict_layers"), st.lists(st.integers(-1, 200), min_size=5, max_size=5)),
+                  st.tuples(st.just("evict_rows"), st.lists(st.integers(-1, 200), min_size=7, max_size=7)),
                   st.tuples(st.just("free"), st.integers(0, 3)))
 
 
@@ -392,7 +393,8 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
     slots, open pages, stored values. ``evict_many`` of one victim per request (array operations) leaves the
     state of evicting each in turn. A third cache takes each step's
     slots for every layer at once (``plan_write_through``, layer by layer where it does not apply) and evicts one
-    victim a request in every layer at once (``evict_one_each_layers``): the same."""
+    victim a request in every layer at once (``evict_one_each_layers``), or three (``evict_rows_layers``, an
+    event's): the same."""
     caches = [make_cache(g=1, max_pages=256) for _ in range(3)]  # (16 requests never fill the pools)
     next_pos: dict[int, int] = {}
     for o in ops:
@@ -436,6 +438,19 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
                 for sid, p in zip(ids, victims[layer].tolist()):
                     caches[1].evict(caches[1].seqs[sid], layer, [] if p < 0 else [p])
             caches[2].evict_one_each_layers(np.arange(L), [caches[2].seqs[sid] for sid in ids], victims)
+        elif o[0] == "evict_rows":  # up to three victims a request (distinct) in every layer, in one call
+            drawn = o[1] * (3 * L * len(ids))
+            victims = np.full((L, len(ids), 3), -1, np.int64)
+            for layer, i, k in np.ndindex(victims.shape):
+                v = drawn[(layer * len(ids) + i) * 3 + k]
+                v = -1 if v < 0 else v % max(1, next_pos[ids[i]])
+                victims[layer, i, k] = -1 if v in victims[layer, i] else v
+            for layer in range(L):
+                caches[0].evict_many(layer, [(caches[0].seqs[sid], [p for p in vs if p >= 0])
+                                             for sid, vs in zip(ids, victims[layer].tolist())])
+                for sid, vs in zip(ids, victims[layer].tolist()):
+                    caches[1].evict(caches[1].seqs[sid], layer, [p for p in vs if p >= 0])
+            caches[2].evict_rows_layers(np.arange(L), [caches[2].seqs[sid] for sid in ids], victims)
         else:
             for c in caches:
                 c.free_sequence(ids[o[1] % len(ids)])

@@ -157,6 +157,31 @@ def test_7_score_shape():
     assert float(s.min()) >= 0 and float(s.max()) <= 1 + 2 / (1 + math.e ** 2) + 1e-6
 
 
+def _spec_score(t, ts, mri, form, ablate):
+    """Spec §3.4 written out: one temporary an op, out of place (what ``mri_score`` computes in place)."""
+    decay = {"sigmoid": lambda x: 2.0 * torch.sigmoid(-x), "exp": lambda x: torch.exp(-x),
+             "tanh": lambda x: 1.0 - torch.tanh(x), "inverse": lambda x: 1.0 / (1.0 + x)}[form]
+    e, m = (t - ts).double(), mri.double()
+    h1 = torch.where(e == 0, torch.ones_like(e), torch.where(m > 0, decay(e / m.clamp(min=1)), torch.zeros_like(e)))
+    h2 = torch.where(m > 0, decay(m + 1), torch.zeros_like(m))
+    h1 = torch.zeros_like(h1) if ablate == "no_h1" else h1
+    h2 = torch.zeros_like(h2) if ablate == "no_h2" else h2
+    return (h1 + h2).float()
+
+
+@pytest.mark.parametrize("form", ["sigmoid", "exp", "tanh", "inverse"])
+@pytest.mark.parametrize("ablate", ["none", "no_h1", "no_h2"])
+def test_7_score_in_place_equals_the_spec_formula_bit_for_bit(form, ablate):
+    """Every layer's stack of candidates, one step a row (ties of e = 0 and MRI = 0 included): the same float32
+    bits as the formula with a temporary an op."""
+    g = torch.Generator().manual_seed(3)
+    step = torch.randint(50, 200, (1, 16, 1), generator=g)
+    ts = torch.clamp(step - torch.randint(0, 60, (4, 16, 40), generator=g), min=0)
+    mri = torch.randint(0, 30, (4, 16, 40), generator=g) * (torch.rand(4, 16, 40, generator=g) < 0.7)
+    got = mri_score(step, ts, mri, form, ablate)
+    assert got.dtype == torch.float32 and torch.equal(got, _spec_score(step, ts, mri, form, ablate))
+
+
 def test_8_mri0_evicted_first():
     rng = np.random.default_rng(0)
     t = 500

@@ -345,25 +345,31 @@ class TableColumns:
 
     def forget_rows_all(self, layers: np.ndarray, rows: np.ndarray, positions: np.ndarray
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``forget_rows`` in each of ``layers`` (distinct) at once: ``positions [len(layers), len(rows)]`` (-1:
-        none) -> ``(layer, item, format ids, pages, slots)`` of the held ones, in layer then item order."""
+        """``forget_rows`` in each of ``layers`` (distinct) at once: ``positions [len(layers), len(rows)]``, or ``[...,
+        m]`` for ``m`` a row (distinct within a row; -1: none) -> ``(layer, item, format ids, pages, slots)`` of the
+        held ones, in layer, item, then the row's order."""
         w = self._where
         L, R, W = w.shape
-        inside = (positions >= 0) & (positions < W)
-        if inside.all():  # (one victim in every layer and row, the usual step: no compaction of the grid)
+        pos = positions.reshape(len(layers), len(rows), -1)
+        m = pos.shape[2]
+        inside = (pos >= 0) & (pos < W)
+        if inside.all():  # (every victim within the grid, the usual event: no compaction)
             n = len(rows)
-            layer, j = np.repeat(layers, n), np.tile(np.arange(n), len(layers))
-            at = ((layers[:, None] * R + rows[None, :]) * W + positions).reshape(-1)  # flat indices (pool_stack.flat)
+            layer, j = np.repeat(layers, n * m), np.tile(np.repeat(np.arange(n), m), len(layers))
+            at = ((layers[:, None, None] * R + rows[None, :, None]) * W + pos).reshape(-1)  # (pool_stack.flat)
         else:
-            li, j = np.nonzero(inside)
+            li, j, _ = np.nonzero(inside)
             layer = layers[li]
-            at = (layer * R + rows[j]) * W + positions[li, j]
+            at = (layer * R + rows[j]) * W + pos[inside]
         codes = flat(w)[at]
         held = codes >= 0
         if not held.all():
             layer, j, codes, at = layer[held], j[held], codes[held], at[held]
         flat(w)[at] = NOT_HELD
-        flat(self._live)[layer * self._live.shape[1] + rows[j]] -= 1
+        if m == 1:  # (one victim a row: the cells are distinct)
+            flat(self._live)[layer * self._live.shape[1] + rows[j]] -= 1
+        else:
+            add_at(flat(self._live), layer * self._live.shape[1] + rows[j], -1)
         if len(layers) == L:  # (ascending and distinct: every layer)
             self._holes[:, rows] = True
         else:

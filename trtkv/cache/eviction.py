@@ -178,12 +178,13 @@ def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int
     return rows, held.astype(np.int64)
 
 
-def evict_one_each_layers(pools: PoolSet, columns: TableColumns, layers: np.ndarray, seqs: list[SeqKV],
-                          rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """``evict_one_each`` in each of ``layers`` (ascending, distinct) at once: ``positions [len(layers), n]`` (-1:
-    nothing) of ``seqs`` (distinct, unforked requests at ``rows``), every format stacked (``PoolSet.stack``) and
-    without a key-scale arena. Layer by layer, the same end state (layers share nothing). Returns the evictions
-    of each request, summed over the layers."""
+def evict_rows_layers(pools: PoolSet, columns: TableColumns, layers: np.ndarray, seqs: list[SeqKV], rows: np.ndarray,
+                      positions: np.ndarray) -> np.ndarray:
+    """``evict_private`` of each of ``seqs`` (distinct, unforked requests at ``rows``) in each of ``layers``
+    (ascending, distinct) at once: ``positions [len(layers), n]`` (one victim a request) or ``[len(layers), n, m]``
+    (distinct within a request; -1: nothing), every format stacked (``PoolSet.stack``) and without a key-scale arena.
+    Layer by layer, the same end state (layers share nothing). Returns the evictions of each request, summed over
+    the layers."""
     layer, item, fids, pages, slots = columns.forget_rows_all(layers, rows, positions)
     names = columns.fmt_names
     one = len(fids) and fids.min() == fids.max()  # (one format: no selection)
@@ -195,7 +196,11 @@ def evict_one_each_layers(pools: PoolSet, columns: TableColumns, layers: np.ndar
         else:
             sel = np.flatnonzero(fids == f)
             li, who, pg, sl = layer[sel], item[sel], pages[sel], slots[sel]
-        stack.mark_evicted_distinct(li, pg, sl)
+        if positions.ndim == 2:
+            stack.mark_evicted_distinct(li, pg, sl)  # (one slot a request and layer: pages distinct in a layer)
+        else:
+            stack.mark_evicted_many(li, pg, sl)
+
         def release(first, cls, gone, counts, who=who, li=li, fmt=fmt):  # each layer's tables, with its pool
             job_layer = li[first]
             for at in dict.fromkeys(job_layer.tolist()):

@@ -28,7 +28,7 @@ from trtkv.cache.budget import PoolPlan
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
 from trtkv.cache.eviction import (evict_one_by_one, evict_one_each,
-                                  evict_one_each_layers, evict_private, evict_private_flat, evict_private_many)
+                                  evict_rows_layers, evict_private, evict_private_flat, evict_private_many)
 from trtkv.cache.flush import flush_many
 from trtkv.cache.forks import FORK_MODES, PageRefs
 from trtkv.cache.index_ops import split_counts
@@ -407,15 +407,32 @@ class KVCacheManager(CacheReads):
     def evict_one_each_layers(self, layers: np.ndarray, seqs: list[SeqKV], positions: np.ndarray) -> None:
         """``evict_one_each`` in each of ``layers`` (ascending) with ``positions [len(layers), len(seqs)]``, at once
         where every format's slot state is stacked and has no key-scale arena, else layer by layer."""
-        fmts = self.pools[0]
-        if fmts and all(self.pools.stack(f) is not None and not p.group_specs for f, p in fmts.items()):
-            rows = self.rows(seqs)
-            counts = evict_one_each_layers(self.pools, self.columns, layers, seqs, rows, positions)
-            self.columns.count_evicted(rows, counts)
-            self.evictions_total += int(counts.sum())
+        if not self._evicts_layers_at_once():
+            for layer, victims in zip(layers.tolist(), positions):
+                self.evict_one_each(layer, seqs, victims)
             return
-        for layer, victims in zip(layers.tolist(), positions):
-            self.evict_one_each(layer, seqs, victims)
+        self._evict_rows_layers(layers, seqs, positions)
+
+    def evict_rows_layers(self, layers: np.ndarray, seqs: list[SeqKV], positions: np.ndarray) -> None:
+        """``m`` positions of each of ``seqs`` (distinct, unforked) in each of ``layers`` (ascending): ``positions
+        [len(layers), len(seqs), m]`` (distinct within a request; -1: none), at once where every format's slot state
+        is stacked and has no key-scale arena (in-place eviction), else one ``evict_flat`` a layer."""
+        if self.cfg.eviction == "compact" or not self._evicts_layers_at_once():
+            m = positions.shape[2]
+            for layer, victims in zip(layers.tolist(), positions):
+                self.evict_flat(layer, seqs, victims.reshape(-1), np.full(len(seqs), m, np.int64))
+            return
+        self._evict_rows_layers(layers, seqs, positions)
+
+    def _evicts_layers_at_once(self) -> bool:
+        fmts = self.pools[0]
+        return bool(fmts) and all(self.pools.stack(f) is not None and not p.group_specs for f, p in fmts.items())
+
+    def _evict_rows_layers(self, layers: np.ndarray, seqs: list[SeqKV], positions: np.ndarray) -> None:
+        rows = self.rows(seqs)
+        counts = evict_rows_layers(self.pools, self.columns, layers, seqs, rows, positions)
+        self.columns.count_evicted(rows, counts)
+        self.evictions_total += int(counts.sum())
 
     def count_evicted(self, seq: SeqKV, n: int) -> None:
         """Count ``n`` tokens of ``seq`` as evicted (dropped from whichever tier held them)."""

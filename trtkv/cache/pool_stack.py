@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from plugins import ops as plugin_ops
+from trtkv.cache.index_ops import add_at, clear_at
 
 if TYPE_CHECKING:
     from trtkv.cache.pool import PagePool
@@ -89,6 +90,20 @@ class SlotStack:
         assert (v & bits).all(), "evicting a slot that is not live"
         valid[at] = v & ~bits
         live[at] -= 1
+        at_slot = at * self.B + slots
+        flat(self.slot_pos)[at_slot] = -1
+        if any(pool.segments for pool in self._pools):  # (else every slot's segment is -1 already)
+            flat(self.slot_seg)[at_slot] = -1
+        self._valid_changed()
+
+    def mark_evicted_many(self, layers: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> None:
+        """``mark_evicted_distinct`` where a page may lose several slots (distinct live ``(layer, page, slot)``)."""
+        at = self._page_index(layers, pages)
+        bits = np.left_shift(1, slots).astype(self.valid.dtype)
+        valid, live = flat(self.valid), flat(self.live)
+        assert (valid[at] & bits).all(), "evicting a slot that is not live"
+        clear_at(valid, at, bits)
+        add_at(live, at, -1)
         at_slot = at * self.B + slots
         flat(self.slot_pos)[at_slot] = -1
         if any(pool.segments for pool in self._pools):  # (else every slot's segment is -1 already)

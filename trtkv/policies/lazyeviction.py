@@ -48,30 +48,34 @@ from trtkv.policies.scoring import check_choice, check_positive, head_reduce, he
 SCORES = ("sigmoid", "exp", "tanh", "inverse")
 
 
-def _decay(x: torch.Tensor, form: str) -> torch.Tensor:
-    """A decreasing map [0, inf) -> (0, 1] with value 1 at 0."""
+def _decay_(x: torch.Tensor, form: str) -> torch.Tensor:
+    """A decreasing map [0, inf) -> (0, 1] with value 1 at 0, computed in place of ``x`` (an event scores every
+    layer's candidates at once: a temporary each op would cost more than its arithmetic)."""
     if form == "sigmoid":
-        return 2.0 * torch.sigmoid(-x)
+        return x.neg_().sigmoid_().mul_(2.0)  # 2 sigmoid(-x)
     if form == "exp":
-        return torch.exp(-x)
+        return x.neg_().exp_()  # exp(-x)
     if form == "tanh":
-        return 1.0 - torch.tanh(x)
-    return 1.0 / (1.0 + x)
+        return x.tanh_().neg_().add_(1.0)  # 1 - tanh(x)
+    return torch.reciprocal(x.add_(1.0), out=x)  # 1 / (1 + x)
 
 
 def mri_score(t: int, ts: torch.Tensor, mri: torch.Tensor, form: str = "sigmoid", ablate: str = "none") -> torch.Tensor:
-    """MRI-centric importance (spec §3.4), fp32. ``ts``/``mri`` are integer tensors of the same shape; ``t`` an int
-    or a tensor that broadcasts to them (one step per row)."""
+    """MRI-centric importance (spec §3.4), fp32: ``h1 + h2`` with ``h1 = 1`` where ``e = t - ts`` is 0, else
+    ``decay(e / max(mri, 1))`` where ``mri > 0``, else 0; ``h2 = decay(mri + 1)`` where ``mri > 0``, else 0 (in
+    float64). ``ts``/``mri`` are integer tensors of the same shape; ``t`` an int or a tensor that broadcasts to them
+    (one step per row)."""
     e = (t - ts).double()
     m = mri.double()
-    h1 = torch.where(e == 0, torch.ones_like(e),
-                     torch.where(m > 0, _decay(e / m.clamp(min=1), form), torch.zeros_like(e)))
-    h2 = torch.where(m > 0, _decay(m + 1, form), torch.zeros_like(m))
+    none = m <= 0
+    fresh = e == 0
+    h1 = _decay_(e.div_(m.clamp(min=1)), form).masked_fill_(none, 0.0).masked_fill_(fresh, 1.0)
+    h2 = _decay_(m.add_(1.0), form).masked_fill_(none, 0.0)
     if ablate == "no_h1":
-        h1 = torch.zeros_like(h1)
+        h1.zero_()
     elif ablate == "no_h2":
-        h2 = torch.zeros_like(h2)
-    return (h1 + h2).float()
+        h2.zero_()
+    return h1.add_(h2).float()
 
 
 def lexi_top(pos: np.ndarray, score: np.ndarray, mri: np.ndarray, ts: np.ndarray, k: int) -> np.ndarray:
@@ -324,9 +328,7 @@ class LazyEvictionPolicy(ScorerPolicy):
         score = mri_score(step[None].to(ts.device), ts, mri, self.score, self.ablate)
         order = np.lexsort((-cand, -ts.cpu().numpy(), mri.cpu().numpy(), -score.cpu().numpy()), axis=-1)
         victims = np.sort(np.take_along_axis(cand, order[..., max(n_keep, 0):], -1), axis=-1)
-        lens = np.full(len(due), victims.shape[2], np.int64)
-        for layer in range(L):
-            first.evict_flat(layer, due, victims[layer].reshape(-1), lens)
+        first.evict_rows_layers(due, victims)
         for r in due:
             r.state.events += 1
             self.scorer.reset(r.state.memo)

@@ -88,6 +88,9 @@ class PolicyRequest(Protocol):
     def evict_each_layers(self, layers: np.ndarray, reqs: list["PolicyRequest"], positions: np.ndarray) -> None:
         """``evict_each`` in each of ``layers`` (ascending, distinct) with ``positions [len(layers), len(reqs)]``:
         the same as calling it layer by layer, in one pass over every layer where the cache allows."""
+    def evict_rows_layers(self, reqs: list["PolicyRequest"], positions: np.ndarray) -> None:
+        """``positions [layers, len(reqs), m]`` (distinct within a request, -1 none) of ``reqs`` (distinct requests of
+        this one's batch) in every layer: ``evict_flat`` of each layer in turn, in one pass where the cache allows."""
     def num_live_many(self, layer: int, reqs: list["PolicyRequest"]) -> np.ndarray:
         """``num_live(layer)`` of each of ``reqs`` (requests of this one's batch), as one array read. Passing
         the same list object for every layer of a step lets the cache reuse its row lookup."""

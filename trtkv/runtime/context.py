@@ -228,6 +228,18 @@ class RequestContext:
             return
         self._bookkeeping(self._cache.evict_one_each_layers, layers, seqs, positions)
 
+    def evict_rows_layers(self, reqs: list["RequestContext"], positions: np.ndarray) -> None:
+        """``m`` positions of each of ``reqs`` (distinct, of this one's batch) in every layer: ``positions [layers,
+        len(reqs), m]`` (distinct within a request; -1: none) — an event's victims, every layer's in one pass where
+        the cache allows, else ``evict_flat`` a layer."""
+        seqs = self._seqs(reqs)
+        if self._cache.cfg.demote != "none" or any(s.fork_mode is not None for s in seqs):
+            m = positions.shape[2]
+            for layer, victims in enumerate(positions):
+                self.evict_flat(layer, reqs, victims.reshape(-1), np.full(len(reqs), m, np.int64))
+            return
+        self._bookkeeping(self._cache.evict_rows_layers, np.arange(len(positions)), seqs, positions)
+
     def num_live_many(self, layer: int, reqs: list["RequestContext"]) -> np.ndarray:
         return self._cache.num_live_many(self._seqs(reqs), layer)
 
