@@ -698,7 +698,13 @@ def test_dropping_pages_of_many_rows_matches_each_in_turn(n_rows, data):
                 r.push(1, np.full(len(held), row), cls, np.array([p for p, _ in held]), np.array([s for _, s in held]))
             r.take(1, row, cls, taken, free)
     rows = np.asarray(data.draw(st.lists(st.integers(0, n_rows - 1), unique=True, max_size=n_rows)), np.int64)
-    gone = [data.draw(st.lists(st.integers(0, n_pages - 1), unique=True, min_size=1, max_size=4)) for _ in rows]
+    if data.draw(st.booleans()):  # any pages, a page dropped by several rows among them
+        gone = [data.draw(st.lists(st.integers(0, n_pages - 1), unique=True, min_size=1, max_size=4)) for _ in rows]
+    else:  # each page by one row at most (an eviction's: a table's pages are its own)
+        pool = data.draw(st.permutations(range(n_pages)))
+        cuts = sorted(data.draw(st.lists(st.integers(0, n_pages), min_size=len(rows), max_size=len(rows))))
+        gone = [pool[a:b] for a, b in zip([0] + cuts[:-1], cuts)]
+        rows, gone = rows[[i for i, g in enumerate(gone) if g]], [g for g in gone if g]
     for row, pages in zip(rows.tolist(), gone):
         each.drop_page(1, row, cls, pages)
     batch.drop_pages_each(1, rows, cls, np.array([p for ps in gone for p in ps], np.int64),

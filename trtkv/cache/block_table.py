@@ -347,43 +347,47 @@ class BlockTable:
         pool.release_page(p)
 
     @staticmethod
-    def release_each(pool: PagePool, tables: list[BlockTable], classes: list[Cls], pages: np.ndarray,
-                     counts: np.ndarray) -> None:
-        """``release_page`` of ``counts[j]`` of ``pages`` (job by job) for each job ``j``: ``tables[j]``'s emptied pages
-        of class ``classes[j]`` (tables of one layer, classes of ``pool``'s format, no (table, class) twice): an event's
-        emptied pages, the pool, reusable slots and stamps updated once."""
-        if not tables:
+    def release_each(pool: PagePool, table_of: Callable[[int], BlockTable], owners: np.ndarray, rows: np.ndarray,
+                     classes: np.ndarray, pages: np.ndarray, counts: np.ndarray) -> None:
+        """``release_page`` of ``counts[j]`` of ``pages`` (job by job) for each job ``j``: the emptied pages of class
+        ``(pool's format, classes[j])`` of request ``owners[j]``'s table ``table_of(owners[j])`` (row ``rows[j]``;
+        tables of one layer, no (table, class) twice): an event's emptied pages, the pool, reusable slots, stamps and
+        each request's bytes updated once, with no Python work a job."""
+        if not len(owners):
             return
-        cols, layer = tables[0]._cols, tables[0].layer  # noqa: SLF001 (tables of one cache and layer)
+        first = table_of(int(owners[0]))
+        cols, layer, fmt = first._cols, first.layer, pool.fmt.name  # noqa: SLF001 (tables of one cache and layer)
         cost = held_page_bytes(pool)
-        rows = np.fromiter((table._row for table in tables), np.int64, len(tables))  # noqa: SLF001
-        fid = cols.fmt_id(classes[0][0])
+        fid = cols.fmt_id(fmt)
         # pages still waiting to join their tables' lists leave the waiting entries; the others wait to leave the
         # lists (LeavingPages), where their rows have room, else leave them now
         waiting = cols.fresh.drop(layer, np.repeat(rows, counts), fid, pages)
-        job = np.repeat(np.arange(len(tables)), counts)
-        listed = np.bincount(job[~waiting], minlength=len(tables))
+        job = np.repeat(np.arange(len(owners)), counts)
+        listed = np.bincount(job[~waiting], minlength=len(owners))
         fits = cols.leaving.fits(layer, rows, listed)
         later = ~waiting & fits[job]
-        cols.leaving.add(layer, rows[job[later]], fid,
-                         np.fromiter((c for _, c in classes), np.int64, len(classes))[job[later]], pages[later])
+        cols.leaving.add(layer, rows[job[later]], fid, classes[job[later]], pages[later])
         if not fits.all():
             now = np.flatnonzero(~fits & (listed > 0))
             mine = split_counts(pages[~waiting & ~fits[job]].tolist(), listed[now])
             for j, gone in zip(now.tolist(), mine):
-                tables[j]._catch_up()  # noqa: SLF001
-                tables[j]._remove_listed(classes[j], gone)  # noqa: SLF001
-        for table, n in zip(tables, counts.tolist()):
-            table._account.add(-cost * n)  # noqa: SLF001
-        for cls, at in _by_class(classes):
-            mine = pages if len(at) == len(tables) else pages[np.repeat(np.isin(np.arange(len(tables)), at), counts)]
-            cols.reuse.drop_pages_each(layer, rows[at], cls, mine, counts[at])
+                table = table_of(int(owners[j]))
+                table._catch_up()  # noqa: SLF001
+                table._remove_listed((fmt, int(classes[j])), gone)  # noqa: SLF001
+        u, inv = np.unique(owners, return_inverse=True)  # each request's bytes once
+        for i, n in zip(u.tolist(), np.bincount(inv, weights=counts).astype(np.int64).tolist()):
+            table_of(i)._account.add(-cost * n)  # noqa: SLF001
+        one = classes.min() == classes.max()
+        for c in [int(classes[0])] if one else np.unique(classes).tolist():
+            mine = pages if one else pages[np.repeat(classes == c, counts)]
+            at = np.flatnonzero(classes == c)
+            cols.reuse.drop_pages_each(layer, rows[at], (fmt, c), mine, counts[at])
         pool.release_pages(pages)
         # each row's emptied pages, recorded so the batch's block tables drop them in place
         row_of_page = np.repeat(rows, counts)
         order = np.argsort(row_of_page, kind="stable")
         changed, per_row = np.unique(row_of_page[order], return_counts=True)
-        cols.changes.remove_rows(layer, changed, cols.fmt_id(classes[0][0]), pages[order], per_row)
+        cols.changes.remove_rows(layer, changed, fid, pages[order], per_row)
 
     def _unlist(self, cls: Cls, pages: list[int], cost: int) -> int:
         """Pages of ``cls`` leave the list (``cost`` each goes); returns this table's row."""

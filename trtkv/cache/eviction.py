@@ -100,9 +100,8 @@ def evict_private_flat(pools: dict[str, PagePool], columns: TableColumns, layer:
         if gids is not None:
             decref_groups_many(seqs, pool, gids, np.concatenate([[0], np.cumsum(np.bincount(o, minlength=len(seqs)))]))
         _free_slots(pool, columns, layer, fmt, seq_rows[o], p, sl, reuse,
-                    lambda first, cls, gone, counts, o=o, pool=pool, fmt=fmt: BlockTable.release_each(
-                        pool, [seqs[i].layers[layer] for i in o[first].tolist()], [(fmt, c) for c in cls.tolist()],
-                        gone, counts))
+                    lambda first, cls, gone, counts, o=o, pool=pool: BlockTable.release_each(
+                        pool, lambda i: seqs[i].layers[layer], o[first], seq_rows[o[first]], cls, gone, counts))
     return counts
 
 
@@ -172,9 +171,8 @@ def evict_one_each(pools: dict[str, PagePool], columns: TableColumns, layer: int
         if gids is not None:
             decref_groups_many([seqs[i] for i in who.tolist()], pool, gids, np.arange(len(sel) + 1))
         _free_slots(pool, columns, layer, fmt, rows[who], pg, sl, True,
-                    lambda first, cls, gone, counts, who=who, pool=pool, fmt=fmt: BlockTable.release_each(
-                        pool, [seqs[i].layers[layer] for i in who[first].tolist()], [(fmt, c) for c in cls.tolist()],
-                        gone, counts))
+                    lambda first, cls, gone, counts, who=who, pool=pool: BlockTable.release_each(
+                        pool, lambda i: seqs[i].layers[layer], who[first], rows[who[first]], cls, gone, counts))
     return rows, held.astype(np.int64)
 
 
@@ -205,9 +203,9 @@ def evict_rows_layers(pools: PoolSet, columns: TableColumns, layers: np.ndarray,
             job_layer = li[first]
             for at in dict.fromkeys(job_layer.tolist()):
                 mine = job_layer == at
-                BlockTable.release_each(pools.pool(at, fmt), [seqs[i].layers[at] for i in who[first[mine]].tolist()],
-                                        [(fmt, c) for c in cls[mine].tolist()], gone[np.repeat(mine, counts)],
-                                        counts[mine])
+                owners = who[first[mine]]
+                BlockTable.release_each(pools.pool(at, fmt), lambda i, at=at: seqs[i].layers[at], owners, rows[owners],
+                                        cls[mine], gone[np.repeat(mine, counts)], counts[mine])
 
         _free_slots(stack, columns, li, fmt, rows[who], pg, sl, True, release)
     return np.bincount(item, minlength=len(seqs))

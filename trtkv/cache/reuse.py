@@ -195,15 +195,21 @@ class ReusableSlots:
         inside = np.arange(W) < n[:, None]
         k = keys[layer, rows[:, None], np.minimum(at, keys.shape[2] - 1)]
         of = (k >> _PAGE_SHIFT) & _PAGE_MASK
-        span = _PAGE_MASK + 1
-        mine = np.repeat(np.arange(len(rows)), counts) * span + pages  # (row index, page) of every page that goes
-        gone = inside & np.isin(np.arange(len(rows))[:, None] * span + of, mine)
+        place = np.arange(1, len(rows) + 1)
+        owner = np.repeat(place, counts)  # each page's row, as its place among rows + 1
+        mark = np.zeros(int(pages.max(initial=0)) + 1, np.int64)  # page -> the row dropping it (0: none)
+        mark[pages] = owner
+        if (mark[pages] == owner).all():  # (no page dropped by two rows: one lookup an entry)
+            gone = inside & (of < len(mark)) & (mark[np.minimum(of, len(mark) - 1)] == place[:, None])
+        else:
+            span = _PAGE_MASK + 1
+            gone = inside & np.isin(place[:, None] * span + of, owner * span + pages)
         hit = np.flatnonzero(gone.any(1))
         if not len(hit):
             return
         kept = inside[hit] & ~gone[hit]
-        order = np.argsort(~kept, axis=1, kind="stable")  # each row's kept entries first, in order
-        keys[layer, rows[hit, None], np.arange(W)] = np.take_along_axis(k[hit], order, 1)
+        hr, col = np.nonzero(kept)  # each row's kept entries, in order, to its first places
+        keys[layer, rows[hit][hr], (np.cumsum(kept, axis=1) - 1)[hr, col]] = k[hit][hr, col]
         head[layer, rows[hit]], end[layer, rows[hit]] = 0, kept.sum(1)
 
     # --- taking back ---------------------------------------------------------------------------------------
