@@ -19,6 +19,7 @@ import numpy as np
 
 from trtkv.cache.accounting import ByteAccount
 from trtkv.cache.columns import Cls, PositionView, TableColumns, Where
+from trtkv.cache.fresh_pages import group_waiting
 from trtkv.cache.index_ops import split_counts
 from trtkv.cache.pool import PagePool
 from trtkv.errors import OutOfKVMemory
@@ -109,22 +110,11 @@ class BlockTable:
         """``_join_waiting`` of each of ``tables`` (row ``i``'s first ``n[i]`` entries its pages): the pages grouped by
         (table, format, class) with array operations, each group's list extended once, the classes of a table in
         the order their first page waited (a class new to the table is listed in that order)."""
-        j, col = np.nonzero(np.arange(fids.shape[1]) < n[:, None])  # (row-major: a table's pages in order)
-        cl = classes[j, col].astype(np.int64) - int(classes.min())
-        code = (j * (int(fids.max()) + 1) + fids[j, col]) * (int(cl.max()) + 1) + cl
-        _, first, group = np.unique(code, return_index=True, return_inverse=True)
-        by_first = np.argsort(first, kind="stable")  # groups in order of their first page
-        rank = np.empty(len(first), np.int64)
-        rank[by_first] = np.arange(len(first))
-        order = np.argsort(rank[group.reshape(-1)], kind="stable")
-        bounds = np.r_[0, np.cumsum(np.bincount(group.reshape(-1), minlength=len(first))[by_first])].tolist()
-        heads = order[bounds[:-1]]
+        bounds, t_at, g_fids, g_classes, flat_pages = group_waiting(n, fids, classes, pages)
         names = tables[0]._cols.fmt_names  # noqa: SLF001
-        flat_pages = pages[j, col][order].tolist()
         dropped = -1 in flat_pages  # (pages released while waiting: FreshPages.drop)
-        for a, b, t_at, f, c in zip(bounds[:-1], bounds[1:], j[heads].tolist(), fids[j[heads], col[heads]].tolist(),
-                                    classes[j[heads], col[heads]].tolist()):
-            tables[t_at]._page_lists.setdefault((names[f], c), []).extend(  # noqa: SLF001
+        for a, b, i, f, c in zip(bounds[:-1], bounds[1:], t_at, g_fids, g_classes):
+            tables[i]._page_lists.setdefault((names[f], c), []).extend(  # noqa: SLF001
                 [p for p in flat_pages[a:b] if p >= 0] if dropped else flat_pages[a:b])
         for t in tables:
             t._flat = t._single_bt = None  # noqa: SLF001

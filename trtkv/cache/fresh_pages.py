@@ -129,3 +129,22 @@ class FreshPages:
             self._listed[key] = np.concatenate([listed, np.zeros((listed.shape[0], extra), bool)], axis=1)
         for key, last in self._last.items():
             self._last[key] = np.concatenate([last, np.full((last.shape[0], extra), -1, np.int16)], axis=1)
+
+
+def group_waiting(n: np.ndarray, fids: np.ndarray, classes: np.ndarray, pages: np.ndarray
+                  ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Waiting entries of several tables (``FreshPages.take_rows``: table ``i``'s first ``n[i]`` entries) grouped by
+    (table, format, class), groups in the order of their first entry and each group's pages in order: ``(bounds,
+    table, format id, class, pages)``, group ``g`` being ``pages[bounds[g]:bounds[g + 1]]`` (-1: dropped)."""
+    j, col = np.nonzero(np.arange(fids.shape[1]) < n[:, None])  # (row-major: a table's pages in order)
+    cl = classes[j, col].astype(np.int64) - int(classes.min())
+    code = (j * (int(fids.max()) + 1) + fids[j, col]) * (int(cl.max()) + 1) + cl
+    _, first, group = np.unique(code, return_index=True, return_inverse=True)
+    by_first = np.argsort(first, kind="stable")  # groups in order of their first page
+    rank = np.empty(len(first), np.int64)
+    rank[by_first] = np.arange(len(first))
+    order = np.argsort(rank[group.reshape(-1)], kind="stable")
+    bounds = np.r_[0, np.cumsum(np.bincount(group.reshape(-1), minlength=len(first))[by_first])].tolist()
+    heads = order[bounds[:-1]]
+    return (bounds, j[heads].tolist(), fids[j[heads], col[heads]].tolist(), classes[j[heads], col[heads]].tolist(),
+            pages[j, col][order].tolist())
