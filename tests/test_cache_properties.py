@@ -1054,15 +1054,19 @@ def test_releasing_pages_still_waiting_matches_releasing_them_after_each_table_t
                                   seen[-1]):
                     c.evict_flat(1, [c.seqs[s] for s in seq_ids], flat_positions, lens)
     assert any(d.any() for d in dropped) and any((~d).any() for d in dropped)  # (waiting and listed pages released)
-    for s in range(5):
-        for layer in range(L):
-            a, b = caches[0].seqs[s].layers[layer], caches[1].seqs[s].layers[layer]
-            assert list(a.pages.items()) == list(b.pages.items())
-        assert caches[0].seqs[s].kv_bytes == caches[1].seqs[s].kv_bytes == caches[0].recount_bytes(caches[0].seqs[s])
-    for layer in range(L):
-        for fmt, pool in caches[0].pools[layer].items():
-            assert sorted(pool.free) == sorted(caches[1].pools[layer][fmt].free)
+    _assert_same_lists_bytes_and_pools(*caches)
     _check_block_tables(caches[0])
+
+
+def _assert_same_lists_bytes_and_pools(a: KVCacheManager, b: KVCacheManager) -> None:
+    """Every table's lists in the same order, every request's bytes (and ``a``'s recounted), every pool's free pages."""
+    for s in sorted(a.seqs):
+        for layer in range(L):
+            assert list(a.seqs[s].layers[layer].pages.items()) == list(b.seqs[s].layers[layer].pages.items())
+        assert a.seqs[s].kv_bytes == b.seqs[s].kv_bytes == a.recount_bytes(a.seqs[s])
+    for layer in range(L):
+        for fmt, pool in a.pools[layer].items():
+            assert sorted(pool.free) == sorted(b.pools[layer][fmt].free)
 
 
 @pytest.mark.parametrize("depth", [2, 16])
@@ -1105,14 +1109,7 @@ def test_pages_an_event_released_leave_the_lists_when_read_as_if_released_at_onc
                 came_back |= any(p in caches[1].seqs[s].layers[1].pages[("fp32", 0)] for s, p in released)
         assert came_back  # (a page that left came back as a fresh page of the same table)
         assert all(f.all() for f in fits) == (depth == 16)  # (depth 2: some table dropped its pages at once)
-        for s in range(5):
-            for layer in range(L):
-                a, b = caches[0].seqs[s].layers[layer], caches[1].seqs[s].layers[layer]
-                assert list(a.pages.items()) == list(b.pages.items())
-            assert caches[0].seqs[s].kv_bytes == caches[1].seqs[s].kv_bytes == caches[0].recount_bytes(caches[0].seqs[s])
-        for layer in range(L):
-            for fmt, pool in caches[0].pools[layer].items():
-                assert sorted(pool.free) == sorted(caches[1].pools[layer][fmt].free)
+        _assert_same_lists_bytes_and_pools(*caches)
         for c in caches:
             _check_block_tables(c)
             check_invariants(c)

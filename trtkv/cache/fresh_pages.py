@@ -20,15 +20,47 @@ import numpy as np
 DEPTH = 16  # pages a row may have waiting; a table whose row is full takes them in first (every 16th boundary)
 
 
-class FreshPages:
-    """Per layer and table row, the pages waiting to join the row's lists, in the order they were given, and the
-    classes each row's table lists per format."""
+class PageQueues:
+    """Per layer and table row, up to ``depth`` pages with their format and class, in the order they came: what a
+    table's Python lists still owe it (``FreshPages``: pages to join them; ``LeavingPages``: pages to leave them)."""
+
+    def __init__(self, num_layers: int, rows: int, depth: int) -> None:
+        self._n = np.zeros((num_layers, rows), np.int64)
+        self._page = np.zeros((num_layers, rows, depth), np.int32)
+        self._fmt = np.zeros((num_layers, rows, depth), np.int8)
+        self._cls = np.zeros((num_layers, rows, depth), np.int16)
+
+    def waiting(self, layer: int, row: int) -> bool:
+        return self._n.item(layer, row) > 0
+
+    def waiting_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
+        """Which of ``rows`` have pages waiting in ``layer``."""
+        return self._n[layer, rows] > 0
+
+    def take(self, layer: int, row: int) -> tuple[list[int], list[int], list[int]]:
+        """Format ids, classes and pages waiting for ``row`` in ``layer``, oldest first; they wait no more."""
+        n = self._n.item(layer, row)
+        self._n[layer, row] = 0
+        return (self._fmt[layer, row, :n].tolist(), self._cls[layer, row, :n].tolist(),
+                self._page[layer, row, :n].tolist())
+
+    def clear_row(self, row: int) -> None:
+        self._n[:, row] = 0
+
+    def grow_rows(self, rows: int) -> None:
+        extra = rows - self._n.shape[1]
+        self._n = np.concatenate([self._n, np.zeros((self._n.shape[0], extra), np.int64)], axis=1)
+        self._page, self._fmt, self._cls = (
+            np.concatenate([a, np.zeros((a.shape[0], extra, a.shape[2]), a.dtype)], axis=1)
+            for a in (self._page, self._fmt, self._cls))
+
+
+class FreshPages(PageQueues):
+    """Per layer and table row, the pages waiting to join the row's lists, in the order they were given (-1: a page
+    released while waiting, ``drop``), and the classes each row's table lists per format."""
 
     def __init__(self, num_layers: int, rows: int) -> None:
-        self._n = np.zeros((num_layers, rows), np.int64)
-        self._page = np.zeros((num_layers, rows, DEPTH), np.int32)
-        self._fmt = np.zeros((num_layers, rows, DEPTH), np.int8)
-        self._cls = np.zeros((num_layers, rows, DEPTH), np.int16)
+        super().__init__(num_layers, rows, DEPTH)
         self._listed: dict[tuple[int, int], np.ndarray] = {}  # (format id, class) -> [layers, rows] listed
         self._last: dict[int, np.ndarray] = {}  # format id -> [layers, rows] its class listed last, -1 none
 
@@ -45,17 +77,6 @@ class FreshPages:
         """Which of ``rows`` cannot take ``more`` waiting pages in ``layer``."""
         return self._n[layer, rows] + more > DEPTH
 
-    def waiting(self, layer: int, row: int) -> bool:
-        return self._n.item(layer, row) > 0
-
-    def take(self, layer: int, row: int) -> tuple[list[int], list[int], list[int]]:
-        """Format ids, classes and pages of the pages waiting for ``row`` in ``layer``, oldest first (-1: a page
-        released while waiting, ``drop``); they wait no more."""
-        n = self._n.item(layer, row)
-        self._n[layer, row] = 0
-        return (self._fmt[layer, row, :n].tolist(), self._cls[layer, row, :n].tolist(),
-                self._page[layer, row, :n].tolist())
-
     def drop(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray) -> np.ndarray:
         """Pages ``pages[i]`` (format ``fmt_id``) leave row ``rows[i]``'s waiting pages in ``layer``, where they wait
         (released before their table read them); returns which of them were waiting. Their entries stay, emptied
@@ -70,10 +91,6 @@ class FreshPages:
         at = np.flatnonzero(found)
         self._page[layer, rows[at], hit[at].argmax(1)] = -1
         return found
-
-    def waiting_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
-        """Which of ``rows`` have pages waiting in ``layer``."""
-        return self._n[layer, rows] > 0
 
     def take_rows(self, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``take`` of each of ``rows`` (distinct), read in one pass: ``(counts [n], format ids, classes, pages
@@ -113,7 +130,7 @@ class FreshPages:
 
     # --- rows ---------------------------------------------------------------------------------------------
     def clear_row(self, row: int) -> None:
-        self._n[:, row] = 0
+        super().clear_row(row)
         for listed in self._listed.values():
             listed[:, row] = False
         for last in self._last.values():
@@ -121,10 +138,7 @@ class FreshPages:
 
     def grow_rows(self, rows: int) -> None:
         extra = rows - self._n.shape[1]
-        self._n = np.concatenate([self._n, np.zeros((self._n.shape[0], extra), np.int64)], axis=1)
-        self._page, self._fmt, self._cls = (
-            np.concatenate([a, np.zeros((a.shape[0], extra, a.shape[2]), a.dtype)], axis=1)
-            for a in (self._page, self._fmt, self._cls))
+        super().grow_rows(rows)
         for key, listed in self._listed.items():
             self._listed[key] = np.concatenate([listed, np.zeros((listed.shape[0], extra), bool)], axis=1)
         for key, last in self._last.items():

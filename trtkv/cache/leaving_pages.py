@@ -12,24 +12,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from trtkv.cache.fresh_pages import PageQueues
+
 DEPTH = 16  # pages a row may have waiting to leave; a table whose row cannot take more drops its own at once
 
 
-class LeavingPages:
+class LeavingPages(PageQueues):
     """Per layer and table row, the pages released from the row's lists that are still in them."""
 
     def __init__(self, num_layers: int, rows: int) -> None:
-        self._n = np.zeros((num_layers, rows), np.int64)
-        self._page = np.zeros((num_layers, rows, DEPTH), np.int32)
-        self._fmt = np.zeros((num_layers, rows, DEPTH), np.int8)
-        self._cls = np.zeros((num_layers, rows, DEPTH), np.int16)
+        super().__init__(num_layers, rows, DEPTH)
 
     def fits(self, layer: int, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Whether each job (row ``rows[j]`` leaving ``counts[j]`` pages; a row may repeat) fits its row's room, with
         every job of the row counted."""
         u, inv = np.unique(rows, return_inverse=True)
         total = np.bincount(inv, weights=counts, minlength=len(u)).astype(np.int64)
-        return (self._n[layer, u] + total <= DEPTH)[inv]
+        return (self._n[layer, u] + total <= self._page.shape[2])[inv]
 
     def add(self, layer: int, rows: np.ndarray, fmt_id: int, classes: np.ndarray, pages: np.ndarray) -> None:
         """Page ``pages[i]`` (format ``fmt_id``, class ``classes[i]``) leaves row ``rows[i]``'s lists in ``layer`` (rows
@@ -45,27 +44,3 @@ class LeavingPages:
         self._fmt[layer, rows, at] = fmt_id
         self._cls[layer, rows, at] = classes
         self._n[layer, u] += counts
-
-    def waiting(self, layer: int, row: int) -> bool:
-        return self._n.item(layer, row) > 0
-
-    def waiting_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
-        """Which of ``rows`` have pages waiting to leave in ``layer``."""
-        return self._n[layer, rows] > 0
-
-    def take(self, layer: int, row: int) -> tuple[list[int], list[int], list[int]]:
-        """Format ids, classes and pages leaving ``row`` in ``layer``; they wait no more."""
-        n = self._n.item(layer, row)
-        self._n[layer, row] = 0
-        return (self._fmt[layer, row, :n].tolist(), self._cls[layer, row, :n].tolist(),
-                self._page[layer, row, :n].tolist())
-
-    def clear_row(self, row: int) -> None:
-        self._n[:, row] = 0
-
-    def grow_rows(self, rows: int) -> None:
-        extra = rows - self._n.shape[1]
-        self._n = np.concatenate([self._n, np.zeros((self._n.shape[0], extra), np.int64)], axis=1)
-        self._page, self._fmt, self._cls = (
-            np.concatenate([a, np.zeros((a.shape[0], extra, a.shape[2]), a.dtype)], axis=1)
-            for a in (self._page, self._fmt, self._cls))
