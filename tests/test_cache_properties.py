@@ -677,6 +677,34 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
         assert np.array_equal(got, caches[0].live_positions_in(seq, 1, lo, hi))
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=30), picks=st.lists(st.integers(-1, 200), min_size=6, max_size=6),
+       eviction=st.sampled_from(["inplace", "compact"]))
+def test_evicting_every_layers_victims_at_once_matches_each_layer_in_turn(ops, picks, eviction):
+    """``evict_rows_layers`` (an event's victims, two a request (-1: none), every layer at once where the slot state
+    is stacked; a compacting cache layer by layer) leaves the state of evicting each layer's in turn."""
+    caches = [make_cache(eviction), make_cache(eviction)]
+    next_pos: dict[int, int] = {}
+    for o in ops:
+        apply_op(caches, next_pos, o)
+    if not caches[0].seqs:
+        add_everywhere(caches, next_pos)
+    ids = sorted(caches[0].seqs)
+    victims = np.full((L, len(ids), 2), -1, np.int64)
+    for layer, i, k in np.ndindex(victims.shape):
+        v = picks[(layer * 7 + i * 3 + k) % len(picks)]
+        v = -1 if v < 0 else (v + layer) % max(1, next_pos[ids[i]])
+        victims[layer, i, k] = -1 if v in victims[layer, i] else v
+    for layer in range(L):
+        caches[0].evict_many(layer, [(caches[0].seqs[s], [p for p in vs if p >= 0])
+                                     for s, vs in zip(ids, victims[layer].tolist())])
+    caches[1].evict_rows_layers(np.arange(L), [caches[1].seqs[s] for s in ids], victims)
+    assert _state(caches[0]) == _state(caches[1])
+    assert caches[0].evictions_total == caches[1].evictions_total
+    check_invariants(caches[1])
+    _check_block_tables(caches[1])
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_rows=st.integers(1, 6), data=st.data())
 def test_dropping_pages_of_many_rows_matches_each_in_turn(n_rows, data):

@@ -418,9 +418,8 @@ class KVCacheManager(CacheReads):
         [len(layers), len(seqs), m]`` (distinct within a request; -1: none), at once where every format's slot state
         is stacked and has no key-scale arena (in-place eviction), else one ``evict_flat`` a layer."""
         if self.cfg.eviction == "compact" or not self._evicts_layers_at_once():
-            m = positions.shape[2]
             for layer, victims in zip(layers.tolist(), positions):
-                self.evict_flat(layer, seqs, victims.reshape(-1), np.full(len(seqs), m, np.int64))
+                self.evict_flat(layer, seqs, victims[victims >= 0], (victims >= 0).sum(1))
             return
         self._evict_rows_layers(layers, seqs, positions)
 

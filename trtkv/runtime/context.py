@@ -234,9 +234,8 @@ class RequestContext:
         the cache allows, else ``evict_flat`` a layer."""
         seqs = self._seqs(reqs)
         if self._cache.cfg.demote != "none" or any(s.fork_mode is not None for s in seqs):
-            m = positions.shape[2]
             for layer, victims in enumerate(positions):
-                self.evict_flat(layer, reqs, victims.reshape(-1), np.full(len(reqs), m, np.int64))
+                self.evict_flat(layer, reqs, victims[victims >= 0], (victims >= 0).sum(1))
             return
         self._bookkeeping(self._cache.evict_rows_layers, np.arange(len(positions)), seqs, positions)
 
