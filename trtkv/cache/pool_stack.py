@@ -90,11 +90,7 @@ class SlotStack:
         assert (v & bits).all(), "evicting a slot that is not live"
         valid[at] = v & ~bits
         live[at] -= 1
-        at_slot = at * self.B + slots
-        flat(self.slot_pos)[at_slot] = -1
-        if any(pool.segments for pool in self._pools):  # (else every slot's segment is -1 already)
-            flat(self.slot_seg)[at_slot] = -1
-        self._valid_changed()
+        self._forget_slots(at, slots)
 
     def mark_evicted_many(self, layers: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> None:
         """``mark_evicted_distinct`` where a page may lose several slots (distinct live ``(layer, page, slot)``)."""
@@ -104,6 +100,10 @@ class SlotStack:
         assert (valid[at] & bits).all(), "evicting a slot that is not live"
         clear_at(valid, at, bits)
         add_at(live, at, -1)
+        self._forget_slots(at, slots)
+
+    def _forget_slots(self, at: np.ndarray, slots: np.ndarray) -> None:
+        """Evicted slots ``slots`` of flat pages ``at`` hold no position (nor segment) any more."""
         at_slot = at * self.B + slots
         flat(self.slot_pos)[at_slot] = -1
         if any(pool.segments for pool in self._pools):  # (else every slot's segment is -1 already)

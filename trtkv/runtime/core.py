@@ -392,15 +392,15 @@ class EngineCore:
     @staticmethod
     def _wants(sreqs: list[StatsRequest | None], layer: int) -> tuple[list[bool], list[bool], list[bool], bool]:
         """Which requests asked for attention weights, sparsity and the query in ``layer``, and whether any did."""
+        def flags(sr: StatsRequest | None) -> tuple[bool, bool, bool]:
+            on = sr is not None and (sr.layers is None or layer in sr.layers)
+            return (bool(sr.weights), bool(sr.sparsity), bool(sr.queries)) if on else (False, False, False)
+
         first = sreqs[0] if sreqs else None
         if all(sr is first for sr in sreqs):  # (one shared request, the usual step: its flags once)
-            on = first is not None and (first.layers is None or layer in first.layers)
-            w, sp, q = (bool(first.weights), bool(first.sparsity), bool(first.queries)) if on else (False,) * 3
-            n = len(sreqs)
-            return [w] * n, [sp] * n, [q] * n, w or sp or q
-        want_w = [bool(sr and sr.weights and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
-        want_s = [bool(sr and sr.sparsity and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
-        want_q = [bool(sr and sr.queries and (sr.layers is None or layer in sr.layers)) for sr in sreqs]
+            w, sp, q = flags(first)
+            return [w] * len(sreqs), [sp] * len(sreqs), [q] * len(sreqs), w or sp or q
+        want_w, want_s, want_q = (list(f) for f in zip(*map(flags, sreqs)))
         return want_w, want_s, want_q, any(want_w) or any(want_s) or any(want_q)
 
     def end_decode(self, step: DecodeStep, logits: torch.Tensor) -> None:
