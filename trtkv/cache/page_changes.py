@@ -25,17 +25,21 @@ class PageChanges:
 
     def __init__(self, num_layers: int, rows: int) -> None:
         self._stamp = np.zeros((num_layers, rows), np.int64)
-        # [-1]: the last change, [-2] the one before, ...; each the stamp before it, its pages (page << 3 | format
-        # id, -1 padded; all -1: not recorded) and whether they left the list (else joined the end of its format's)
+        # a ring of DEPTH changes per (layer, row), ``_last`` at the newest: each the stamp before it, its pages
+        # (page << 3 | format id, -1 padded; all -1: not recorded) and whether they left the list (else joined the
+        # end of its format's); a new change overwrites the oldest in place
         self._before = np.zeros((DEPTH, num_layers, rows), np.int64)
         self._pages = np.full((DEPTH, num_layers, rows, CHANGE_MAX), -1, np.int64)
         self._removed = np.zeros((DEPTH, num_layers, rows), bool)
+        self._last = np.zeros((num_layers, rows), np.int64)
+        self._ring = np.arange(1, DEPTH + 1)[:, None]  # (DEPTH as built: a ring's place i + 1 follows place i)
         self._clock = 0
         self._layer_clock = np.zeros(num_layers, np.int64)  # the latest stamp handed out in each layer
 
     def grow_rows(self, rows: int) -> None:
         old = self._stamp.shape[1]
-        self._stamp = np.concatenate([self._stamp, np.zeros((self._stamp.shape[0], rows - old), np.int64)], axis=1)
+        self._stamp, self._last = (np.concatenate([a, np.zeros((a.shape[0], rows - old), np.int64)], axis=1)
+                                   for a in (self._stamp, self._last))
         self._before, self._removed = (np.concatenate([a, np.zeros((*a.shape[:2], rows - old), a.dtype)], axis=2)
                                        for a in (self._before, self._removed))
         self._pages = np.concatenate([self._pages, np.full((*self._pages.shape[:2], rows - old, CHANGE_MAX), -1,
@@ -80,16 +84,16 @@ class PageChanges:
 
     def _record(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray, ok: np.ndarray,
                 removed: bool) -> None:
-        for a in (self._before, self._pages, self._removed):  # each change moves one back, the oldest goes
-            a[:-1, layer, rows] = a[1:, layer, rows]
-        self._before[-1, layer, rows] = self._stamp[layer, rows]
+        at = (self._last[layer, rows] + 1) % len(self._ring)  # (the oldest change's place: the new one takes it)
+        self._last[layer, rows] = at
+        self._before[at, layer, rows] = self._stamp[layer, rows]
         self._stamp_rows(layer, rows)
-        self._pages[-1, layer, rows] = -1
+        self._pages[at, layer, rows] = -1
         if pages.shape[1] > CHANGE_MAX:
             return
         code = np.where(pages >= 0, (pages << _FMT_BITS) | fmt_id, -1)
-        self._pages[-1, layer, rows, :pages.shape[1]] = np.where(ok[:, None], code, -1)
-        self._removed[-1, layer, rows] = removed
+        self._pages[at, layer, rows, :pages.shape[1]] = np.where(ok[:, None], code, -1)
+        self._removed[at, layer, rows] = removed
 
     def layer_clocks(self) -> np.ndarray:
         """``layer_clock`` of every layer (a copy)."""
@@ -114,12 +118,13 @@ class PageChanges:
         to apply in order, each ``(rows mask, format ids, pages [n, CHANGE_MAX] -1 padded in order, removed)``,
         oldest first (each for the rows that read before it or before an older one whose changes since are all
         recorded; a change no row applies is left out)."""
-        code = self._pages[:, layer, rows]
+        ring = (self._last[layer, rows] + self._ring) % len(self._ring)  # [i]: oldest first
+        code = self._pages[ring, layer, rows]
         recorded = code[:, :, 0] >= 0
         since = np.logical_and.accumulate(recorded[::-1], axis=0)[::-1]  # [i]: changes i.. all recorded
-        starts = since & (self._before[:, layer, rows] == seen)  # [i]: the row was read right before change i
+        starts = since & (self._before[ring, layer, rows] == seen)  # [i]: the row was read right before change i
         applies = np.logical_or.accumulate(starts, axis=0)  # [i]: change i follows the row's read
         changes = [(applies[i], np.where(recorded[i], code[i, :, 0] & _FMT_MASK, -1),
-                    np.where(code[i] >= 0, code[i] >> _FMT_BITS, -1), self._removed[i, layer, rows])
+                    np.where(code[i] >= 0, code[i] >> _FMT_BITS, -1), self._removed[ring[i], layer, rows])
                    for i in range(len(code)) if applies[i].any()]  # (none read before the older ones: skipped)
         return applies[-1], changes
