@@ -118,6 +118,19 @@ class PageChanges:
         to apply in order, each ``(rows mask, format ids, pages [n, CHANGE_MAX] -1 padded in order, removed)``,
         oldest first (each for the rows that read before it or before an older one whose changes since are all
         recorded; a change no row applies is left out)."""
+        last = self._last[layer, rows]
+        code = self._pages[last, layer, rows]
+        if (code[:, 0] >= 0).all() and (self._before[last, layer, rows] == seen).all():
+            # (a page boundary: every row read right before its last change, which is recorded; stamps only grow,
+            # so no older change follows a read; that change alone, without gathering the ring)
+            return np.ones(len(rows), bool), [(np.ones(len(rows), bool), code[:, 0] & _FMT_MASK,
+                                               np.where(code >= 0, code >> _FMT_BITS, -1),
+                                               self._removed[last, layer, rows])]
+        return self.since_in_ring(layer, rows, seen)
+
+    def since_in_ring(self, layer: int | np.ndarray, rows: np.ndarray, seen: np.ndarray
+                      ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]]:
+        """``since`` read from every change the ring keeps (its general case)."""
         ring = (self._last[layer, rows] + self._ring) % len(self._ring)  # [i]: oldest first
         code = self._pages[ring, layer, rows]
         recorded = code[:, :, 0] >= 0
