@@ -3,7 +3,7 @@
 Every (layer, table row) has a stamp that moves whenever its page lists change; a batch's block tables
 (``cache/reads.py``) remember the stamp of each row they last read and rewrite a row from its table's Python lists
 when it moved. At 32 layers × 256 requests a page boundary or an eviction event changes 8,192 lists at once, and
-rewriting each from Python is the cost. So the last two changes of a row are also recorded when they are ones a
+rewriting each from Python is the cost. So the last ``DEPTH`` changes of a row are also recorded when they are ones a
 block table can apply in place: up to ``CHANGE_MAX`` pages of one format that joined the end of its list (a page
 boundary, a flush's group) or that left it (pages an eviction emptied, or a compaction cut), each with the stamp
 before it. A block table that read the row at one of those stamps applies what followed by array operations (an
@@ -32,7 +32,6 @@ class PageChanges:
         self._pages = np.full((DEPTH, num_layers, rows, CHANGE_MAX), -1, np.int64)
         self._removed = np.zeros((DEPTH, num_layers, rows), bool)
         self._last = np.zeros((num_layers, rows), np.int64)
-        self._ring = np.arange(1, DEPTH + 1)[:, None]  # (DEPTH as built: a ring's place i + 1 follows place i)
         self._clock = 0
         self._layer_clock = np.zeros(num_layers, np.int64)  # the latest stamp handed out in each layer
 
@@ -84,7 +83,7 @@ class PageChanges:
 
     def _record(self, layer: int, rows: np.ndarray, fmt_id: int, pages: np.ndarray, ok: np.ndarray,
                 removed: bool) -> None:
-        at = (self._last[layer, rows] + 1) % len(self._ring)  # (the oldest change's place: the new one takes it)
+        at = (self._last[layer, rows] + 1) % len(self._before)  # (the oldest change's place: the new one takes it)
         self._last[layer, rows] = at
         self._before[at, layer, rows] = self._stamp[layer, rows]
         self._stamp_rows(layer, rows)
@@ -123,21 +122,28 @@ class PageChanges:
         if (code[:, 0] >= 0).all() and (self._before[last, layer, rows] == seen).all():
             # (a page boundary: every row read right before its last change, which is recorded; stamps only grow,
             # so no older change follows a read; that change alone, without gathering the ring)
-            return np.ones(len(rows), bool), [(np.ones(len(rows), bool), code[:, 0] & _FMT_MASK,
-                                               np.where(code >= 0, code >> _FMT_BITS, -1),
-                                               self._removed[last, layer, rows])]
+            every = np.ones(len(rows), bool)
+            return every, [_change(every, code, self._removed[last, layer, rows])]
         return self.since_in_ring(layer, rows, seen)
 
     def since_in_ring(self, layer: int | np.ndarray, rows: np.ndarray, seen: np.ndarray
                       ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]]:
         """``since`` read from every change the ring keeps (its general case)."""
-        ring = (self._last[layer, rows] + self._ring) % len(self._ring)  # [i]: oldest first
+        depth = len(self._before)
+        ring = (self._last[layer, rows] + np.arange(1, depth + 1)[:, None]) % depth  # [i]: oldest first
         code = self._pages[ring, layer, rows]
         recorded = code[:, :, 0] >= 0
         since = np.logical_and.accumulate(recorded[::-1], axis=0)[::-1]  # [i]: changes i.. all recorded
         starts = since & (self._before[ring, layer, rows] == seen)  # [i]: the row was read right before change i
         applies = np.logical_or.accumulate(starts, axis=0)  # [i]: change i follows the row's read
-        changes = [(applies[i], np.where(recorded[i], code[i, :, 0] & _FMT_MASK, -1),
-                    np.where(code[i] >= 0, code[i] >> _FMT_BITS, -1), self._removed[ring[i], layer, rows])
+        changes = [_change(applies[i], code[i], self._removed[ring[i], layer, rows])
                    for i in range(len(code)) if applies[i].any()]  # (none read before the older ones: skipped)
         return applies[-1], changes
+
+
+def _change(applies: np.ndarray, code: np.ndarray, removed: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One recorded change of each row as ``since`` lists it, from its codes ``[n, CHANGE_MAX]``: ``(rows mask, format
+    ids (-1: not recorded), pages -1 padded, removed)``."""
+    return (applies, np.where(code[:, 0] >= 0, code[:, 0] & _FMT_MASK, -1), np.where(code >= 0, code >> _FMT_BITS, -1),
+            removed)
