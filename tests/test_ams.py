@@ -498,18 +498,19 @@ def test_batched_events_select_what_one_by_one_does(ams, monkeypatch, params):
 
     def run(batched: bool):
         if batched:
-            orig = AMSPolicy._select_rows
+            orig = AMSPolicy._evidence_rows
 
             def spy(self, layer, reqs, pos, H, queries):
                 together.append(len(reqs))
                 return orig(self, layer, reqs, pos, H, queries)
-            monkeypatch.setattr(AMSPolicy, "_select_rows", spy)
-        else:  # request by request, each layer through select_layer
+            monkeypatch.setattr(AMSPolicy, "_evidence_rows", spy)
+        else:  # request by request, each layer through select_layer (its keep mask standing in for the evidence)
             monkeypatch.setattr(AMSPolicy, "on_decode_step_end_batch", KVPolicy.on_decode_step_end_batch)
-            monkeypatch.setattr(AMSPolicy, "_select_rows", lambda self, layer, reqs, pos, H, queries: np.stack([
+            monkeypatch.setattr(AMSPolicy, "_evidence_rows", lambda self, layer, reqs, pos, H, queries: (np.stack([
                 np.isin(np.arange(len(p)), self.select_layer(r, layer, p, np.empty(0, np.int64),
                                                              r.state.queries.of(layer), H))
-                for r, p in zip(reqs, pos)]))
+                for r, p in zip(reqs, pos)]), None))
+            monkeypatch.setattr(AMSPolicy, "_keep_rows", lambda self, scored: [s[3] for s in scored])
         with Probe(eng, record_sets=True) as probe:
             res = eng.generate(BATCH_PROMPTS, BATCH_PARAMS)
         monkeypatch.undo()

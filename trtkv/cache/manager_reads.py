@@ -111,12 +111,17 @@ class CacheReads:
         """``gather_kv`` of several requests in one read per format (``trtkv/cache/reads.py``)."""
         return reads.gather_kv_many(self.pools, self.columns, layer, items, keys_only)
 
+    def gather_kv_flat(self, layer: int, seqs: list[SeqKV], positions: np.ndarray, counts: np.ndarray,
+                       keys_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The dequantized keys and values of paged positions, ``counts[i]`` of ``positions`` of ``seqs[i]``,
+        concatenated ``[sum counts, H, D]`` each (values None with ``keys_only``)."""
+        rows = np.repeat(np.fromiter((s.row for s in seqs), np.int64, len(seqs)), counts)
+        return reads.gather_kv_rows(self.pools, self.columns, layer, rows, positions, keys_only)
+
     def gather_keys_flat(self, layer: int, seqs: list[SeqKV], positions: np.ndarray, counts: np.ndarray
                          ) -> torch.Tensor:
-        """The dequantized keys of paged positions, ``counts[i]`` of ``positions`` of ``seqs[i]``, concatenated
-        ``[sum counts, H, D]``."""
-        rows = np.repeat(np.fromiter((s.row for s in seqs), np.int64, len(seqs)), counts)
-        return reads.gather_kv_rows(self.pools, self.columns, layer, rows, positions, keys_only=True)[0]
+        """``gather_kv_flat``'s keys alone."""
+        return self.gather_kv_flat(layer, seqs, positions, counts, keys_only=True)[0]
 
     def block_tables(self, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""

@@ -77,6 +77,7 @@ PRESETS = {
     "code": dict(delta=0.02, l_min=32, l_max=1024, q_min=8, lam=0.8, beta=0.7, window=32),
 }
 SCORER_ALIASES = {"expected": "expected_attention"}
+KEEP_CHUNK = 1024  # rows (request × layer) an event's selection takes per call
 
 
 # --- evidence -------------------------------------------------------------------------------------------
@@ -86,14 +87,20 @@ def window_rows(queries: torch.Tensor, q_pos: np.ndarray, keys: torch.Tensor, po
     mask ``pos[j] <= q_pos[w]`` (what the decode kernel computed at those steps when nothing was evicted since).
     Leading dims: several requests' layers at once (``q_pos [..., w]``, ``pos [..., T]``)."""
     *lead, w, Hq, D = queries.shape
-    H = keys.shape[-2]
-    qf = queries.float().view(*lead, w, H, Hq // H, D)
-    logits = torch.einsum("...whgd,...thd->...whgt", qf, keys.float().to(qf.device)).mul_(sm_scale)  # (fresh: in place)
-    pos_t = torch.as_tensor(pos, device=qf.device)
-    qp = torch.as_tensor(np.asarray(q_pos), device=qf.device)
-    masked = pos_t[..., None, :] > qp[..., :, None]  # [..., w, T]
-    logits.masked_fill_(masked[..., :, None, None, :], -math.inf)
-    return torch.softmax(logits, -1).reshape(*lead, w, Hq, -1)
+    T, H = keys.shape[-3:-1]
+    g = Hq // H
+    # one matmul per (request, KV head): [w * g, D] @ [D, T] (einsum's own layout is ~2x slower here)
+    qh = queries.float().view(*lead, w, H, g, D).movedim(-3, -4).reshape(*lead, H, w * g, D)
+    kt = keys.float().to(qh.device).movedim(-3, -1)  # [..., H, D, T]
+    logits = torch.matmul(qh, kt).view(*lead, H, w, g, T).movedim(-4, -3).contiguous().mul_(sm_scale)
+    pos = np.asarray(pos)
+    q_pos = np.asarray(q_pos)
+    late = (pos > q_pos.min(-1, keepdims=True)).reshape(-1, T).any(0)  # the columns a causal mask can reach
+    if late.any():
+        c0 = int(late.argmax())
+        masked = torch.as_tensor(pos[..., None, c0:] > q_pos[..., :, None], device=qh.device)  # [..., w, T - c0]
+        logits[..., c0:].masked_fill_(masked[..., :, None, None, :], -math.inf)
+    return torch.softmax(logits, -1).reshape(*lead, w, Hq, T)
 
 
 def usage(rows: torch.Tensor, num_kv_heads: int, k_pool: int, pad_mode: str = "max") -> torch.Tensor:
@@ -258,32 +265,38 @@ class AMSPolicy(KVPolicy):
 
     # --- events -------------------------------------------------------------------------------
     def _events(self, reqs: list) -> None:
-        """One event of each of ``reqs`` (requests of one batch), layer by layer. Requests holding the same
-        number of tokens, all paged, with the same number of buffered queries are selected together (one
-        evidence and mass computation for all of them); each layer's evictions go to the cache in one call."""
+        """One event of each of ``reqs`` (requests of one batch). Requests holding the same number of tokens, all
+        paged, with the same number of buffered queries are scored together (one evidence and mass computation
+        for all of them, layer by layer); the keep sets of every layer's groups are then selected in one call per
+        token count, and each layer's evictions go to the cache in one call (a layer's selection reads that
+        layer's state alone, so selecting every layer before evicting any changes nothing)."""
         H = reqs[0].num_kv_heads
         acted = np.zeros(len(reqs), bool)
         window = EventQueries([req.state.queries for req in reqs])
+        victims: list[dict[int, np.ndarray]] = [{} for _ in range(reqs[0].num_layers)]
+        scored = []  # (layer, request indices, positions [k, T], m_used [k, T], scores [k, T])
         for layer in range(reqs[0].num_layers):
             T = reqs[0].num_live_many(layer, reqs)
             paged = reqs[0].num_paged_many(layer, reqs)
             counts = window.counts(layer)
             groups: dict[tuple[int, int], list[int]] = {}
-            victims = {}
             for i in np.flatnonzero(T > self.budget).tolist():
                 n_rec = min(int(counts[i]), max(self._w_eff(int(T[i])), KVPRESS_WINDOW))
                 if paged[i] == T[i] and n_rec:
                     groups.setdefault((int(T[i]), n_rec), []).append(i)
                 else:  # residual-buffer tokens (never evicted) or no evidence: alone
-                    victims[i] = self._lone_victims(reqs[i], layer, H)
+                    victims[layer][i] = self._lone_victims(reqs[i], layer, H)
             for (n, m), idx in groups.items():
                 pos = reqs[0].live_positions_each(layer, reqs, np.asarray(idx), n)
-                keeps = self._select_rows(layer, [reqs[i] for i in idx], pos, H, window.last(layer, idx, m))
-                for i, p, keep in zip(idx, pos, keeps):
-                    victims[i] = p[~keep]
-            if victims:
-                order = sorted(victims)
-                reqs[0].evict_many(layer, [(reqs[i], victims[i]) for i in order])
+                scored.append((layer, idx, pos,
+                               *self._evidence_rows(layer, [reqs[i] for i in idx], pos, H, window.last(layer, idx, m))))
+        for (layer, idx, pos, _, _), keeps in zip(scored, self._keep_rows(scored)):
+            for i, p, keep in zip(idx, pos, keeps):
+                victims[layer][i] = p[~keep]
+        for layer, chosen in enumerate(victims):
+            if chosen:
+                order = sorted(chosen)
+                reqs[0].evict_many(layer, [(reqs[i], chosen[i]) for i in order])
                 acted[order] = True
         for req, a in zip(reqs, acted.tolist()):
             if a:
@@ -301,11 +314,11 @@ class AMSPolicy(KVPolicy):
     def _w_eff(self, T: int) -> int:
         return max(1, min(self.window, self.n_buf - 1, T - 1, self.budget))
 
-    def _select_rows(self, layer: int, reqs: list, pos: np.ndarray, H: int,
-                     queries: tuple[torch.Tensor, np.ndarray]) -> np.ndarray:
-        """``select_layer`` of requests whose tokens in ``layer`` are all paged at ``pos [k, T]``, with their last
-        queries ``(q [k, m, Hq, D], positions [k, m])``: evidence, masses and the selection for all of them at once
-        (``ams_keep_rows``). Returns the keep mask ``[k, T]``."""
+    def _evidence_rows(self, layer: int, reqs: list, pos: np.ndarray, H: int,
+                       queries: tuple[torch.Tensor, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """``select_layer``'s evidence of requests whose tokens in ``layer`` are all paged at ``pos [k, T]``, with
+        their last queries ``(q [k, m, Hq, D], positions [k, m])``: ``(m_used, scorer scores)``, ``[k, T]`` each,
+        for all of them at once (updates their credit and window shares)."""
         T = pos.shape[1]
         keys, values = reqs[0].kv_rows(layer, reqs, pos)
         w_eff, rows_all = self.window_evidence(reqs, layer, pos, keys, queries)
@@ -314,13 +327,29 @@ class AMSPolicy(KVPolicy):
         if g_rows is None:  # a scorer without a batch form: request by request
             g_rows = torch.stack([self._score_one(req, layer, pos[j], rows_all[j], keys[j], values[j],
                                                   (queries[0][j], queries[1][j])) for j, req in enumerate(reqs)])
-        keep = ams_keep_rows(m_used, g_rows.cpu().numpy(), self.budget, delta=self.delta, l_min=self.l_min,
-                             l_max=self.l_max, q_min=self.q_min, n_sink=self.n_sink, n_last=self.n_last,
-                             mode=self.mode, ablation=self.ablation)
         share = m_used[:, T - w_eff:].sum(1) / np.maximum(m_used.sum(1), 1e-30)
         for req, w in zip(reqs, share.tolist()):
             req.state.window_mass.append(w)
-        return keep
+        return m_used, g_rows.cpu().numpy()
+
+    def _keep_rows(self, scored: list) -> list[np.ndarray]:
+        """The keep masks ``[k, T]`` of ``_events``' scored groups: one ``ams_keep_rows`` for all the groups
+        (of every layer) with the same token count."""
+        by_T: dict[int, list[int]] = {}
+        for j, (_, _, pos, _, _) in enumerate(scored):
+            by_T.setdefault(pos.shape[1], []).append(j)
+        keeps: list[np.ndarray] = [np.empty(0)] * len(scored)
+        for js in by_T.values():
+            mu, g = (np.concatenate([scored[j][i] for j in js]) for i in (3, 4))
+            # (in chunks: past ~1,000 rows the temporaries' first touch costs more than the calls it saves)
+            keep = np.concatenate([ams_keep_rows(mu[a:a + KEEP_CHUNK], g[a:a + KEEP_CHUNK], self.budget,
+                                                 delta=self.delta, l_min=self.l_min, l_max=self.l_max,
+                                                 q_min=self.q_min, n_sink=self.n_sink, n_last=self.n_last,
+                                                 mode=self.mode, ablation=self.ablation)
+                                   for a in range(0, len(mu), KEEP_CHUNK)])
+            for j, part in zip(js, np.split(keep, np.cumsum([len(scored[j][1]) for j in js])[:-1])):
+                keeps[j] = part
+        return keeps
 
     def _score_one(self, req, layer: int, pos: np.ndarray, rows: torch.Tensor, keys: torch.Tensor,
                    values: torch.Tensor, queries: tuple[torch.Tensor, np.ndarray]) -> torch.Tensor:

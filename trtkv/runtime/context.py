@@ -96,11 +96,9 @@ class RequestContext:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv`` of paged ``positions[i]`` of ``reqs[i]`` (requests of this one's batch, ``[k, n]``) in one read:
         ``k, v [k, n, H, D]``."""
-        seqs = self._seqs(reqs)
         k_n = positions.shape
-        read = self._cache.gather_kv_many(layer, list(zip(seqs, positions)))
-        k = torch.cat([a for a, _ in read]).view(*k_n, *read[0][0].shape[1:])
-        v = torch.cat([b for _, b in read]).view(k.shape)
+        k, v = self._cache.gather_kv_flat(layer, self._seqs(reqs), positions.reshape(-1), np.full(k_n[0], k_n[1]))
+        k, v = k.view(*k_n, *k.shape[1:]), v.view(*k_n, *v.shape[1:])
         if self._shards is None:
             return k, v
         kv = self._shards.gather(torch.stack([k, v]), 3)  # one collective for both
