@@ -485,9 +485,13 @@ class BlockTable:
         self._flat = self._single_bt = None
         return self._row, (held[-1] if held else -1), drop
 
-    def forget_reusable(self) -> None:
-        """No slot of any class is reusable any more (a compaction gathered every class's tokens)."""
-        self._cols.reuse.clear(self.layer, self._row)
+    @staticmethod
+    def forget_reusable_each(tables: list[BlockTable]) -> None:
+        """No slot of any class of these tables (of one layer) is reusable any more (a compaction gathered every
+        class's tokens)."""
+        if tables:
+            cols, layer = tables[0]._cols, tables[0].layer  # noqa: SLF001 (tables of one cache and layer)
+            cols.reuse.clear(layer, np.fromiter((t._row for t in tables), np.int64, len(tables)))  # noqa: SLF001
 
     def _pages_changed(self) -> None:
         self._flat = self._single_bt = None

@@ -35,6 +35,6 @@ def compact_many(pools: dict[str, PagePool], refs: PageRefs, seqs: list[SeqKV], 
         moved += n
         BlockTable.compacted_each(pools[fmt], fmt, [(table, cls) for table, cls, _ in mine], pos, dst_pages,
                                   dst_slots, counts)
-    for seq in seqs:  # (a class left without pages may still list slots of the pages it gave back)
-        seq.layers[layer].forget_reusable()
+    # (a class left without pages may still list slots of the pages it gave back)
+    BlockTable.forget_reusable_each([seq.layers[layer] for seq in seqs])
     return moved
