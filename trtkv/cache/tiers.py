@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from plugins.formats import get_format
+from trtkv.cache.block_table import BlockTable
 from trtkv.cache.index_ops import split_counts
 from trtkv.cache.pool_set import PoolSet
 from trtkv.cache.sequence import SeqKV
@@ -209,10 +210,13 @@ class TierStore:
                                    layer, moving)
             self.host.evict_many(layer, [(records[j].host, p) for j, p in zip(movers, moving)], counted=False)
             done = [len(p) for p in moving]
+            hosts = [records[j].host for j in movers]
         else:  # T0 -> T1: copied verbatim, the device slots freed (a move, not an eviction)
             hosts = [self.record(seqs[j]).host for j in movers]
             moved = _raw_copy_many(self.dev, [seqs[j] for j in movers], self.host, hosts, layer, moving)
             done = self.dev.evict_many(layer, [(seqs[j], p) for j, p in zip(movers, moving)], counted=False)
+        # the host tables take their new and leaving pages now, in one pass (staging_bytes reads their lists)
+        BlockTable.catch_up_each([h.layers[layer] for h in hosts])
         seconds = (time.perf_counter() - t0) / max(1, sum(map(len, moving)))
         for j, p, nbytes, n in zip(movers, moving, moved, done):
             self._moved(self.seqs[seqs[j].seq_id], layer, nbytes, seconds * len(p))
