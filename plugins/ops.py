@@ -21,7 +21,7 @@ from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_groups_ref, kv_write_ref
 from plugins.lowest_victim.reference import lowest_victim_ref
 from plugins.table_victims.reference import table_victims_ref
-from plugins.scatter_add_rows.reference import scatter_add_rows_ref
+from plugins.scatter_add_rows.reference import fold_add_rows_ref, scatter_add_rows_ref
 from plugins.gather_keys.reference import gather_keys_ref
 from plugins.gather_rows.reference import gather_rows_ref
 from plugins.mri_track.reference import mri_track_ref
@@ -47,6 +47,8 @@ SCHEMAS = {
     "lowest_victim": "(Tensor scores, Tensor positions, Tensor blocked) -> Tensor",
     "table_victims": "(Tensor data, Tensor rows, Tensor positions, Tensor bound, int layer0) -> Tensor",
     "scatter_add_rows": "(Tensor(a!) data, Tensor rows, Tensor positions, Tensor values, int layer0) -> ()",
+    "fold_add_rows": "(Tensor(a!) data, Tensor rows, Tensor[] positions, Tensor[] values, Tensor divisor, int layer) "
+                     "-> ()",
     "head_sums": "(Tensor logits, Tensor lse) -> Tensor",
     "table_positions": "(Tensor slot_pos, Tensor block_table) -> (Tensor, Tensor)",
     "table_positions_layers": "(Tensor slot_pos, Tensor[] block_tables) -> (Tensor, Tensor)",
@@ -257,6 +259,19 @@ def scatter_add_rows(data: torch.Tensor, rows: torch.Tensor, positions: torch.Te
     scatter_add_rows_ref(data, rows, positions, values, layer0)
 
 
+def fold_add_rows(data: torch.Tensor, rows: torch.Tensor, positions: list[torch.Tensor], values: list[torch.Tensor],
+                  divisor: torch.Tensor, layer: int) -> None:
+    """Add every layer's values of a batch, divided per request, into one layer of a score table in place, layer by
+    layer (see scatter_add_rows/reference.py): the compiled CPU kernel for a float32 or float64 table on CPU, else
+    the reference."""
+    if data.dtype in (torch.float32, torch.float64) and data.is_contiguous() and use_cpu_kernels(data):
+        from plugins.cpu_kernels.ops import fold_add_rows_cpu
+
+        fold_add_rows_cpu(data, rows, positions, values, divisor, layer)
+        return
+    fold_add_rows_ref(data, rows, positions, values, divisor, layer)
+
+
 def gather_keys(slot_fields, group_fields, k_group: torch.Tensor, flat: torch.Tensor, fmt_code: int,
                 scale_k: float) -> torch.Tensor:
     """``[m, H, D]`` fp32 keys of one pool's slots ``flat`` (page * B + slot), dequantized (see
@@ -385,14 +400,15 @@ def _kmeans_fake(keys, counts, k_keep, iters):
 
 _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "paged_attention": paged_attention,
                    "kmeans_select": kmeans_select, "lowest_victim": lowest_victim, "table_victims": table_victims,
-                   "scatter_add_rows": scatter_add_rows, "mri_track": mri_track, "head_sums": head_sums,
+                   "scatter_add_rows": scatter_add_rows, "fold_add_rows": fold_add_rows, "mri_track": mri_track,
+                   "head_sums": head_sums,
                    "table_positions": table_positions, "table_positions_layers": table_positions_layers,
                    "held_columns": held_columns,
                    "gather_rows": gather_rows, "gather_keys": gather_keys,
                    "buffer_attention": buffer_attention,
                    "residual_append": residual_append, "int8_linear": int8_linear, "int4_linear": _int4_linear_op}
 _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None, "residual_append": lambda *a: None,
-                 "scatter_add_rows": lambda *a: None, "mri_track": lambda *a: None,
+                 "scatter_add_rows": lambda *a: None, "fold_add_rows": lambda *a: None, "mri_track": lambda *a: None,
                  "buffer_attention": lambda *a: None, "paged_attention": _paged_attention_meta,
                  "int8_linear": _int8_linear_meta, "int4_linear": _int4_linear_meta,
                  "lowest_victim": lambda scores, positions, blocked: positions.new_empty(positions.shape[:1]),

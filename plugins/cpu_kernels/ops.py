@@ -51,6 +51,11 @@ def scatter_add_rows_cpu(data, rows, positions, values, layer0) -> None:
     cpu_kernels().scatter_add_rows(data, rows, positions, values, int(layer0))
 
 
+def fold_add_rows_cpu(data, rows, positions, values, divisor, layer) -> None:
+    """Same contract as ``fold_add_rows_ref``: adds into ``data`` in place."""
+    cpu_kernels().fold_add_rows(data, rows, list(positions), list(values), divisor, int(layer))
+
+
 def gather_keys_cpu(slot_fields, group_fields, k_group, flat, fmt_code, scale_k):
     """Same contract as ``gather_keys_ref``: ``[m, H, D]`` fp32 keys of the pool's slots ``flat``."""
     return cpu_kernels().gather_keys(list(slot_fields), list(group_fields), k_group, flat, int(fmt_code),

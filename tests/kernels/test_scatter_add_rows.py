@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import plugins.ops as plugin_ops
-from plugins.cpu_kernels.ops import scatter_add_rows_cpu
-from plugins.scatter_add_rows.reference import scatter_add_rows_ref
+from plugins.cpu_kernels.ops import fold_add_rows_cpu, scatter_add_rows_cpu
+from plugins.scatter_add_rows.reference import fold_add_rows_ref, scatter_add_rows_ref
 from cpu_marks import needs_kernels
 
 
@@ -70,3 +70,59 @@ def test_entry_point_runs_the_reference_for_other_tables():
     scatter_add_rows_ref(want, rows, positions, values, 0)
     plugin_ops.scatter_add_rows(data, rows, positions, values, 0)
     assert torch.equal(data, want)
+
+
+def test_fold_reference_adds_layer_by_layer():
+    """Every layer's quotients into one layer, in layer order: what one add_rows call a layer adds."""
+    data, rows, positions, values = drawn(2, 5, 9, 3, 3, 4, seed=3, table=torch.float64)
+    positions[:, :, 0] = 2  # a position every layer holds: summed in layer order
+    divisor = torch.tensor([1.0, 3.0, 7.0], dtype=torch.float64)
+    want = data.clone()
+    for li in range(3):
+        scatter_add_rows_ref(want, rows, positions[li:li + 1], (values[li].double() / divisor[:, None])[None], 1)
+    got = data.clone()
+    fold_add_rows_ref(got, rows, list(positions), list(values), divisor, 1)
+    assert torch.equal(got, want)
+
+
+def fold_batch(L: int, b: int, n: int, seed: int, dtype, table):
+    """``drawn``'s batch as one ``[b, n_l]`` array a layer, the layers of different widths, one position held by
+    every layer of each row (the adds that order decides)."""
+    data, rows, positions, values = drawn(2, b + 3, n + 40, L, b, n, seed=seed, dtype=dtype, table=table)
+    positions[:, :, :1] = positions[:1, :, :1]
+    widths = [max(1, n - li % 3) for li in range(L)]
+    return data, rows, [positions[li, :, :w] for li, w in enumerate(widths)], \
+        [values[li, :, :w] for li, w in enumerate(widths)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 5, 7), (32, 256, 64)])
+@pytest.mark.parametrize("dtype,table", [(torch.float32, torch.float64), (torch.float32, torch.float32),
+                                         (torch.bfloat16, torch.float64), (torch.float64, torch.float64)])
+def test_fold_kernel_matches_the_reference(shape, dtype, table):
+    L, b, n = shape
+    data, rows, positions, values = fold_batch(L, b, n, L + b + n, dtype, table)
+    divisor = torch.arange(1, b + 1, dtype=torch.float64) * 3
+    want = data.clone()
+    fold_add_rows_ref(want, rows, positions, values, divisor, 1)
+    got = data.clone()
+    fold_add_rows_cpu(got, rows, positions, values, divisor, 1)
+    assert torch.equal(got, want)
+    via_op = data.clone()
+    torch.ops.trtkv.fold_add_rows(via_op, rows, positions, values, divisor, 1)
+    assert torch.equal(via_op, want)
+    if L == 32 and table == torch.float32:  # (order matters: the layers added backwards leave another table)
+        backwards = data.clone()
+        fold_add_rows_cpu(backwards, rows, positions[::-1], values[::-1], divisor, 1)
+        assert not torch.equal(backwards, want)
+
+
+@needs_kernels
+def test_fold_bad_position_or_layer_is_one_error():
+    data, rows, positions, values = fold_batch(2, 3, 4, 0, torch.float32, torch.float32)
+    divisor = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="layer out of the table"):
+        fold_add_rows_cpu(data, rows, positions, values, divisor, 2)
+    positions[1][2, 0] = data.shape[2]
+    with pytest.raises(RuntimeError, match="past the table's width"):
+        fold_add_rows_cpu(data, rows, positions, values, divisor, 0)

@@ -90,6 +90,19 @@ class RowTable:
         a bound on the positions, when the caller knows one (saves a pass over them)."""
         self._scatter_add(rows, positions, values, 0, top)
 
+    def add_rows_folded(self, layer: int, rows: np.ndarray, positions: list[np.ndarray], values: list[torch.Tensor],
+                        divisor: np.ndarray) -> None:
+        """``values[l] [b, n_l] / divisor [b]`` added at ``positions[l] [b, n_l]`` (-1: skip) of ``rows [b]``, every
+        ``l`` into ``layer``, in order (``fold_add_rows``: what a call of ``add_rows`` with the quotients a layer adds,
+        rounding included)."""
+        top = max((int(p.max(initial=-1)) for p in positions), default=-1)
+        if top < 0:
+            return
+        self.ensure(top)
+        plugin_ops.fold_add_rows(self.data, torch.from_numpy(np.ascontiguousarray(rows, np.int64)),
+                                 [torch.from_numpy(np.ascontiguousarray(p, np.int64)) for p in positions], values,
+                                 torch.from_numpy(np.ascontiguousarray(divisor, np.float64)), layer)
+
     def _scatter_add(self, rows: np.ndarray, positions: np.ndarray, values: torch.Tensor, layer0: int,
                      top: int | None = None) -> None:
         """``values [L, b, n]`` added at ``positions [L, b, n]`` (-1: skip) of ``rows [b]`` in layers

@@ -158,21 +158,20 @@ class TieredPolicy(KVPolicy):
 
     def _accumulate_batch(self, reqs: list[PolicyRequest], batch: dict, rows: np.ndarray) -> None:
         """``_accumulate`` of every request of a decode step whose statistics came in batch form (``rows[i]``:
-        ``reqs[i]``'s row of them): the same sums, added layer by layer for the whole batch."""
-        layers = []  # (positions, column sums, whether the layer counts for the row)
-        for _, pos, sums, counts in batch_rows_of(batch, rows):
-            col = sums.float().cpu()
-            # a row's sum is finite iff all its weights are (each is at most Hq: no overflow); one pass, not three
-            layers.append((pos, col, torch.isfinite(col.sum(1)).numpy() & (counts > 0)))
-        counted = np.sum([live for _, _, live in layers], axis=0) if layers else np.zeros(len(reqs), np.int64)
+        ``reqs[i]``'s row of them): the same sums, added layer by layer for the whole batch in one
+        ``fold_add_rows``."""
+        layers = batch_rows_of(batch, rows)
+        cols = [sums.float().cpu() for _, _, sums, _ in layers]
+        # a row's sum is finite iff all its weights are (each is at most Hq: no overflow); one pass, not three
+        live = [torch.isfinite(col.sum(1)).numpy() & (counts > 0) for col, (*_, counts) in zip(cols, layers)]
+        counted = np.sum(live, axis=0) if layers else np.zeros(len(reqs), np.int64)
         for i in np.flatnonzero(counted == 0).tolist():
             reqs[i].state.skipped_steps += 1
-        denom = torch.from_numpy(np.maximum(counted, 1) * reqs[0].num_q_heads).double()[:, None]
+        # (a layer that does not count for a row adds nothing to it: its columns are skipped)
+        pos = [p if ok.all() else np.where(ok[:, None], p, -1) for (_, p, _, _), ok in zip(layers, live)]
         table_rows = np.fromiter((r.state.score.row for r in reqs), np.int64, len(reqs))
-        for pos, col, live in layers:  # (add_rows skips the -1 columns)
-            if live.any():  # (fp32 / fp64 divides in fp64: the one-by-one path's col.double() / denom)
-                self._scores.add_rows(0, table_rows, pos if live.all() else np.where(live[:, None], pos, -1),
-                                      torch.div(col, denom))
+        # (fp32 / fp64 divides in fp64: the one-by-one path's col.double() / denom)
+        self._scores.add_rows_folded(0, table_rows, pos, cols, np.maximum(counted, 1) * reqs[0].num_q_heads)
 
     def _event(self, req: PolicyRequest, t: int) -> None:
         moves = self._decide(req, t)

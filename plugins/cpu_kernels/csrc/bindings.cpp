@@ -16,6 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the lowest-scored unprotected position of each row, its scores read from a score table (CPU)");
   m.def("scatter_add_rows", &trtkv::scatter_add_rows_cpu,
         "a batch's per-position evidence added into a score table in every layer, in place (CPU)");
+  m.def("fold_add_rows", &trtkv::fold_add_rows_cpu,
+        "every layer's per-position evidence of a batch, divided per request, added into one layer of a score "
+        "table in layer order, in place (CPU)");
   m.def("gather_keys", &trtkv::gather_keys_cpu, "the asked slots' keys of one pool, dequantized to fp32 (CPU)");
   m.def("gather_rows", &trtkv::gather_rows_cpu,
         "a batch's per-position values read from a score table in every layer (CPU)");

@@ -25,6 +25,8 @@ void buffer_attention_merge_cpu(const at::Tensor& q, const at::Tensor& arena_k, 
                                 at::Tensor& out, at::Tensor& lse);
 void scatter_add_rows_cpu(at::Tensor& data, const at::Tensor& rows, const at::Tensor& positions,
                           const at::Tensor& values, int64_t layer0);
+void fold_add_rows_cpu(at::Tensor& data, const at::Tensor& rows, const std::vector<at::Tensor>& positions,
+                       const std::vector<at::Tensor>& values, const at::Tensor& divisor, int64_t layer);
 void mri_track_cpu(at::Tensor& ts, at::Tensor& mri, int64_t layer, const at::Tensor& rows, const at::Tensor& positions,
                    const std::vector<at::Tensor>& values, double divisor, double alpha, const at::Tensor& prompt,
                    const at::Tensor& step);

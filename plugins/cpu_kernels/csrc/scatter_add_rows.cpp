@@ -5,10 +5,14 @@
 // temporaries of the indices); here each (layer, request) row is one pass that adds its values at its positions.
 // Positions are distinct within a row and rows are distinct, so rows run in parallel without conflicts, and
 // each entry is the same single add, in the table's dtype (float32 or float64), as the reference's.
+// fold_add_rows adds every layer's values into one layer: requests run in parallel, each one's layers in order, so
+// a position several layers hold sums in the reference's order.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include "score_table.h"
 
@@ -36,7 +40,82 @@ void add_rows(T* d, const T* v, const TableBatch& t, int64_t layer0, std::atomic
   });
 }
 
+template <typename T, typename V>
+void fold_rows(T* d, const std::vector<const V*>& v, const T* div, const int64_t* r,
+               const std::vector<const int64_t*>& p, const std::vector<int64_t>& n, int64_t b, int64_t row0,
+               int64_t cap, std::atomic<bool>& bad) {
+  int64_t entries = 0;
+  for (const int64_t w : n) entries += w;
+  constexpr int64_t SERIAL_WORK = 1 << 16;  // entries below which no thread is woken
+  const int64_t grain = entries > 0 ? std::max<int64_t>(1, SERIAL_WORK / entries) : b;
+  at::parallel_for(0, b, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      T* row = d + (row0 + r[i]) * cap;
+      for (size_t l = 0; l < n.size(); ++l) {
+        const int64_t* pr = p[l] + i * n[l];
+        const V* vr = v[l] + i * n[l];
+        for (int64_t j = 0; j < n[l]; ++j) {
+          const int64_t pos = pr[j];
+          if (pos < 0) continue;
+          if (pos >= cap) {
+            bad.store(true, std::memory_order_relaxed);
+            continue;
+          }
+          row[pos] += static_cast<T>(vr[j]) / div[i];
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
+
+void fold_add_rows_cpu(at::Tensor& data, const at::Tensor& rows_in, const std::vector<at::Tensor>& positions_in,
+                       const std::vector<at::Tensor>& values_in, const at::Tensor& divisor_in, int64_t layer) {
+  TORCH_CHECK(data.dim() == 3 && (data.scalar_type() == at::kFloat || data.scalar_type() == at::kDouble) &&
+                  data.is_contiguous(),
+              "fold_add_rows: data must be a contiguous float32 or float64 [layers, rows, cap]");
+  const int64_t b = rows_in.size(0);
+  TORCH_CHECK(rows_in.dim() == 1 && divisor_in.dim() == 1 && divisor_in.size(0) == b,
+              "fold_add_rows: rows and divisor must be [b], one per request");
+  TORCH_CHECK(positions_in.size() == values_in.size(), "fold_add_rows: one positions and one values a layer");
+  TORCH_CHECK(layer >= 0 && layer < data.size(0), "fold_add_rows: layer out of the table");
+  const at::Tensor rows = rows_in.to(at::kLong).contiguous();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < data.size(1), "fold_add_rows: a row out of the table");
+  const at::Tensor divisor = divisor_in.to(data.scalar_type()).contiguous();
+  // float32 values are read as they are (the quotient is taken in the table's dtype, as the reference's); others
+  // become the table's dtype first
+  bool all_float = true;
+  for (const auto& v : values_in) all_float = all_float && v.scalar_type() == at::kFloat;
+  std::vector<at::Tensor> positions, values;
+  std::vector<const int64_t*> p;
+  std::vector<int64_t> n;
+  for (size_t l = 0; l < positions_in.size(); ++l) {
+    TORCH_CHECK(positions_in[l].dim() == 2 && positions_in[l].size(0) == b &&
+                    values_in[l].sizes() == positions_in[l].sizes(),
+                "fold_add_rows: each layer's positions and values must be [b, n] of one shape");
+    positions.push_back(positions_in[l].to(at::kLong).contiguous());
+    values.push_back(values_in[l].to(all_float ? at::kFloat : data.scalar_type()).contiguous());
+    p.push_back(positions.back().data_ptr<int64_t>());
+    n.push_back(positions_in[l].size(1));
+  }
+  std::atomic<bool> bad{false};
+  const int64_t row0 = layer * data.size(1), cap = data.size(2);
+  AT_DISPATCH_FLOATING_TYPES(data.scalar_type(), "fold_add_rows", [&] {
+    using T = scalar_t;
+    if (all_float) {
+      std::vector<const float*> v;
+      for (const auto& t : values) v.push_back(t.data_ptr<float>());
+      fold_rows(data.data_ptr<T>(), v, divisor.data_ptr<T>(), r, p, n, b, row0, cap, bad);
+    } else {
+      std::vector<const T*> v;
+      for (const auto& t : values) v.push_back(t.data_ptr<T>());
+      fold_rows(data.data_ptr<T>(), v, divisor.data_ptr<T>(), r, p, n, b, row0, cap, bad);
+    }
+  });
+  TORCH_CHECK(!bad.load(), "fold_add_rows: a position past the table's width");
+}
 
 void scatter_add_rows_cpu(at::Tensor& data, const at::Tensor& rows_in, const at::Tensor& positions_in,
                           const at::Tensor& values_in, int64_t layer0) {
