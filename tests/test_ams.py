@@ -510,7 +510,7 @@ def test_batched_events_select_what_one_by_one_does(ams, monkeypatch, params):
                 np.isin(np.arange(len(p)), self.select_layer(r, layer, p, np.empty(0, np.int64),
                                                              r.state.queries.of(layer), H))
                 for r, p in zip(reqs, pos)]), None))
-            monkeypatch.setattr(AMSPolicy, "_keep_rows", lambda self, scored: [s[3] for s in scored])
+            monkeypatch.setattr(AMSPolicy, "_keep_rows", lambda self, scored: [sg.m_used for sg in scored])
         with Probe(eng, record_sets=True) as probe:
             res = eng.generate(BATCH_PROMPTS, BATCH_PARAMS)
         monkeypatch.undo()

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -132,6 +132,15 @@ class CreditRows:
         if self.table is None:
             self.table = RowTable(num_layers, device=device)
         return self.table.acquire()
+
+
+class ScoredGroup(NamedTuple):
+    """Requests of one layer an event scored together, waiting for their selection."""
+    layer: int
+    requests: list[int]  # indices into the event's requests
+    positions: np.ndarray  # [k, T], ascending
+    m_used: np.ndarray  # [k, T] the masses the segments and quotas follow
+    scores: np.ndarray  # [k, T] the scorer's, for the in-segment top-k
 
 
 @dataclass
@@ -268,13 +277,14 @@ class AMSPolicy(KVPolicy):
         """One event of each of ``reqs`` (requests of one batch). Requests holding the same number of tokens, all
         paged, with the same number of buffered queries are scored together (one evidence and mass computation
         for all of them, layer by layer); the keep sets of every layer's groups are then selected in one call per
-        token count, and each layer's evictions go to the cache in one call (a layer's selection reads that
-        layer's state alone, so selecting every layer before evicting any changes nothing)."""
+        token count (every KEEP_CHUNK rows' worth of layers), and each layer's evictions go to the cache in one call
+        (a layer's selection reads that layer's state alone, so selecting every layer before evicting any changes
+        nothing)."""
         H = reqs[0].num_kv_heads
         acted = np.zeros(len(reqs), bool)
         window = EventQueries([req.state.queries for req in reqs])
         victims: list[dict[int, np.ndarray]] = [{} for _ in range(reqs[0].num_layers)]
-        scored = []  # (layer, request indices, positions [k, T], m_used [k, T], scores [k, T])
+        scored: list[ScoredGroup] = []  # selected once they hold KEEP_CHUNK rows (a bound on the memory they hold)
         for layer in range(reqs[0].num_layers):
             T = reqs[0].num_live_many(layer, reqs)
             paged = reqs[0].num_paged_many(layer, reqs)
@@ -288,11 +298,13 @@ class AMSPolicy(KVPolicy):
                     victims[layer][i] = self._lone_victims(reqs[i], layer, H)
             for (n, m), idx in groups.items():
                 pos = reqs[0].live_positions_each(layer, reqs, np.asarray(idx), n)
-                scored.append((layer, idx, pos,
-                               *self._evidence_rows(layer, [reqs[i] for i in idx], pos, H, window.last(layer, idx, m))))
-        for (layer, idx, pos, _, _), keeps in zip(scored, self._keep_rows(scored)):
-            for i, p, keep in zip(idx, pos, keeps):
-                victims[layer][i] = p[~keep]
+                scored.append(ScoredGroup(layer, idx, pos, *self._evidence_rows(
+                    layer, [reqs[i] for i in idx], pos, H, window.last(layer, idx, m))))
+            if sum(len(sg.requests) for sg in scored) >= KEEP_CHUNK or layer == reqs[0].num_layers - 1:
+                for sg, keeps in zip(scored, self._keep_rows(scored)):
+                    for i, p, keep in zip(sg.requests, sg.positions, keeps):
+                        victims[sg.layer][i] = p[~keep]
+                scored.clear()
         for layer, chosen in enumerate(victims):
             if chosen:
                 order = sorted(chosen)
@@ -332,22 +344,23 @@ class AMSPolicy(KVPolicy):
             req.state.window_mass.append(w)
         return m_used, g_rows.cpu().numpy()
 
-    def _keep_rows(self, scored: list) -> list[np.ndarray]:
+    def _keep_rows(self, scored: list[ScoredGroup]) -> list[np.ndarray]:
         """The keep masks ``[k, T]`` of ``_events``' scored groups: one ``ams_keep_rows`` for all the groups
-        (of every layer) with the same token count."""
+        (of several layers) with the same token count."""
         by_T: dict[int, list[int]] = {}
-        for j, (_, _, pos, _, _) in enumerate(scored):
-            by_T.setdefault(pos.shape[1], []).append(j)
+        for j, sg in enumerate(scored):
+            by_T.setdefault(sg.positions.shape[1], []).append(j)
         keeps: list[np.ndarray] = [np.empty(0)] * len(scored)
         for js in by_T.values():
-            mu, g = (np.concatenate([scored[j][i] for j in js]) for i in (3, 4))
+            mu = np.concatenate([scored[j].m_used for j in js])
+            g = np.concatenate([scored[j].scores for j in js])
             # (in chunks: past ~1,000 rows the temporaries' first touch costs more than the calls it saves)
             keep = np.concatenate([ams_keep_rows(mu[a:a + KEEP_CHUNK], g[a:a + KEEP_CHUNK], self.budget,
                                                  delta=self.delta, l_min=self.l_min, l_max=self.l_max,
                                                  q_min=self.q_min, n_sink=self.n_sink, n_last=self.n_last,
                                                  mode=self.mode, ablation=self.ablation)
                                    for a in range(0, len(mu), KEEP_CHUNK)])
-            for j, part in zip(js, np.split(keep, np.cumsum([len(scored[j][1]) for j in js])[:-1])):
+            for j, part in zip(js, np.split(keep, np.cumsum([len(scored[j].requests) for j in js])[:-1])):
                 keeps[j] = part
         return keeps
 
