@@ -20,23 +20,27 @@ namespace trtkv {
 
 namespace {
 
+// One table row's adds: row[pr[j]] += value(j) for each of its n positions (-1: skip; one past the width is flagged).
+template <typename T, typename F>
+inline void add_row(T* row, const int64_t* pr, int64_t n, int64_t cap, std::atomic<bool>& bad, F&& value) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = pr[j];
+    if (pos < 0) continue;
+    if (pos >= cap) {
+      bad.store(true, std::memory_order_relaxed);
+      continue;
+    }
+    row[pos] += value(j);
+  }
+}
+
 template <typename T>
 void add_rows(T* d, const T* v, const TableBatch& t, int64_t layer0, std::atomic<bool>& bad) {
   const int64_t n = t.n, cap = t.cap;
   const int64_t* p = t.positions.data_ptr<int64_t>();
   for_each_table_row(t, layer0, [&](int64_t at, int64_t li) {
-    T* row = d + at;
-    const int64_t* pr = p + li * n;
     const T* vr = v + li * n;
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t pos = pr[j];
-      if (pos < 0) continue;
-      if (pos >= cap) {
-        bad.store(true, std::memory_order_relaxed);
-        continue;
-      }
-      row[pos] += vr[j];
-    }
+    add_row(d + at, p + li * n, n, cap, bad, [&](int64_t j) { return vr[j]; });
   });
 }
 
@@ -52,17 +56,8 @@ void fold_rows(T* d, const std::vector<const V*>& v, const T* div, const int64_t
     for (int64_t i = lo; i < hi; ++i) {
       T* row = d + (row0 + r[i]) * cap;
       for (size_t l = 0; l < n.size(); ++l) {
-        const int64_t* pr = p[l] + i * n[l];
         const V* vr = v[l] + i * n[l];
-        for (int64_t j = 0; j < n[l]; ++j) {
-          const int64_t pos = pr[j];
-          if (pos < 0) continue;
-          if (pos >= cap) {
-            bad.store(true, std::memory_order_relaxed);
-            continue;
-          }
-          row[pos] += static_cast<T>(vr[j]) / div[i];
-        }
+        add_row(row, p[l] + i * n[l], n[l], cap, bad, [&](int64_t j) { return static_cast<T>(vr[j]) / div[i]; });
       }
     }
   });
