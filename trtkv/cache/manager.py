@@ -379,14 +379,16 @@ class KVCacheManager(CacheReads):
                                                                  layer)
         return counts
 
-    def evict_flat(self, layer: int, seqs: list[SeqKV], positions: np.ndarray, lens: np.ndarray) -> list[int]:
+    def evict_flat(self, layer: int, seqs: list[SeqKV], positions: np.ndarray, lens: np.ndarray,
+                   counted: bool = True) -> list[int]:
         """``evict_many`` with the victims concatenated, ``lens[i]`` of ``positions`` the ``i``-th job's (of
         ``seqs[i]``, which may repeat): a batch's anneal or event without an array per job."""
         if (self.cfg.eviction == "compact" or int(lens.sum()) < EVICT_BATCH_MIN or int(lens.max(initial=0)) <= 1
                 or any(s.fork_mode is not None for s in seqs)):
-            return self.evict_many(layer, list(zip(seqs, split_counts(positions, lens))))
+            return self.evict_many(layer, list(zip(seqs, split_counts(positions, lens))), counted)
         counts = evict_private_flat(self.pools[layer], self.columns, layer, seqs, positions, lens)
-        self._count_evicted(seqs, counts)
+        if counted:
+            self._count_evicted(seqs, counts)
         return counts
 
     def _count_evicted(self, seqs: list[SeqKV], counts: list[int]) -> None:

@@ -102,6 +102,16 @@ class CacheReads:
         """Where ``positions[i]`` of ``seqs[i]`` are paged in ``layer`` (``reads.locate_many``)."""
         return reads.locate_many(self.columns, seqs, layer, positions)
 
+    def locate_flat(self, layer: int, rows: np.ndarray, positions: np.ndarray
+                    ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``locate_many`` with every position's table row given (``rows[i]`` of ``positions[i]``: ``rows`` repeated
+        by job)."""
+        return reads.locate_flat(self.columns, layer, rows, positions)
+
+    def held_flat(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Whether ``positions[i]`` of table row ``rows[i]`` is paged in ``layer``, each."""
+        return self.columns.held_many(layer, rows, positions)
+
     def gather_kv(self, seq: SeqKV, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized fp32 ``k, v [m, H, D]`` of paged tokens (``trtkv/cache/reads.py``)."""
         return reads.gather_kv_many(self.pools, self.columns, layer, [(seq, positions)])[0]

@@ -74,9 +74,14 @@ def locate_many(columns: TableColumns, seqs: list[SeqKV], layer: int, positions:
     pages, slots, held)``; ``held`` marks the asked positions held in pages, the others have no entry."""
     lens = [len(p) for p in positions]
     rows = np.repeat(np.fromiter((s.row for s in seqs), np.int64, len(seqs)), lens)
-    pos = np.concatenate(positions) if positions else rows
-    held = columns.held_many(layer, rows, pos)
-    fids, pages, slots = columns.lookup_many(layer, rows[held], pos[held])
+    return locate_flat(columns, layer, rows, np.concatenate(positions) if positions else rows)
+
+
+def locate_flat(columns: TableColumns, layer: int, rows: np.ndarray, positions: np.ndarray
+                ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``locate_many`` of ``positions[i]`` of table row ``rows[i]`` each."""
+    held = columns.held_many(layer, rows, positions)
+    fids, pages, slots = columns.lookup_many(layer, rows[held], positions[held])
     return columns.fmt_names, fids, pages, slots, held
 
 

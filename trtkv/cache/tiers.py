@@ -19,21 +19,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from plugins.formats import get_format
 from trtkv.cache.block_table import BlockTable
-from trtkv.cache.index_ops import split_counts
 from trtkv.cache.pool_set import PoolSet
 from trtkv.cache.sequence import SeqKV
+from trtkv.cache.tier_copy import CacheLike, encode_copy, raw_copy, raw_copy_flat
 from trtkv.cache.tier_names import (DEFAULT_HOST_FORMAT, TIER_DEVICE, TIER_EVICTED, TIER_HOST,  # noqa: F401
                                      TIER_HOST_Q, TIER_NAMES, parse_demote, parse_host_format, parse_tier)
 from trtkv.errors import OutOfKVMemory
-
-CacheLike = Any  # a KVCacheManager, device or host (not imported: the manager creates its TierStore)
 
 @dataclass
 class SeqTiers:
@@ -41,7 +37,7 @@ class SeqTiers:
 
     host: SeqKV
     orig_fmt: list[dict[int, tuple[str, int]]]  # per layer: T2 position -> (device format, thought class)
-    version: list[int]  # per layer, bumped on every host-tier change (staging re-copies when stale)
+    version: int  # bumped on every host-tier change (``staging_bytes`` recounts when it moved)
     evicted_from_host: int = 0  # summed over layers
     transfer_bytes: int = 0  # D2H (demotions) + H2D (promotions, staging) bytes
     move_bytes: int = 0  # of which: event moves (demotions, promotions, re-encodes)
@@ -73,7 +69,7 @@ class TierStore:
         st = self.seqs.get(seq.seq_id)
         if st is None:
             L = self.dev.cfg.num_layers
-            st = SeqTiers(self.host.add_sequence(seq.seq_id), [{} for _ in range(L)], [0] * L)
+            st = SeqTiers(self.host.add_sequence(seq.seq_id), [{} for _ in range(L)], 0)
             self.seqs[seq.seq_id] = st
             self.records += 1
         return st
@@ -104,16 +100,17 @@ class TierStore:
         """Tier code per position (T3 for positions neither tier holds, the residual buffer counts as T0)."""
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         out = np.full(len(pos), TIER_EVICTED, np.int8)
-        dev_loc = seq.layers[layer].loc
-        buf = set(seq.buffered_positions(layer))
         st = self.seqs.get(seq.seq_id)
-        hloc = st.host.layers[layer].loc if st is not None else {}
-        orig = st.orig_fmt[layer] if st is not None else {}
-        for i, p in enumerate(pos.tolist()):
-            if p in dev_loc or p in buf:
-                out[i] = TIER_DEVICE
-            elif p in hloc:
-                out[i] = TIER_HOST_Q if p in orig else TIER_HOST
+        if st is not None and len(pos):
+            host = self.host.held_flat(layer, np.full(len(pos), st.host.row, np.int64), pos)
+            out[host] = TIER_HOST
+            if st.orig_fmt[layer]:
+                out[host & np.isin(pos, np.fromiter(st.orig_fmt[layer], np.int64))] = TIER_HOST_Q
+        dev = self.dev.held_flat(layer, np.full(len(pos), seq.row, np.int64), pos)
+        buf = seq.buffered_positions(layer)
+        if len(buf):
+            dev |= np.isin(pos, np.asarray(buf, np.int64))
+        out[dev] = TIER_DEVICE
         return out
 
     def staging_bytes(self, seq: SeqKV) -> int:
@@ -122,7 +119,7 @@ class TierStore:
         st = self.seqs.get(seq.seq_id)
         if st is None:
             return 0
-        key = (sum(st.version), st.host.kv_bytes)  # (the host pages change only with these)
+        key = (st.version, st.host.kv_bytes)  # (the host pages change only with these)
         if st.staging[:2] == key:
             return st.staging[2]
         per_layer = 0
@@ -170,57 +167,84 @@ class TierStore:
 
     def place_many(self, layer: int, jobs: list[tuple[SeqKV, np.ndarray]], tier: int, fmt: str | None = None
                    ) -> list[int]:
-        """``place`` of each ``(request, positions)`` job (distinct requests) in one layer: the T0 <-> T1 copies of
-        every job in one gather and scatter a format, device and host evictions in one pass each. Which tier holds
-        each token ends the same as moving the jobs one at a time; the pages a promotion lands in may differ
-        (every job's evictions come before the promotions). A host cap, T2 tokens or key-scale groups: job by
-        job."""
+        """``place`` of each ``(request, positions)`` job (distinct requests) in one layer (``place_layers``)."""
+        return self._place_layers(jobs, (layer,), tier, fmt).tolist()
+
+    def place_layers(self, jobs: list[tuple[SeqKV, np.ndarray]], tier: int, fmt: str | None = None) -> np.ndarray:
+        """``place_many`` of the same jobs in every layer, layer after layer (tiers chosen per token): each job's
+        count summed over the layers."""
+        return self._place_layers(jobs, range(self.dev.cfg.num_layers), tier, fmt)
+
+    def _place_layers(self, jobs: list[tuple[SeqKV, np.ndarray]], layers, tier: int, fmt: str | None) -> np.ndarray:
+        """In each layer the T0 <-> T1 copies of every job in one gather and scatter a format, device and host
+        evictions in one pass each; the jobs' positions are read and counted as one array for all the layers, and
+        each request's transfer counters updated once. Which tier holds each token ends the same as moving the jobs
+        one at a time; the pages a promotion lands in may differ (every job's evictions come before the
+        promotions). A host cap, T2 tokens or key-scale groups: job by job."""
         seqs = [seq for seq, _ in jobs]
         records = [self.seqs.get(seq.seq_id) for seq in seqs]
         if (self.cap is not None or tier == TIER_HOST_Q or len({id(s) for s in seqs}) < len(seqs)
-                or any(p.group_specs for p in self.dev.pools[layer].values())
-                or any(st is not None and st.orig_fmt[layer] for st in records)):
-            return [self.place(seq, layer, pos, tier, fmt) for seq, pos in jobs]
+                or any(p.group_specs for layer in layers for p in self.dev.pools[layer].values())
+                or any(st is not None and any(st.orig_fmt[layer] for layer in layers) for st in records)):
+            return np.array([sum(self.place(seq, layer, pos, tier, fmt) for layer in layers) for seq, pos in jobs],
+                            np.int64)
         pos = [np.asarray(p, np.int64).reshape(-1) for _, p in jobs]
-        on_dev = _split(self.dev.locate_many(seqs, layer, pos)[4], pos)
-        hosted = [j for j, st in enumerate(records) if st is not None]
-        on_host = [np.zeros(len(p), bool) for p in pos]
-        if hosted:
-            held = _split(self.host.locate_many([records[j].host for j in hosted], layer, [pos[j] for j in hosted])[4],
-                          [pos[j] for j in hosted])
-            for j, h in zip(hosted, held):
-                on_host[j] = h
-        counts = [0] * len(jobs)
-        if tier == TIER_EVICTED:
-            dev_jobs = [j for j in range(len(jobs)) if on_dev[j].any()]
-            for j, n in zip(dev_jobs, self.dev.evict_many(layer, [(seqs[j], pos[j][on_dev[j]]) for j in dev_jobs])):
-                counts[j] += n
-            for j in range(len(jobs)):
-                if on_host[j].any():
-                    counts[j] += self._drop_host(seqs[j], layer, pos[j][on_host[j]].tolist())
-            return counts
-        src, dst = (on_host, on_dev) if tier == TIER_DEVICE else (on_dev, on_host)
-        movers = [j for j in range(len(jobs)) if src[j].any()]
-        if not movers:
-            return counts
-        t0 = time.perf_counter()
-        moving = [pos[j][src[j]] for j in movers]
-        if tier == TIER_DEVICE:  # T1 -> T0: copied back, the host copies freed
-            moved = _raw_copy_many(self.host, [records[j].host for j in movers], self.dev, [seqs[j] for j in movers],
-                                   layer, moving)
-            self.host.evict_many(layer, [(records[j].host, p) for j, p in zip(movers, moving)], counted=False)
-            done = [len(p) for p in moving]
-            hosts = [records[j].host for j in movers]
-        else:  # T0 -> T1: copied verbatim, the device slots freed (a move, not an eviction)
-            hosts = [self.record(seqs[j]).host for j in movers]
-            moved = _raw_copy_many(self.dev, [seqs[j] for j in movers], self.host, hosts, layer, moving)
-            done = self.dev.evict_many(layer, [(seqs[j], p) for j, p in zip(movers, moving)], counted=False)
-        # the host tables take their new and leaving pages now, in one pass (staging_bytes reads their lists)
-        BlockTable.catch_up_each([h.layers[layer] for h in hosts])
-        seconds = (time.perf_counter() - t0) / max(1, sum(map(len, moving)))
-        for j, p, nbytes, n in zip(movers, moving, moved, done):
-            self._moved(self.seqs[seqs[j].seq_id], layer, nbytes, seconds * len(p))
-            counts[j] = n
+        lens = np.fromiter(map(len, pos), np.int64, len(pos))
+        flat = np.concatenate(pos) if pos else np.empty(0, np.int64)
+        job = np.repeat(np.arange(len(jobs)), lens)
+        dev_rows = np.repeat(self.dev.rows(seqs), lens)
+        host_rows = np.repeat(np.fromiter((-1 if st is None else st.host.row for st in records), np.int64,
+                                          len(records)), lens)
+        hosted = host_rows >= 0
+        counts, dropped = np.zeros(len(jobs), np.int64), np.zeros(len(jobs), np.int64)
+        moved, seconds = np.zeros(len(jobs), np.int64), np.zeros(len(jobs))
+        changed = np.zeros(len(jobs), np.int64)  # layers whose host tier each job changed
+        for layer in layers:
+            on_host = np.zeros(len(flat), bool)
+            if tier != TIER_HOST and hosted.any():  # (a demotion reads the device alone)
+                on_host[hosted] = self.host.held_flat(layer, host_rows[hosted], flat[hosted])
+            if tier == TIER_EVICTED:
+                on_dev = self.dev.held_flat(layer, dev_rows, flat)
+                n, at = _per_job(job, on_dev, len(jobs))
+                if len(at):
+                    counts[at] += self.dev.evict_flat(layer, [seqs[j] for j in at], flat[on_dev], n[at])
+                n, at = _per_job(job, on_host, len(jobs))
+                if len(at):  # T3 from the host tier
+                    self.host.evict_flat(layer, [records[j].host for j in at], flat[on_host], n[at], counted=False)
+                    counts[at] += n[at]
+                    dropped[at] += n[at]
+                    changed[at] += 1
+                    self.layer_versions[layer] += 1
+                continue
+            src = on_host if tier == TIER_DEVICE else self.dev.held_flat(layer, dev_rows, flat)
+            n, movers = _per_job(job, src, len(jobs))
+            if not len(movers):
+                continue
+            t0 = time.perf_counter()
+            moving, k = flat[src], n[movers]
+            devs = [seqs[j] for j in movers]
+            if tier == TIER_DEVICE:  # T1 -> T0: copied back, the host copies freed
+                hosts = [records[j].host for j in movers]
+                moved[movers] += raw_copy_flat(self.host, hosts, self.dev, devs, layer, moving, k)
+                self.host.evict_flat(layer, hosts, moving, k, counted=False)
+                counts[movers] += k
+            else:  # T0 -> T1: copied verbatim, the device slots freed (a move, not an eviction)
+                hosts = [self.record(s).host for s in devs]
+                moved[movers] += raw_copy_flat(self.dev, devs, self.host, hosts, layer, moving, k)
+                counts[movers] += self.dev.evict_flat(layer, devs, moving, k, counted=False)
+            # the host tables take their new and leaving pages now, in one pass (staging_bytes reads their lists)
+            BlockTable.catch_up_each([h.layers[layer] for h in hosts])
+            seconds[movers] += (time.perf_counter() - t0) * k / max(1, int(k.sum()))
+            changed[movers] += 1
+            self.layer_versions[layer] += 1
+        for j in np.flatnonzero(changed).tolist():  # each request's counters once, for every layer
+            st = self.seqs[seqs[j].seq_id]
+            st.version += int(changed[j])
+            if dropped[j]:
+                st.evicted_from_host += int(dropped[j])
+                self.dev.count_evicted(seqs[j], int(dropped[j]))
+            if moved[j]:
+                self._moved(st, int(moved[j]), float(seconds[j]))
         return counts
 
     def demote_evicted(self, seq: SeqKV, layer: int, positions) -> int:
@@ -238,15 +262,16 @@ class TierStore:
         enc = [p for p in positions if not (fmt is None or loc[p][0] == fmt)]
         moved = 0
         if raw:
-            moved += _raw_copy(self.dev, seq, self.host, st.host, layer, raw)
+            moved += raw_copy(self.dev, seq, self.host, st.host, layer, raw)
         if enc:
             classes = {p: (loc[p][0], int(self.dev.pools[layer][loc[p][0]].page_class[loc[p][1]])) for p in enc}
-            moved += _encode_copy(self.dev, seq, self.host, st.host, layer, enc, lambda p: fmt)
+            moved += encode_copy(self.dev, seq, self.host, st.host, layer, enc, lambda p: fmt)
             st.orig_fmt[layer].update(classes)
         self._check_cap(seq, layer, positions, before)
         # frees the device slots (metadata; compacts in compact mode): a move, not an eviction
         n = self.dev.evict(seq, layer, positions, counted=False)
-        self._moved(st, layer, moved, time.perf_counter() - t0)
+        self._changed(st, layer)
+        self._moved(st, moved, time.perf_counter() - t0)
         return n
 
     def _promote(self, seq: SeqKV, layer: int, positions: list[int]) -> int:
@@ -259,14 +284,15 @@ class TierStore:
         enc = [p for p in positions if p in orig]
         moved = 0
         if raw:
-            moved += _raw_copy(self.host, st.host, self.dev, seq, layer, raw)
+            moved += raw_copy(self.host, st.host, self.dev, seq, layer, raw)
         if enc:  # T2 -> T0: dequantized values re-encoded in the token's device format (lossy, spec §2.5)
-            moved += _encode_copy(self.host, st.host, self.dev, seq, layer, enc, lambda p: orig[p][0],
+            moved += encode_copy(self.host, st.host, self.dev, seq, layer, enc, lambda p: orig[p][0],
                                   thought=lambda p: orig[p][1])
             for p in enc:
                 del orig[p]
         self._free_host(st, layer, positions)
-        self._moved(st, layer, moved, time.perf_counter() - t0)
+        self._changed(st, layer)
+        self._moved(st, moved, time.perf_counter() - t0)
         return len(positions)
 
     def _host_reencode(self, seq: SeqKV, layer: int, positions: list[int], fmt: str) -> int:
@@ -280,9 +306,9 @@ class TierStore:
                 orig[p] = (f, int(self.host.pools[layer][f].page_class[page]))
         tmp = self.host.add_sequence(-(10 ** 9) - seq.seq_id)  # staging record for the re-encoded copies
         try:
-            _encode_copy(self.host, st.host, self.host, tmp, layer, positions, lambda p: fmt)
+            encode_copy(self.host, st.host, self.host, tmp, layer, positions, lambda p: fmt)
             self._free_host(st, layer, positions)
-            _raw_copy(self.host, tmp, self.host, st.host, layer, positions)
+            raw_copy(self.host, tmp, self.host, st.host, layer, positions)
         finally:
             self.host.free_sequence(tmp.seq_id)
         self._check_cap(seq, layer, [], before)
@@ -317,11 +343,11 @@ class TierStore:
                             f"(e.g. --set evict_ratio=... or demote=none)", seq_id=seq.seq_id)
 
     def _changed(self, st: SeqTiers, layer: int) -> None:
-        st.version[layer] += 1
+        st.version += 1
         self.layer_versions[layer] += 1
 
-    def _moved(self, st: SeqTiers, layer: int, nbytes: int, seconds: float) -> None:
-        self._changed(st, layer)
+    def _moved(self, st: SeqTiers, nbytes: int, seconds: float) -> None:
+        """Transfer counters after a move of ``nbytes`` that took ``seconds`` (its versions are the caller's)."""
         st.transfer_bytes += nbytes
         st.move_bytes += nbytes
         st.move_seconds += seconds
@@ -352,111 +378,6 @@ class TierStore:
             assert set(st.orig_fmt[layer]) <= host, "T2 record of a position the host does not hold"
 
 
-def _raw_copy(src: CacheLike, sseq: SeqKV, dst: CacheLike, dseq: SeqKV, layer: int,
-              positions: list[int]) -> int:
-    """Copy tokens' codes, per-slot scales and key-scale groups verbatim (same format) into ``dst``'s pages.
-    The source keeps its copy (the caller frees it). Returns the bytes moved."""
-    loc = sseq.layers[layer].loc
-    by_cls: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}
-    for pos in positions:
-        fmt, p, s = loc[pos]
-        spool = src.pools[layer][fmt]
-        by_cls.setdefault((fmt, int(spool.page_class[p])), []).append((pos, p, s, int(spool.slot_seg[p, s])))
-    moved = 0
-    for cls, items in by_cls.items():
-        spool, dpool = src.pools[layer][cls[0]], dst.pool(layer, cls[0])
-        pages, slots = dst.alloc_slots(dseq, layer, cls, len(items))
-        sp = torch.tensor([i[1] for i in items], device=spool.device)
-        ss = torch.tensor([i[2] for i in items], device=spool.device)
-        dp = torch.from_numpy(pages).to(dpool.device)
-        ds = torch.from_numpy(slots).to(dpool.device)
-        for sf, df in zip(spool.fields, dpool.fields):
-            df[dp, ds] = sf[sp, ss].to(dpool.device)
-        moved += len(items) * spool.fmt.slot_bytes(spool.H, spool.D)
-        if spool.group_specs:
-            gids = spool.k_group[sp, ss].cpu().tolist()
-            gmap = {}
-            for g in sorted(set(gids)):
-                ng = dseq.alloc_group(layer, dpool, gids.count(g))
-                for sgf, dgf in zip(spool.group_fields, dpool.group_fields):
-                    dgf[ng] = sgf[g].to(dpool.device)
-                gmap[g] = ng
-                moved += dpool.group_bytes
-            dpool.k_group[dp, ds] = torch.tensor([gmap[g] for g in gids], dtype=torch.int32, device=dpool.device)
-        dst.record_written(dseq, layer, dpool, cls[0], pages, slots, [i[0] for i in items],
-                           np.asarray([i[3] for i in items], np.int32))
-    return moved
-
-
-def _raw_copy_many(src: CacheLike, sseqs: list[SeqKV], dst: CacheLike, dseqs: list[SeqKV], layer: int,
-                   positions: list[np.ndarray]) -> list[int]:
-    """``_raw_copy`` of ``positions[i]`` from ``sseqs[i]`` to ``dseqs[i]`` (formats without key-scale groups):
-    slots allocated as one copy each in turn would (all jobs at once when one class is moved; else job by job,
-    each job's classes in the order its tokens list them), the codes of every job in one gather and scatter a
-    format. Returns each job's bytes moved."""
-    names, fids, pages, slots, _ = src.locate_many(sseqs, layer, positions)
-    pos = np.concatenate(positions)
-    classes = np.empty(len(pos), np.int64)
-    segs = np.empty(len(pos), np.int32)
-    for f in np.unique(fids).tolist():
-        sel = fids == f
-        spool = src.pools[layer][names[f]]
-        classes[sel] = spool.page_class[pages[sel]]
-        segs[sel] = spool.slot_seg[pages[sel], slots[sel]]
-    bounds = np.concatenate([[0], np.cumsum([len(p) for p in positions])])
-    if len(pos) and (fids == fids[0]).all() and (classes == classes[0]).all():  # one class: every job at once
-        dst_pages, dst_slots = dst.alloc_slots_each(dseqs, layer, (names[fids[0]], int(classes[0])), np.diff(bounds))
-    else:
-        dst_pages, dst_slots = np.empty_like(pages), np.empty_like(slots)
-        for j in range(len(positions)):
-            lo, hi = int(bounds[j]), int(bounds[j + 1])
-            for f, c in dict.fromkeys(zip(fids[lo:hi].tolist(), classes[lo:hi].tolist())):
-                sel = lo + np.flatnonzero((fids[lo:hi] == f) & (classes[lo:hi] == c))
-                dst_pages[sel], dst_slots[sel] = dst.alloc_slots(dseqs[j], layer, (names[f], c), len(sel))
-    job = np.repeat(np.arange(len(positions)), np.diff(bounds))
-    moved = np.zeros(len(positions), np.int64)
-    for f in np.unique(fids).tolist():
-        spool, dpool = src.pools[layer][names[f]], dst.pool(layer, names[f])
-        sel = np.flatnonzero(fids == f)  # (job by job)
-        sp, ss = (torch.from_numpy(x[sel]).to(spool.device) for x in (pages, slots))
-        dp, ds = (torch.from_numpy(x[sel]).to(dpool.device) for x in (dst_pages, dst_slots))
-        for sf, df in zip(spool.fields, dpool.fields):
-            df[dp, ds] = sf[sp, ss].to(dpool.device)
-        counts = np.bincount(job[sel], minlength=len(positions))
-        dst.record_written_many(dseqs, counts, layer, dpool, names[f], dst_pages[sel], dst_slots[sel], pos[sel],
-                                segs[sel])
-        moved += counts * dpool.fmt.slot_bytes(dpool.H, dpool.D)
-    return moved.tolist()
-
-
-def _split(mask: np.ndarray, positions: list[np.ndarray]) -> list[np.ndarray]:
-    """A concatenated per-position array cut back into one piece per job."""
-    return split_counts(mask, [len(p) for p in positions])
-
-
-def _encode_copy(src: CacheLike, sseq: SeqKV, dst: CacheLike, dseq: SeqKV, layer: int,
-                 positions: list[int], fmt_of, thought=None) -> int:
-    """Dequantize tokens from ``src`` and encode them into ``dst`` in ``fmt_of(pos)`` (flush groups of the
-    format's group size, one thought class and segment per group). Returns the bytes written."""
-    loc = sseq.layers[layer].loc
-    groups: dict[tuple[str, int, int], list[int]] = {}
-    for pos in positions:
-        f, p, s = loc[pos]
-        spool = src.pools[layer][f]
-        th = thought(pos) if thought is not None else int(spool.page_class[p])
-        groups.setdefault((fmt_of(pos), th, int(spool.slot_seg[p, s])), []).append(pos)
-    moved = 0
-    for (fmt, th, seg), plist in groups.items():
-        k, v = src.gather_kv(sseq, layer, plist)
-        dev = torch.device(dst.cfg.device)
-        g = get_format(fmt).group_size if get_format(fmt).group_size > 1 else len(plist)
-        for i in range(0, len(plist), max(1, g)):
-            dst.write(dseq, layer, k[i:i + g].to(dev), v[i:i + g].to(dev), plist[i:i + g], (fmt, th), seg)
-        pool = dst.pools[layer][fmt]
-        moved += len(plist) * pool.fmt.slot_bytes(pool.H, pool.D) + pool.group_bytes * -(-len(plist) // max(1, g))
-    return moved
-
-
 def tier_stats(seq: SeqKV, num_layers: int, st: SeqTiers | None = None, staging: int = 0) -> dict[str, int | float]:
     """A request's per-tier numbers (``generate --json`` stats keys) from its host-tier record ``st`` (None: all
     of it is on the device; a cache that never made host tiers reports these without making them)."""
@@ -476,6 +397,12 @@ def tier_stats(seq: SeqKV, num_layers: int, st: SeqTiers | None = None, staging:
         "transfer_bytes": st.transfer_bytes if st else 0,
         "kv_move_s": round(st.move_seconds, 6) if st else 0.0,
     }
+
+
+def _per_job(job: np.ndarray, mask: np.ndarray, n_jobs: int) -> tuple[np.ndarray, np.ndarray]:
+    """How many of each job's positions ``mask`` marks (``job[i]``: position ``i``'s job), and the jobs with any."""
+    n = np.bincount(job[mask], minlength=n_jobs)
+    return n, np.flatnonzero(n)
 
 
 __all__ = ["TierStore", "SeqTiers", "tier_stats", "parse_demote", "parse_host_format", "parse_tier",

@@ -189,7 +189,9 @@ class TieredPolicy(KVPolicy):
         p_now = P + t
         alive = req.attended_positions(0)
         buffered = req.buffered_positions(0)
-        prot = (alive < P + self.sinks) | (alive > p_now - self.window) | np.isin(alive, buffered)
+        prot = (alive < P + self.sinks) | (alive > p_now - self.window)
+        if len(buffered):
+            prot |= np.isin(alive, buffered)
         cand = alive[~prot]
         st.candidates_ever = max(0, (p_now - self.window + 1) - (P + self.sinks))
         if len(cand) == 0:
@@ -206,11 +208,9 @@ class TieredPolicy(KVPolicy):
         rest, rest_score = cand[rest_idx], score[rest_idx]
         n_dev = math.floor(self.beta * len(rest))
         keep_order = np.lexsort((-rest, -rest_score))  # descending score, then newer first
-        on_device = rest[keep_order[:n_dev]]
-        to_host = rest[keep_order[n_dev:]]
-        tiers = req.tier_of(0, rest)
-        promote = on_device[np.isin(on_device, rest[tiers != 0])]
-        demote = to_host[np.isin(to_host, rest[tiers == 0])]
+        ranked, tiers = rest[keep_order], req.tier_of(0, rest)[keep_order]
+        promote = ranked[:n_dev][tiers[:n_dev] != 0]  # kept on the device, not there now
+        demote = ranked[n_dev:][tiers[n_dev:] == 0]
         st.evicted += len(evict)
         st.promoted += len(promote)
         st.demoted += len(demote)

@@ -315,10 +315,9 @@ class RequestContext:
         code, fmt = parse_tier(tier)
         seqs = self._seqs([req for req, _ in jobs])
         items = [(seq, np.asarray(positions, np.int64)) for seq, (_, positions) in zip(seqs, jobs)]
-        counts = np.zeros(len(jobs), np.int64)
-        for i in range(self._num_layers) if layer is None else (layer,):
-            counts += self._cache.tiers.place_many(i, items, code, fmt)
-        return counts.tolist()
+        if layer is None:
+            return self._cache.tiers.place_layers(items, code, fmt).tolist()
+        return self._cache.tiers.place_many(layer, items, code, fmt)
 
     # --- runtime side (not part of the policy API) -------------------------------------------
     @property
