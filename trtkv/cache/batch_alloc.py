@@ -15,6 +15,7 @@ import numpy as np
 
 from trtkv.cache.block_table import BlockTable, held_page_bytes
 from trtkv.cache.columns import Cls, TableColumns
+from trtkv.cache.fresh_pages import DEPTH as FRESH_DEPTH
 from trtkv.cache.index_ops import split_counts
 from trtkv.cache.pool import PagePool
 
@@ -101,16 +102,25 @@ def alloc_slots_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarra
     partial = rest % pool.B != 0
     pool.hwm[last[partial]] = rest[partial] % pool.B
     cost = held_page_bytes(pool)
-    if (per == 1).all():  # one new page each: they wait in FreshPages, as a page boundary's do
-        _queue_pages(lambda j: seqs[need[j]].layers[layer], cols, layer, rows[need], cols.fmt_id(cls[0]), cls,
-                     fresh[:, None], order)
-        for i in need.tolist():
-            seqs[i].account.add(cost)
-    else:
+    if per.max() > FRESH_DEPTH:  # more than a row's queue holds: each table takes its pages in its lists
         for i, ps in zip(need.tolist(), split_counts(fresh, per)):
             seqs[i].layers[layer].hold_fresh(cls, ps.tolist(), cost * len(ps))
         cols.changes.touch_rows(layer, rows[need])
-    if partial.any():  # a last page with tail left stays the class's open page (as ``new_page`` made it)
+        return _opened(cols, layer, rows, need, cls, last, partial, pages, slots)
+    # the new pages wait in FreshPages, as a page boundary's do (row i's in the first per[i] columns)
+    grid = fresh[:, None] if (per == 1).all() else np.full((len(need), int(per.max())), -1, np.int64)
+    if grid.shape[1] > 1:
+        grid[np.repeat(np.arange(len(need)), per), _ranks(per)] = fresh
+    _queue_pages(lambda j: seqs[need[j]].layers[layer], cols, layer, rows[need], cols.fmt_id(cls[0]), cls, grid, order)
+    for i, n in zip(need.tolist(), per.tolist()):
+        seqs[i].account.add(cost * n)
+    return _opened(cols, layer, rows, need, cls, last, partial, pages, slots)
+
+
+def _opened(cols: TableColumns, layer: int, rows: np.ndarray, need: np.ndarray, cls: Cls, last: np.ndarray,
+            partial: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A last new page with tail left stays its class's open page (as ``new_page`` made it); ``(pages, slots)``."""
+    if partial.any():
         cols.set_opens(layer, rows[need[partial]], cls, last[partial])
     return pages, slots
 
@@ -201,20 +211,25 @@ def add_fresh_pages_each(seqs: list, cols: TableColumns, layer: int, rows: np.nd
 
 def _queue_pages(table_of: Callable[[int], BlockTable], cols: TableColumns, layer: int | np.ndarray, rows: np.ndarray,
                  fmt_id: int, cls: Cls, pages: np.ndarray, order: Iterator[int]) -> None:
-    """Pages ``pages[i]`` (``[n, per]``, in order) of ``cls`` wait in ``FreshPages`` for ``table_of(i)`` (row
-    ``rows[i]`` of ``layer``, or of ``layer[i]``), numbered from ``order`` table after table; the batch's block
-    tables take them in place. Rows whose queue cannot take ``per`` more take theirs in first (the only tables
-    looked up: a batch's 8,192 lookups at a page boundary cost ~4 ms). Bytes are the caller's."""
+    """Pages ``pages[i]`` (``[n, per]``, in order; a row may end in -1 padding) of ``cls`` wait in ``FreshPages`` for
+    ``table_of(i)`` (row ``rows[i]`` of ``layer``, or of ``layer[i]``), numbered from ``order`` table after table;
+    the batch's block tables take them in place. Rows whose queue cannot take theirs take the waiting ones in first
+    (the only tables looked up: a batch's 8,192 lookups at a page boundary cost ~4 ms). Bytes are the caller's."""
     n, per = pages.shape
     fresh = cols.fresh
-    for i in np.flatnonzero(fresh.full(layer, rows, per)).tolist():
+    ragged = bool((pages < 0).any())
+    counts = (pages >= 0).sum(1) if ragged else per
+    for i in np.flatnonzero(fresh.full(layer, rows, counts)).tolist():
         table_of(i).take_waiting_pages()
-    orders = np.fromiter(islice(order, n * per), np.int64, n * per).reshape(n, per)
+    total = int(np.sum(counts)) if ragged else n * per
     at_end = fresh.list_classes(layer, rows, fmt_id, cls[1])
+    layers = np.broadcast_to(layer, (n,))
     for j in range(per):
-        fresh.add(layer, rows, fmt_id, pages[:, j], cls[1])
-    cols.reuse.note_orders(np.repeat(layer, per) if np.ndim(layer) else layer, cls[0], pages.reshape(-1),
-                           orders.reshape(-1))
+        has = slice(None) if not ragged else pages[:, j] >= 0
+        fresh.add(layers[has] if np.ndim(layer) else layer, rows[has], fmt_id, pages[has, j], cls[1])
+    valid = pages >= 0  # (row-major: table after table, each table's pages in order)
+    cols.reuse.note_orders(np.repeat(layer, counts) if np.ndim(layer) else layer, cls[0], pages[valid],
+                           np.fromiter(islice(order, total), np.int64, total))
     cols.changes.append_rows(layer, rows, fmt_id, pages if per > 1 else pages[:, 0], at_end)
 
 
