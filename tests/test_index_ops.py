@@ -1,4 +1,4 @@
-"""The grouped per-index updates equal numpy's ``ufunc.at`` on drawn indices with repeats, short lists and long."""
+"""The per-index updates equal numpy's ``ufunc.at`` on drawn indices with repeats, short lists and long."""
 from __future__ import annotations
 
 import numpy as np

@@ -20,7 +20,7 @@ import numpy as np
 from trtkv.cache.accounting import ByteAccount
 from trtkv.cache.columns import Cls, PositionView, TableColumns, Where
 from trtkv.cache.fresh_pages import group_waiting
-from trtkv.cache.index_ops import split_counts
+from trtkv.cache.index_ops import add_at, split_counts
 from trtkv.cache.pool import PagePool
 from trtkv.errors import OutOfKVMemory
 
@@ -338,11 +338,13 @@ class BlockTable:
 
     @staticmethod
     def release_each(pool: PagePool, table_of: Callable[[int], BlockTable], owners: np.ndarray, rows: np.ndarray,
-                     classes: np.ndarray, pages: np.ndarray, counts: np.ndarray) -> None:
+                     classes: np.ndarray, pages: np.ndarray, counts: np.ndarray,
+                     freed: np.ndarray | None = None) -> None:
         """``release_page`` of ``counts[j]`` of ``pages`` (job by job) for each job ``j``: the emptied pages of class
         ``(pool's format, classes[j])`` of request ``owners[j]``'s table ``table_of(owners[j])`` (row ``rows[j]``;
         tables of one layer, no (table, class) twice): an event's emptied pages, the pool, reusable slots, stamps and
-        each request's bytes updated once, with no Python work a job."""
+        each request's bytes updated once, with no Python work a job. ``freed`` (indexed by owner): the bytes the
+        requests give back are added there instead, for the caller to return once for several layers."""
         if not len(owners):
             return
         first = table_of(int(owners[0]))
@@ -364,9 +366,12 @@ class BlockTable:
                 table = table_of(int(owners[j]))
                 table._catch_up()  # noqa: SLF001
                 table._remove_listed((fmt, int(classes[j])), gone)  # noqa: SLF001
-        u, inv = np.unique(owners, return_inverse=True)  # each request's bytes once
-        for i, n in zip(u.tolist(), np.bincount(inv, weights=counts).astype(np.int64).tolist()):
-            table_of(i)._account.add(-cost * n)  # noqa: SLF001
+        if freed is not None:
+            add_at(freed, owners, counts * cost)
+        else:
+            u, inv = np.unique(owners, return_inverse=True)  # each request's bytes once
+            for i, n in zip(u.tolist(), np.bincount(inv, weights=counts).astype(np.int64).tolist()):
+                table_of(i)._account.add(-cost * n)  # noqa: SLF001
         one = classes.min() == classes.max()
         for c in [int(classes[0])] if one else np.unique(classes).tolist():
             mine = pages if one else pages[np.repeat(classes == c, counts)]

@@ -134,11 +134,10 @@ def _free_slots(pool: PagePool, columns: TableColumns, layer, fmt: str, rows: np
     if not len(rel):
         return
     li = np.zeros(len(rel), np.int64) if one_layer else layer[rel]
-    r, pg = rows[rel], pages[rel]
-    key = (li * (int(r.max()) + 1) + r) * (int(pg.max()) + 1) + pg  # (layer, row, page) as one int64
-    _, first = np.unique(key, return_index=True)
-    first = np.sort(first)
-    at = rel[first]  # each emptied page at its first victim, in victim order
+    # each emptied page at its first victim, in victim order (a private page is one row's: the flat page is the key)
+    _, first = np.unique(at_page[rel], return_index=True)
+    first.sort()
+    at = rel[first]
     # a table's emptied pages of a class form one job; jobs in the order of their first page, pages in victim order
     c = classes[at] - int(classes[at].min())
     r = rows[at]
@@ -185,6 +184,7 @@ def evict_rows_layers(pools: PoolSet, columns: TableColumns, layers: np.ndarray,
     the layers."""
     layer, item, fids, pages, slots = columns.forget_rows_all(layers, rows, positions)
     names = columns.fmt_names
+    freed = np.zeros(len(seqs), np.int64)  # bytes of each request's emptied pages, over every layer
     one = len(fids) and fids.min() == fids.max()  # (one format: no selection)
     for f in [int(fids[0])] if one else sorted(np.unique(fids).tolist(), key=names.__getitem__):
         fmt = names[f]
@@ -205,9 +205,11 @@ def evict_rows_layers(pools: PoolSet, columns: TableColumns, layers: np.ndarray,
                 mine = job_layer == at
                 owners = who[first[mine]]
                 BlockTable.release_each(pools.pool(at, fmt), lambda i, at=at: seqs[i].layers[at], owners, rows[owners],
-                                        cls[mine], gone[np.repeat(mine, counts)], counts[mine])
+                                        cls[mine], gone[np.repeat(mine, counts)], counts[mine], freed)
 
         _free_slots(stack, columns, li, fmt, rows[who], pg, sl, True, release)
+    for i in np.flatnonzero(freed).tolist():  # (a request's bytes only fall here: its peak cannot move)
+        seqs[i].add_bytes(-int(freed[i]))
     return np.bincount(item, minlength=len(seqs))
 
 

@@ -1,65 +1,40 @@
-"""Per-index updates of 1-D state arrays where an index may repeat: ``np.add.at`` and its kin, without their cost;
-and ``split_counts``, ``np.split`` by piece lengths without its cost.
+"""Per-index updates of 1-D state arrays where an index may repeat (``np.add.at`` and its kin), and
+``split_counts``, ``np.split`` by piece lengths without its cost.
 
-``np.<ufunc>.at`` takes ~50 ns an element; an eviction event of a batch marks thousands of slots. Here the updates
-are grouped by index once (a sort) and each index is updated once with its group's sum, OR or maximum: the same
-result (integer sums, bit ORs and maxima do not depend on the order), a few vector passes. Short lists keep
-``.at`` (cheaper than a sort).
+numpy's ``ufunc.at`` has a fast loop (numpy >= 1.25: ~1.5 ns an element for sums and maxima, ~8 for bit
+operations) that it takes only when the values are an array or a numpy scalar of the target's own dtype; given a
+Python int or another dtype it goes element by element (~70 ns). An eviction event of a batch updates hundreds of
+thousands of slots, so these wrappers hand it the values in the target's dtype (measured, 262,144 updates of a
+200,000-entry int32 array, Zen 4: 0.4 ms, where grouping by a sort took 20 ms and a Python int 18 ms).
 """
 from __future__ import annotations
 
 import numpy as np
 
-AT_MAX = 64  # indices up to which ``ufunc.at`` is cheaper than grouping
 
-
-def _groups(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(order, unique indices, group starts in the sorted order)``."""
-    order = np.argsort(idx, kind="stable")
-    s = idx[order]
-    starts = np.flatnonzero(np.concatenate([[True], s[1:] != s[:-1]]))
-    return order, s[starts], starts
+def _as(a: np.ndarray, v) -> np.ndarray | np.generic:
+    """``v`` (a scalar or one value an index) in ``a``'s dtype, as ``ufunc.at``'s fast loop needs it."""
+    return a.dtype.type(v) if np.ndim(v) == 0 else np.asarray(v).astype(a.dtype, copy=False)
 
 
 def add_at(a: np.ndarray, idx: np.ndarray, v) -> None:
     """``np.add.at(a, idx, v)`` (``v`` a scalar or one value an index; integer ``a``)."""
-    idx = np.asarray(idx)
-    if len(idx) <= AT_MAX:
-        np.add.at(a, idx, v)
-        return
-    if np.ndim(v) == 0:
-        u, counts = np.unique(idx, return_counts=True)
-        a[u] += counts * v
-        return
-    order, u, starts = _groups(idx)
-    a[u] += np.add.reduceat(np.asarray(v)[order], starts)
+    np.add.at(a, np.asarray(idx, np.intp), _as(a, v))
 
 
 def or_at(a: np.ndarray, idx: np.ndarray, bits: np.ndarray) -> None:
     """``np.bitwise_or.at(a, idx, bits)``."""
-    if len(idx) <= AT_MAX:
-        np.bitwise_or.at(a, idx, bits)
-        return
-    order, u, starts = _groups(np.asarray(idx))
-    a[u] |= np.bitwise_or.reduceat(bits[order], starts)
+    np.bitwise_or.at(a, np.asarray(idx, np.intp), _as(a, bits))
 
 
 def clear_at(a: np.ndarray, idx: np.ndarray, bits: np.ndarray) -> None:
     """``np.bitwise_and.at(a, idx, ~bits)``: each index loses its bits."""
-    if len(idx) <= AT_MAX:
-        np.bitwise_and.at(a, idx, ~bits)
-        return
-    order, u, starts = _groups(np.asarray(idx))
-    a[u] &= ~np.bitwise_or.reduceat(bits[order], starts)
+    np.bitwise_and.at(a, np.asarray(idx, np.intp), ~_as(a, bits))
 
 
 def max_at(a: np.ndarray, idx: np.ndarray, v: np.ndarray) -> None:
     """``np.maximum.at(a, idx, v)``."""
-    if len(idx) <= AT_MAX:
-        np.maximum.at(a, idx, v)
-        return
-    order, u, starts = _groups(np.asarray(idx))
-    a[u] = np.maximum(a[u], np.maximum.reduceat(v[order], starts))
+    np.maximum.at(a, np.asarray(idx, np.intp), _as(a, v))
 
 
 def split_counts(a: np.ndarray, counts) -> list[np.ndarray]:
