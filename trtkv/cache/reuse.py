@@ -136,10 +136,11 @@ class ReusableSlots:
         lin = np.asarray(layers, np.int64) * self._rows + rows  # (layer, row) as a flat index (pool_stack.flat)
         if len(lin) > 1 and np.bincount(lin).max() == 1:  # one slot per (layer, row) (a step's one-token
             u, start, cnt = lin, np.arange(len(lin)), np.ones(len(lin), np.int64)  # evictions): no grouping
-        else:
-            order = np.lexsort((keys_new, lin))
+        else:  # grouped by (layer, row); each group's keys are sorted below, with its old ones
+            order = np.argsort(lin, kind="stable")
             lin, keys_new = lin[order], keys_new[order]
-            u, start, cnt = np.unique(lin, return_index=True, return_counts=True)
+            start = np.flatnonzero(np.concatenate([[True], lin[1:] != lin[:-1]]))
+            u, cnt = lin[start], np.diff(np.append(start, len(lin)))
         heads, ends = flat(head), flat(end)
         h = heads[u]
         old = ends[u] - h
@@ -160,8 +161,7 @@ class ReusableSlots:
             buf[:, :mo] = np.where(j < old[:, None], flat(keys)[row_at + at], _NONE)
         grp = np.repeat(np.arange(len(u)), cnt)
         buf[grp, mo + np.arange(len(lin)) - np.repeat(start, cnt)] = keys_new
-        if mo:
-            buf.sort(axis=1)
+        buf.sort(axis=1)
         width = min(buf.shape[1], W)
         flat(keys)[row_at + np.arange(width)] = buf[:, :width]
         heads[u] = 0
