@@ -26,8 +26,8 @@ def compact_many(pools: dict[str, PagePool], refs: PageRefs, seqs: list[SeqKV], 
             for p in [p for p in pages if refs.sharers(layer, cls[0], p)]:
                 refs.make_private(pools[cls[0]], seqs[0], layer, cls[0], p)
     BlockTable.catch_up_each([seq.layers[layer] for seq in seqs])
-    jobs = [(seq.layers[layer], cls, list(pages)) for seq in seqs
-            for cls, pages in list(seq.layers[layer].pages.items())]
+    # (the tables' own lists: read by the gathers below before any table cuts its own)
+    jobs = [(table, cls, pages) for table in (seq.layers[layer] for seq in seqs) for cls, pages in table.pages.items()]
     moved = 0
     for fmt in dict.fromkeys(cls[0] for _, cls, _ in jobs):
         mine = [job for job in jobs if job[1][0] == fmt]
