@@ -212,18 +212,18 @@ class Hooks:
             record(layer, hit)
             return n
 
-        def on_evict_many(layer, items):
+        def on_evict_many(layer, items, counted=True):
             hit = [hits(seq, layer, positions) for seq, positions in items]
-            counts = evict_many(cache, layer, items)
+            counts = evict_many(cache, layer, items, counted)
             assert counts == [len(h) for h in hit]
             for h in hit:
                 record(layer, h)
             return counts
 
-        def on_evict_flat(layer, seqs, positions, lens):
+        def on_evict_flat(layer, seqs, positions, lens, counted=True):
             ends = np.cumsum(lens).tolist()
             hit = [hits(seq, layer, positions[end - n:end]) for seq, n, end in zip(seqs, lens.tolist(), ends)]
-            counts = evict_flat(cache, layer, seqs, positions, lens)
+            counts = evict_flat(cache, layer, seqs, positions, lens, counted)
             assert counts == [len(h) for h in hit]
             for h in hit:
                 record(layer, h)
