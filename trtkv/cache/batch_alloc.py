@@ -106,21 +106,15 @@ def alloc_slots_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarra
         for i, ps in zip(need.tolist(), split_counts(fresh, per)):
             seqs[i].layers[layer].hold_fresh(cls, ps.tolist(), cost * len(ps))
         cols.changes.touch_rows(layer, rows[need])
-        return _opened(cols, layer, rows, need, cls, last, partial, pages, slots)
-    # the new pages wait in FreshPages, as a page boundary's do (row i's in the first per[i] columns)
-    grid = fresh[:, None] if (per == 1).all() else np.full((len(need), int(per.max())), -1, np.int64)
-    if grid.shape[1] > 1:
-        grid[np.repeat(np.arange(len(need)), per), _ranks(per)] = fresh
-    _queue_pages(lambda j: seqs[need[j]].layers[layer], cols, layer, rows[need], cols.fmt_id(cls[0]), cls, grid, order)
-    for i, n in zip(need.tolist(), per.tolist()):
-        seqs[i].account.add(cost * n)
-    return _opened(cols, layer, rows, need, cls, last, partial, pages, slots)
-
-
-def _opened(cols: TableColumns, layer: int, rows: np.ndarray, need: np.ndarray, cls: Cls, last: np.ndarray,
-            partial: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A last new page with tail left stays its class's open page (as ``new_page`` made it); ``(pages, slots)``."""
-    if partial.any():
+    else:  # they wait in FreshPages, as a page boundary's do (row i's in its first per[i] columns)
+        grid = fresh[:, None] if (per == 1).all() else np.full((len(need), int(per.max())), -1, np.int64)
+        if grid.shape[1] > 1:
+            grid[np.repeat(np.arange(len(need)), per), _ranks(per)] = fresh
+        _queue_pages(lambda j: seqs[need[j]].layers[layer], cols, layer, rows[need], cols.fmt_id(cls[0]), cls, grid,
+                     order)
+        for i, n in zip(need.tolist(), per.tolist()):
+            seqs[i].account.add(cost * n)
+    if partial.any():  # a last page with tail left stays the class's open page (as ``new_page`` made it)
         cols.set_opens(layer, rows[need[partial]], cls, last[partial])
     return pages, slots
 
@@ -217,17 +211,17 @@ def _queue_pages(table_of: Callable[[int], BlockTable], cols: TableColumns, laye
     (the only tables looked up: a batch's 8,192 lookups at a page boundary cost ~4 ms). Bytes are the caller's."""
     n, per = pages.shape
     fresh = cols.fresh
-    ragged = bool((pages < 0).any())
-    counts = (pages >= 0).sum(1) if ragged else per
+    valid = pages >= 0  # (row-major: table after table, each table's pages in order)
+    ragged = not valid.all()
+    counts = valid.sum(1) if ragged else per
     for i in np.flatnonzero(fresh.full(layer, rows, counts)).tolist():
         table_of(i).take_waiting_pages()
     total = int(np.sum(counts)) if ragged else n * per
     at_end = fresh.list_classes(layer, rows, fmt_id, cls[1])
     layers = np.broadcast_to(layer, (n,))
     for j in range(per):
-        has = slice(None) if not ragged else pages[:, j] >= 0
+        has = valid[:, j] if ragged else slice(None)
         fresh.add(layers[has] if np.ndim(layer) else layer, rows[has], fmt_id, pages[has, j], cls[1])
-    valid = pages >= 0  # (row-major: table after table, each table's pages in order)
     cols.reuse.note_orders(np.repeat(layer, counts) if np.ndim(layer) else layer, cls[0], pages[valid],
                            np.fromiter(islice(order, total), np.int64, total))
     cols.changes.append_rows(layer, rows, fmt_id, pages if per > 1 else pages[:, 0], at_end)

@@ -186,8 +186,10 @@ class TierStore:
         if (self.cap is not None or tier == TIER_HOST_Q or len({id(s) for s in seqs}) < len(seqs)
                 or any(p.group_specs for layer in layers for p in self.dev.pools[layer].values())
                 or any(st is not None and any(st.orig_fmt[layer] for layer in layers) for st in records)):
-            return np.array([sum(self.place(seq, layer, pos, tier, fmt) for layer in layers) for seq, pos in jobs],
-                            np.int64)
+            counts = np.zeros(len(jobs), np.int64)
+            for layer in layers:  # (layer by layer, each layer's jobs in turn: a host cap fails at the same move)
+                counts += [self.place(seq, layer, pos, tier, fmt) for seq, pos in jobs]
+            return counts
         pos = [np.asarray(p, np.int64).reshape(-1) for _, p in jobs]
         lens = np.fromiter(map(len, pos), np.int64, len(pos))
         flat = np.concatenate(pos) if pos else np.empty(0, np.int64)
