@@ -91,6 +91,46 @@ def test_split_across_tiers_equals_single_tier(fmt, copy):
     torch.testing.assert_close(attend(cache, seqs, q), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_staging_kept_across_steps_follows_the_tiers():
+    """One staging over several steps (CPU keeps a layer's batch tables and statistic positions while its host tier
+    and the batch stay the same): every step attends exactly the tokens the tiers hold now — after tokens move either
+    way between steps, after a move in one layer only, and after the batch changes."""
+    gen = torch.Generator().manual_seed(3)
+    cache = make_cache()
+    seqs = [fill(cache, 0, 40, "fp32", gen), fill(cache, 1, 24, "fp32", gen)]
+    q = torch.randn(2, HQ, D, generator=gen)
+    ref = attend(cache, seqs, q)
+    tiers, staging = cache.tiers, HostStaging(cache)
+    rng = np.random.default_rng(3)
+
+    def step(batch, qb=q):
+        staging.begin_step(batch)
+        outs = []
+        for layer in range(L):
+            staged = staging.sources(layer, L)
+            out, stats = decode_attention(cache, layer, batch, qb, 0.25, [True] * len(batch),
+                                          [False] * len(batch), staged,
+                                          staged_positions=staging.positions if staged else None)
+            for seq, ls in zip(batch, stats):  # the statistics' columns: every held token once, wherever it lies
+                held = np.union1d(cache.live_positions(seq, layer), tiers.host_positions(seq, layer))
+                assert np.array_equal(np.sort(ls.positions), held)
+            outs.append(out)
+        staging.end_step()
+        return torch.stack(outs)
+
+    moves = [(0, None, TIER_HOST), (1, None, TIER_HOST), (0, 1, TIER_DEVICE), (1, 0, TIER_HOST), (0, None, TIER_DEVICE)]
+    for i, layer_only, tier in moves:
+        torch.testing.assert_close(step(seqs), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(step(seqs), ref, rtol=1e-5, atol=1e-5)  # (a step with the stages kept)
+        seq = seqs[i]
+        for layer in range(L) if layer_only is None else [layer_only]:
+            pool = cache.live_positions(seq, layer) if tier == TIER_HOST else tiers.host_positions(seq, layer)
+            if len(pool):
+                tiers.place(seq, layer, rng.choice(pool, size=(len(pool) + 1) // 2, replace=False), tier)
+    torch.testing.assert_close(step(seqs[::-1], q.flip(0)), ref.flip(1), rtol=1e-5, atol=1e-5)  # (other batches)
+    torch.testing.assert_close(step(seqs[1:], q[1:]), ref[:, 1:], rtol=1e-5, atol=1e-5)
+
+
 def test_compressed_tier_is_close_not_exact_and_smaller():
     gen = torch.Generator().manual_seed(1)
     cache = make_cache()

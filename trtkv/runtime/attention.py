@@ -83,7 +83,7 @@ def _finite_lse(lse: torch.Tensor) -> torch.Tensor:
 def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: torch.Tensor, sm_scale: float,
                      want_stats: list[bool], want_sparsity: list[bool], staged: list | None = None,
                      clock=None, batch_form: bool = False, shards: HeadShards | None = None,
-                     batch_weights: bool = True, deferred: list | None = None
+                     batch_weights: bool = True, deferred: list | None = None, staged_positions=None
                      ) -> tuple[torch.Tensor, list[LayerStats | None] | BatchLayerStats | None]:
     """``staged``: the host tiers' pages of this layer copied to the device (``runtime/staging.py``), as
     ``(pool, block_table, scales)``; attended by the same plugin and merged like another format.
@@ -95,7 +95,9 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     statistics cover every rank's heads (one gather of the logits and log-sum-exps), so every rank's policy sees
     what one rank would. ``deferred`` (batch form): when the layer has one source, its positions and counts are not
     read here but left None and ``(layer, pool, block table)`` appended, for ``resolve_positions`` to read every
-    layer's at once before anyone looks (the caller guarantees nothing changes the layer's slots in between)."""
+    layer's at once before anyone looks (the caller guarantees nothing changes the layer's slots in between).
+    ``staged_positions``: returns ``source_positions`` of ``staged`` (the staging keeps them while its host tier
+    stays the same); None: read here."""
     lap = clock.switch if clock is not None else _no_clock
     parts, logit_parts = [], []
     any_stats = any(want_stats) or any(want_sparsity)
@@ -117,7 +119,12 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         deferred.append((layer, sources[0][0], sources[0][1]))
         logit_parts = [(logit_parts[0], None)]
     elif any_stats:
-        positions, counts = source_positions([(pool, bt) for pool, bt, _ in sources], len(seqs))
+        own = len(sources) - len(staged or ())
+        positions, counts = source_positions([(pool, bt) for pool, bt, _ in sources[:own]], len(seqs))
+        if staged:
+            more, n = staged_positions() if staged_positions is not None else source_positions(
+                [(pool, bt) for pool, bt, _ in staged], len(seqs))
+            positions, counts = positions + more, counts + n
         if len(logit_parts) < len(positions):  # one launch's logits hold every source's columns, side by side
             positions = [np.concatenate(positions, axis=1)]
         logit_parts = list(zip(logit_parts, positions))

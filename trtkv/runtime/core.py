@@ -362,7 +362,8 @@ class EngineCore:
                                        [True] * len(seqs) if force else want_w,
                                        [True] * len(seqs) if force and fs.sparsity else want_s, staged, clk,
                                        batch_form=step.batch is not None, shards=self.shards,
-                                       batch_weights=self.policy.batch_weights, deferred=step.deferred)
+                                       batch_weights=self.policy.batch_weights, deferred=step.deferred,
+                                       staged_positions=self.staging.positions if staged else None)
         if staged is not None:
             self.staging.release(layer)
         if step.batch is not None:

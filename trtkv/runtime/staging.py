@@ -13,8 +13,10 @@ on an H200; the copy/compute overlap is not measured.
 
 CPU: the host and the device are one memory, so by default nothing is copied: the attention kernel reads the
 host pools where they are, through block tables of the batch's rows (at 32 layers × 256 requests ~4 ms a step
-less bookkeeping, attention unchanged). ``HostStaging(cache, copy=True)`` stages through the copy path
-synchronously instead, so the CUDA path's indexing, block tables and merge stay tested without a GPU.
+less bookkeeping, attention unchanged). A layer's batch tables and their positions are kept from step to step
+while its host tier and the batch stay the same (tiers change only at a policy's events).
+``HostStaging(cache, copy=True)`` stages through the copy path synchronously instead, so the CUDA path's
+indexing, block tables and merge stay tested without a GPU.
 
 A policy may move tokens between tiers after a layer was prefetched (``before_attention``); every stage
 records the host tiers' per-layer versions and is redone synchronously when they changed.
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 from trtkv.cache.manager import KVCacheManager, SeqKV
+from trtkv.runtime.attention import source_positions
 
 
 def _batch_table(b: int, at: np.ndarray, table: np.ndarray) -> np.ndarray:
@@ -58,8 +61,10 @@ class _Stage:
     sources: list  # [(StagedPool, block_table, LayerScales)]
     versions: tuple
     nbytes: np.ndarray  # bytes staged per request (batch order)
+    total: int = 0  # their sum
     event: object = None  # CUDA: the copy-done event the compute stream waits on
-    seconds: float = 0.0
+    seconds: float = 0.0  # staging time not yet accounted (a stage kept for later steps costs them nothing)
+    positions: tuple | None = None  # source_positions of the sources, once a statistic asked
 
 
 class _Buffer:
@@ -104,10 +109,14 @@ class HostStaging:
         self.step_bytes = np.zeros(0, np.int64)  # this step's staged bytes per request of the batch
         self.step_seconds = np.zeros(0)  # CPU: this step's copy time per request (each layer's, shared by bytes)
         self._records: tuple | None = None  # (TierStore.records, host records, their batch rows) of the batch
+        self._batch_ids: tuple[int, ...] = ()
+        self._batch_number = 0  # changes when a step's batch is not the previous step's
+        self._kept: dict[int, tuple[tuple, _Stage]] = {}  # CPU, no copy: layer -> (key, stage) from earlier steps
+        self._current: _Stage | None = None  # the stage acquire handed out last
 
     def _host_batch(self) -> tuple[list, np.ndarray]:
-        """The batch's host-tier records (requests of the host cache) and their rows in the batch: looked up once
-        a step, again only when a record appeared or went (a policy may demote in ``before_attention``)."""
+        """The batch's host-tier records (requests of the host cache) and their rows in the batch: looked up again
+        only when the batch changed or a record appeared or went (a policy may demote in ``before_attention``)."""
         tiers = self.cache.tiers
         if self._records is None or self._records[0] != tiers.records:
             recs = tiers.host_records(self.batch)
@@ -121,10 +130,14 @@ class HostStaging:
 
     # --- the per-layer protocol used by EngineCore.decode_step -------------------------------------
     def begin_step(self, seqs: list[SeqKV]) -> None:
+        ids = tuple(s.seq_id for s in seqs)
+        if ids != self._batch_ids:
+            self._batch_ids, self._batch_number = ids, self._batch_number + 1
+            self._records = None
+            self._kept.clear()
         self.batch = list(seqs)
         self.pending.clear()
         self.stepping = False
-        self._records = None
         self.step_bytes = np.zeros(len(seqs), np.int64)
         self.step_seconds = np.zeros(len(seqs))
 
@@ -144,9 +157,18 @@ class HostStaging:
         if self.cuda and stage.event is not None:
             torch.cuda.current_stream(self.device).wait_event(stage.event)
         self._account(stage)
+        self._current = stage
         if layer + 1 < num_layers:
             self.pending[layer + 1] = self._stage(layer + 1)
         return stage.sources
+
+    def positions(self) -> tuple[list[np.ndarray], np.ndarray]:
+        """``source_positions`` of the sources ``acquire`` handed out last (the statistics' columns), kept with
+        the stage while it is kept."""
+        stage = self._current
+        if stage.positions is None:
+            stage.positions = source_positions([(pool, bt) for pool, bt, _ in stage.sources], len(self.batch))
+        return stage.positions
 
     def release(self, layer: int) -> None:
         """Attention of ``layer`` is enqueued: its buffer may be rewritten once that attention finishes."""
@@ -178,6 +200,18 @@ class HostStaging:
         return tiers.records, int(tiers.layer_versions[layer])
 
     def _stage(self, layer: int) -> _Stage:
+        if self.copy:
+            return self._staged(layer)
+        # the kernel reads the host pools in place: the batch tables stay right until the layer's host tier changes
+        key = (self._batch_number, *self._versions(layer))
+        kept = self._kept.get(layer)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        stage = self._staged(layer)
+        self._kept[layer] = (key, stage)
+        return stage
+
+    def _staged(self, layer: int) -> _Stage:
         tiers = self.cache.tiers
         host = tiers.host
         buf = self.buffers[layer % 2]
@@ -234,7 +268,7 @@ class HostStaging:
             staged = StagedPool(hpool.fmt, hpool.B, hpool.H, hpool.D, fields, groups, k_group, valid,
                                 hpool.slot_pos[flat])
             sources.append((staged, torch.from_numpy(staged_table).to(self.device), host.layer_scales(layer, fmt)))
-        stage = _Stage(sources, self._versions(layer), nbytes=nbytes)
+        stage = _Stage(sources, self._versions(layer), nbytes=nbytes, total=int(nbytes.sum()))
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record(self.copy_stream)
@@ -245,11 +279,12 @@ class HostStaging:
         return stage
 
     def _account(self, stage: _Stage) -> None:
-        total = int(stage.nbytes.sum())
+        total = stage.total
         self.bytes_staged += total
         if not self.cuda:
             self.copy_seconds += stage.seconds
         if total:
             self.step_bytes += stage.nbytes
-            if not self.cuda:
+            if not self.cuda and stage.seconds:
                 self.step_seconds += stage.seconds * stage.nbytes / total
+        stage.seconds = 0.0
