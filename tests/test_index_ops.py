@@ -1,9 +1,11 @@
-"""The per-index updates equal numpy's ``ufunc.at`` on drawn indices with repeats, short lists and long."""
+"""The per-index updates equal numpy's ``ufunc.at`` on drawn indices with repeats, short lists and long; a batch's
+byte charges equal one ``add`` each."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from trtkv.cache.accounting import ByteAccount
 from trtkv.cache.index_ops import add_at, clear_at, max_at, or_at, split_counts
 
 
@@ -36,3 +38,22 @@ def test_split_counts_is_np_split_by_lengths():
         got = split_counts(a, counts)
         want = np.split(a, np.cumsum(counts)[:-1])
         assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_byte_account_add_each_is_add_of_each(seed):
+    """A batch's charges in one loop leave every account's bytes and peak as ``add`` of each in turn would, with
+    one amount for all (a numpy integer too) or one each, up and down."""
+    rng = np.random.default_rng(seed)
+    start = rng.integers(0, 1000, 6).tolist()
+    one, each = [ByteAccount(s) for s in start], [ByteAccount(s) for s in start]
+    for _ in range(5):
+        amounts = rng.integers(-300, 300, 6)
+        ByteAccount.add_each(one, amounts.tolist())
+        for a, n in zip(each, amounts.tolist()):
+            a.add(n)
+        same = rng.integers(-300, 300)
+        ByteAccount.add_each(one[::2], same)
+        for a in each[::2]:
+            a.add(int(same))
+    assert [(a.bytes, a.peak) for a in one] == [(a.bytes, a.peak) for a in each]

@@ -13,6 +13,7 @@ from itertools import islice
 
 import numpy as np
 
+from trtkv.cache.accounting import ByteAccount
 from trtkv.cache.block_table import BlockTable, held_page_bytes
 from trtkv.cache.columns import Cls, TableColumns
 from trtkv.cache.fresh_pages import DEPTH as FRESH_DEPTH
@@ -112,8 +113,7 @@ def alloc_slots_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarra
             grid[np.repeat(np.arange(len(need)), per), _ranks(per)] = fresh
         _queue_pages(lambda j: seqs[need[j]].layers[layer], cols, layer, rows[need], cols.fmt_id(cls[0]), cls, grid,
                      order)
-        for i, n in zip(need.tolist(), per.tolist()):
-            seqs[i].account.add(cost * n)
+        ByteAccount.add_each([seqs[i].account for i in need.tolist()], (cost * per).tolist())
     if partial.any():  # a last page with tail left stays the class's open page (as ``new_page`` made it)
         cols.set_opens(layer, rows[need[partial]], cls, last[partial])
     return pages, slots
@@ -141,9 +141,7 @@ def open_fresh_pages(seqs: list, cols: TableColumns, layer: int, rows: np.ndarra
         _each_opens_its_own(seqs, layer, need, pool, cls)
         return
     _queue_layers(seqs, cols, rows, [(layer, need, pages)], cls, order)
-    cost = held_page_bytes(pool)
-    for i in need.tolist():
-        seqs[i].account.add(cost)
+    ByteAccount.add_each([seqs[i].account for i in need.tolist()], held_page_bytes(pool))
 
 
 def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, short: np.ndarray,
@@ -165,8 +163,8 @@ def open_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, sh
         taken.append((layer, need, pages))
         charge[need] += held_page_bytes(pool)
     _queue_layers(seqs, cols, rows, taken, cls, order)
-    for i in np.flatnonzero(charge).tolist():
-        seqs[i].account.add(int(charge[i]))
+    at = np.flatnonzero(charge)
+    ByteAccount.add_each([seqs[i].account for i in at.tolist()], charge[at].tolist())
 
 
 def _each_opens_its_own(seqs: list, layer: int, need: np.ndarray, pool: PagePool, cls: Cls) -> None:
@@ -198,9 +196,7 @@ def add_fresh_pages_each(seqs: list, cols: TableColumns, layer: int, rows: np.nd
     table as ``hold_fresh`` numbers them, and the batch's block tables take them in place; each request is charged
     once (``extra`` more bytes with them: its key-scale group)."""
     _queue_pages(lambda j: seqs[j].layers[layer], cols, layer, rows, cols.fmt_id(cls[0]), cls, pages, order)
-    cost = pages.shape[1] * held_page_bytes(pool) + extra
-    for s in seqs:
-        s.account.add(cost)
+    ByteAccount.add_each([s.account for s in seqs], pages.shape[1] * held_page_bytes(pool) + extra)
 
 
 def _queue_pages(table_of: Callable[[int], BlockTable], cols: TableColumns, layer: int | np.ndarray, rows: np.ndarray,

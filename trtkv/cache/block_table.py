@@ -370,8 +370,8 @@ class BlockTable:
             add_at(freed, owners, counts * cost)
         else:
             u, inv = np.unique(owners, return_inverse=True)  # each request's bytes once
-            for i, n in zip(u.tolist(), np.bincount(inv, weights=counts).astype(np.int64).tolist()):
-                table_of(i)._account.add(-cost * n)  # noqa: SLF001
+            ByteAccount.add_each([table_of(i)._account for i in u.tolist()],  # noqa: SLF001
+                                 (-cost * np.bincount(inv, weights=counts).astype(np.int64)).tolist())
         one = classes.min() == classes.max()
         for c in [int(classes[0])] if one else np.unique(classes).tolist():
             mine = pages if one else pages[np.repeat(classes == c, counts)]

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from trtkv.cache.accounting import ByteAccount
 from trtkv.cache.block_table import BlockTable
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.forks import PageRefs
@@ -247,6 +248,6 @@ def decref_groups_many(seqs: list[SeqKV], pool: PagePool, gids: np.ndarray, boun
     order = np.argsort(last, kind="stable")  # by each group's last victim
     u, counts, last = u[order], counts[order], last[order]
     freed = pool.decref_groups_ordered(u, counts)
-    for i, n in enumerate(np.bincount(owner[last[freed]], minlength=len(seqs)).tolist()):
-        if n:
-            seqs[i].add_bytes(-pool.group_bytes * n)
+    n = np.bincount(owner[last[freed]], minlength=len(seqs))
+    at = np.flatnonzero(n)
+    ByteAccount.add_each([seqs[i].account for i in at.tolist()], (-pool.group_bytes * n[at]).tolist())

@@ -117,8 +117,9 @@ class TierStore:
         """Device bytes of the two one-layer staging buffers this request needs (its largest layer's host
         pages, double-buffered so layer l+1 can be copied while layer l computes)."""
         st = self.seqs.get(seq.seq_id)
-        if st is None:
-            return 0
+        return 0 if st is None else self._staging_of(st)
+
+    def _staging_of(self, st: SeqTiers) -> int:
         key = (st.version, st.host.kv_bytes)  # (the host pages change only with these)
         if st.staging[:2] == key:
             return st.staging[2]
@@ -135,10 +136,17 @@ class TierStore:
         return tier_stats(seq, self.dev.cfg.num_layers, self.seqs.get(seq.seq_id), self.staging_bytes(seq))
 
     def note_peaks(self, seq: SeqKV) -> None:
-        st = self.seqs.get(seq.seq_id)
-        if st is not None:
-            st.peak_host_bytes = max(st.peak_host_bytes, st.host.kv_bytes)
-            st.peak_device_bytes = max(st.peak_device_bytes, seq.kv_bytes + self.staging_bytes(seq))
+        self.note_peaks_many([seq])
+
+    def note_peaks_many(self, seqs: list[SeqKV]) -> None:
+        """Each request's host bytes and device bytes with its staging, where they are past its peaks (once a
+        decode step, for the batch)."""
+        get = self.seqs.get
+        for seq in seqs:
+            st = get(seq.seq_id)
+            if st is not None:
+                st.peak_host_bytes = max(st.peak_host_bytes, st.host.kv_bytes)
+                st.peak_device_bytes = max(st.peak_device_bytes, seq.kv_bytes + self._staging_of(st))
 
     # --- moves --------------------------------------------------------------------------------
     def place(self, seq: SeqKV, layer: int, positions, tier: int, fmt: str | None = None) -> int:

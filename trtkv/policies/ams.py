@@ -332,11 +332,12 @@ class AMSPolicy(KVPolicy):
         their last queries ``(q [k, m, Hq, D], positions [k, m])``: ``(m_used, scorer scores)``, ``[k, T]`` each,
         for all of them at once (updates their credit and window shares)."""
         T = pos.shape[1]
-        keys, values = reqs[0].kv_rows(layer, reqs, pos)
+        keys = reqs[0].keys_rows(layer, reqs, pos)  # (values only for a scorer without a batch form)
         w_eff, rows_all = self.window_evidence(reqs, layer, pos, keys, queries)
         m_used = self._masses_rows(reqs, layer, pos, rows_all[:, -w_eff:], H).cpu().numpy()
         g_rows = self._scorer.score_evidence_rows(rows_all, H)
         if g_rows is None:  # a scorer without a batch form: request by request
+            keys, values = reqs[0].kv_rows(layer, reqs, pos)
             g_rows = torch.stack([self._score_one(req, layer, pos[j], rows_all[j], keys[j], values[j],
                                                   (queries[0][j], queries[1][j])) for j, req in enumerate(reqs)])
         share = m_used[:, T - w_eff:].sum(1) / np.maximum(m_used.sum(1), 1e-30)

@@ -63,6 +63,8 @@ class PolicyRequest(Protocol):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv`` of paged ``positions[i] [n]`` of ``reqs[i]`` (requests of this one's batch) in one read:
         ``k, v [len(reqs), n, H, D]``."""
+    def keys_rows(self, layer: int, reqs: list["PolicyRequest"], positions: np.ndarray) -> torch.Tensor:
+        """``kv_rows``' keys alone: ``[len(reqs), n, H, D]``."""
     def keys(self, layer: int, positions) -> torch.Tensor: ...
     def keys_padded(self, layer: int, jobs: list[tuple["PolicyRequest", Any]], rows: int) -> torch.Tensor:
         """``keys`` of ``(request, positions)`` jobs of requests in this one's batch as one ``[J, rows, H, D]``

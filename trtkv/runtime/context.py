@@ -104,6 +104,13 @@ class RequestContext:
         kv = self._shards.gather(torch.stack([k, v]), 3)  # one collective for both
         return kv[0], kv[1]
 
+    def keys_rows(self, layer: int, reqs: list["RequestContext"], positions: np.ndarray) -> torch.Tensor:
+        """``kv_rows``' keys alone (no value is read)."""
+        k_n = positions.shape
+        k = self._cache.gather_keys_flat(layer, self._seqs(reqs), positions.reshape(-1), np.full(k_n[0], k_n[1]))
+        k = k.view(*k_n, *k.shape[1:])
+        return k if self._shards is None else self._shards.gather(k, 3)
+
     def kv_local(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv`` of the heads this rank's cache holds (all of them without tensor parallelism): what the runtime
         attends over (ArborKV's rehydration), where a policy reads ``kv``."""

@@ -443,8 +443,7 @@ class EngineCore:
             if n > r.peak_live_tokens:
                 r.peak_live_tokens = n
         if self.cache.has_tiers:
-            for c in ctxs:
-                self.cache.tiers.note_peaks(c.seq)
+            self.cache.tiers.note_peaks_many(seqs)
         for o in self.observers:
             o.on_step_end(reqs)
         if clk is not None:
