@@ -221,7 +221,8 @@ def test_random_write_evict_demote_promote(ops, eviction, demote):
        data=st.data())
 def test_place_many_matches_one_request_at_a_time(lens, eviction, data):
     """A batch's moves (``TierStore.place_many``: one copy a format for every request) leave every token in the
-    tier, with the values and byte counts, that moving the requests one at a time gives."""
+    tier, with the values and byte counts, that moving the requests one at a time gives; the batch's staging sizes
+    (counted from block tables) are the page lists' sizes."""
     from trtkv.runtime.context import RequestContext
 
     caches = [make_cache(eviction=eviction), make_cache(eviction=eviction)]
@@ -238,6 +239,10 @@ def test_place_many_matches_one_request_at_a_time(lens, eviction, data):
         got = ctxs[0][0].place_many(layer, list(zip(ctxs[0], picks)), tier)
         want = [ctx.place(layer, p, tier) for ctx, p in zip(ctxs[1], picks)]
         assert got == want
+        # the staging sizes and peaks: the batch's from the host's block tables, one by one from its page lists
+        caches[0].tiers.note_peaks_many([caches[0].seqs[sid] for sid in range(len(lens))])
+        for sid in range(len(lens)):
+            caches[1].tiers.note_peaks(caches[1].seqs[sid])
         for sid, n in enumerate(lens):
             seqs = [c.seqs[sid] for c in caches]
             for lay in range(L):

@@ -137,6 +137,19 @@ class CacheReads:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""
         return self._batch_tables.get(self.pools[layer], layer, seqs, self.columns, self.rows(seqs))
 
+    def page_bytes_layers(self, seqs: list[SeqKV]) -> np.ndarray:
+        """``[layers, b]``: the bytes of the pages each of ``seqs`` holds in every layer (the pages alone), counted
+        from the batch's block tables (``BlockTableCache.page_counts``), not from the tables' page lists."""
+        L = len(self.pools)
+        fmts = list(dict.fromkeys(fmt for layer in range(L) for fmt in self.pools[layer]))
+        counts = self._batch_tables.page_counts(seqs, self.columns, self.rows(seqs), fmts)
+        out = np.zeros((L, len(seqs)), np.int64)
+        for fmt, n in counts.items():
+            size = np.fromiter((self.pools[layer][fmt].page_bytes if fmt in self.pools[layer] else 0
+                                for layer in range(L)), np.int64, L)
+            out += n * size[:, None]
+        return out
+
     def table_positions_layers(self, tables: list[tuple[PagePool, torch.Tensor]]
                                ) -> tuple[np.ndarray, np.ndarray] | None:
         """The positions behind every layer's block table (``tables[layer]``, as ``block_tables`` gave it) in one

@@ -169,16 +169,11 @@ class BlockTableCache:
         if last is not None and last[1] == clock and (last[0] is rows or np.array_equal(last[0], rows)):
             return last[2]  # no page list of this layer changed since, the same requests
         tables = self._tables
-        tables.fit(int(rows.max()) + 1, pools)
         current = self._current
         if current is None or current[0] is not rows or current[1][layer] != clock:
-            stamps = columns.changes.stamps_layers(rows)
-            at_layer, at = np.nonzero(tables.seen[:, rows] != stamps)
-            if len(at):
-                self._bring_up_to_date(tables, at_layer, seqs, at, columns, rows[at])
-                tables.seen[at_layer, rows[at]] = stamps[at_layer, at]
-            # every layer's rows now up to date: a layer whose clock has not moved since needs no look
-            self._current = (rows, columns.changes.layer_clocks())
+            self._up_to_date(seqs, columns, rows, pools)
+        else:
+            tables.fit(int(rows.max()) + 1, pools)
         out = []
         for fmt, pool in pools.items():
             width = int(tables.lens[fmt][layer, rows].max(initial=0))
@@ -186,6 +181,25 @@ class BlockTableCache:
                 out.append((pool, torch.from_numpy(tables.pages[fmt][layer, rows, :width]).to(pool.device)))
         self._last[layer] = (rows, clock, out)
         return out
+
+    def page_counts(self, seqs: list[SeqKV], columns: TableColumns, rows: np.ndarray, fmts) -> dict[str, np.ndarray]:
+        """The pages of each format of ``fmts`` that each of ``rows`` (``seqs``' rows in ``columns``) holds in every
+        layer, ``[layers, b]`` (a copy): the rows brought up to date as ``get`` does, their page lists not read where
+        their changes since are known."""
+        self._up_to_date(seqs, columns, rows, fmts)
+        return {fmt: self._tables.lens[fmt][:, rows] for fmt in fmts}
+
+    def _up_to_date(self, seqs: list[SeqKV], columns: TableColumns, rows: np.ndarray, fmts) -> None:
+        """Every layer's ``rows`` brought up to date (the batch ``get`` then reads: ``rows`` itself)."""
+        tables = self._tables
+        tables.fit(int(rows.max()) + 1, fmts)
+        stamps = columns.changes.stamps_layers(rows)
+        at_layer, at = np.nonzero(tables.seen[:, rows] != stamps)
+        if len(at):
+            self._bring_up_to_date(tables, at_layer, seqs, at, columns, rows[at])
+            tables.seen[at_layer, rows[at]] = stamps[at_layer, at]
+        # every layer's rows now up to date: a layer whose clock has not moved since needs no look
+        self._current = (rows, columns.changes.layer_clocks())
 
     @staticmethod
     def _bring_up_to_date(tables: _RowTables, layers: np.ndarray, seqs: list[SeqKV], stale: np.ndarray,

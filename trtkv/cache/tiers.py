@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trtkv.cache.block_table import BlockTable
 from trtkv.cache.pool_set import PoolSet
 from trtkv.cache.sequence import SeqKV
 from trtkv.cache.tier_copy import CacheLike, encode_copy, raw_copy, raw_copy_flat
@@ -141,9 +140,13 @@ class TierStore:
     def note_peaks_many(self, seqs: list[SeqKV]) -> None:
         """Each request's host bytes and device bytes with its staging, where they are past its peaks (once a
         decode step, for the batch)."""
-        get = self.seqs.get
-        for seq in seqs:
-            st = get(seq.seq_id)
+        recs = list(map(self.seqs.get, (seq.seq_id for seq in seqs)))
+        moved = [st for st in recs if st is not None and st.staging[:2] != (st.version, st.host.kv_bytes)]
+        if len(moved) > 1:  # (after an event: their sizes from the host's block tables, not its page lists)
+            per_layer = self.host.page_bytes_layers([st.host for st in moved])
+            for st, b in zip(moved, per_layer.max(0, initial=0).tolist()):
+                st.staging = (st.version, st.host.kv_bytes, 2 * b)
+        for seq, st in zip(seqs, recs):
             if st is not None:
                 st.peak_host_bytes = max(st.peak_host_bytes, st.host.kv_bytes)
                 st.peak_device_bytes = max(st.peak_device_bytes, seq.kv_bytes + self._staging_of(st))
@@ -242,8 +245,6 @@ class TierStore:
                 hosts = [self.record(s).host for s in devs]
                 moved[movers] += raw_copy_flat(self.dev, devs, self.host, hosts, layer, moving, k)
                 counts[movers] += self.dev.evict_flat(layer, devs, moving, k, counted=False)
-            # the host tables take their new and leaving pages now, in one pass (staging_bytes reads their lists)
-            BlockTable.catch_up_each([h.layers[layer] for h in hosts])
             seconds[movers] += (time.perf_counter() - t0) * k / max(1, int(k.sum()))
             changed[movers] += 1
             self.layer_versions[layer] += 1
