@@ -373,11 +373,18 @@ class KVCacheManager(CacheReads):
         if counted:
             self._count_evicted([s for s, _ in items], counts)
         if self.cfg.eviction == "compact":  # every request that lost tokens, in order, each once
-            hit = {id(seq): seq for (seq, _), n in zip(items, counts) if n}
-            if hit:
-                self.compaction_moves += compaction.compact_many(self.pools[layer], self.refs, list(hit.values()),
-                                                                 layer)
+            hit = list({id(seq): seq for (seq, _), n in zip(items, counts) if n}.values())
+            moved = self._compact_rows(layer, hit) if len(hit) > 1 and not len(self.refs) else None
+            if moved is None and hit:
+                moved = compaction.compact_many(self.pools[layer], self.refs, hit, layer)
+            self.compaction_moves += moved or 0
         return counts
+
+    def _compact_rows(self, layer: int, seqs: list[SeqKV]) -> int | None:
+        """``compaction.compact_rows`` of ``seqs`` from the batch's block tables (None: not done)."""
+        rows = self.rows(seqs)
+        tables = self._batch_tables.layer_rows(seqs, self.columns, rows, layer, list(self.pools[layer]))
+        return compaction.compact_rows(self.pools[layer], self.columns, seqs, rows, layer, tables)
 
     def evict_flat(self, layer: int, seqs: list[SeqKV], positions: np.ndarray, lens: np.ndarray,
                    counted: bool = True) -> list[int]:

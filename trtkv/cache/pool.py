@@ -470,10 +470,15 @@ class PagePool:
         that list, in one pass; returns their tokens' positions, new pages and slots concatenated list by list,
         how many each list keeps, and how many tokens' codes were copied in all. Pages past each list's live
         ones end empty (the caller releases them)."""
-        B = self.B
         lens = np.fromiter(map(len, page_lists), np.int64, len(page_lists))
         pg = np.concatenate(page_lists).astype(np.int64) if len(page_lists) > 1 else np.asarray(page_lists[0],
                                                                                                    np.int64)
+        return self.compact_pages_flat(pg, lens)
+
+    def compact_pages_flat(self, pg: np.ndarray, lens: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """``compact_pages_many`` of the lists concatenated: ``lens[j]`` of ``pg`` (int64) are list ``j``'s."""
+        B = self.B
         at, ss = self._live_at(pg)  # page, then slot order
         sp = pg[at]
         job = np.repeat(np.arange(len(lens)), lens)[at]

@@ -189,6 +189,17 @@ class BlockTableCache:
         self._up_to_date(seqs, columns, rows, fmts)
         return {fmt: self._tables.lens[fmt][:, rows] for fmt in fmts}
 
+    def layer_rows(self, seqs: list[SeqKV], columns: TableColumns, rows: np.ndarray, layer: int, fmts
+                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Each format's pages of ``rows`` in ``layer`` (``[b, width]``, -1 padded, each row in its table's order)
+        and their counts ``[b]`` (copies), the rows brought up to date as ``get`` does."""
+        self._up_to_date(seqs, columns, rows, fmts)
+        out = {}
+        for fmt in fmts:
+            lens = self._tables.lens[fmt][layer, rows]
+            out[fmt] = (self._tables.pages[fmt][layer, rows, :int(lens.max(initial=0))].copy(), lens.copy())
+        return out
+
     def _up_to_date(self, seqs: list[SeqKV], columns: TableColumns, rows: np.ndarray, fmts) -> None:
         """Every layer's ``rows`` brought up to date (the batch ``get`` then reads: ``rows`` itself)."""
         tables = self._tables
