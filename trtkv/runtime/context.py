@@ -109,7 +109,7 @@ class RequestContext:
         k_n = positions.shape
         k = self._cache.gather_keys_flat(layer, self._seqs(reqs), positions.reshape(-1), np.full(k_n[0], k_n[1]))
         k = k.view(*k_n, *k.shape[1:])
-        return k if self._shards is None else self._shards.gather(k, 3)
+        return k if self._shards is None else self._shards.gather(k, 2)  # (the KV heads)
 
     def kv_local(self, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv`` of the heads this rank's cache holds (all of them without tensor parallelism): what the runtime
