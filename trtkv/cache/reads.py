@@ -197,7 +197,7 @@ class BlockTableCache:
         out = {}
         for fmt in fmts:
             lens = self._tables.lens[fmt][layer, rows]
-            out[fmt] = (self._tables.pages[fmt][layer, rows, :int(lens.max(initial=0))].copy(), lens.copy())
+            out[fmt] = (self._tables.pages[fmt][layer, rows, :int(lens.max(initial=0))], lens)  # (indexed: copies)
         return out
 
     def _up_to_date(self, seqs: list[SeqKV], columns: TableColumns, rows: np.ndarray, fmts) -> None:

@@ -109,9 +109,8 @@ class HostStaging:
         self.step_bytes = np.zeros(0, np.int64)  # this step's staged bytes per request of the batch
         self.step_seconds = np.zeros(0)  # CPU: this step's copy time per request (each layer's, shared by bytes)
         self._records: tuple | None = None  # (TierStore.records, host records, their batch rows) of the batch
-        self._batch_ids: tuple[int, ...] = ()
-        self._batch_number = 0  # changes when a step's batch is not the previous step's
-        self._kept: dict[int, tuple[tuple, _Stage]] = {}  # CPU, no copy: layer -> (key, stage) from earlier steps
+        self._batch_ids: tuple[int, ...] = ()  # the previous step's requests (kept stages are that batch's)
+        self._kept: dict[int, tuple[tuple, _Stage]] = {}  # CPU, no copy: layer -> (versions, stage) of earlier steps
         self._current: _Stage | None = None  # the stage acquire handed out last
 
     def _host_batch(self) -> tuple[list, np.ndarray]:
@@ -130,11 +129,11 @@ class HostStaging:
 
     # --- the per-layer protocol used by EngineCore.decode_step -------------------------------------
     def begin_step(self, seqs: list[SeqKV]) -> None:
-        ids = tuple(s.seq_id for s in seqs)
-        if ids != self._batch_ids:
-            self._batch_ids, self._batch_number = ids, self._batch_number + 1
-            self._records = None
-            self._kept.clear()
+        if self.cache.has_tiers:
+            ids = tuple(s.seq_id for s in seqs)
+            if ids != self._batch_ids:
+                self._batch_ids, self._records = ids, None
+                self._kept.clear()
         self.batch = list(seqs)
         self.pending.clear()
         self.stepping = False
@@ -203,7 +202,7 @@ class HostStaging:
         if self.copy:
             return self._staged(layer)
         # the kernel reads the host pools in place: the batch tables stay right until the layer's host tier changes
-        key = (self._batch_number, *self._versions(layer))
+        key = self._versions(layer)  # (another batch cleared them)
         kept = self._kept.get(layer)
         if kept is not None and kept[0] == key:
             return kept[1]
