@@ -20,7 +20,7 @@ from trtkv.cache.manager import CacheConfig, KVCacheManager
 from trtkv.cache.tier_names import TIER_DEVICE, TIER_EVICTED, TIER_HOST, TIER_HOST_Q, parse_demote, parse_tier
 from trtkv.errors import TrtkvError
 from trtkv.policies import make_policy
-from trtkv.runtime.attention import decode_attention
+from trtkv.runtime.attention import decode_attention, layer_statistics
 from trtkv.runtime.staging import HostStaging
 
 assert one_thread
@@ -129,6 +129,28 @@ def test_staging_kept_across_steps_follows_the_tiers():
                 tiers.place(seq, layer, rng.choice(pool, size=(len(pool) + 1) // 2, replace=False), tier)
     torch.testing.assert_close(step(seqs[::-1], q.flip(0)), ref.flip(1), rtol=1e-5, atol=1e-5)  # (other batches)
     torch.testing.assert_close(step(seqs[1:], q[1:]), ref[:, 1:], rtol=1e-5, atol=1e-5)
+
+
+def test_statistics_of_column_blocks_equal_the_joined_logits():
+    """A layer whose sources come as separate logits (device pages, staged host pages) gives the statistics of its
+    joined logits in every form: the batch form's head sums are taken block by block, without joining."""
+    gen = torch.Generator().manual_seed(5)
+    blocks = [torch.randn(3, HQ, n, generator=gen) * 3 for n in (8, 5)]
+    blocks[1][1, :, 2:] = -float("inf")  # dead columns
+    joined = torch.cat(blocks, -1)
+    lse = torch.logsumexp(joined, -1)
+    pos = np.arange(13)[None].repeat(3, 0)
+    pos[1, 10:] = -1
+    args = (pos, H, [True] * 3, [False] * 3)
+    one = layer_statistics([b.clone() for b in blocks], lse, *args, batch_form=True, batch_weights=False)
+    ref = layer_statistics(joined.clone(), lse, *args, batch_form=True, batch_weights=False)
+    assert one.weights is None and torch.equal(one.head_sums, ref.head_sums)
+    assert np.array_equal(one.counts, ref.counts) and one.heads == ref.heads == HQ
+    w = layer_statistics([b.clone() for b in blocks], lse, *args, batch_form=True)
+    assert torch.equal(w.weights, layer_statistics(joined.clone(), lse, *args, batch_form=True).weights)
+    rows = layer_statistics([b.clone() for b in blocks], lse, *args, batch_weights=False)
+    for a, b in zip(rows, layer_statistics(joined.clone(), lse, *args, batch_weights=False)):
+        assert torch.equal(a.head_sums, b.head_sums) and np.array_equal(a.positions, b.positions)
 
 
 def test_compressed_tier_is_close_not_exact_and_smaller():

@@ -147,7 +147,7 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     stats: list[LayerStats | None] | BatchLayerStats = [None] * len(seqs)
     if any_stats:
         # (the kernels' logits are fresh tensors of this call: one source's are used as they are)
-        logits = logit_parts[0][0] if len(logit_parts) == 1 else torch.cat([lg for lg, _ in logit_parts], dim=-1)
+        logits = logit_parts[0][0] if len(logit_parts) == 1 else [lg for lg, _ in logit_parts]
         positions = None if later else np.concatenate([p for _, p in logit_parts], axis=1)
         stats = layer_statistics(logits, lse, positions, cache.cfg.num_kv_heads, want_stats, want_sparsity,
                                  batch_form, shards, batch_weights, None if later else counts)
@@ -200,8 +200,8 @@ def attach_queries(stats: list, layer: int, q: torch.Tensor, want_q: list[bool])
     sq.layers[layer] = (q.float(), np.asarray(want_q, bool))
 
 
-def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndarray, num_kv_heads: int,
-                     want_stats: list[bool], want_sparsity: list[bool], batch_form: bool = False,
+def layer_statistics(logits: torch.Tensor | list[torch.Tensor], lse: torch.Tensor, positions: np.ndarray,
+                     num_kv_heads: int, want_stats: list[bool], want_sparsity: list[bool], batch_form: bool = False,
                      shards: HeadShards | None = None, batch_weights: bool = True, counts: np.ndarray | None = None
                      ) -> list[LayerStats | None] | BatchLayerStats:
     """A layer's statistics from its attention logits ``[b, Hq, n]`` (scaled, -inf where dead; taken over: the
@@ -210,19 +210,25 @@ def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndar
     request that asked (None for the others). ``batch_weights`` False (the policy reads the weights' sums over
     heads): both forms carry those sums from one kernel (``plugins/head_sums``), so the policy decides the same in
     either, and the batch form carries nothing else; True: no sums are computed. ``counts [b]``: each row's
-    positions >= 0, when known (``source_positions`` counts them as it reads them)."""
-    b = logits.shape[0]
+    positions >= 0, when known (``source_positions`` counts them as it reads them). ``logits`` may come as a list of
+    column blocks (a layer's sources, side by side): the batch form's head sums are then taken block by block (each
+    column's sum is its own, so the same values) and the logits never joined."""
+    if isinstance(logits, list) and not (batch_form and not batch_weights and shards is None):
+        logits = torch.cat(logits, dim=-1)  # (the weights or a collective need the columns joined)
+    blocks = logits if isinstance(logits, list) else [logits]
     lse_all = lse
     if shards is not None:  # one collective: the log-sum-exps ride as one more column
         both = shards.gather(torch.cat([logits, lse[..., None].to(logits.dtype)], -1), 1)
         logits, lse_all, num_kv_heads = both[..., :-1], both[..., -1], shards.num_kv_heads
+        blocks = [logits]
     if batch_form:  # (every request asked for the weights alone: EngineCore._batch_form)
         # in place of the logits nothing else reads; slot order kept (dead columns: -1, weight 0)
-        sums = None if batch_weights else plugin_ops.head_sums(logits, lse_all)
+        sums = None if batch_weights else _head_sums(blocks, lse_all)
         w = softmax_weights_(logits, lse_all) if batch_weights else None
         if counts is None and positions is not None:
             counts = (positions >= 0).sum(1)
-        return BatchLayerStats(positions=positions, weights=w, counts=counts, head_sums=sums, heads=logits.shape[1])
+        return BatchLayerStats(positions=positions, weights=w, counts=counts, head_sums=sums, heads=blocks[0].shape[1])
+    b = logits.shape[0]
     stats: list[LayerStats | None] = [None] * b
     want = [i for i in range(b) if want_stats[i] or want_sparsity[i]]
     rows = torch.tensor(want) if len(want) < b else None
@@ -241,6 +247,13 @@ def layer_statistics(logits: torch.Tensor, lse: torch.Tensor, positions: np.ndar
         stats[i] = LayerStats(positions=pos_w[j, :counts[j]], weights=w_rows[j], logits=lg_rows[j],
                               sparsity_heads=sh_rows[j], sparsity=u[j], head_sums=sum_rows[j])
     return stats
+
+
+def _head_sums(blocks: list[torch.Tensor], lse: torch.Tensor) -> torch.Tensor:
+    """``head_sums`` of logits that come as column blocks, joined: the sums' columns, not the logits'."""
+    if len(blocks) == 1:
+        return plugin_ops.head_sums(blocks[0], lse)
+    return torch.cat([plugin_ops.head_sums(lg, lse) for lg in blocks], dim=-1)
 
 
 def live_first(positions: np.ndarray, weights: torch.Tensor, logits: torch.Tensor, sums: torch.Tensor | None,
