@@ -37,17 +37,18 @@ def test_thinkv_budget_256_over_1024_tokens(engine_factory, load_engine):
     eng = load_engine(engine_factory("smollm2-135m", "thinkv", budget=256))
     pol = eng.core.policy
     pages = []
-    step_end = type(pol).on_decode_step_end
+    step_end = type(pol).on_decode_step_end_batch
 
-    def record(req, stats):
-        step_end(pol, req, stats)
-        pages.append((req.seq.evicted_tokens > 0, sum(len(p) for p in req.seq.layers[0].pages.values())))
+    def record(reqs, stats):
+        step_end(pol, reqs, stats)
+        for req in reqs:
+            pages.append((req.seq.evicted_tokens > 0, sum(len(p) for p in req.seq.layers[0].pages.values())))
 
-    pol.on_decode_step_end = record
+    pol.on_decode_step_end_batch = record
     try:
         res = eng.generate(ESSAY, SamplingParams(max_tokens=1024, ignore_eos=True, **DEMO_SAMPLING))[0]
     finally:
-        del pol.on_decode_step_end
+        del pol.on_decode_step_end_batch
     s = res.stats
     assert s["generated_tokens"] == 1024
     assert s["kv_bytes"] <= 0.12 * s["kv_bytes_full"], s

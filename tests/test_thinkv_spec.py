@@ -170,22 +170,29 @@ class Hooks:
 
     def __enter__(self):
         pol, cache, hooks = self.pol, self.cache, self
-        begin, end = type(pol).on_decode_step_begin, type(pol).on_decode_step_end
+        begin, end = type(pol).on_decode_step_begin_batch, type(pol).on_decode_step_end_batch
         flush, evict = type(cache).flush, type(cache).evict
         flush_many, evict_many, evict_flat = type(cache).flush_many, type(cache).evict_many, type(cache).evict_flat
 
-        def on_begin(req):
-            hooks.step = req.step
-            before = [(s.sid, s.thought, s.start, s.level, s.live, s.is_prefill) for s in req.state.segments]
-            anneals = req.state.anneals
-            begin(pol, req)
-            for f in hooks.begin_checks:
-                f(req, before, anneals)
+        # the runtime's calls (once a step for the batch): every request is checked, whether or not the batch
+        # hook needed the per-request one
+        def on_begin(reqs):
+            hooks.step = reqs[0].step if reqs else None
+            before = [[(s.sid, s.thought, s.start, s.level, s.live, s.is_prefill) for s in req.state.segments]
+                      for req in reqs]
+            anneals = [req.state.anneals for req in reqs]
+            begin(pol, reqs)
+            for req, b, a in zip(reqs, before, anneals):
+                for f in hooks.begin_checks:
+                    f(req, b, a)
 
-        def on_end(req, st):
-            end(pol, req, st)
-            for f in hooks.end_checks:
-                f(req)
+        def on_end(reqs, stats):
+            end(pol, reqs, stats)
+            for req in reqs:
+                segs = req.state.segments  # the policy's running total of live decode tokens (its begin hook's)
+                assert req.state.live == sum(s.live for s in segs if not s.is_prefill), req.step
+                for f in hooks.end_checks:
+                    f(req)
 
         def on_flush(seq, layer, cls, seg=-1):
             hooks.flushes.append((hooks.step, layer, seq.buffered(layer)))
@@ -229,13 +236,13 @@ class Hooks:
                 record(layer, h)
             return counts
 
-        pol.on_decode_step_begin, pol.on_decode_step_end = on_begin, on_end
+        pol.on_decode_step_begin_batch, pol.on_decode_step_end_batch = on_begin, on_end
         cache.flush, cache.evict = on_flush, on_evict
         cache.flush_many, cache.evict_many, cache.evict_flat = on_flush_many, on_evict_many, on_evict_flat
         return self
 
     def __exit__(self, *exc):
-        del self.pol.on_decode_step_begin, self.pol.on_decode_step_end
+        del self.pol.on_decode_step_begin_batch, self.pol.on_decode_step_end_batch
         del self.cache.flush, self.cache.evict, self.cache.flush_many, self.cache.evict_many, self.cache.evict_flat
         sched = self.eng.scheduler  # a failed check leaves its request running in the shared engine: drop it
         for r in [*sched.waiting, *sched.running]:

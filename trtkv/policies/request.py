@@ -102,6 +102,8 @@ class PolicyRequest(Protocol):
         """``num_paged(layer)`` of each of ``reqs``, as one array read (like ``num_live_many``)."""
     def num_paged_layers(self, reqs: list["PolicyRequest"]) -> np.ndarray:
         """``num_paged_many`` of every layer at once: ``[L, len(reqs)]``."""
+    def num_buffered_many(self, layer: int, reqs: list["PolicyRequest"]) -> np.ndarray:
+        """``num_buffered(layer)`` of each of ``reqs``, as one array read (like ``num_live_many``)."""
     def live_positions_each(self, layer: int, reqs: list["PolicyRequest"], which: np.ndarray, n: int) -> np.ndarray:
         """``[len(which), n]``: ``live_positions(layer)`` of ``reqs[which[i]]``, which each hold exactly ``n``
         paged tokens, in one array read."""

@@ -115,6 +115,7 @@ class ThinKVState:
     labels: list = field(default_factory=list)
     sparsity: list = field(default_factory=list)
     buffered: int = 0  # residual-buffer fill after the last step
+    live: int = 0  # the decode segments' live tokens, summed (each change of a segment's ``live`` changes it)
 
 
 @dataclass
@@ -294,6 +295,18 @@ class ThinKVPolicy(KVPolicy):
         req.state.buffered = req.num_buffered(0)
 
     # --- TBE decision (once per request and step, spec §4.6) --------------------------------
+    def on_decode_step_begin_batch(self, reqs) -> None:
+        """``on_decode_step_begin`` of each request, but a step that opens no segment and keeps a request within
+        its budget (most steps) needs no decision: its ops stay empty (``on_decode_step_end`` emptied them)."""
+        tau, group = self.tau, self.group
+        budget = self.budget if self.tbe else None
+        for req in reqs:
+            st = req.state
+            if req.step % tau and not st.ops and (
+                    budget is None or st.live + (st.buffered + 1 if st.buffered + 1 >= group else 0) <= budget):
+                continue
+            self.on_decode_step_begin(req)
+
     def on_decode_step_begin(self, req) -> None:
         st, i = req.state, req.step
         segs: list[Segment] = st.segments
@@ -307,10 +320,10 @@ class ThinKVPolicy(KVPolicy):
                     if seg is closed and not self.anneal_triggering_t:
                         continue
                     if seg.level < len(self.retention):
-                        ops.append((seg, self._step_down(seg)))
+                        ops.append((seg, self._step_down(st, seg)))
         if self.tbe and self.budget is not None:
             will_flush = st.buffered + 1 >= self.group
-            live_after = sum(s.live for s in segs if not s.is_prefill) + (st.buffered + 1 if will_flush else 0)
+            live_after = st.live + (st.buffered + 1 if will_flush else 0)
             while live_after > self.budget:  # case 2: least important type first, then oldest
                 cands = [s for s in self._closed(req) if s.level < len(self.retention)]
                 if not cands:
@@ -320,6 +333,7 @@ class ThinKVPolicy(KVPolicy):
                             seg = min(mins, key=lambda s: (IMPORTANCE[s.thought], s.start))
                             ops.append((seg, 0))
                             live_after -= seg.live
+                            st.live -= seg.live
                             seg.live = 0
                             continue
                     st.overflows += 1
@@ -327,7 +341,7 @@ class ThinKVPolicy(KVPolicy):
                 kind = min({s.thought for s in cands}, key=IMPORTANCE.__getitem__)
                 seg = min((s for s in cands if s.thought == kind), key=lambda s: s.start)
                 before = seg.live
-                ops.append((seg, self._step_down(seg)))
+                ops.append((seg, self._step_down(st, seg)))
                 live_after -= before - seg.live
         st.ops = [(seg, target) for seg, target in ops]
         if any(True for _ in ops):
@@ -336,9 +350,10 @@ class ThinKVPolicy(KVPolicy):
     def _closed(self, req) -> list[Segment]:
         return [s for s in req.state.segments[:-1] if not s.is_prefill]
 
-    def _step_down(self, seg: Segment) -> int:
+    def _step_down(self, st: ThinKVState, seg: Segment) -> int:
         target = min(seg.live, self.retention[min(seg.level, len(self.retention) - 1)])
         seg.level += 1
+        st.live -= seg.live - target
         seg.live = target
         return target
 
@@ -364,7 +379,17 @@ class ThinKVPolicy(KVPolicy):
         return rounds
 
     # --- after each step: label the open segment at refresh steps, account tokens -----------
+    def on_decode_step_end_batch(self, reqs, stats) -> None:
+        """``on_decode_step_end`` of each request, their buffers' fill read in one call."""
+        if not reqs:
+            return
+        for req, s, buffered in zip(reqs, stats, reqs[0].num_buffered_many(0, reqs).tolist()):
+            self._end_step(req, s, buffered)
+
     def on_decode_step_end(self, req, stats) -> None:
+        self._end_step(req, stats, req.num_buffered(0))
+
+    def _end_step(self, req, stats, buffered: int) -> None:
         st = req.state
         seg = self._open(req)
         i = stats.step
@@ -378,10 +403,12 @@ class ThinKVPolicy(KVPolicy):
                     seg.thought = R  # one type, or no calibration: all R (no T, so no case-1 anneals)
             st.labels.append(NAME[seg.thought])
         st.tokens[seg.thought if seg.thought >= 0 else R] += 1
-        st.buffered = req.num_buffered(0)
+        st.buffered = buffered
         flushed_now = st.buffered == 0
         if flushed_now:
             seg.live += self.group
+            if not seg.is_prefill:
+                st.live += self.group
         st.ops = []
         self._round_plan = None  # (the step's requests are not held past it)
 
@@ -408,7 +435,7 @@ class ThinKVPolicy(KVPolicy):
                 "eviction_call_rate": round(st.evict_steps / steps, 5),
                 "transition_anneals": st.anneals,
                 "budget_overflows": st.overflows,
-                "live_decode_tokens": sum(s.live for s in st.segments if not s.is_prefill),
+                "live_decode_tokens": st.live,
             }
         }
 

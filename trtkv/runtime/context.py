@@ -258,6 +258,9 @@ class RequestContext:
     def num_paged_many(self, layer: int, reqs: list["RequestContext"]) -> np.ndarray:
         return self._cache.num_paged_many(self._seqs(reqs), layer)
 
+    def num_buffered_many(self, layer: int, reqs: list["RequestContext"]) -> np.ndarray:
+        return self._cache.buffered_many(self._seqs(reqs), layer)
+
     def live_positions_each(self, layer: int, reqs: list["RequestContext"], which: np.ndarray, n: int) -> np.ndarray:
         seqs = self._seqs(reqs)
         return self._cache.live_positions_rows([seqs[i] for i in which.tolist()], layer, n)
