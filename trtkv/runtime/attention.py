@@ -93,9 +93,10 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
     request (``batch_weights`` False: the policy reads the weights' sums over heads, in either form, and the
     batch form carries those alone). ``shards`` (tensor parallelism): the
     statistics cover every rank's heads (one gather of the logits and log-sum-exps), so every rank's policy sees
-    what one rank would. ``deferred`` (batch form): when the layer has one source, its positions and counts are not
-    read here but left None and ``(layer, pool, block table)`` appended, for ``resolve_positions`` to read every
-    layer's at once before anyone looks (the caller guarantees nothing changes the layer's slots in between).
+    what one rank would. ``deferred`` (batch form): when the layer has one device source, its positions and counts
+    are not read here but left None and ``(layer, pool, block table, staged)`` appended, for ``resolve_positions`` to
+    read every layer's at once before anyone looks (the caller guarantees nothing changes the layer's slots in
+    between); ``staged``: the staged sources' positions and counts, read now (their pages go when the layer ends).
     ``staged_positions``: returns ``source_positions`` of ``staged`` (the staging keeps them while its host tier
     stays the same); None: read here."""
     lap = clock.switch if clock is not None else _no_clock
@@ -113,18 +114,19 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
                 for (pool, bt, sc), bits in zip(sources, valid)], sm_scale, any_stats, dense_run=run)
         lap("bookkeeping")
     buffered = cache.cfg.residual_group > 1 and bool(cache.buffered_many(seqs, layer).any())
-    later = any_stats and batch_form and deferred is not None and shards is None and len(sources) == 1 and \
-        not (staged or buffered)
+    own = len(sources) - len(staged or ())
+    later = any_stats and batch_form and deferred is not None and shards is None and own == 1 and not buffered
+    more = None
+    if any_stats and staged:
+        more = staged_positions() if staged_positions is not None else source_positions(
+            [(pool, bt) for pool, bt, _ in staged], len(seqs))
     if later:
-        deferred.append((layer, sources[0][0], sources[0][1]))
-        logit_parts = [(logit_parts[0], None)]
+        deferred.append((layer, sources[0][0], sources[0][1], more))
+        logit_parts = [(lg, None) for lg in logit_parts]
     elif any_stats:
-        own = len(sources) - len(staged or ())
         positions, counts = source_positions([(pool, bt) for pool, bt, _ in sources[:own]], len(seqs))
-        if staged:
-            more, n = staged_positions() if staged_positions is not None else source_positions(
-                [(pool, bt) for pool, bt, _ in staged], len(seqs))
-            positions, counts = positions + more, counts + n
+        if more is not None:
+            positions, counts = positions + more[0], counts + more[1]
         if len(logit_parts) < len(positions):  # one launch's logits hold every source's columns, side by side
             positions = [np.concatenate(positions, axis=1)]
         logit_parts = list(zip(logit_parts, positions))
@@ -173,18 +175,19 @@ def resolve_positions(cache: KVCacheManager, batch: StepBatch, deferred: list) -
     stack of positions then needs no copy), else one read a layer."""
     if not deferred:
         return
-    layers = [layer for layer, _, _ in deferred]
-    every = cache.table_positions_layers([(pool, bt) for _, pool, bt in deferred]) \
+    layers = [layer for layer, _, _, _ in deferred]
+    every = cache.table_positions_layers([(pool, bt) for _, pool, bt, _ in deferred]) \
         if layers == list(range(cache.cfg.num_layers)) else None
-    if every is not None:
-        positions, counts = every
-        for layer in layers:
-            batch[layer].positions, batch[layer].counts = positions[layer], counts[layer]
-        batch.stacked_positions(positions, counts)
-    else:
-        for layer, pool, bt in deferred:
+    for layer, pool, bt, staged in deferred:
+        if every is not None:
+            pos, n = every[0][layer], every[1][layer]
+        else:
             (pos,), n = source_positions([(pool, bt)], bt.shape[0])
-            batch[layer].positions, batch[layer].counts = pos, n
+        if staged is not None:  # the device's columns, then the staged sources', as the logits have them
+            pos, n = np.concatenate([pos, *staged[0]], axis=1), n + staged[1]
+        batch[layer].positions, batch[layer].counts = pos, n
+    if every is not None and all(staged is None for _, _, _, staged in deferred):
+        batch.stacked_positions(*every)
     deferred.clear()
 
 

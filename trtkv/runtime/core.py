@@ -277,7 +277,7 @@ class EngineCore:
                 step.batch = StepBatch(top=max(positions, default=-1))
                 for i, st in enumerate(step.stats):
                     st.batch, st.row = step.batch, i
-                if not (step.acts or self.cache.has_tiers):  # (nothing changes a layer's slots after its attention)
+                if not step.acts:  # (nothing changes a layer's slots after its attention)
                     step.deferred = []
         if self.small_ops_threads:  # only CPU narrows threads (decode_layer), so only CPU needs the size
             step.threads = torch.get_num_threads()
