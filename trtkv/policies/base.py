@@ -61,17 +61,46 @@ class LayerStats:
     head_sums: torch.Tensor | None = None  # decode: [n] the weights summed over query heads (``batch_weights`` False)
 
 
-@dataclass
 class BatchLayerStats:
     """A decode step's attention weights of one layer for the whole batch (``KVPolicy.batch_stats``): row ``i``
-    is the batch's request ``i``, its columns the kernel's slots in block-table order (no per-layer reorder)."""
-    positions: np.ndarray  # [b, n] positions of the attended keys, -1 for a dead or absent slot (anywhere); None only
-    # inside the step's forward, when the read is deferred to its end (runtime/attention.py, resolve_positions)
-    weights: torch.Tensor | None  # [b, Hq, n] softmax weights, 0 at the dead slots (None: ``batch_weights`` False)
-    counts: np.ndarray  # [b] live columns of each row
-    head_sums: torch.Tensor | None  # [b, n] the weights summed over query heads, 0 at the dead slots (None:
-    # ``batch_weights`` True)
-    heads: int  # Hq, the query heads summed
+    is the batch's request ``i``, its columns the kernel's slots in block-table order (no per-layer reorder).
+
+    ``positions [b, n]``: positions of the attended keys, -1 for a dead or absent slot (anywhere); None only inside
+    the step's forward, when the read is deferred to its end (runtime/attention.py, resolve_positions). ``weights
+    [b, Hq, n]``: softmax weights, 0 at the dead slots (None: ``batch_weights`` False). ``counts [b]``: live columns
+    of each row. ``head_sums [b, n]``: the weights summed over query heads, 0 at the dead slots (None:
+    ``batch_weights`` True). ``heads``: Hq, the query heads summed. ``blocks``: the columns as the layer's sources
+    gave them, ``[(positions, head_sums), ...]`` side by side (a device and staged host pages), for a reader that
+    takes them block by block; ``positions`` and ``head_sums`` are then their join, made when first read."""
+
+    __slots__ = ("_positions", "weights", "counts", "_head_sums", "heads", "blocks")
+
+    def __init__(self, positions: np.ndarray | None, weights: torch.Tensor | None, counts: np.ndarray | None,
+                 head_sums: torch.Tensor | None, heads: int, blocks: list | None = None) -> None:
+        self._positions, self.weights, self.counts, self._head_sums, self.heads = (positions, weights, counts,
+                                                                                   head_sums, heads)
+        self.blocks = blocks
+
+    @property
+    def positions(self) -> np.ndarray | None:
+        if self._positions is None and self.blocks is not None and self.blocks[0][0] is not None:
+            self._positions = np.concatenate([p for p, _ in self.blocks], axis=1)
+        return self._positions
+
+    @positions.setter
+    def positions(self, positions: np.ndarray | None) -> None:
+        self._positions = positions
+
+    @property
+    def head_sums(self) -> torch.Tensor | None:
+        if self._head_sums is None and self.blocks is not None:
+            self._head_sums = torch.cat([s for _, s in self.blocks], dim=-1)
+        return self._head_sums
+
+    def place_blocks(self, positions: list[np.ndarray], counts: np.ndarray) -> None:
+        """The blocks' positions (read at the step's end, one array a block) and the rows' live columns."""
+        self.blocks = [(p, s) for p, (_, s) in zip(positions, self.blocks)]
+        self.counts = counts
 
 
 class StepBatch(dict):
@@ -101,6 +130,15 @@ class StepBatch(dict):
             ok = all(bs is not None for bs in layers) and len({bs.positions.shape for bs in layers}) == 1
             stacked = self._stacked = np.stack([bs.positions for bs in layers]) if ok and layers else False
         return None if stacked is False else stacked
+
+
+def batch_blocks_of(batch: dict[int, BatchLayerStats], rows: np.ndarray
+                    ) -> list[tuple[np.ndarray, list[tuple[np.ndarray, torch.Tensor]]]]:
+    """``batch_rows_of``'s head sums, each layer's as ``(counts, [(positions, head sums), ...])``: its sources'
+    column blocks (``BatchLayerStats.blocks``) when every row is asked for, in order, else one joined block."""
+    if batch and every_row(rows, len(next(iter(batch.values())).counts)):
+        return [(bs.counts, bs.blocks or [(bs.positions, bs.head_sums)]) for bs in batch.values()]
+    return [(counts, [(p, s)]) for _, p, s, counts in batch_rows_of(batch, rows)]
 
 
 def every_row(rows: np.ndarray, b: int) -> bool:

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtkv.policies.base import WEIGHTS, KVPolicy, ReportColumn, StatsRequest, StepStats, batch_rows_of
+from trtkv.policies.base import WEIGHTS, KVPolicy, ReportColumn, StatsRequest, StepStats, batch_blocks_of
 from trtkv.policies.request import PolicyRequest
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scoring import check_choice, head_sums
@@ -159,19 +159,22 @@ class TieredPolicy(KVPolicy):
     def _accumulate_batch(self, reqs: list[PolicyRequest], batch: dict, rows: np.ndarray) -> None:
         """``_accumulate`` of every request of a decode step whose statistics came in batch form (``rows[i]``:
         ``reqs[i]``'s row of them): the same sums, added layer by layer for the whole batch in one
-        ``fold_add_rows``."""
-        layers = batch_rows_of(batch, rows)
-        cols = [sums.float().cpu() for _, _, sums, _ in layers]
+        ``fold_add_rows`` (a layer's sources' column blocks one after the other: a position is in one of them)."""
+        layers = batch_blocks_of(batch, rows)
+        cols = [[sums.float().cpu() for _, sums in blocks] for _, blocks in layers]
         # a row's sum is finite iff all its weights are (each is at most Hq: no overflow); one pass, not three
-        live = [torch.isfinite(col.sum(1)).numpy() & (counts > 0) for col, (*_, counts) in zip(cols, layers)]
+        live = [torch.isfinite(sum(c.sum(1) for c in cs)).numpy() & (counts > 0)
+                for cs, (counts, _) in zip(cols, layers)]
         counted = np.sum(live, axis=0) if layers else np.zeros(len(reqs), np.int64)
         for i in np.flatnonzero(counted == 0).tolist():
             reqs[i].state.skipped_steps += 1
         # (a layer that does not count for a row adds nothing to it: its columns are skipped)
-        pos = [p if ok.all() else np.where(ok[:, None], p, -1) for (_, p, _, _), ok in zip(layers, live)]
+        pos = [p if ok.all() else np.where(ok[:, None], p, -1) for (_, blocks), ok in zip(layers, live)
+               for p, _ in blocks]
         table_rows = np.fromiter((r.state.score.row for r in reqs), np.int64, len(reqs))
         # (fp32 / fp64 divides in fp64: the one-by-one path's col.double() / denom)
-        self._scores.add_rows_folded(0, table_rows, pos, cols, np.maximum(counted, 1) * reqs[0].num_q_heads)
+        self._scores.add_rows_folded(0, table_rows, pos, [c for cs in cols for c in cs],
+                                     np.maximum(counted, 1) * reqs[0].num_q_heads)
 
     def _event(self, req: PolicyRequest, t: int) -> None:
         moves = self._decide(req, t)

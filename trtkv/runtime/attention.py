@@ -183,9 +183,13 @@ def resolve_positions(cache: KVCacheManager, batch: StepBatch, deferred: list) -
             pos, n = every[0][layer], every[1][layer]
         else:
             (pos,), n = source_positions([(pool, bt)], bt.shape[0])
-        if staged is not None:  # the device's columns, then the staged sources', as the logits have them
-            pos, n = np.concatenate([pos, *staged[0]], axis=1), n + staged[1]
-        batch[layer].positions, batch[layer].counts = pos, n
+        bs = batch[layer]
+        if staged is None:
+            bs.positions, bs.counts = pos, n
+        elif bs.blocks is not None:  # the device's columns, then the staged sources', as the logits have them
+            bs.place_blocks([pos, *staged[0]], n + staged[1])
+        else:
+            bs.positions, bs.counts = np.concatenate([pos, *staged[0]], axis=1), n + staged[1]
     if every is not None and all(staged is None for _, _, _, staged in deferred):
         batch.stacked_positions(*every)
     deferred.clear()
@@ -225,6 +229,9 @@ def layer_statistics(logits: torch.Tensor | list[torch.Tensor], lse: torch.Tenso
         logits, lse_all, num_kv_heads = both[..., :-1], both[..., -1], shards.num_kv_heads
         blocks = [logits]
     if batch_form:  # (every request asked for the weights alone: EngineCore._batch_form)
+        if len(blocks) > 1 and positions is None:  # (the positions come at the step's end, block by block)
+            return BatchLayerStats(positions=None, weights=None, counts=None, head_sums=None, heads=blocks[0].shape[1],
+                                   blocks=[(None, plugin_ops.head_sums(lg, lse_all)) for lg in blocks])
         # in place of the logits nothing else reads; slot order kept (dead columns: -1, weight 0)
         sums = None if batch_weights else _head_sums(blocks, lse_all)
         w = softmax_weights_(logits, lse_all) if batch_weights else None
