@@ -422,25 +422,31 @@ class KVCacheManager(CacheReads):
             return
         self._evict_rows_layers(layers, seqs, positions)
 
-    def evict_rows_layers(self, layers: np.ndarray, seqs: list[SeqKV], positions: np.ndarray) -> None:
+    def evict_rows_layers(self, layers: np.ndarray, seqs: list[SeqKV], positions: np.ndarray, counted: bool = True
+                          ) -> np.ndarray:
         """``m`` positions of each of ``seqs`` (distinct, unforked) in each of ``layers`` (ascending): ``positions
         [len(layers), len(seqs), m]`` (distinct within a request; -1: none), at once where every format's slot state
-        is stacked and has no key-scale arena (in-place eviction), else one ``evict_flat`` a layer."""
+        is stacked and has no key-scale arena (in-place eviction), else one ``evict_flat`` a layer. Returns each
+        request's evictions, summed over the layers (``counted`` False: a move, not counted as evictions)."""
         if self.cfg.eviction == "compact" or not self._evicts_layers_at_once():
+            counts = np.zeros(len(seqs), np.int64)
             for layer, victims in zip(layers.tolist(), positions):
-                self.evict_flat(layer, seqs, victims[victims >= 0], (victims >= 0).sum(1))
-            return
-        self._evict_rows_layers(layers, seqs, positions)
+                counts += self.evict_flat(layer, seqs, victims[victims >= 0], (victims >= 0).sum(1), counted)
+            return counts
+        return self._evict_rows_layers(layers, seqs, positions, counted)
 
     def _evicts_layers_at_once(self) -> bool:
         fmts = self.pools[0]
         return bool(fmts) and all(self.pools.stack(f) is not None and not p.group_specs for f, p in fmts.items())
 
-    def _evict_rows_layers(self, layers: np.ndarray, seqs: list[SeqKV], positions: np.ndarray) -> None:
+    def _evict_rows_layers(self, layers: np.ndarray, seqs: list[SeqKV], positions: np.ndarray, counted: bool = True
+                           ) -> np.ndarray:
         rows = self.rows(seqs)
         counts = evict_rows_layers(self.pools, self.columns, layers, seqs, rows, positions)
-        self.columns.count_evicted(rows, counts)
-        self.evictions_total += int(counts.sum())
+        if counted:
+            self.columns.count_evicted(rows, counts)
+            self.evictions_total += int(counts.sum())
+        return counts
 
     def count_evicted(self, seq: SeqKV, n: int) -> None:
         """Count ``n`` tokens of ``seq`` as evicted (dropped from whichever tier held them)."""

@@ -212,14 +212,23 @@ class TierStore:
         counts, dropped = np.zeros(len(jobs), np.int64), np.zeros(len(jobs), np.int64)
         moved, seconds = np.zeros(len(jobs), np.int64), np.zeros(len(jobs))
         changed = np.zeros(len(jobs), np.int64)  # layers whose host tier each job changed
-        for layer in layers:
+        # the device's evictions (and a demotion's frees) of every layer in one pass after the loop, each job's a
+        # row of [layers, jobs, m] (layers share nothing: a later layer's copies read only its own slots)
+        dev_victims = None
+        if tier != TIER_DEVICE and not any(s.fork_mode is not None for s in seqs) and \
+                len(np.unique(job * (int(flat.max(initial=0)) + 1) + flat)) == len(flat):  # (distinct in each job)
+            dev_victims = np.full((len(layers), len(jobs), int(lens.max(initial=0))), -1, np.int64)
+            rank = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+        for li, layer in enumerate(layers):
             on_host = np.zeros(len(flat), bool)
             if tier != TIER_HOST and hosted.any():  # (a demotion reads the device alone)
                 on_host[hosted] = self.host.held_flat(layer, host_rows[hosted], flat[hosted])
             if tier == TIER_EVICTED:
                 on_dev = self.dev.held_flat(layer, dev_rows, flat)
                 n, at = _per_job(job, on_dev, len(jobs))
-                if len(at):
+                if dev_victims is not None:
+                    dev_victims[li, job[on_dev], rank[on_dev]] = flat[on_dev]
+                elif len(at):
                     counts[at] += self.dev.evict_flat(layer, [seqs[j] for j in at], flat[on_dev], n[at])
                 n, at = _per_job(job, on_host, len(jobs))
                 if len(at):  # T3 from the host tier
@@ -244,10 +253,16 @@ class TierStore:
             else:  # T0 -> T1: copied verbatim, the device slots freed (a move, not an eviction)
                 hosts = [self.record(s).host for s in devs]
                 moved[movers] += raw_copy_flat(self.dev, devs, self.host, hosts, layer, moving, k)
-                counts[movers] += self.dev.evict_flat(layer, devs, moving, k, counted=False)
+                if dev_victims is not None:
+                    dev_victims[li, job[src], rank[src]] = moving
+                else:
+                    counts[movers] += self.dev.evict_flat(layer, devs, moving, k, counted=False)
             seconds[movers] += (time.perf_counter() - t0) * k / max(1, int(k.sum()))
             changed[movers] += 1
             self.layer_versions[layer] += 1
+        if dev_victims is not None and (dev_victims >= 0).any():
+            counts += self.dev.evict_rows_layers(np.asarray(list(layers), np.int64), seqs, dev_victims,
+                                                 counted=tier == TIER_EVICTED)
         for j in np.flatnonzero(changed).tolist():  # each request's counters once, for every layer
             st = self.seqs[seqs[j].seq_id]
             st.version += int(changed[j])
