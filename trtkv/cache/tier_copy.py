@@ -82,10 +82,12 @@ def raw_copy_flat(src: CacheLike, sseqs: list[SeqKV], dst: CacheLike, dseqs: lis
     for f in np.unique(fids).tolist():
         spool, dpool = src.pools[layer][names[f]], dst.pool(layer, names[f])
         sel = np.flatnonzero(fids == f)  # (job by job)
-        sp, ss = (torch.from_numpy(x[sel]).to(spool.device) for x in (pages, slots))
-        dp, ds = (torch.from_numpy(x[sel]).to(dpool.device) for x in (dst_pages, dst_slots))
+        # (slots as flat rows of [pages * B, ...] views: one index_select and one index_copy_ a field)
+        s_at = torch.from_numpy(pages[sel] * spool.B + slots[sel]).to(spool.device)
+        d_at = torch.from_numpy(dst_pages[sel] * dpool.B + dst_slots[sel]).to(dpool.device)
         for sf, df in zip(spool.fields, dpool.fields):
-            df[dp, ds] = sf[sp, ss].to(dpool.device)
+            df.view(-1, *df.shape[2:]).index_copy_(0, d_at, sf.view(-1, *sf.shape[2:]).index_select(0, s_at)
+                                                   .to(dpool.device))
         counts = np.bincount(job[sel], minlength=len(lens))
         dst.record_written_many(dseqs, counts, layer, dpool, names[f], dst_pages[sel], dst_slots[sel],
                                 positions[sel], segs[sel])

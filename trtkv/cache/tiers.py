@@ -219,6 +219,7 @@ class TierStore:
                 len(np.unique(job * (int(flat.max(initial=0)) + 1) + flat)) == len(flat):  # (distinct in each job)
             dev_victims = np.full((len(layers), len(jobs), int(lens.max(initial=0))), -1, np.int64)
             rank = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+        last = None  # (movers, their device records, their host records) of the last layer that moved any
         for li, layer in enumerate(layers):
             on_host = np.zeros(len(flat), bool)
             if tier != TIER_HOST and hosted.any():  # (a demotion reads the device alone)
@@ -244,14 +245,16 @@ class TierStore:
                 continue
             t0 = time.perf_counter()
             moving, k = flat[src], n[movers]
-            devs = [seqs[j] for j in movers]
+            if last is None or not np.array_equal(movers, last[0]):  # (the same movers' lists as the last layer's:
+                devs = [seqs[j] for j in movers]  # no Python pass over them, and the caches' row lookups hit)
+                hosts = [records[j].host if tier == TIER_DEVICE else self.record(seqs[j]).host for j in movers]
+                last = (movers, devs, hosts)
+            devs, hosts = last[1], last[2]
             if tier == TIER_DEVICE:  # T1 -> T0: copied back, the host copies freed
-                hosts = [records[j].host for j in movers]
                 moved[movers] += raw_copy_flat(self.host, hosts, self.dev, devs, layer, moving, k)
                 self.host.evict_flat(layer, hosts, moving, k, counted=False)
                 counts[movers] += k
             else:  # T0 -> T1: copied verbatim, the device slots freed (a move, not an eviction)
-                hosts = [self.record(s).host for s in devs]
                 moved[movers] += raw_copy_flat(self.dev, devs, self.host, hosts, layer, moving, k)
                 if dev_victims is not None:
                     dev_victims[li, job[src], rank[src]] = moving
