@@ -21,10 +21,11 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Numbers: 1, 2, 3", "
 PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True, chat=False) for n in (70, 45, 60, 52)]
 
 
-def _run(eng):
+def _run(eng, prompts=PROMPTS, params=PARAMS):
     with Probe(eng, record_sets=True) as probe:
-        res = eng.generate(PROMPTS, PARAMS)
-    stats = [{k: r.stats[k] for k in ("evicted_tokens", "eviction_events", "kv_bytes_peak") if k in r.stats}
+        res = eng.generate(prompts, params)
+    stats = [{k: r.stats[k] for k in ("evicted_tokens", "eviction_events", "kv_bytes", "peak_kv_bytes", "pages")
+              if k in r.stats}
              for r in res]
     return [r.token_ids for r in res], [probe.sets[i] for i in sorted(probe.sets)], stats
 
@@ -46,6 +47,32 @@ def test_planned_buffer_appends_equal_layer_by_layer(engine_factory, load_engine
     assert any(planned) and not all(planned)  # planned steps, and steps whose buffers fill (layer by layer)
     monkeypatch.setattr(KVCacheManager, "plan_buffer_append", lambda self, seqs, positions: None)
     assert got == _run(eng)
+
+
+@pytest.mark.parametrize("policy,settings", [("kivi", {}), ("thinkv", {"budget": 48})])
+def test_planned_flushes_equal_layer_by_layer(engine_factory, load_engine, tiny_ckpt, monkeypatch, policy, settings):
+    """A step whose buffers all fill takes every layer's fresh pages when layer 0 flushes (``plan_flush``): the same
+    tokens, positions attended, evictions and peak bytes as each layer taking its own. (One prompt length, so the
+    batch's buffers fill together; sampled, so the requests differ; they end at different steps.)"""
+    eng = load_engine(engine_factory(tiny_ckpt, policy, **settings))
+    # a prompt of whole groups and pages: no open page after prefill, so the flushes take fresh pages
+    whole = eng.core.g * eng.core.cache.cfg.block_size
+    prompt = next(p for p in ("word " * k for k in range(1, 200)) if len(eng.encode_prompt(p, False)) % whole == 0)
+    prompts = [prompt] * 4
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, chat=False, temperature=0.8, seed=i)
+              for i, n in enumerate((70, 45, 60, 52))]
+    plan, planned = KVCacheManager.plan_flush, []
+
+    def spy(self, seqs, classes):
+        got = plan(self, seqs, classes)
+        planned.append(0 if got is None else len(got.pages))
+        return got
+
+    monkeypatch.setattr(KVCacheManager, "plan_flush", spy)
+    got = _run(eng, prompts, params)
+    assert max(planned) == eng.core.arch.num_hidden_layers  # (steps whose every layer's pages were planned)
+    monkeypatch.setattr(KVCacheManager, "plan_flush", lambda self, seqs, classes: None)
+    assert got == _run(eng, prompts, params)
 
 
 def test_buffer_membership_of_jobs_equals_a_set_per_job():

@@ -198,10 +198,10 @@ class Hooks:
             hooks.flushes.append((hooks.step, layer, seq.buffered(layer)))
             return flush(cache, seq, layer, cls, seg)
 
-        def on_flush_many(layer, seqs, classes, segs):
+        def on_flush_many(layer, seqs, classes, segs, plan=None):
             for seq in seqs:
                 hooks.flushes.append((hooks.step, layer, seq.buffered(layer)))
-            return flush_many(cache, layer, seqs, classes, segs)
+            return flush_many(cache, layer, seqs, classes, segs, plan)
 
         def hits(seq, layer, positions):
             table = seq.layers[layer]

@@ -11,12 +11,13 @@ numbers and the key-scale groups are taken by array operations and the pages wai
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from plugins import ops as plugin_ops
-from trtkv.cache.batch_alloc import add_fresh_pages_each, add_full_pages_each
+from trtkv.cache.batch_alloc import add_fresh_pages_each, add_fresh_pages_layers, add_full_pages_each
 from trtkv.cache.block_table import Cls
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool import PagePool
@@ -25,13 +26,67 @@ from trtkv.cache.residual import ResidualArena
 from trtkv.cache.sequence import SeqKV
 
 
+@dataclass
+class FlushPlan:
+    """A lockstep flush's fresh pages and key-scale groups, taken for every layer at once when the step's first
+    layer flushes (``plan_flush``): layer ``l``'s ``pages[l]`` (``[G * per]``, request after request) and
+    ``groups[l]``; a layer past ``len(pages)`` allocates as it flushes."""
+    pages: list[np.ndarray]
+    groups: list[np.ndarray]
+
+    def fresh(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+        return (self.pages[layer], self.groups[layer]) if layer < len(self.pages) else None
+
+
+def plan_flush(pools: PoolSet, arena: ResidualArena, columns: TableColumns, seqs: list[SeqKV], rows: np.ndarray,
+               res_rows: np.ndarray, classes: list[Cls], order: Iterator[int]) -> FlushPlan | None:
+    """``_alloc_fresh`` of every layer at once, made when layer 0's buffers of ``seqs`` (every request of the step)
+    fill and every other layer's fill with this step's token: one class, whole fresh pages in each layer. The
+    layers from the first where that does not hold (a reusable slot, an open page, too few pages or groups) on
+    allocate as they flush; None when none is planned. The same pages, groups, order numbers and bytes as the
+    layers' flushes one after another (nothing between two layers' flushes touches another layer's tables)."""
+    cls = classes[0] if classes else None
+    if cls is None or any(c != cls for c in classes):
+        return None
+    fill = arena.fill[res_rows]  # [G, layers]
+    n, G = int(fill[0, 0]), len(seqs)
+    if not n or not (fill[:, 0] == n).all() or not (fill[:, 1:] == n - 1).all():
+        return None
+    pool0 = pools.pool(0, cls[0])
+    if n % pool0.B:
+        return None
+    per = n // pool0.B
+    reusable = columns.reuse.counts(slice(None), rows, cls)
+    bad = (columns.open_pages_all(rows, cls) >= 0).any(1)
+    if reusable is not None:
+        bad |= reusable.any(1)
+    pages, groups = [], []
+    for layer in range(int(np.argmax(bad)) if bad.any() else len(bad)):
+        pool = pools.pool(layer, cls[0])
+        if pool.free_pages < G * per:
+            break
+        gids = pool.alloc_groups(G, n)
+        if gids is None:
+            break
+        got = pool.alloc_pages(G * per, cls[1])
+        pool.mark_full(got)
+        pages.append(got)
+        groups.append(gids)
+    if not pages:
+        return None
+    add_fresh_pages_layers(seqs, columns, rows, pool0, cls, np.stack(pages).reshape(len(pages), G, per), order,
+                           extra=pool0.group_bytes if pool0.group_specs else 0)
+    return FlushPlan(pages, groups)
+
+
 def flush_many(pools: PoolSet, arena: ResidualArena, columns: TableColumns, layer: int, seqs: list[SeqKV],
                rows: np.ndarray, res_rows: np.ndarray, classes: list[Cls], segs: list[int], order: Iterator[int],
-               clock=None) -> None:
+               clock=None, plan: FlushPlan | None = None) -> None:
     """Write the buffered tokens of ``seqs`` (rows ``rows`` of the columns, ``res_rows`` of the arena) in ``layer``
     to pages, request ``i`` as one group of class ``classes[i]`` (segment ``segs[i]``); requests of one format with
     equal fill share a kernel call. ``order``: the cache's page numbering; ``clock``: the decode-step profile clock
-    (the kernel's time is "kv_write")."""
+    (the kernel's time is "kv_write"); ``plan``: the step's pages and groups, when every request flushes and
+    ``plan_flush`` took them."""
     fill = arena.fill[res_rows, layer]
     first = classes[0] if classes else None
     one_fmt = all(c[0] == first[0] for c in classes)
@@ -44,7 +99,8 @@ def flush_many(pools: PoolSet, arena: ResidualArena, columns: TableColumns, laye
                 calls.setdefault((classes[i][0], n), []).append(i)
     for (fmt, n), idx in calls.items():
         if len(idx) == len(seqs):
-            _flush_call(pools, arena, columns, layer, fmt, n, seqs, rows, res_rows, classes, segs, order, clock)
+            _flush_call(pools, arena, columns, layer, fmt, n, seqs, rows, res_rows, classes, segs, order, clock,
+                        None if plan is None else plan.fresh(layer))
         else:
             at = np.asarray(idx, np.int64)
             _flush_call(pools, arena, columns, layer, fmt, n, [seqs[i] for i in idx], rows[at], res_rows[at],
@@ -53,10 +109,11 @@ def flush_many(pools: PoolSet, arena: ResidualArena, columns: TableColumns, laye
 
 def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, layer: int, fmt: str, n: int,
                 seqs: list[SeqKV], rows: np.ndarray, res_rows: np.ndarray, classes: list[Cls], segs: list[int],
-                order: Iterator[int], clock) -> None:
+                order: Iterator[int], clock, fresh: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     pool = pools.pool(layer, fmt)
     G = len(seqs)
-    fresh = _alloc_fresh(columns, layer, pool, n, seqs, rows, classes, order)
+    if fresh is None:
+        fresh = _alloc_fresh(columns, layer, pool, n, seqs, rows, classes, order)
     if fresh is not None:
         pg, sl, gids = np.repeat(fresh[0], pool.B), np.tile(np.arange(pool.B, dtype=np.int64), len(fresh[0])), fresh[1]
     else:

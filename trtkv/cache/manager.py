@@ -29,7 +29,7 @@ from trtkv.cache.columns import TableColumns
 from trtkv.cache.config import CACHE_SETTINGS, EVICTION_MODES, MAX_BLOCK_SIZE, CacheConfig  # noqa: F401 (re-exported)
 from trtkv.cache.eviction import (evict_one_by_one, evict_one_each,
                                   evict_rows_layers, evict_private, evict_private_flat, evict_private_many)
-from trtkv.cache.flush import flush_many
+from trtkv.cache.flush import FlushPlan, flush_many, plan_flush
 from trtkv.cache.forks import FORK_MODES, PageRefs
 from trtkv.cache.index_ops import split_counts
 from trtkv.cache.manager_reads import CacheReads
@@ -326,10 +326,18 @@ class KVCacheManager(CacheReads):
         """Quantize the buffered tokens of one layer as one group and write them to pages."""
         self.flush_many(layer, [seq], [cls], [seg])
 
-    def flush_many(self, layer: int, seqs: list[SeqKV], classes: list[Cls], segs: list[int]) -> None:
-        """``flush`` of several requests in one layer, batched (``trtkv/cache/flush.py``)."""
+    def flush_many(self, layer: int, seqs: list[SeqKV], classes: list[Cls], segs: list[int],
+                   plan: FlushPlan | None = None) -> None:
+        """``flush`` of several requests in one layer, batched (``trtkv/cache/flush.py``); ``plan``: every layer's
+        pages, taken when the step's first layer flushed (``plan_flush``)."""
         flush_many(self.pools, self.residual, self.columns, layer, seqs, self.rows(seqs), self.residual_rows(seqs),
-                   classes, segs, self._page_order, self.clock)
+                   classes, segs, self._page_order, self.clock, plan)
+
+    def plan_flush(self, seqs: list[SeqKV], classes: list[Cls]) -> FlushPlan | None:
+        """Every layer's pages for a flush of every one of ``seqs`` whose buffers all fill this step, taken at once
+        when layer 0 flushes (``trtkv/cache/flush.py``); None when it does not apply."""
+        return plan_flush(self.pools, self.residual, self.columns, seqs, self.rows(seqs), self.residual_rows(seqs),
+                          classes, self._page_order)
 
     def discard_buffered(self, seq: SeqKV, layer: int) -> list[int]:
         """Empty one layer's residual buffer without writing it (a runtime that wrote the group to pages

@@ -17,6 +17,7 @@ import torch
 from plugins import backend as plugin_backend
 from trtkv.cache.manager import CacheConfig, KVCacheManager, fp16_bytes_per_token
 from trtkv.cache.budget import useful_pages
+from trtkv.cache.flush import FlushPlan
 from trtkv.cache.tiers import tier_stats
 from trtkv.cache.write_plan import WritePlan
 from trtkv.distributed.group import HeadShards
@@ -64,6 +65,7 @@ class DecodeStep:
     acts: bool = True  # the policy's before_attention_batch does something this step (asked once, after its begin)
     deferred: list | None = None  # batch form: layers whose positions are read at the step's end (resolve_positions)
     flush_all: tuple[list, list] | None = None  # the write classes and segments of a flush of every request
+    flush_plan: FlushPlan | None = None  # every layer's pages for that flush, taken when layer 0 flushes
 
 
 class EngineCore:
@@ -339,7 +341,9 @@ class EngineCore:
                     if len(full) == len(seqs):  # (every request, every layer: the step's lists, made once)
                         if step.flush_all is None:
                             step.flush_all = ([c[:2] for c in classes], [c[2] for c in classes])
-                        cache.flush_many(layer, seqs, *step.flush_all)
+                        if layer == 0 and not step.acts:  # (nothing between two layers' flushes: see plan_flush)
+                            step.flush_plan = cache.plan_flush(seqs, step.flush_all[0])
+                        cache.flush_many(layer, seqs, *step.flush_all, plan=step.flush_plan)
                     else:
                         cache.flush_many(layer, [seqs[i] for i in full], [classes[i][:2] for i in full],
                                          [classes[i][2] for i in full])
