@@ -62,16 +62,11 @@ def plan_flush(pools: PoolSet, arena: ResidualArena, columns: TableColumns, seqs
         bad |= reusable.any(1)
     pages, groups = [], []
     for layer in range(int(np.argmax(bad)) if bad.any() else len(bad)):
-        pool = pools.pool(layer, cls[0])
-        if pool.free_pages < G * per:
+        took = _take_fresh(pools.pool(layer, cls[0]), G, n, cls)
+        if took is None:
             break
-        gids = pool.alloc_groups(G, n)
-        if gids is None:
-            break
-        got = pool.alloc_pages(G * per, cls[1])
-        pool.mark_full(got)
-        pages.append(got)
-        groups.append(gids)
+        pages.append(took[0])
+        groups.append(took[1])
     if not pages:
         return None
     add_fresh_pages_layers(seqs, columns, rows, pool0, cls, np.stack(pages).reshape(len(pages), G, per), order,
@@ -153,7 +148,20 @@ def _alloc_fresh(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs
     reusable = columns.reuse.counts(layer, rows, cls)
     if (reusable is not None and reusable.any()) or (columns.open_pages(layer, rows, cls) >= 0).any():
         return None
-    G, per = len(seqs), n // B
+    G = len(seqs)
+    took = _take_fresh(pool, G, n, cls)
+    if took is None:
+        return None
+    # (a request's group and pages charged at once: both only grow its bytes, so its peak is the same)
+    add_fresh_pages_each(seqs, columns, layer, rows, pool, cls, took[0].reshape(G, n // B), order,
+                         extra=pool.group_bytes if pool.group_specs else 0)
+    return took
+
+
+def _take_fresh(pool: PagePool, G: int, n: int, cls: Cls) -> tuple[np.ndarray, np.ndarray] | None:
+    """``G`` key-scale groups of ``n`` tokens and ``G * n / B`` whole pages of ``cls`` from ``pool``, marked full:
+    ``(pages, groups)``; None (nothing taken) when the pool or its arena lacks them."""
+    per = n // pool.B
     if pool.free_pages < G * per:
         return None
     gids = pool.alloc_groups(G, n)
@@ -161,9 +169,6 @@ def _alloc_fresh(columns: TableColumns, layer: int, pool: PagePool, n: int, seqs
         return None
     got = pool.alloc_pages(G * per, cls[1])
     pool.mark_full(got)
-    # (a request's group and pages charged at once: both only grow its bytes, so its peak is the same)
-    add_fresh_pages_each(seqs, columns, layer, rows, pool, cls, got.reshape(G, per), order,
-                         extra=pool.group_bytes if pool.group_specs else 0)
     return got, gids
 
 

@@ -226,11 +226,12 @@ class TierStore:
                 on_host[hosted] = self.host.held_flat(layer, host_rows[hosted], flat[hosted])
             if tier == TIER_EVICTED:
                 on_dev = self.dev.held_flat(layer, dev_rows, flat)
-                n, at = _per_job(job, on_dev, len(jobs))
                 if dev_victims is not None:
                     dev_victims[li, job[on_dev], rank[on_dev]] = flat[on_dev]
-                elif len(at):
-                    counts[at] += self.dev.evict_flat(layer, [seqs[j] for j in at], flat[on_dev], n[at])
+                else:
+                    n, at = _per_job(job, on_dev, len(jobs))
+                    if len(at):
+                        counts[at] += self.dev.evict_flat(layer, [seqs[j] for j in at], flat[on_dev], n[at])
                 n, at = _per_job(job, on_host, len(jobs))
                 if len(at):  # T3 from the host tier
                     self.host.evict_flat(layer, [records[j].host for j in at], flat[on_host], n[at], counted=False)

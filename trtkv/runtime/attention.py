@@ -229,11 +229,13 @@ def layer_statistics(logits: torch.Tensor | list[torch.Tensor], lse: torch.Tenso
         logits, lse_all, num_kv_heads = both[..., :-1], both[..., -1], shards.num_kv_heads
         blocks = [logits]
     if batch_form:  # (every request asked for the weights alone: EngineCore._batch_form)
+        # (logits as column blocks: their head sums block by block, each column's sum its own)
+        sums = None if batch_weights else [plugin_ops.head_sums(lg, lse_all) for lg in blocks]
         if len(blocks) > 1 and positions is None:  # (the positions come at the step's end, block by block)
             return BatchLayerStats(positions=None, weights=None, counts=None, head_sums=None, heads=blocks[0].shape[1],
-                                   blocks=[(None, plugin_ops.head_sums(lg, lse_all)) for lg in blocks])
+                                   blocks=[(None, s) for s in sums])
+        sums = None if sums is None else sums[0] if len(sums) == 1 else torch.cat(sums, dim=-1)
         # in place of the logits nothing else reads; slot order kept (dead columns: -1, weight 0)
-        sums = None if batch_weights else _head_sums(blocks, lse_all)
         w = softmax_weights_(logits, lse_all) if batch_weights else None
         if counts is None and positions is not None:
             counts = (positions >= 0).sum(1)
@@ -257,13 +259,6 @@ def layer_statistics(logits: torch.Tensor | list[torch.Tensor], lse: torch.Tenso
         stats[i] = LayerStats(positions=pos_w[j, :counts[j]], weights=w_rows[j], logits=lg_rows[j],
                               sparsity_heads=sh_rows[j], sparsity=u[j], head_sums=sum_rows[j])
     return stats
-
-
-def _head_sums(blocks: list[torch.Tensor], lse: torch.Tensor) -> torch.Tensor:
-    """``head_sums`` of logits that come as column blocks, joined: the sums' columns, not the logits'."""
-    if len(blocks) == 1:
-        return plugin_ops.head_sums(blocks[0], lse)
-    return torch.cat([plugin_ops.head_sums(lg, lse) for lg in blocks], dim=-1)
 
 
 def live_first(positions: np.ndarray, weights: torch.Tensor, logits: torch.Tensor, sums: torch.Tensor | None,
