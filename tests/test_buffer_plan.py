@@ -49,10 +49,11 @@ def test_planned_buffer_appends_equal_layer_by_layer(engine_factory, load_engine
     assert got == _run(eng)
 
 
-@pytest.mark.parametrize("policy,settings", [("kivi", {}), ("thinkv", {"budget": 48})])
+@pytest.mark.parametrize("policy,settings", [("kivi", {}), ("thinkv", {"budget": 32, "tau": 16})])
 def test_planned_flushes_equal_layer_by_layer(engine_factory, load_engine, tiny_ckpt, monkeypatch, policy, settings):
     """A step whose buffers all fill takes every layer's fresh pages when layer 0 flushes (``plan_flush``): the same
-    tokens, positions attended, evictions and peak bytes as each layer taking its own. (One prompt length, so the
+    tokens, positions attended, evictions and peak bytes as each layer taking its own, and each request's bytes and peak
+    once a step's last layer flushed (ThinKV's anneals release bytes between flushes). (One prompt length, so the
     batch's buffers fill together; sampled, so the requests differ; they end at different steps.)"""
     eng = load_engine(engine_factory(tiny_ckpt, policy, **settings))
     # a prompt of whole groups and pages: no open page after prefill, so the flushes take fresh pages
@@ -63,16 +64,27 @@ def test_planned_flushes_equal_layer_by_layer(engine_factory, load_engine, tiny_
               for i, n in enumerate((70, 45, 60, 52))]
     plan, planned = KVCacheManager.plan_flush, []
 
-    def spy(self, seqs, classes):
-        got = plan(self, seqs, classes)
-        planned.append(0 if got is None else len(got.pages))
+    def spy(self, seqs, classes, charge_each_layer=False):
+        got = plan(self, seqs, classes, charge_each_layer)
+        planned.append((0 if got is None else len(got.pages), charge_each_layer))
         return got
 
+    flush, charged = KVCacheManager.flush_many, []
+
+    def record(self, layer, seqs, *args, **kwargs):  # each request's bytes and peak once a step's layers flushed
+        flush(self, layer, seqs, *args, **kwargs)
+        if layer == self.cfg.num_layers - 1:
+            charged.append([(s.account.bytes, s.account.peak) for s in seqs])
+
     monkeypatch.setattr(KVCacheManager, "plan_flush", spy)
-    got = _run(eng, prompts, params)
-    assert max(planned) == eng.core.arch.num_hidden_layers  # (steps whose every layer's pages were planned)
-    monkeypatch.setattr(KVCacheManager, "plan_flush", lambda self, seqs, classes: None)
-    assert got == _run(eng, prompts, params)
+    monkeypatch.setattr(KVCacheManager, "flush_many", record)
+    got = _run(eng, prompts, params), list(charged)
+    assert max(n for n, _ in planned) == eng.core.arch.num_hidden_layers  # (steps whose every layer's were planned)
+    # ThinKV: flushes on anneal steps planned too, each layer charged at its flush (its anneal releases between)
+    assert any(n and each for n, each in planned) == (policy == "thinkv")
+    monkeypatch.setattr(KVCacheManager, "plan_flush", lambda self, seqs, classes, charge_each_layer=False: None)
+    charged.clear()
+    assert got == (_run(eng, prompts, params), charged)
 
 
 def test_buffer_membership_of_jobs_equals_a_set_per_job():

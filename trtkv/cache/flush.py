@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from plugins import ops as plugin_ops
+from trtkv.cache.accounting import ByteAccount
 from trtkv.cache.batch_alloc import add_fresh_pages_each, add_fresh_pages_layers, add_full_pages_each
-from trtkv.cache.block_table import Cls
+from trtkv.cache.block_table import Cls, held_page_bytes
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool import PagePool
 from trtkv.cache.pool_set import PoolSet
@@ -33,18 +34,27 @@ class FlushPlan:
     ``groups[l]``; a layer past ``len(pages)`` allocates as it flushes."""
     pages: list[np.ndarray]
     groups: list[np.ndarray]
+    charges: tuple[list[ByteAccount], int] | None = None  # (accounts, bytes a layer): charged as each layer flushes
 
     def fresh(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
         return (self.pages[layer], self.groups[layer]) if layer < len(self.pages) else None
 
+    def charge(self, layer: int) -> None:
+        """Layer ``layer``'s bytes, when the plan left them to its flush."""
+        if self.charges is not None and layer < len(self.pages):
+            ByteAccount.add_each(*self.charges)
+
 
 def plan_flush(pools: PoolSet, arena: ResidualArena, columns: TableColumns, seqs: list[SeqKV], rows: np.ndarray,
-               res_rows: np.ndarray, classes: list[Cls], order: Iterator[int]) -> FlushPlan | None:
+               res_rows: np.ndarray, classes: list[Cls], order: Iterator[int], charge_each_layer: bool = False
+               ) -> FlushPlan | None:
     """``_alloc_fresh`` of every layer at once, made when layer 0's buffers of ``seqs`` (every request of the step)
     fill and every other layer's fill with this step's token: one class, whole fresh pages in each layer. The
     layers from the first where that does not hold (a reusable slot, an open page, too few pages or groups) on
     allocate as they flush; None when none is planned. The same pages, groups, order numbers and bytes as the
-    layers' flushes one after another (nothing between two layers' flushes touches another layer's tables)."""
+    layers' flushes one after another (nothing between two layers' flushes touches another layer's tables).
+    ``charge_each_layer``: each layer's bytes wait for its flush (``FlushPlan.charge``), so that releases between
+    two layers' flushes (a policy acting in its layer before attention) leave each request's peak as it was."""
     cls = classes[0] if classes else None
     if cls is None or any(c != cls for c in classes):
         return None
@@ -69,9 +79,11 @@ def plan_flush(pools: PoolSet, arena: ResidualArena, columns: TableColumns, seqs
         groups.append(took[1])
     if not pages:
         return None
+    extra = pool0.group_bytes if pool0.group_specs else 0
     add_fresh_pages_layers(seqs, columns, rows, pool0, cls, np.stack(pages).reshape(len(pages), G, per), order,
-                           extra=pool0.group_bytes if pool0.group_specs else 0)
-    return FlushPlan(pages, groups)
+                           extra=extra, charge=not charge_each_layer)
+    charges = ([s.account for s in seqs], per * held_page_bytes(pool0) + extra) if charge_each_layer else None
+    return FlushPlan(pages, groups, charges)
 
 
 def flush_many(pools: PoolSet, arena: ResidualArena, columns: TableColumns, layer: int, seqs: list[SeqKV],
@@ -94,6 +106,8 @@ def flush_many(pools: PoolSet, arena: ResidualArena, columns: TableColumns, laye
                 calls.setdefault((classes[i][0], n), []).append(i)
     for (fmt, n), idx in calls.items():
         if len(idx) == len(seqs):
+            if plan is not None:
+                plan.charge(layer)
             _flush_call(pools, arena, columns, layer, fmt, n, seqs, rows, res_rows, classes, segs, order, clock,
                         None if plan is None else plan.fresh(layer))
         else:

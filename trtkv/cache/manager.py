@@ -86,6 +86,12 @@ class KVCacheManager(CacheReads):
         """Whether the host tiers exist (asking ``tiers`` creates them)."""
         return self._tiers is not None
 
+    def evictions_stay_in_layer(self, seqs: list[SeqKV]) -> bool:
+        """Whether evicting from ``seqs`` in one layer leaves every other layer's slots, pages and the page
+        numbering as they were: in-place eviction, no host tier, no forked sequence (whose copies take pages)."""
+        return (self.cfg.eviction != "compact" and self.cfg.demote == "none" and not self.has_tiers
+                and all(s.fork_mode is None for s in seqs))
+
     @property
     def cow_copies(self) -> int:
         """Pages copied because a sharer evicted from them."""
@@ -333,11 +339,13 @@ class KVCacheManager(CacheReads):
         flush_many(self.pools, self.residual, self.columns, layer, seqs, self.rows(seqs), self.residual_rows(seqs),
                    classes, segs, self._page_order, self.clock, plan)
 
-    def plan_flush(self, seqs: list[SeqKV], classes: list[Cls]) -> FlushPlan | None:
+    def plan_flush(self, seqs: list[SeqKV], classes: list[Cls], charge_each_layer: bool = False
+                   ) -> FlushPlan | None:
         """Every layer's pages for a flush of every one of ``seqs`` whose buffers all fill this step, taken at once
-        when layer 0 flushes (``trtkv/cache/flush.py``); None when it does not apply."""
+        when layer 0 flushes (``trtkv/cache/flush.py``; ``charge_each_layer``: bytes as each layer flushes); None
+        when it does not apply."""
         return plan_flush(self.pools, self.residual, self.columns, seqs, self.rows(seqs), self.residual_rows(seqs),
-                          classes, self._page_order)
+                          classes, self._page_order, charge_each_layer)
 
     def discard_buffered(self, seq: SeqKV, layer: int) -> list[int]:
         """Empty one layer's residual buffer without writing it (a runtime that wrote the group to pages

@@ -373,6 +373,10 @@ class KVPolicy:
         for req in reqs:
             self.before_attention(req, layer)
 
+    # ``before_attention_batch`` only evicts, and only in the layer it is given: a step's buffer appends and flushes
+    # of every layer may then be planned at its first layer (trtkv/cache/flush.py)
+    acts_in_own_layer = False
+
     def acts_before_attention(self, reqs: list[PolicyRequest]) -> bool:
         """Whether ``before_attention_batch`` will do anything in this decode step (asked after the step's begin
         hooks): a step where it does not may run as one device program (``--runtime graph``). By default,

@@ -360,6 +360,8 @@ class ThinKVPolicy(KVPolicy):
     def before_attention(self, req, layer: int) -> None:
         self.before_attention_batch([req], layer)
 
+    acts_in_own_layer = True  # (an anneal evicts its layer's victims)
+
     def acts_before_attention(self, reqs) -> bool:
         return any(req.state.ops for req in reqs)  # this step's anneals (on_decode_step_begin)
 

@@ -66,6 +66,9 @@ class DecodeStep:
     deferred: list | None = None  # batch form: layers whose positions are read at the step's end (resolve_positions)
     flush_all: tuple[list, list] | None = None  # the write classes and segments of a flush of every request
     flush_plan: FlushPlan | None = None  # every layer's pages for that flush, taken when layer 0 flushes
+    # nothing done between two layers' buffer appends and flushes touches another layer's (the policy does nothing
+    # before attention, or only evicts in place in the layer it is given): both may be planned for every layer
+    layers_apart: bool = True
 
 
 class EngineCore:
@@ -271,6 +274,8 @@ class EngineCore:
                           cos=cos, sin=sin, stats=[StepStats(step=c.step) for c in ctxs], forced_req=fs,
                           forced=[StepStats(step=c.step) for c in ctxs] if fs is not None else None,
                           acts=self.policy.acts_before_attention(ctxs))
+        step.layers_apart = not step.acts or (self.policy.acts_in_own_layer
+                                               and self.cache.evictions_stay_in_layer(step.seqs))
         first = classes[0][:2] if classes else None
         step.write_cls = first if all(cl[:2] == first for cl in classes) else None
         if not any(sr is not None and sr.layers is not None for sr in sreqs):  # the same flags in every layer
@@ -324,7 +329,7 @@ class EngineCore:
                 for i, s in enumerate(seqs):
                     cache.write(s, layer, k[i:i + 1], v[i:i + 1], [positions[i]], classes[i][:2], classes[i][2])
         else:
-            if layer == 0 and step.buffer_plan is None and not step.acts:
+            if layer == 0 and step.buffer_plan is None and step.layers_apart:
                 # every layer's buffer slots at once when no buffer fills up this step (no flush: nothing between
                 # two layers' appends reads another layer's buffer)
                 step.buffer_plan = cache.plan_buffer_append(seqs, positions)
@@ -341,8 +346,8 @@ class EngineCore:
                     if len(full) == len(seqs):  # (every request, every layer: the step's lists, made once)
                         if step.flush_all is None:
                             step.flush_all = ([c[:2] for c in classes], [c[2] for c in classes])
-                        if layer == 0 and not step.acts:  # (nothing between two layers' flushes: see plan_flush)
-                            step.flush_plan = cache.plan_flush(seqs, step.flush_all[0])
+                        if layer == 0 and step.layers_apart:  # (see plan_flush)
+                            step.flush_plan = cache.plan_flush(seqs, step.flush_all[0], charge_each_layer=step.acts)
                         cache.flush_many(layer, seqs, *step.flush_all, plan=step.flush_plan)
                     else:
                         cache.flush_many(layer, [seqs[i] for i in full], [classes[i][:2] for i in full],
