@@ -96,7 +96,7 @@ def flush_many(pools: PoolSet, arena: ResidualArena, columns: TableColumns, laye
     ``plan_flush`` took them."""
     fill = arena.fill[res_rows, layer]
     first = classes[0] if classes else None
-    one_fmt = all(c[0] == first[0] for c in classes)
+    one_fmt = classes.count(first) == len(classes) or all(c[0] == first[0] for c in classes)  # (count: C-level)
     if one_fmt and len(seqs) and (fill == fill[0]).all():  # (a lockstep batch: every buffer full at once)
         calls = {(first[0], int(fill[0])): range(len(seqs))} if fill[0] else {}
     else:
@@ -140,7 +140,7 @@ def _flush_call(pools: PoolSet, arena: ResidualArena, columns: TableColumns, lay
     if clk is not None:
         clk.switch(prev)
     positions = arena.take_rows(layer, res_rows, n)  # [G, n]
-    seg = segs[0] if all(x == segs[0] for x in segs) else np.repeat(np.asarray(segs, np.int64), n)
+    seg = segs[0] if segs.count(segs[0]) == len(segs) else np.repeat(np.asarray(segs, np.int64), n)
     if fresh is not None:  # whole fresh pages: a row a page
         pool.mark_pages_written(fresh[0], positions.reshape(-1, pool.B),
                                 seg if np.ndim(seg) == 0 else seg.reshape(-1, pool.B))
