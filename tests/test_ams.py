@@ -672,3 +672,12 @@ def test_step_queries_shared_by_the_batch():
     assert not window.aligned and window.counts(1).tolist() == [4, 3, 4]
     q, pos = window.last(1, [0, 1], 3)
     assert torch.equal(q[1], torch.stack([x for _, x in logs[1].of(1)[-3:]])) and pos[1].tolist() == [101, 102, 103]
+
+
+@given(window=hst.integers(1, 200), hs=hst.integers(0, 40), budget=hst.integers(1, 400))
+@settings(max_examples=60, deadline=None)
+def test_window_of_each_row_equals_one_at_a_time(window, hs, budget):
+    """An event's effective windows, all requests' at once (``_w_eff_rows``), are each one's ``_w_eff``."""
+    pol = make_policy("ams", {"budget": budget, "window": window, "hs": hs})
+    T = np.arange(0, 2 * budget + 3)
+    assert pol._w_eff_rows(T).tolist() == [pol._w_eff(int(t)) for t in T]

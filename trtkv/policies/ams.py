@@ -120,6 +120,17 @@ def usage(rows: torch.Tensor, num_kv_heads: int, k_pool: int, pad_mode: str = "m
     return torch.cat([u_nw, pad.expand(*lead, num_kv_heads, W)], dim=-1)
 
 
+def _groups_by(idx: np.ndarray, T: np.ndarray, n_rec: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
+    """``idx`` grouped by equal ``(T, n_rec)``: ``(members, T, n_rec)`` each, members ascending, groups in the order
+    of their first member."""
+    if not len(idx):
+        return []
+    key = T.astype(np.int64) * (int(n_rec.max()) + 1) + n_rec
+    _, first, which = np.unique(key, return_index=True, return_inverse=True)
+    which = which.reshape(-1)
+    return [(idx[which == g], int(T[first[g]]), int(n_rec[first[g]])) for g in np.argsort(first).tolist()]
+
+
 # --- the policy ------------------------------------------------------------------------------------
 class CreditRows:
     """Every request's EMA credit in one ``RowTable``, a row each: made at the first use, when the layers and the
@@ -288,18 +299,16 @@ class AMSPolicy(KVPolicy):
         for layer in range(reqs[0].num_layers):
             T = reqs[0].num_live_many(layer, reqs)
             paged = reqs[0].num_paged_many(layer, reqs)
-            counts = window.counts(layer)
-            groups: dict[tuple[int, int], list[int]] = {}
-            for i in np.flatnonzero(T > self.budget).tolist():
-                n_rec = min(int(counts[i]), max(self._w_eff(int(T[i])), KVPRESS_WINDOW))
-                if paged[i] == T[i] and n_rec:
-                    groups.setdefault((int(T[i]), n_rec), []).append(i)
-                else:  # residual-buffer tokens (never evicted) or no evidence: alone
-                    victims[layer][i] = self._lone_victims(reqs[i], layer, H)
-            for (n, m), idx in groups.items():
-                pos = reqs[0].live_positions_each(layer, reqs, np.asarray(idx), n)
-                scored.append(ScoredGroup(layer, idx, pos, *self._evidence_rows(
-                    layer, [reqs[i] for i in idx], pos, H, window.last(layer, idx, m))))
+            over = np.flatnonzero(T > self.budget)
+            n_rec = np.minimum(window.counts(layer)[over], np.maximum(self._w_eff_rows(T[over]), KVPRESS_WINDOW))
+            grouped = (paged[over] == T[over]) & (n_rec > 0)
+            for i in over[~grouped].tolist():  # residual-buffer tokens (never evicted) or no evidence: alone
+                victims[layer][i] = self._lone_victims(reqs[i], layer, H)
+            for idx, n, m in _groups_by(over[grouped], T[over[grouped]], n_rec[grouped]):
+                pos = reqs[0].live_positions_each(layer, reqs, idx, n)
+                ids = idx.tolist()
+                scored.append(ScoredGroup(layer, ids, pos, *self._evidence_rows(
+                    layer, [reqs[i] for i in ids], pos, H, window.last(layer, ids, m))))
             if sum(len(sg.requests) for sg in scored) >= KEEP_CHUNK or layer == reqs[0].num_layers - 1:
                 for sg, keeps in zip(scored, self._keep_rows(scored)):
                     for i, p, keep in zip(sg.requests, sg.positions, keeps):
@@ -325,6 +334,10 @@ class AMSPolicy(KVPolicy):
 
     def _w_eff(self, T: int) -> int:
         return max(1, min(self.window, self.n_buf - 1, T - 1, self.budget))
+
+    def _w_eff_rows(self, T: np.ndarray) -> np.ndarray:
+        """``_w_eff`` of each of ``T``."""
+        return np.maximum(1, np.minimum(np.minimum(T - 1, self.budget), min(self.window, self.n_buf - 1)))
 
     def _evidence_rows(self, layer: int, reqs: list, pos: np.ndarray, H: int,
                        queries: tuple[torch.Tensor, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -408,9 +421,10 @@ class AMSPolicy(KVPolicy):
         m_cur = self._current_mass(rows, H)
         if not self._credited:
             return m_cur
-        views = [self._credit_of(req, m_cur.device) for req in reqs]
-        table = views[0].table
-        flat = table.flat(np.fromiter((v.row for v in views), np.int64, len(views)), pos).reshape(-1)
+        for req in [req for req in reqs if req.state.credit is None]:  # (their first event)
+            self._credit_of(req, m_cur.device)
+        table = reqs[0].state.credit.table
+        flat = table.flat(np.fromiter((req.state.credit.row for req in reqs), np.int64, len(reqs)), pos).reshape(-1)
         c = self.lam * table.take(layer, flat).view(pos.shape) + (1 - self.lam) * m_cur
         table.put(layer, flat, c.reshape(-1))
         return self._used_mass(m_cur, c)
