@@ -200,16 +200,18 @@ def add_fresh_pages_each(seqs: list, cols: TableColumns, layer: int, rows: np.nd
 
 
 def add_fresh_pages_layers(seqs: list, cols: TableColumns, rows: np.ndarray, pool: PagePool, cls: Cls,
-                           pages: np.ndarray, order: Iterator[int], extra: int = 0, charge: bool = True) -> None:
+                           pages: np.ndarray, order: Iterator[int], extra: int = 0, charge: bool = True) -> int:
     """``add_fresh_pages_each`` of layers ``0 .. len(pages) - 1`` at once: ``pages [layers, G, per]`` (each layer's
     pools alike, ``pool`` one of them), numbered layer after layer and in each table after table, as that many calls
     layer by layer would number them; each request is charged once for all of them (only growing, so the same peak),
-    or not at all (``charge=False``: the caller charges layer by layer)."""
+    or not at all (``charge=False``: the caller charges layer by layer). Returns a request's bytes a layer."""
     L, G, per = pages.shape
     _queue_pages(lambda j: seqs[j % G].layers[j // G], cols, np.repeat(np.arange(L), G), np.tile(rows, L),
                  cols.fmt_id(cls[0]), cls, pages.reshape(L * G, per), order)
+    per_layer = per * held_page_bytes(pool) + extra
     if charge:
-        ByteAccount.add_each([s.account for s in seqs], L * (per * held_page_bytes(pool) + extra))
+        ByteAccount.add_each([s.account for s in seqs], L * per_layer)
+    return per_layer
 
 
 def _queue_pages(table_of: Callable[[int], BlockTable], cols: TableColumns, layer: int | np.ndarray, rows: np.ndarray,

@@ -19,7 +19,7 @@ import torch
 from plugins import ops as plugin_ops
 from trtkv.cache.accounting import ByteAccount
 from trtkv.cache.batch_alloc import add_fresh_pages_each, add_fresh_pages_layers, add_full_pages_each
-from trtkv.cache.block_table import Cls, held_page_bytes
+from trtkv.cache.block_table import Cls
 from trtkv.cache.columns import TableColumns
 from trtkv.cache.pool import PagePool
 from trtkv.cache.pool_set import PoolSet
@@ -79,11 +79,10 @@ def plan_flush(pools: PoolSet, arena: ResidualArena, columns: TableColumns, seqs
         groups.append(took[1])
     if not pages:
         return None
-    extra = pool0.group_bytes if pool0.group_specs else 0
-    add_fresh_pages_layers(seqs, columns, rows, pool0, cls, np.stack(pages).reshape(len(pages), G, per), order,
-                           extra=extra, charge=not charge_each_layer)
-    charges = ([s.account for s in seqs], per * held_page_bytes(pool0) + extra) if charge_each_layer else None
-    return FlushPlan(pages, groups, charges)
+    per_layer = add_fresh_pages_layers(seqs, columns, rows, pool0, cls, np.stack(pages).reshape(len(pages), G, per),
+                                       order, extra=pool0.group_bytes if pool0.group_specs else 0,
+                                       charge=not charge_each_layer)
+    return FlushPlan(pages, groups, ([s.account for s in seqs], per_layer) if charge_each_layer else None)
 
 
 def flush_many(pools: PoolSet, arena: ResidualArena, columns: TableColumns, layer: int, seqs: list[SeqKV],
