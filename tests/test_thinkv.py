@@ -266,6 +266,7 @@ def test_chained_anneal_rounds_match_evicting_after_each_round(engine_factory, l
             m.setattr(thinkv_anneal, "_less_victims", counted)
             if each_round:
                 m.setattr("trtkv.policies.thinkv.anneal_layer", per_round)
+                m.setattr(ThinKVPolicy, "_select_ahead", lambda self, reqs, rounds: None)  # (layer by layer)
             reqs = []
             for ids in prompts:
                 req = eng.make_request("x", params)
@@ -281,4 +282,48 @@ def test_chained_anneal_rounds_match_evicting_after_each_round(engine_factory, l
     chained, reference = [], []
     got, want = run(False, chained), run(True, reference)
     assert chained and not reference  # (a later round ran from the survivors of an earlier one)
+    assert got == want
+
+
+@pytest.mark.parametrize("settings", [{}, {"eviction": "compact"}])
+def test_victims_selected_ahead_equal_layer_by_layer(engine_factory, load_engine, tiny_ckpt, settings):
+    """A step's anneals select every layer's victims at its first layer when no job reaches a buffered position
+    (``ThinKVPolicy._select_ahead``); each layer still evicts its own before its attention. The same tokens, live
+    positions and their slots, bytes and peaks after every step as selecting layer by layer. A compacting cache moves
+    a layer's tokens as it evicts (``RequestContext.reads_ahead``): its steps stay layer by layer."""
+    from trtkv.policies import thinkv_anneal
+
+    prompts = [list(range(300 + 7 * i, 316 + 7 * i)) for i in range(4)]
+    params = SamplingParams(max_tokens=120, ignore_eos=True, chat=False)
+
+    def run(ahead: bool, calls: list):
+        eng = load_engine(engine_factory(tiny_ckpt, "thinkv", tau=8, group=8, budget=24, retention="6,4,2",
+                                         thought_schedule="RTTERTTERTTE", **settings))
+        select = thinkv_anneal.select_victims
+
+        def counted(rounds, iters, layer=None):
+            calls.append(layer is None)
+            return select(rounds, iters, layer)
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr("trtkv.policies.thinkv.select_victims", counted)
+            m.setattr(thinkv_anneal, "select_victims", counted)
+            if not ahead:
+                m.setattr(ThinKVPolicy, "_select_ahead", lambda self, reqs, rounds: None)
+            reqs = []
+            for ids in prompts:
+                req = eng.make_request("x", params)
+                req.prompt_ids = list(ids)
+                eng.scheduler.add(req)
+                reqs.append(req)
+            seen = []
+            while any(r.result is None for r in reqs):
+                eng.scheduler.step()
+                seen.append([([sorted(t.loc.items()) for t in r.ctx.seq.layers], r.ctx.seq.kv_bytes,
+                              r.ctx.seq.peak_bytes) for r in reqs if r.result is None])
+        return [r.generated for r in reqs], seen
+
+    ahead_calls, layer_calls = [], []
+    got, want = run(True, ahead_calls), run(False, layer_calls)
+    assert any(ahead_calls) != bool(settings) and not any(layer_calls) and layer_calls
     assert got == want

@@ -192,6 +192,20 @@ class TableColumns:
         r, c = np.nonzero(held)
         return lo[r] + c, held.sum(1)
 
+    def positions_in_flat_layers(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray
+                                 ) -> tuple[np.ndarray, np.ndarray]:
+        """``positions_in_flat`` in every layer at once: ``(positions, counts [layers, len(rows)])``, the positions
+        layer after layer, range after range."""
+        w = self._where
+        lo, hi = np.clip(lo, 0, w.shape[2]), np.clip(hi, 0, w.shape[2])
+        width = int((hi - lo).max(initial=0))
+        if width <= 0:
+            return np.empty(0, np.int64), np.zeros((w.shape[0], len(rows)), np.int64)
+        cols = lo[:, None] + np.arange(width)
+        held = (w[:, rows[:, None], np.minimum(cols, w.shape[2] - 1)] >= 0) & (cols < hi[:, None])
+        at = np.flatnonzero(held)  # (one index array: a third of 3-D nonzero's time)
+        return lo[at // width % len(rows)] + at % width, held.sum(2)
+
     def held_many(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Whether each ``(row, position)`` pair is held (in a page), as one array read."""
         w = self._where[layer]

@@ -97,6 +97,19 @@ class CacheReads:
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         return self.columns.positions_in_flat(layer, rows, np.asarray(lo, np.int64), np.asarray(hi, np.int64))
 
+    def live_positions_in_flat_layers(self, seqs: list[SeqKV], lo: np.ndarray, hi: np.ndarray
+                                      ) -> tuple[np.ndarray, np.ndarray]:
+        """``live_positions_in_flat`` of every layer: ``(positions, counts [layers, len(seqs)])``, layer after
+        layer."""
+        rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
+        return self.columns.positions_in_flat_layers(rows, np.asarray(lo, np.int64), np.asarray(hi, np.int64))
+
+    def oldest_buffered_many(self, seqs: list[SeqKV]) -> np.ndarray:
+        """The oldest position each of ``seqs`` holds in a residual buffer of any layer (int64 max where none)."""
+        if self.residual is None:
+            return np.full(len(seqs), np.iinfo(np.int64).max)
+        return self.residual.oldest_rows(self.residual_rows(seqs))
+
     def locate_many(self, seqs: list[SeqKV], layer: int, positions: list[np.ndarray]
                     ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Where ``positions[i]`` of ``seqs[i]`` are paged in ``layer`` (``reads.locate_many``)."""

@@ -154,13 +154,25 @@ class ResidualArena:
     def holds_any(self, layer: int, rows: np.ndarray, positions: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Per job ``j`` (``counts[j]`` of ``positions``, of arena row ``rows[j]``): whether ``layer``'s buffer holds
         any of its positions, ``[len(rows)]`` bool."""
-        if not self.fill[rows, layer].any():  # (nothing buffered: no comparison)
-            return np.zeros(len(rows), bool)
-        owner = np.repeat(np.arange(len(rows)), counts)
-        r = rows[owner]
-        filled = np.arange(self.pos.shape[2]) < self.fill[r, layer][:, None]
-        held = (self.pos[r, layer] == positions[:, None]) & filled
-        return np.bincount(owner[held.any(1)], minlength=len(rows)) > 0
+        fill = self.fill[rows, layer]
+        none = np.zeros(len(rows), bool)
+        if not fill.any():  # (nothing buffered: no comparison)
+            return none
+        buffered = self.pos[rows, layer]  # [jobs, g]
+        filled = np.arange(buffered.shape[1]) < fill[:, None]
+        # a job's positions are mostly older than everything its buffer holds: only the others are compared
+        maybe = positions >= np.repeat(np.where(filled, buffered, np.iinfo(np.int64).max).min(1), counts)
+        if not maybe.any():
+            return none
+        owner = np.repeat(np.arange(len(rows)), counts)[maybe]
+        held = (buffered[owner] == positions[maybe][:, None]) & filled[owner]
+        none[owner[held.any(1)]] = True
+        return none
+
+    def oldest_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The oldest position each of ``rows`` buffers in any layer (int64 max where none)."""
+        filled = np.arange(self.pos.shape[2]) < self.fill[rows][:, :, None]
+        return np.where(filled, self.pos[rows], np.iinfo(np.int64).max).min(axis=(1, 2))
 
     def take_rows(self, layer: int, rows: np.ndarray, n: int) -> np.ndarray:
         """Empty ``layer``'s buffers of ``rows`` (each holding ``n`` tokens, written to pages): their positions

@@ -32,7 +32,7 @@ import numpy as np
 
 from trtkv.errors import TrtkvError
 from trtkv.policies.base import KVPolicy, ReportColumn, StatsRequest
-from trtkv.policies.thinkv_anneal import AnnealRound, anneal_layer, plan_rounds
+from trtkv.policies.thinkv_anneal import AnnealRound, anneal_layer, evict_victims, plan_rounds, select_victims
 
 if TYPE_CHECKING:
     from trtkv.artifacts.calibration import CalibrationArtifact
@@ -143,6 +143,7 @@ class ThinKVPolicy(KVPolicy):
 
     def __post_init__(self) -> None:
         self._round_plan = None  # (requests, first one's ops, rounds): a step's anneal rounds (_anneal_rounds)
+        self._victims_ahead = None  # (requests, each layer's victims): selected at the step's first layer
         if self.kv_format not in ("auto", "fp32", "fp16", "bf16"):  # build writes the engine dtype back
             self._fixed_format_error()
         if self.avg_bits is not None and not self.avg_bits > 0:
@@ -358,7 +359,7 @@ class ThinKVPolicy(KVPolicy):
         return target
 
     def before_attention(self, req, layer: int) -> None:
-        self.before_attention_batch([req], layer)
+        anneal_layer(layer, self._anneal_rounds([req]), self.kmeans_iters)  # (a lone request: layer by layer)
 
     acts_in_own_layer = True  # (an anneal evicts its layer's victims)
 
@@ -367,8 +368,27 @@ class ThinKVPolicy(KVPolicy):
 
     def before_attention_batch(self, reqs, layer: int) -> None:
         """Apply this step's anneals in this layer (after its flush): k-means keeps ``target`` tokens
-        (``trtkv/policies/thinkv_anneal.py``)."""
-        anneal_layer(layer, self._anneal_rounds(reqs), self.kmeans_iters)
+        (``trtkv/policies/thinkv_anneal.py``). When every job's tokens read the same in each layer at the step's
+        first layer as at its own turn, the first layer selects every layer's victims at once; each layer still
+        evicts its own before its attention."""
+        rounds = self._anneal_rounds(reqs)
+        ahead = self._victims_ahead
+        if layer == 0:
+            ahead = self._victims_ahead = self._select_ahead(reqs, rounds)
+        if ahead is not None and ahead[0] is reqs:
+            evict_victims(layer, ahead[1][layer])
+        else:
+            anneal_layer(layer, rounds, self.kmeans_iters)
+
+    def _select_ahead(self, reqs, rounds: list[AnnealRound]) -> tuple[list, list] | None:
+        """``(reqs, each layer's victims)`` selected now, when no job reaches a position that may change before
+        a later layer's turn (``RequestContext.reads_ahead``); else None."""
+        if not rounds or reqs[0].num_layers < 2:
+            return None
+        ahead = reqs[0].reads_ahead(reqs)
+        if any((r.hi > ahead[r.who]).any() for r in rounds):
+            return None
+        return reqs, select_victims(rounds, self.kmeans_iters)
 
     def _anneal_rounds(self, reqs) -> list[AnnealRound]:
         """This step's anneals of ``reqs`` as rounds of jobs, worked out once a step: every layer passes the same list
@@ -412,7 +432,7 @@ class ThinKVPolicy(KVPolicy):
             if not seg.is_prefill:
                 st.live += self.group
         st.ops = []
-        self._round_plan = None  # (the step's requests are not held past it)
+        self._round_plan = self._victims_ahead = None  # (the step's requests are not held past it)
 
     def extra_stats(self, req) -> dict[str, Any]:
         from plugins.formats import get_format

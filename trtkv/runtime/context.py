@@ -279,6 +279,24 @@ class RequestContext:
             raise ValueError("live_positions_in_flat: every request must share this request's cache")
         return self._cache.live_positions_in_flat([req._seq for req in reqs], layer, lo, hi)
 
+    def live_positions_in_flat_layers(self, reqs: list["RequestContext"], lo: np.ndarray, hi: np.ndarray
+                                      ) -> tuple[np.ndarray, np.ndarray]:
+        """``live_positions_in_flat`` of every layer at once: ``(positions, counts [layers, len(reqs)])``."""
+        if any(req._cache is not self._cache for req in reqs):
+            raise ValueError("live_positions_in_flat_layers: every request must share this request's cache")
+        return self._cache.live_positions_in_flat_layers([req._seq for req in reqs], lo, hi)
+
+    def reads_ahead(self, reqs: list["RequestContext"]) -> np.ndarray:
+        """For a policy that acts in each layer before its attention: from which position on each of ``reqs``
+        may still change in a layer before that layer's turn this step (its buffers' flushes, its new token). The
+        live positions under it and their keys read the same in every layer from the step's first layer on, so
+        that layer may read them for all. -1 each where the cache's evictions reach across layers."""
+        seqs = self._seqs(reqs)
+        if not self._cache.evictions_stay_in_layer(seqs):
+            return np.full(len(reqs), -1, np.int64)
+        return np.minimum(self._cache.oldest_buffered_many(seqs), np.fromiter((r.position for r in reqs), np.int64,
+                                                                               len(reqs)))
+
     def live_positions_layers(self, reqs: list["RequestContext"], n: int) -> np.ndarray:
         return self._cache.live_positions_rows_layers(self._seqs(reqs), n)
 
