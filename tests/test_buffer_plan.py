@@ -112,13 +112,15 @@ def test_buffer_membership_of_jobs_equals_a_set_per_job():
 
 
 def test_oldest_buffered_position_of_each_row_over_layers():
-    """``ResidualArena.oldest_rows``: the least position a row buffers in any layer, stale entries past a buffer's
-    fill not counted; int64 max where nothing is buffered."""
+    """``ResidualArena.oldest_rows``: the least position a row buffers in any layer (or in one given layer), stale
+    entries past a buffer's fill not counted; int64 max where nothing is buffered."""
     arena = ResidualArena(CacheConfig(num_layers=2, num_kv_heads=1, head_dim=2, block_size=4, residual_group=4,
                                       residual_dtype=torch.float32), rows=3)
     arena.pos[:] = [[[9, 3, 8, 1], [7, 6, 2, 0]], [[4, 5, 6, 7], [1, 2, 3, 4]], [[0, 0, 0, 0], [0, 0, 0, 0]]]
     arena.fill[:] = [[3, 2], [0, 4], [0, 0]]
     assert arena.oldest_rows(np.array([0, 1, 2, 0])).tolist() == [3, 1, np.iinfo(np.int64).max, 3]
+    assert arena.oldest_rows(np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1])).tolist() == [
+        3, 6, np.iinfo(np.int64).max, 1]
 
 
 @pytest.mark.parametrize("settings", [{}, {"kv_format": "int4"}])

@@ -327,3 +327,35 @@ def test_victims_selected_ahead_equal_layer_by_layer(engine_factory, load_engine
     got, want = run(True, ahead_calls), run(False, layer_calls)
     assert any(ahead_calls) != bool(settings) and not any(layer_calls) and layer_calls
     assert got == want
+
+
+@pytest.mark.parametrize("buffered", [False, True])
+def test_keys_of_jobs_in_several_layers_equal_layer_by_layer(engine_factory, load_engine, tiny_ckpt, buffered):
+    """``RequestContext.keys_padded_layers`` (one lookup for every layer's jobs) returns, run by run, what
+    ``keys_padded_flat`` returns in each layer — also when a job reaches a buffered token (then layer by layer)."""
+    eng = load_engine(engine_factory(tiny_ckpt, "thinkv", tau=8, group=8, budget=None))
+    params = SamplingParams(max_tokens=12, ignore_eos=True, chat=False)
+    reqs = []
+    for i in range(3):
+        req = eng.make_request("x", params)
+        req.prompt_ids = list(range(300 + 7 * i, 316 + 7 * i))
+        eng.scheduler.add(req)
+        reqs.append(req)
+    for _ in range(5):  # (16 paged prompt tokens, 4 decode tokens in the buffers)
+        eng.scheduler.step()
+    ctxs = [r.ctx for r in reqs]
+    L = ctxs[0].num_layers
+    rng = np.random.default_rng(0)
+    layers = np.repeat(np.arange(L), 2)
+    jobs = [ctxs[j] for j in rng.integers(0, 3, len(layers)).tolist()]
+    top = 18 if buffered else 16
+    picks = [np.sort(rng.choice(top, 5, replace=False)) for _ in layers]
+    if buffered:
+        picks[-1][-1] = 17
+    positions, counts = np.concatenate(picks), np.full(len(layers), 5)
+    got = ctxs[0].keys_padded_layers(layers, jobs, positions, counts, 6)
+    assert len(got) == L
+    for layer, keys in enumerate(got):
+        at = slice(10 * layer, 10 * layer + 10)
+        want = ctxs[0].keys_padded_flat(layer, jobs[2 * layer:2 * layer + 2], positions[at], counts[:2], 6)
+        assert torch.equal(keys, want)

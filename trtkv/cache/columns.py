@@ -225,6 +225,17 @@ class TableColumns:
             raise KeyError(int(positions[np.argmax(codes < 0)]))
         return self.decode_many(codes)
 
+    def lookup_layers(self, layers: np.ndarray, rows: np.ndarray, positions: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``lookup_many`` of pairs in several layers: ``positions[i]`` of row ``rows[i]`` in layer ``layers[i]``."""
+        w = self._where
+        inside = (positions >= 0) & (positions < w.shape[2])
+        codes = np.full(len(positions), NOT_HELD, np.int64)
+        codes[inside] = w[layers[inside], rows[inside], positions[inside]]
+        if (codes < 0).any():
+            raise KeyError(int(positions[np.argmax(codes < 0)]))
+        return self.decode_many(codes)
+
     def row_codes(self, layer: int, row: int) -> tuple[np.ndarray, np.ndarray]:
         """``(positions, codes)`` of the held entries, ascending."""
         r = self._where[layer][row]

@@ -104,11 +104,12 @@ class CacheReads:
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         return self.columns.positions_in_flat_layers(rows, np.asarray(lo, np.int64), np.asarray(hi, np.int64))
 
-    def oldest_buffered_many(self, seqs: list[SeqKV]) -> np.ndarray:
-        """The oldest position each of ``seqs`` holds in a residual buffer of any layer (int64 max where none)."""
+    def oldest_buffered_many(self, seqs: list[SeqKV], layers: np.ndarray | None = None) -> np.ndarray:
+        """The oldest position each of ``seqs`` holds in a residual buffer of any layer, or of its one of ``layers``
+        (int64 max where none)."""
         if self.residual is None:
             return np.full(len(seqs), np.iinfo(np.int64).max)
-        return self.residual.oldest_rows(self.residual_rows(seqs))
+        return self.residual.oldest_rows(self.residual_rows(seqs), layers)
 
     def locate_many(self, seqs: list[SeqKV], layer: int, positions: list[np.ndarray]
                     ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -145,6 +146,15 @@ class CacheReads:
                          ) -> torch.Tensor:
         """``gather_kv_flat``'s keys alone."""
         return self.gather_kv_flat(layer, seqs, positions, counts, keys_only=True)[0]
+
+    def gather_keys_layers(self, layers: np.ndarray, seqs: list[SeqKV], positions: np.ndarray, counts: np.ndarray,
+                           runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """``gather_keys_flat`` of jobs in several layers (job ``i``: ``counts[i]`` of ``positions``, of ``seqs[i]`` in
+        layer ``layers[i]``): one tensor for each run ``(a, b)`` of jobs in one layer."""
+        rows = np.repeat(np.fromiter((s.row for s in seqs), np.int64, len(seqs)), counts)
+        ends = np.r_[0, np.cumsum(counts)]
+        return reads.gather_keys_layers(self.pools, self.columns, np.repeat(layers, counts), rows, positions,
+                                        [(int(ends[a]), int(ends[b])) for a, b in runs])
 
     def block_tables(self, layer: int, seqs: list[SeqKV]) -> list[tuple[PagePool, torch.Tensor]]:
         """Per format used in this layer: ``(pool, block_table [b, P] int32, -1 padded)``."""

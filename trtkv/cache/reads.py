@@ -68,6 +68,32 @@ def gather_kv_rows(pools: PoolSet, columns: TableColumns, layer: int, rows: np.n
     return out_k, out_v
 
 
+def gather_keys_layers(pools: PoolSet, columns: TableColumns, layers: np.ndarray, rows: np.ndarray,
+                       positions: np.ndarray, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """The dequantized keys of paged positions in several layers (``positions[i]`` of table row ``rows[i]`` in layer
+    ``layers[i]``), one ``[b - a, H, D]`` fp32 tensor for each run ``(a, b)`` of pairs in one layer: one lookup in
+    the position maps for every layer, then a kernel call per layer and format (``gather_kv_rows`` of each run)."""
+    fids, pages, slots = columns.lookup_layers(layers, rows, positions)
+    names, cfg, out = columns.fmt_names, pools.cfg, []
+    for a, b in runs:
+        layer = int(layers[a])
+        present = np.unique(fids[a:b]).tolist()
+        keys = None if len(present) == 1 else torch.empty(b - a, cfg.num_kv_heads, cfg.head_dim, device=cfg.device)
+        for f in present:
+            pool = pools[layer][names[f]]
+            sel = None if keys is None else np.flatnonzero(fids[a:b] == f)
+            flat = pages[a:b] * pool.B + slots[a:b] if sel is None else pages[a:b][sel] * pool.B + slots[a:b][sel]
+            k = plugin_ops.gather_keys(pool.fields, pool.group_fields, pool.k_group,
+                                       torch.from_numpy(flat).to(pool.device), pool.fmt.code,
+                                       pools.layer_scales(layer, names[f]).k)
+            if keys is None:
+                keys = k.float()
+            else:
+                keys[torch.from_numpy(sel).to(pool.device)] = k
+        out.append(keys)
+    return out
+
+
 def locate_many(columns: TableColumns, seqs: list[SeqKV], layer: int, positions: list[np.ndarray]
                 ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Where ``positions[i]`` of ``seqs[i]`` are paged in ``layer``, concatenated: ``(format names, format ids,

@@ -169,10 +169,14 @@ class ResidualArena:
         none[owner[held.any(1)]] = True
         return none
 
-    def oldest_rows(self, rows: np.ndarray) -> np.ndarray:
-        """The oldest position each of ``rows`` buffers in any layer (int64 max where none)."""
-        filled = np.arange(self.pos.shape[2]) < self.fill[rows][:, :, None]
-        return np.where(filled, self.pos[rows], np.iinfo(np.int64).max).min(axis=(1, 2))
+    def oldest_rows(self, rows: np.ndarray, layers: np.ndarray | None = None) -> np.ndarray:
+        """The oldest position each of ``rows`` buffers in any layer, or in its one of ``layers`` (int64 max where
+        none)."""
+        if layers is None:
+            filled = np.arange(self.pos.shape[2]) < self.fill[rows][:, :, None]
+            return np.where(filled, self.pos[rows], np.iinfo(np.int64).max).min(axis=(1, 2))
+        filled = np.arange(self.pos.shape[2]) < self.fill[rows, layers][:, None]
+        return np.where(filled, self.pos[rows, layers], np.iinfo(np.int64).max).min(axis=1)
 
     def take_rows(self, layer: int, rows: np.ndarray, n: int) -> np.ndarray:
         """Empty ``layer``'s buffers of ``rows`` (each holding ``n`` tokens, written to pages): their positions

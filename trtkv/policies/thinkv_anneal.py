@@ -137,13 +137,14 @@ def _anneal_round(layer: int | None, span: int, number: int, jobs: AnnealRound, 
         at_layer = sel // n_jobs
         cuts = np.flatnonzero(np.r_[True, at_layer[1:] != at_layer[:-1]]).tolist() + [len(sel)]
         parts = list(zip(cuts[:-1], cuts[1:]))  # (a layer's jobs together: ascending)
-        cum = np.r_[0, np.cumsum(lens)]
-        reqs_of = [[jobs.reqs[j] for j in (sel[a:b] % n_jobs).tolist()] for a, b in parts]
+        reqs = [jobs.reqs[j] for j in (sel % n_jobs).tolist()]
+        if layer is not None:
+            keys = [first.keys_padded_flat(layer, reqs, mine, lens, m)]
+        else:  # (every layer's positions looked up at once)
+            keys = first.keys_padded_layers(at_layer, reqs, mine, lens, m)
         targets = torch.from_numpy(target[sel].astype(np.int32))
-        keep = np.concatenate([_keep(first.keys_padded_flat(layer if layer is not None else int(at_layer[a]), reqs,
-                                                            mine[cum[a]:cum[b]], lens[a:b], m),
-                                     lens[a:b], targets[a:b], m, kmeans_iters)
-                               for (a, b), reqs in zip(parts, reqs_of)])  # (a call a layer: no copy of the keys)
+        keep = np.concatenate([_keep(k, lens[a:b], targets[a:b], m, kmeans_iters)
+                               for k, (a, b) in zip(keys, parts)])  # (a call a layer: no copy of the keys)
         # the victims: each job's members the k-means did not keep, in member order
         held = np.arange(m) < lens[:, None]
         victim = held.copy()
@@ -152,10 +153,9 @@ def _anneal_round(layer: int | None, span: int, number: int, jobs: AnnealRound, 
         gone = victim.sum(1)
         lost = mine[victim[held]]
         lost_at = np.r_[0, np.cumsum(gone)]
-        for (a, b), reqs in zip(parts, reqs_of):
-            # in its layer, a round's groups go in the order of their first request
-            chunks[at_layer[a]].append(((number, int(jobs.owner[sel[a] % n_jobs])), reqs, lost[lost_at[a]:lost_at[b]],
-                                        gone[a:b]))
+        for a, b in parts:  # in its layer, a round's groups go in the order of their first request
+            chunks[at_layer[a]].append(((number, int(jobs.owner[sel[a] % n_jobs])), reqs[a:b],
+                                        lost[lost_at[a]:lost_at[b]], gone[a:b]))
         taken.append((who[sel], lost, gone))
         left[sel] -= gone
     return left

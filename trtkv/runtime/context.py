@@ -148,11 +148,9 @@ class RequestContext:
                          rows: int) -> torch.Tensor:
         """``keys_padded`` with the jobs' positions concatenated: ``counts[j]`` of ``positions`` are job ``j``'s, of
         ``reqs[j]``."""
-        if any(req._cache is not self._cache for req in reqs):
-            raise ValueError("keys_padded: every request must share this request's cache")
         if (counts > rows).any():
             raise ValueError(f"keys_padded: a job of more than {rows} positions")
-        seqs = [req._seq for req in reqs]
+        seqs = self._seqs(reqs)
         lone = []
         hit = np.flatnonzero(self._cache.buffered_any(layer, seqs, positions, counts))  # (most steps: none)
         if len(hit):
@@ -166,17 +164,28 @@ class RequestContext:
                                                 positions[keep], counts[paged])
         else:
             flat = self._cache.gather_keys_flat(layer, seqs, positions, counts)
-        if not lone and (counts == rows).all():  # every job full (the common case): the read is the stack
-            out = flat.view(len(reqs), rows, *flat.shape[1:])
-        else:
-            out = flat.new_zeros((len(reqs), rows, *flat.shape[1:]))
-            sizes, jobs_at = counts[paged], np.flatnonzero(paged)
-            starts = np.repeat(jobs_at * rows - (np.cumsum(sizes) - sizes), sizes)
-            at = torch.from_numpy(starts + np.arange(int(sizes.sum()))).to(flat.device)
-            out.view(-1, *flat.shape[1:])[at] = flat
-            for j, req, mine in lone:
-                out[j, :len(mine)] = req.kv_local(layer, mine)[0]
+        out = _padded(flat, counts, rows, paged if lone else None)
+        for j, req, mine in lone:
+            out[j, :len(mine)] = req.kv_local(layer, mine)[0]
         return out if self._shards is None else self._shards.gather(out, 2)  # one collective for every job
+
+    def keys_padded_layers(self, layers: np.ndarray, reqs: list["RequestContext"], positions: np.ndarray,
+                           counts: np.ndarray, rows: int) -> list[torch.Tensor]:
+        """``keys_padded_flat`` of jobs in several layers, job ``j`` in ``layers[j]`` (the jobs of a layer together):
+        one ``[jobs, rows, H, D]`` tensor for each layer's run of jobs, every layer's positions looked up at once."""
+        cuts = np.flatnonzero(np.r_[True, layers[1:] != layers[:-1]]).tolist() + [len(layers)]
+        runs = list(zip(cuts[:-1], cuts[1:]))
+        seqs = self._seqs(reqs)
+        oldest = self._cache.oldest_buffered_many(seqs, layers)
+        if self._shards is not None or (positions >= np.repeat(oldest, counts)).any():  # (a buffered token or a
+            # shard's heads: layer by layer)
+            ends = np.r_[0, np.cumsum(counts)]
+            return [self.keys_padded_flat(int(layers[a]), reqs[a:b], positions[ends[a]:ends[b]], counts[a:b], rows)
+                    for a, b in runs]
+        if (counts > rows).any():
+            raise ValueError(f"keys_padded: a job of more than {rows} positions")
+        flats = self._cache.gather_keys_layers(layers, seqs, positions, counts, runs)
+        return [_padded(flat, counts[a:b], rows) for flat, (a, b) in zip(flats, runs)]
 
     def _bookkeeping(self, run, *args):
         """``run(*args)`` timed as the cache's bookkeeping: the policy decided, executing it is the cache's work
@@ -358,3 +367,16 @@ class RequestContext:
         """Device KV bytes: pages, plus the host tiers' staging buffers when the request has host tokens."""
         staging = self._cache.tiers.staging_bytes(self._seq) if self._cache.has_tiers else 0
         return self._seq.kv_bytes + staging
+
+
+def _padded(flat: torch.Tensor, counts: np.ndarray, rows: int, paged: np.ndarray | None = None) -> torch.Tensor:
+    """``flat`` (the ``paged`` jobs' keys concatenated, ``counts[j]`` of them job ``j``'s) as ``[jobs, rows, H, D]``,
+    job ``j``'s in its first rows, zeros after; the jobs not ``paged`` all zeros (their caller fills them)."""
+    if paged is None and (counts == rows).all():  # every job full (the common case): the read is the stack
+        return flat.view(len(counts), rows, *flat.shape[1:])
+    out = flat.new_zeros((len(counts), rows, *flat.shape[1:]))
+    jobs_at = np.arange(len(counts)) if paged is None else np.flatnonzero(paged)
+    sizes = counts[jobs_at]
+    starts = np.repeat(jobs_at * rows - (np.cumsum(sizes) - sizes), sizes)
+    out.view(-1, *flat.shape[1:])[torch.from_numpy(starts + np.arange(int(sizes.sum()))).to(flat.device)] = flat
+    return out
