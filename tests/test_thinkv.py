@@ -240,6 +240,21 @@ def test_one_thought_type_labels_everything_r(engine_factory, load_engine, tiny_
     assert mine.thought_types == 3  # an explicit --set wins over the calibration
 
 
+def _run_recording(eng, prompts: list[list[int]], params: SamplingParams, record) -> tuple[list, list]:
+    """Run ``prompts`` to the end: their tokens, and ``record(request)`` of the running requests after each step."""
+    reqs = []
+    for ids in prompts:
+        req = eng.make_request("x", params)
+        req.prompt_ids = list(ids)
+        eng.scheduler.add(req)
+        reqs.append(req)
+    seen = []
+    while any(r.result is None for r in reqs):
+        eng.scheduler.step()
+        seen.append([record(r) for r in reqs if r.result is None])
+    return [r.generated for r in reqs], seen
+
+
 def test_chained_anneal_rounds_match_evicting_after_each_round(engine_factory, load_engine, tiny_ckpt):
     """A step whose segments are annealed twice (case 1, then case 2) runs its later rounds from the earlier rounds'
     survivors before evicting once (``thinkv_anneal.anneal_layer``): the same tokens and the same live positions in
@@ -267,17 +282,7 @@ def test_chained_anneal_rounds_match_evicting_after_each_round(engine_factory, l
             if each_round:
                 m.setattr("trtkv.policies.thinkv.anneal_layer", per_round)
                 m.setattr(ThinKVPolicy, "_select_ahead", lambda self, reqs, rounds: None)  # (layer by layer)
-            reqs = []
-            for ids in prompts:
-                req = eng.make_request("x", params)
-                req.prompt_ids = list(ids)
-                eng.scheduler.add(req)
-                reqs.append(req)
-            live = []
-            while any(r.result is None for r in reqs):
-                eng.scheduler.step()
-                live.append([[sorted(t.loc) for t in r.ctx.seq.layers] for r in reqs if r.result is None])
-        return [r.generated for r in reqs], live
+            return _run_recording(eng, prompts, params, lambda r: [sorted(t.loc) for t in r.ctx.seq.layers])
 
     chained, reference = [], []
     got, want = run(False, chained), run(True, reference)
@@ -310,18 +315,8 @@ def test_victims_selected_ahead_equal_layer_by_layer(engine_factory, load_engine
             m.setattr(thinkv_anneal, "select_victims", counted)
             if not ahead:
                 m.setattr(ThinKVPolicy, "_select_ahead", lambda self, reqs, rounds: None)
-            reqs = []
-            for ids in prompts:
-                req = eng.make_request("x", params)
-                req.prompt_ids = list(ids)
-                eng.scheduler.add(req)
-                reqs.append(req)
-            seen = []
-            while any(r.result is None for r in reqs):
-                eng.scheduler.step()
-                seen.append([([sorted(t.loc.items()) for t in r.ctx.seq.layers], r.ctx.seq.kv_bytes,
-                              r.ctx.seq.peak_bytes) for r in reqs if r.result is None])
-        return [r.generated for r in reqs], seen
+            return _run_recording(eng, prompts, params, lambda r: ([sorted(t.loc.items()) for t in r.ctx.seq.layers],
+                                                                  r.ctx.seq.kv_bytes, r.ctx.seq.peak_bytes))
 
     ahead_calls, layer_calls = [], []
     got, want = run(True, ahead_calls), run(False, layer_calls)
