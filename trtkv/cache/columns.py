@@ -182,29 +182,14 @@ class TableColumns:
     def positions_in_flat(self, layer: int, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray
                           ) -> tuple[np.ndarray, np.ndarray]:
         """``positions_in_many`` concatenated: ``(positions, counts)``, ``counts[i]`` of them the ``i``-th range's."""
-        w = self._where[layer]
-        lo, hi = np.clip(lo, 0, w.shape[1]), np.clip(hi, 0, w.shape[1])
-        width = int((hi - lo).max(initial=0))
-        if width <= 0:
-            return np.empty(0, np.int64), np.zeros(len(rows), np.int64)
-        cols = lo[:, None] + np.arange(width)
-        held = (w[rows[:, None], np.minimum(cols, w.shape[1] - 1)] >= 0) & (cols < hi[:, None])
-        r, c = np.nonzero(held)
-        return lo[r] + c, held.sum(1)
+        positions, counts = _held_in_ranges(self._where[layer:layer + 1], rows, lo, hi)
+        return positions, counts[0]
 
     def positions_in_flat_layers(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray
                                  ) -> tuple[np.ndarray, np.ndarray]:
         """``positions_in_flat`` in every layer at once: ``(positions, counts [layers, len(rows)])``, the positions
         layer after layer, range after range."""
-        w = self._where
-        lo, hi = np.clip(lo, 0, w.shape[2]), np.clip(hi, 0, w.shape[2])
-        width = int((hi - lo).max(initial=0))
-        if width <= 0:
-            return np.empty(0, np.int64), np.zeros((w.shape[0], len(rows)), np.int64)
-        cols = lo[:, None] + np.arange(width)
-        held = (w[:, rows[:, None], np.minimum(cols, w.shape[2] - 1)] >= 0) & (cols < hi[:, None])
-        at = np.flatnonzero(held)  # (one index array: a third of 3-D nonzero's time)
-        return lo[at // width % len(rows)] + at % width, held.sum(2)
+        return _held_in_ranges(self._where, rows, lo, hi)
 
     def held_many(self, layer: int, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Whether each ``(row, position)`` pair is held (in a page), as one array read."""
@@ -217,21 +202,16 @@ class TableColumns:
     def lookup_many(self, layer: int, rows: np.ndarray, positions: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(format ids, pages, slots)`` of held ``(row, position)`` pairs; KeyError names a position not held."""
-        w = self._where[layer]
-        inside = (positions >= 0) & (positions < w.shape[1])
-        codes = np.full(len(positions), NOT_HELD, np.int64)
-        codes[inside] = w[rows[inside], positions[inside]]
-        if (codes < 0).any():
-            raise KeyError(int(positions[np.argmax(codes < 0)]))
-        return self.decode_many(codes)
+        return self.lookup_layers(layer, rows, positions)
 
-    def lookup_layers(self, layers: np.ndarray, rows: np.ndarray, positions: np.ndarray
+    def lookup_layers(self, layers: int | np.ndarray, rows: np.ndarray, positions: np.ndarray
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``lookup_many`` of pairs in several layers: ``positions[i]`` of row ``rows[i]`` in layer ``layers[i]``."""
+        """``lookup_many`` of pairs in several layers: ``positions[i]`` of row ``rows[i]`` in layer ``layers[i]`` (or
+        all in ``layers``, an int)."""
         w = self._where
         inside = (positions >= 0) & (positions < w.shape[2])
         codes = np.full(len(positions), NOT_HELD, np.int64)
-        codes[inside] = w[layers[inside], rows[inside], positions[inside]]
+        codes[inside] = w[layers if np.ndim(layers) == 0 else layers[inside], rows[inside], positions[inside]]
         if (codes < 0).any():
             raise KeyError(int(positions[np.argmax(codes < 0)]))
         return self.decode_many(codes)
@@ -473,6 +453,21 @@ def _held_columns(where: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
     """The held columns, ascending, of rows ``rows`` of position maps ``where [layers, rows, width]`` that each hold
     exactly ``n``: ``[layers, len(rows), n]`` (``plugins/held_columns``: one scan of each row in place)."""
     return plugin_ops.held_columns(torch.from_numpy(where), torch.from_numpy(np.asarray(rows, np.int64)), n).numpy()
+
+
+def _held_in_ranges(where: np.ndarray, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The held positions of ``[lo[i], hi[i])`` of each ``rows[i]`` in each layer of ``where [layers, rows, width]``:
+    ``(positions, counts [layers, len(rows)])``, layer after layer, range after range (one read of the ranges side
+    by side)."""
+    lo, hi = np.clip(lo, 0, where.shape[2]), np.clip(hi, 0, where.shape[2])
+    width = int((hi - lo).max(initial=0))
+    if width <= 0:
+        return np.empty(0, np.int64), np.zeros((where.shape[0], len(rows)), np.int64)
+    cols = lo[:, None] + np.arange(width)
+    held = (where[:, rows[:, None], np.minimum(cols, where.shape[2] - 1)] >= 0) & (cols < hi[:, None])
+    at = np.flatnonzero(held)  # (one index array: a third of 3-D nonzero's time)
+    return lo[at // width % len(rows)] + at % width, held.sum(2)
 
 
 class PositionView(Mapping):

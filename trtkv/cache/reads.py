@@ -74,22 +74,20 @@ def gather_keys_layers(pools: PoolSet, columns: TableColumns, layers: np.ndarray
     ``layers[i]``), one ``[b - a, H, D]`` fp32 tensor for each run ``(a, b)`` of pairs in one layer: one lookup in
     the position maps for every layer, then a kernel call per layer and format (``gather_kv_rows`` of each run)."""
     fids, pages, slots = columns.lookup_layers(layers, rows, positions)
-    names, cfg, out = columns.fmt_names, pools.cfg, []
+    cfg, out = pools.cfg, []
     for a, b in runs:
         layer = int(layers[a])
-        present = np.unique(fids[a:b]).tolist()
-        keys = None if len(present) == 1 else torch.empty(b - a, cfg.num_kv_heads, cfg.head_dim, device=cfg.device)
-        for f in present:
-            pool = pools[layer][names[f]]
-            sel = None if keys is None else np.flatnonzero(fids[a:b] == f)
-            flat = pages[a:b] * pool.B + slots[a:b] if sel is None else pages[a:b][sel] * pool.B + slots[a:b][sel]
+        by_fmt = _slots_by_format(pools[layer], columns.fmt_names, fids[a:b], pages[a:b], slots[a:b])
+        keys = None if len(by_fmt) == 1 else torch.empty(b - a, cfg.num_kv_heads, cfg.head_dim, device=cfg.device)
+        for fmt, (at, flat) in by_fmt.items():
+            pool = pools[layer][fmt]
             k = plugin_ops.gather_keys(pool.fields, pool.group_fields, pool.k_group,
                                        torch.from_numpy(flat).to(pool.device), pool.fmt.code,
-                                       pools.layer_scales(layer, names[f]).k)
-            if keys is None:
+                                       pools.layer_scales(layer, fmt).k)
+            if keys is None:  # every pair of the run, in order
                 keys = k.float()
             else:
-                keys[torch.from_numpy(sel).to(pool.device)] = k
+                keys[torch.from_numpy(at).to(pool.device)] = k
         out.append(keys)
     return out
 
@@ -115,8 +113,12 @@ def _slots_by_lookup(pools: dict[str, PagePool], columns: TableColumns, layer: i
                      pos: np.ndarray) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
     """Per format: ``(rows of the output, or None for every row in order; flat slot ids page * B + slot)`` of
     every asked position (``pos[i]`` of table row ``rows[i]``), from the position maps (one array read)."""
-    fids, pages, slots = columns.lookup_many(layer, rows, pos)
-    names = columns.fmt_names
+    return _slots_by_format(pools, columns.fmt_names, *columns.lookup_many(layer, rows, pos))
+
+
+def _slots_by_format(pools: dict[str, PagePool], names: tuple[str, ...], fids: np.ndarray, pages: np.ndarray,
+                     slots: np.ndarray) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
+    """``_slots_by_lookup`` of looked-up ``(format ids, pages, slots)``."""
     present = np.unique(fids).tolist()
     if len(present) == 1:  # every row in one format (the common case)
         fmt = names[present[0]]

@@ -173,6 +173,8 @@ class RequestContext:
                            counts: np.ndarray, rows: int) -> list[torch.Tensor]:
         """``keys_padded_flat`` of jobs in several layers, job ``j`` in ``layers[j]`` (the jobs of a layer together):
         one ``[jobs, rows, H, D]`` tensor for each layer's run of jobs, every layer's positions looked up at once."""
+        if (counts > rows).any():
+            raise ValueError(f"keys_padded: a job of more than {rows} positions")
         cuts = np.flatnonzero(np.r_[True, layers[1:] != layers[:-1]]).tolist() + [len(layers)]
         runs = list(zip(cuts[:-1], cuts[1:]))
         seqs = self._seqs(reqs)
@@ -182,8 +184,6 @@ class RequestContext:
             ends = np.r_[0, np.cumsum(counts)]
             return [self.keys_padded_flat(int(layers[a]), reqs[a:b], positions[ends[a]:ends[b]], counts[a:b], rows)
                     for a, b in runs]
-        if (counts > rows).any():
-            raise ValueError(f"keys_padded: a job of more than {rows} positions")
         flats = self._cache.gather_keys_layers(layers, seqs, positions, counts, runs)
         return [_padded(flat, counts[a:b], rows) for flat, (a, b) in zip(flats, runs)]
 
