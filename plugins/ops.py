@@ -21,7 +21,7 @@ from plugins.kmeans_select.reference import kmeans_select_ref
 from plugins.kv_write.reference import kv_write_groups_ref, kv_write_ref
 from plugins.lowest_victim.reference import lowest_victim_ref
 from plugins.table_victims.reference import table_victims_ref
-from plugins.scatter_add_rows.reference import fold_add_rows_ref, scatter_add_rows_ref
+from plugins.scatter_add_rows.reference import finite_rows_ref, fold_add_rows_ref, scatter_add_rows_ref
 from plugins.gather_keys.reference import gather_keys_ref
 from plugins.gather_rows.reference import gather_rows_ref
 from plugins.mri_track.reference import mri_track_ref
@@ -49,6 +49,7 @@ SCHEMAS = {
     "scatter_add_rows": "(Tensor(a!) data, Tensor rows, Tensor positions, Tensor values, int layer0) -> ()",
     "fold_add_rows": "(Tensor(a!) data, Tensor rows, Tensor[] positions, Tensor[] values, Tensor divisor, int layer) "
                      "-> ()",
+    "finite_rows": "(Tensor[] values) -> Tensor",
     "head_sums": "(Tensor logits, Tensor lse) -> Tensor",
     "table_positions": "(Tensor slot_pos, Tensor block_table) -> (Tensor, Tensor)",
     "table_positions_layers": "(Tensor slot_pos, Tensor[] block_tables) -> (Tensor, Tensor)",
@@ -272,6 +273,16 @@ def fold_add_rows(data: torch.Tensor, rows: torch.Tensor, positions: list[torch.
     fold_add_rows_ref(data, rows, positions, values, divisor, layer)
 
 
+def finite_rows(values: list[torch.Tensor]) -> torch.Tensor:
+    """Whether each row of each ``[b, n]`` block of evidence is all finite, ``[len(values), b]`` bool on the host
+    (see scatter_add_rows/reference.py): the compiled CPU kernel for CPU blocks, else the reference."""
+    if values and use_cpu_kernels(values[0]):
+        from plugins.cpu_kernels.ops import finite_rows_cpu
+
+        return finite_rows_cpu(values)
+    return finite_rows_ref(values)
+
+
 def gather_keys(slot_fields, group_fields, k_group: torch.Tensor, flat: torch.Tensor, fmt_code: int,
                 scale_k: float) -> torch.Tensor:
     """``[m, H, D]`` fp32 keys of one pool's slots ``flat`` (page * B + slot), dequantized (see
@@ -401,6 +412,7 @@ def _kmeans_fake(keys, counts, k_keep, iters):
 _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "paged_attention": paged_attention,
                    "kmeans_select": kmeans_select, "lowest_victim": lowest_victim, "table_victims": table_victims,
                    "scatter_add_rows": scatter_add_rows, "fold_add_rows": fold_add_rows, "mri_track": mri_track,
+                   "finite_rows": finite_rows,
                    "head_sums": head_sums,
                    "table_positions": table_positions, "table_positions_layers": table_positions_layers,
                    "held_columns": held_columns,
@@ -423,7 +435,8 @@ _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None
                      (block_table.shape[0], block_table.shape[1] * slot_pos.shape[1])),
                      slot_pos.new_empty(block_table.shape[:1])),
                  "head_sums": lambda logits, lse: logits.new_empty((logits.shape[0], logits.shape[2]),
-                                                                   dtype=torch.float32)}
+                                                                   dtype=torch.float32),
+                 "finite_rows": lambda values: values[0].new_empty((len(values), values[0].shape[0]), dtype=torch.bool)}
 for _name, _kernel in _PYTHON_KERNELS.items():
     for _key in ("CPU", "CUDA"):
         _lib.impl(_name, _kernel, _key)

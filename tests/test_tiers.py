@@ -472,6 +472,56 @@ def test_tiered_batch_accumulation_equals_per_request(tiny, monkeypatch):
     assert len(scores) == 3 and all(np.array_equal(a, b) for a, b in zip(got_scores, scores))
 
 
+def test_tiered_non_finite_layers_left_out_in_batch_as_one_by_one(tiny, monkeypatch):
+    """Spec A4 in both accumulation paths: a layer whose sums are not finite in a request's row adds nothing to it
+    (request 1: layer 1 on every step), and a request no layer counts for skips the step (request 2: every layer).
+    The batch path leaves the same scores, counters and tokens as request by request."""
+    from trtkv.api import SamplingParams
+    from trtkv.policies.base import BatchLayerStats
+    from trtkv.policies.tiered import TieredPolicy
+    import trtkv.runtime.attention as attention
+
+    prompts = [PROMPT, "Numbers: 1, 2, 3", PROMPT + " And then?"]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, chat=False) for n in (30, 24, 27)]
+    eng = tiny("tiered", beta=0.4, evict_ratio=0.1, interval=8, sinks=2, window=8)
+    L = eng.core.arch.num_hidden_layers
+    orig = attention.layer_statistics
+    calls = [0]
+
+    def poisoned(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        layer = calls[0] % L
+        calls[0] += 1
+        rows = [2] + ([1] if layer == 1 else [])
+        if isinstance(out, BatchLayerStats):
+            for sums in [s for _, s in out.blocks] if out.blocks is not None else [out.head_sums]:
+                sums[[r for r in rows if r < sums.shape[0]]] = float("nan")
+        else:
+            for r in rows:
+                if r < len(out) and out[r] is not None:
+                    out[r].head_sums[:] = float("inf")
+        return out
+
+    finish = TieredPolicy.on_request_finish
+    scores = []
+
+    def keep_scores(self, req):
+        scores.append(self.scores(req).copy())
+        return finish(self, req)
+
+    monkeypatch.setattr(attention, "layer_statistics", poisoned)
+    monkeypatch.setattr(TieredPolicy, "on_request_finish", keep_scores)
+    got = [(r.token_ids, r.stats["tiered"]) for r in eng.generate(prompts, params)]
+    got_scores, scores[:] = scores[:], []
+    monkeypatch.setattr(TieredPolicy, "batch_stats", False)
+    calls[0] = 0
+    want = [(r.token_ids, r.stats["tiered"]) for r in eng.generate(prompts, params)]
+    assert got == want
+    assert want[2][1]["skipped_steps"] > 0 and want[0][1]["skipped_steps"] == want[1][1]["skipped_steps"] == 0
+    assert len(scores) == 3 and all(np.array_equal(a, b) for a, b in zip(got_scores, scores))
+    assert all(np.isfinite(s).all() and s.any() for s in scores)  # (no poisoned sum got in)
+
+
 def test_tiered_scores_conserve_mass_and_protect(tiny):
     """Spec §7: every decode step adds exactly 1 of score (softmax mass averaged over layers and heads);
     after every event the prompt, the sinks and the window are on the device, T3 only grows, and the device

@@ -56,6 +56,11 @@ def fold_add_rows_cpu(data, rows, positions, values, divisor, layer) -> None:
     cpu_kernels().fold_add_rows(data, rows, list(positions), list(values), divisor, int(layer))
 
 
+def finite_rows_cpu(values):
+    """Same contract as ``finite_rows_ref``: ``[len(values), b]`` bool."""
+    return cpu_kernels().finite_rows(list(values))
+
+
 def gather_keys_cpu(slot_fields, group_fields, k_group, flat, fmt_code, scale_k):
     """Same contract as ``gather_keys_ref``: ``[m, H, D]`` fp32 keys of the pool's slots ``flat``."""
     return cpu_kernels().gather_keys(list(slot_fields), list(group_fields), k_group, flat, int(fmt_code),

@@ -1,5 +1,6 @@
 """A batch's per-position evidence added into a score table (H2O's accumulated attention) in every layer at once;
-``fold_add_rows``: every layer's evidence added into one layer of the table (tiered's one score per token).
+``fold_add_rows``: every layer's evidence added into one layer of the table (tiered's one score per token);
+``finite_rows``: which rows of each block of evidence are finite (the fold leaves the others out).
 
 Contract: ``data [layers, rows, cap]`` (float32 or float64, updated in place), ``rows [b]`` int64 (the requests'
 table rows, distinct), ``positions [L, b, n]`` int64 (per layer and request, distinct positions < cap; -1: skip) and
@@ -31,3 +32,11 @@ def fold_add_rows_ref(data: torch.Tensor, rows: torch.Tensor, positions: list[to
     d = divisor.to(data.device, data.dtype)[:, None]
     for pos, val in zip(positions, values):
         scatter_add_rows_ref(data, rows, pos[None], (val.to(data.device, data.dtype) / d)[None], layer)
+
+
+def finite_rows_ref(values: list[torch.Tensor]) -> torch.Tensor:
+    """``[len(values), b]`` bool: whether every entry of row ``i`` of ``values[l]`` (``[b, n_l]``, floating point) is
+    finite (an empty row is)."""
+    if not values:
+        return torch.empty((0, 0), dtype=torch.bool)
+    return torch.stack([torch.isfinite(v).all(1).cpu() for v in values])

@@ -1,13 +1,15 @@
 """A batch's per-position evidence added into a score table: the compiled CPU kernel leaves the torch reference's
-table exactly, over drawn rows, layers, skipped (-1) columns and value dtypes; a bad position is one error."""
+table exactly, over drawn rows, layers, skipped (-1) columns and value dtypes; a bad position is one error. The
+evidence's finite rows: the kernel says what the reference says."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import plugins.ops as plugin_ops
-from plugins.cpu_kernels.ops import fold_add_rows_cpu, scatter_add_rows_cpu
-from plugins.scatter_add_rows.reference import fold_add_rows_ref, scatter_add_rows_ref
+from plugins.backend import use_cpu_kernels
+from plugins.cpu_kernels.ops import finite_rows_cpu, fold_add_rows_cpu, scatter_add_rows_cpu
+from plugins.scatter_add_rows.reference import finite_rows_ref, fold_add_rows_ref, scatter_add_rows_ref
 from cpu_marks import needs_kernels
 
 
@@ -126,3 +128,37 @@ def test_fold_bad_position_or_layer_is_one_error():
     positions[1][2, 0] = data.shape[2]
     with pytest.raises(RuntimeError, match="past the table's width"):
         fold_add_rows_cpu(data, rows, positions, values, divisor, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_finite_rows_finds_every_infinity_and_nan(dtype):
+    """Each kind of non-finite value, first, last or inside a row of blocks of different widths (one empty), is
+    found by the kernel and the reference alike; every other row is finite."""
+    g = torch.Generator().manual_seed(5)
+    blocks = [torch.rand(6, n, generator=g).to(dtype) * 1e3 for n in (1, 17, 0, 33, 64)]
+    bad = {(0, 2): float("inf"), (1, 0): -float("inf"), (1, 5): float("nan"), (3, 5): float("nan"),
+           (4, 0): -float("inf")}
+    for (blk, row), x in bad.items():
+        col = {0: 0, 1: -1, 3: 16, 4: 63}[blk]
+        blocks[blk][row, col] = x
+    want = torch.ones(5, 6, dtype=torch.bool)
+    for blk, row in bad:
+        want[blk, row] = False
+    assert torch.equal(finite_rows_ref(blocks), want)
+    assert torch.equal(plugin_ops.finite_rows(blocks), want)
+    assert torch.equal(torch.ops.trtkv.finite_rows(blocks), want)
+    if use_cpu_kernels(blocks[0]):
+        assert torch.equal(finite_rows_cpu(blocks), want)
+
+
+@needs_kernels
+def test_finite_rows_kernel_on_a_batch_of_layers():
+    """r1-llama-8b's depth x 256 rows, two blocks a layer, a few values poisoned: the reference's answer."""
+    g = torch.Generator().manual_seed(6)
+    blocks = [torch.rand(256, 60 + li % 7, generator=g) for li in range(64)]
+    for i in torch.randint(0, 64 * 256, (40,), generator=g).tolist():
+        blk, row = divmod(i, 256)
+        blocks[blk][row, row % blocks[blk].shape[1]] = float("nan") if row % 2 else float("inf")
+    want = finite_rows_ref(blocks)
+    assert (~want).sum() > 30
+    assert torch.equal(finite_rows_cpu(blocks), want)

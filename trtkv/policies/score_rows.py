@@ -91,11 +91,12 @@ class RowTable:
         self._scatter_add(rows, positions, values, 0, top)
 
     def add_rows_folded(self, layer: int, rows: np.ndarray, positions: list[np.ndarray], values: list[torch.Tensor],
-                        divisor: np.ndarray) -> None:
+                        divisor: np.ndarray, top: int = -1) -> None:
         """``values[l] [b, n_l] / divisor [b]`` added at ``positions[l] [b, n_l]`` (-1: skip) of ``rows [b]``, every
         ``l`` into ``layer``, in order (``fold_add_rows``: what a call of ``add_rows`` with the quotients a layer adds,
-        rounding included)."""
-        top = max((int(p.max(initial=-1)) for p in positions), default=-1)
+        rounding included). ``top``: a bound on the positions, when the caller knows one (saves a pass over them)."""
+        if top < 0:
+            top = max((int(p.max(initial=-1)) for p in positions), default=-1)
         if top < 0:
             return
         self.ensure(top)

@@ -42,7 +42,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtkv.policies.base import WEIGHTS, KVPolicy, ReportColumn, StatsRequest, StepStats, batch_blocks_of
+from plugins import ops as plugin_ops
+from trtkv.policies.base import (WEIGHTS, KVPolicy, ReportColumn, StatsRequest, StepBatch, StepStats,
+                                  batch_blocks_of)
 from trtkv.policies.request import PolicyRequest
 from trtkv.policies.score_rows import RowTable, RowView
 from trtkv.policies.scoring import check_choice, head_sums
@@ -161,20 +163,26 @@ class TieredPolicy(KVPolicy):
         ``reqs[i]``'s row of them): the same sums, added layer by layer for the whole batch in one
         ``fold_add_rows`` (a layer's sources' column blocks one after the other: a position is in one of them)."""
         layers = batch_blocks_of(batch, rows)
-        cols = [[sums.float().cpu() for _, sums in blocks] for _, blocks in layers]
-        # a row's sum is finite iff all its weights are (each is at most Hq: no overflow); one pass, not three
-        live = [torch.isfinite(sum(c.sum(1) for c in cs)).numpy() & (counts > 0)
-                for cs, (counts, _) in zip(cols, layers)]
-        counted = np.sum(live, axis=0) if layers else np.zeros(len(reqs), np.int64)
+        blocks = [(p, sums.float().cpu()) for _, bl in layers for p, sums in bl]
+        if not blocks:
+            for req in reqs:
+                req.state.skipped_steps += 1
+            return
+        # a layer counts for a row when it has columns there and all its blocks' sums in that row are finite
+        finite = plugin_ops.finite_rows([s for _, s in blocks]).numpy()
+        starts = np.cumsum([0] + [len(bl) for _, bl in layers[:-1]])
+        live = np.logical_and.reduceat(finite, starts, axis=0) & (np.stack([c for c, _ in layers]) > 0)
+        counted = live.sum(0)
         for i in np.flatnonzero(counted == 0).tolist():
             reqs[i].state.skipped_steps += 1
         # (a layer that does not count for a row adds nothing to it: its columns are skipped)
-        pos = [p if ok.all() else np.where(ok[:, None], p, -1) for (_, blocks), ok in zip(layers, live)
-               for p, _ in blocks]
+        pos = [p for p, _ in blocks] if live.all() else [
+            np.where(ok[:, None], p, -1) for (_, bl), ok in zip(layers, live) for p, _ in bl]
         table_rows = np.fromiter((r.state.score.row for r in reqs), np.int64, len(reqs))
         # (fp32 / fp64 divides in fp64: the one-by-one path's col.double() / denom)
-        self._scores.add_rows_folded(0, table_rows, pos, [c for cs in cols for c in cs],
-                                     np.maximum(counted, 1) * reqs[0].num_q_heads)
+        self._scores.add_rows_folded(0, table_rows, pos, [s for _, s in blocks],
+                                     np.maximum(counted, 1) * reqs[0].num_q_heads,
+                                     batch.top if isinstance(batch, StepBatch) else -1)
 
     def _event(self, req: PolicyRequest, t: int) -> None:
         moves = self._decide(req, t)

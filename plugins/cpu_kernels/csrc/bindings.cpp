@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fold_add_rows", &trtkv::fold_add_rows_cpu,
         "every layer's per-position evidence of a batch, divided per request, added into one layer of a score "
         "table in layer order, in place (CPU)");
+  m.def("finite_rows", &trtkv::finite_rows_cpu, "whether each row of each [b, n] block is all finite (CPU)");
   m.def("gather_keys", &trtkv::gather_keys_cpu, "the asked slots' keys of one pool, dequantized to fp32 (CPU)");
   m.def("gather_rows", &trtkv::gather_rows_cpu,
         "a batch's per-position values read from a score table in every layer (CPU)");

@@ -27,6 +27,7 @@ void scatter_add_rows_cpu(at::Tensor& data, const at::Tensor& rows, const at::Te
                           const at::Tensor& values, int64_t layer0);
 void fold_add_rows_cpu(at::Tensor& data, const at::Tensor& rows, const std::vector<at::Tensor>& positions,
                        const std::vector<at::Tensor>& values, const at::Tensor& divisor, int64_t layer);
+at::Tensor finite_rows_cpu(const std::vector<at::Tensor>& values);
 void mri_track_cpu(at::Tensor& ts, at::Tensor& mri, int64_t layer, const at::Tensor& rows, const at::Tensor& positions,
                    const std::vector<at::Tensor>& values, double divisor, double alpha, const at::Tensor& prompt,
                    const at::Tensor& step);

@@ -6,12 +6,14 @@
 // Positions are distinct within a row and rows are distinct, so rows run in parallel without conflicts, and
 // each entry is the same single add, in the table's dtype (float32 or float64), as the reference's.
 // fold_add_rows adds every layer's values into one layer: requests run in parallel, each one's layers in order, so
-// a position several layers hold sums in the reference's order.
+// a position several layers hold sums in the reference's order. finite_rows says which rows of each block are
+// finite (the fold's rows left out of a step's average): one pass a block, no temporaries.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "score_table.h"
@@ -63,6 +65,19 @@ void fold_rows(T* d, const std::vector<const V*>& v, const T* div, const int64_t
   });
 }
 
+// Whether no value of v[0..n) has every exponent bit set (none is infinite or NaN).
+template <typename U, typename F>
+inline bool all_exponents_below(const F* v, int64_t n, U exponent) {
+  static_assert(sizeof(U) == sizeof(F), "one unsigned word a value");
+  U bad = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    U u;
+    std::memcpy(&u, v + j, sizeof(U));
+    bad |= static_cast<U>((u & exponent) == exponent);
+  }
+  return bad == 0;
+}
+
 }  // namespace
 
 void fold_add_rows_cpu(at::Tensor& data, const at::Tensor& rows_in, const std::vector<at::Tensor>& positions_in,
@@ -110,6 +125,37 @@ void fold_add_rows_cpu(at::Tensor& data, const at::Tensor& rows_in, const std::v
     }
   });
   TORCH_CHECK(!bad.load(), "fold_add_rows: a position past the table's width");
+}
+
+at::Tensor finite_rows_cpu(const std::vector<at::Tensor>& values_in) {
+  const int64_t L = static_cast<int64_t>(values_in.size());
+  const int64_t b = L ? values_in[0].size(0) : 0;
+  std::vector<at::Tensor> values;
+  std::vector<int64_t> n;
+  for (const auto& v : values_in) {
+    TORCH_CHECK(v.dim() == 2 && v.size(0) == b, "finite_rows: each block must be [b, n], one row a request");
+    TORCH_CHECK(v.is_floating_point(), "finite_rows: blocks must be floating point");
+    values.push_back(v.to(v.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).contiguous());
+    n.push_back(v.size(1));
+  }
+  at::Tensor out = at::empty({L, b}, at::kBool);
+  bool* o = out.data_ptr<bool>();
+  int64_t entries = 0;
+  for (const int64_t w : n) entries += w * b;
+  constexpr int64_t SERIAL_WORK = 1 << 18;  // entries below which no thread is woken
+  const int64_t grain = entries > 0 ? std::max<int64_t>(1, SERIAL_WORK * L * b / entries) : L * b + 1;
+  at::parallel_for(0, L * b, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t at = lo; at < hi; ++at) {
+      const int64_t l = at / b, i = at % b, w = n[l];
+      // a value is not finite when its exponent bits are all ones: an integer test, so the loop vectorizes
+      if (values[l].scalar_type() == at::kDouble) {
+        o[at] = all_exponents_below<uint64_t>(values[l].data_ptr<double>() + i * w, w, 0x7ff0000000000000ULL);
+      } else {
+        o[at] = all_exponents_below<uint32_t>(values[l].data_ptr<float>() + i * w, w, 0x7f800000U);
+      }
+    }
+  });
+  return out;
 }
 
 void scatter_add_rows_cpu(at::Tensor& data, const at::Tensor& rows_in, const at::Tensor& positions_in,
