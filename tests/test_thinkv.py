@@ -342,13 +342,14 @@ def test_keys_of_jobs_in_several_layers_equal_layer_by_layer(engine_factory, loa
     L = ctxs[0].num_layers
     rng = np.random.default_rng(0)
     layers = np.repeat(np.arange(L), 2)
-    jobs = [ctxs[j] for j in rng.integers(0, 3, len(layers)).tolist()]
+    which = rng.integers(0, 3, len(layers))
+    jobs = [ctxs[j] for j in which.tolist()]
     top = 18 if buffered else 16
     picks = [np.sort(rng.choice(top, 5, replace=False)) for _ in layers]
     if buffered:
         picks[-1][-1] = 17
     positions, counts = np.concatenate(picks), np.full(len(layers), 5)
-    got = ctxs[0].keys_padded_layers(layers, jobs, positions, counts, 6)
+    got = ctxs[0].keys_padded_layers(layers, ctxs, which, positions, counts, 6)
     assert len(got) == L
     for layer, keys in enumerate(got):
         at = slice(10 * layer, 10 * layer + 10)

@@ -104,12 +104,15 @@ class CacheReads:
         rows = np.fromiter((s.row for s in seqs), np.int64, len(seqs))
         return self.columns.positions_in_flat_layers(rows, np.asarray(lo, np.int64), np.asarray(hi, np.int64))
 
-    def oldest_buffered_many(self, seqs: list[SeqKV], layers: np.ndarray | None = None) -> np.ndarray:
-        """The oldest position each of ``seqs`` holds in a residual buffer of any layer, or of its one of ``layers``
-        (int64 max where none)."""
+    def oldest_buffered_many(self, seqs: list[SeqKV], layers: np.ndarray | None = None,
+                             which: np.ndarray | None = None) -> np.ndarray:
+        """The oldest position each of ``seqs`` (or of ``seqs[which[j]]`` each) holds in a residual buffer of any
+        layer, or of its one of ``layers`` (int64 max where none)."""
+        n = len(seqs) if which is None else len(which)
         if self.residual is None:
-            return np.full(len(seqs), np.iinfo(np.int64).max)
-        return self.residual.oldest_rows(self.residual_rows(seqs), layers)
+            return np.full(n, np.iinfo(np.int64).max)
+        rows = self.residual_rows(seqs)
+        return self.residual.oldest_rows(rows if which is None else rows[which], layers)
 
     def locate_many(self, seqs: list[SeqKV], layer: int, positions: list[np.ndarray]
                     ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -148,10 +151,11 @@ class CacheReads:
         return self.gather_kv_flat(layer, seqs, positions, counts, keys_only=True)[0]
 
     def gather_keys_layers(self, layers: np.ndarray, seqs: list[SeqKV], positions: np.ndarray, counts: np.ndarray,
-                           runs: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """``gather_keys_flat`` of jobs in several layers (job ``i``: ``counts[i]`` of ``positions``, of ``seqs[i]`` in
-        layer ``layers[i]``): one tensor for each run ``(a, b)`` of jobs in one layer."""
-        rows = np.repeat(np.fromiter((s.row for s in seqs), np.int64, len(seqs)), counts)
+                           runs: list[tuple[int, int]], which: np.ndarray | None = None) -> list[torch.Tensor]:
+        """``gather_keys_flat`` of jobs in several layers (job ``i``: ``counts[i]`` of ``positions``, of ``seqs[i]``, or
+        of ``seqs[which[i]]``, in layer ``layers[i]``): one tensor for each run ``(a, b)`` of jobs in one layer."""
+        rows = self.rows(seqs)
+        rows = np.repeat(rows if which is None else rows[which], counts)
         ends = np.r_[0, np.cumsum(counts)]
         return reads.gather_keys_layers(self.pools, self.columns, np.repeat(layers, counts), rows, positions,
                                         [(int(ends[a]), int(ends[b])) for a, b in runs])

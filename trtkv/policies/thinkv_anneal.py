@@ -137,11 +137,12 @@ def _anneal_round(layer: int | None, span: int, number: int, jobs: AnnealRound, 
         at_layer = sel // n_jobs
         cuts = np.flatnonzero(np.r_[True, at_layer[1:] != at_layer[:-1]]).tolist() + [len(sel)]
         parts = list(zip(cuts[:-1], cuts[1:]))  # (a layer's jobs together: ascending)
-        reqs = [jobs.reqs[j] for j in (sel % n_jobs).tolist()]
+        which = sel % n_jobs
+        reqs = [jobs.reqs[j] for j in which.tolist()]
         if layer is not None:
             keys = [first.keys_padded_flat(layer, reqs, mine, lens, m)]
         else:  # (every layer's positions looked up at once)
-            keys = first.keys_padded_layers(at_layer, reqs, mine, lens, m)
+            keys = first.keys_padded_layers(at_layer, jobs.reqs, which, mine, lens, m)
         targets = torch.from_numpy(target[sel].astype(np.int32))
         keep = np.concatenate([_keep(k, lens[a:b], targets[a:b], m, kmeans_iters)
                                for k, (a, b) in zip(keys, parts)])  # (a call a layer: no copy of the keys)

@@ -169,22 +169,23 @@ class RequestContext:
             out[j, :len(mine)] = req.kv_local(layer, mine)[0]
         return out if self._shards is None else self._shards.gather(out, 2)  # one collective for every job
 
-    def keys_padded_layers(self, layers: np.ndarray, reqs: list["RequestContext"], positions: np.ndarray,
-                           counts: np.ndarray, rows: int) -> list[torch.Tensor]:
-        """``keys_padded_flat`` of jobs in several layers, job ``j`` in ``layers[j]`` (the jobs of a layer together):
-        one ``[jobs, rows, H, D]`` tensor for each layer's run of jobs, every layer's positions looked up at once."""
+    def keys_padded_layers(self, layers: np.ndarray, reqs: list["RequestContext"], which: np.ndarray,
+                           positions: np.ndarray, counts: np.ndarray, rows: int) -> list[torch.Tensor]:
+        """``keys_padded_flat`` of jobs in several layers, job ``j`` of ``reqs[which[j]]`` in ``layers[j]`` (the jobs of
+        a layer together; ``reqs`` distinct, so a round's jobs in 32 layers read 32 times fewer records): one
+        ``[jobs, rows, H, D]`` tensor for each layer's run of jobs, every layer's positions looked up at once."""
         if (counts > rows).any():
             raise ValueError(f"keys_padded: a job of more than {rows} positions")
         cuts = np.flatnonzero(np.r_[True, layers[1:] != layers[:-1]]).tolist() + [len(layers)]
         runs = list(zip(cuts[:-1], cuts[1:]))
         seqs = self._seqs(reqs)
-        oldest = self._cache.oldest_buffered_many(seqs, layers)
+        oldest = self._cache.oldest_buffered_many(seqs, layers, which)
         if self._shards is not None or (positions >= np.repeat(oldest, counts)).any():  # (a buffered token or a
             # shard's heads: layer by layer)
             ends = np.r_[0, np.cumsum(counts)]
-            return [self.keys_padded_flat(int(layers[a]), reqs[a:b], positions[ends[a]:ends[b]], counts[a:b], rows)
-                    for a, b in runs]
-        flats = self._cache.gather_keys_layers(layers, seqs, positions, counts, runs)
+            return [self.keys_padded_flat(int(layers[a]), [reqs[j] for j in which[a:b].tolist()],
+                                          positions[ends[a]:ends[b]], counts[a:b], rows) for a, b in runs]
+        flats = self._cache.gather_keys_layers(layers, seqs, positions, counts, runs, which)
         return [_padded(flat, counts[a:b], rows) for flat, (a, b) in zip(flats, runs)]
 
     def _bookkeeping(self, run, *args):
