@@ -522,6 +522,42 @@ def test_tiered_non_finite_layers_left_out_in_batch_as_one_by_one(tiny, monkeypa
     assert all(np.isfinite(s).all() and s.any() for s in scores)  # (no poisoned sum got in)
 
 
+@pytest.mark.parametrize("settings", [{}, {"kv_format": "int4"}, {"evict_accounting": "cumulative"}])
+def test_tiered_events_decided_for_the_batch_equal_each_request(engine_factory, load_engine, tiny_ckpt, monkeypatch,
+                                                              settings):
+    """``_decide_many`` (a batch's events by array operations) moves the same positions, in the same orders, and
+    counts the same as ``_decide`` of each request in turn: requests of different lengths, buffered tokens of a
+    quantized format (protected) and cumulative accounting included."""
+    from trtkv.api import SamplingParams
+    from trtkv.policies.tiered import TieredPolicy
+
+    eng = load_engine(engine_factory(tiny_ckpt, "tiered", budget=24, beta=0.4, evict_ratio=0.2, interval=8, window=6,
+                                     sinks=2, **settings))
+    many, compared = TieredPolicy._decide_many, []
+
+    def both(self, reqs, steps):
+        fields = ("events", "evicted", "promoted", "demoted", "candidates_ever")
+        before = [{f: getattr(r.state, f) for f in fields} for r in reqs]
+        want = [self._decide(r, t) for r, t in zip(reqs, steps)]
+        after = [{f: getattr(r.state, f) for f in fields} for r in reqs]
+        for r, b in zip(reqs, before):
+            r.state.__dict__.update(b)
+        got = many(self, reqs, steps)
+        assert [{f: getattr(r.state, f) for f in fields} for r in reqs] == after
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if w is not None:
+                assert all(np.array_equal(a, b) for a, b in zip(g, w))
+        compared.append(sum(w is not None and len(w[2]) > 0 for w in want))
+        return got
+
+    monkeypatch.setattr(TieredPolicy, "_decide_many", both)
+    prompts = [PROMPT, "Numbers: 1, 2, 3", PROMPT + " And then?"]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, chat=False) for n in (40, 28, 33)]
+    eng.generate(prompts, params)
+    assert sum(compared) >= 3  # (events that moved tokens to the host, several requests at once)
+
+
 def test_tiered_scores_conserve_mass_and_protect(tiny):
     """Spec §7: every decode step adds exactly 1 of score (softmax mass averaged over layers and heads);
     after every event the prompt, the sinks and the window are on the device, T3 only grows, and the device

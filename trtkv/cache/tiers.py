@@ -84,6 +84,19 @@ class TierStore:
         st = self.seqs.get(seq.seq_id)
         return np.empty(0, np.int64) if st is None else self.host.live_positions(st.host, layer)
 
+    def host_positions_flat(self, seqs: list[SeqKV], layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """``host_positions`` of each of ``seqs`` concatenated, each ascending: ``(positions, counts)``."""
+        recs = self.host_records(seqs)
+        have = [i for i, r in enumerate(recs) if r is not None]
+        counts = np.zeros(len(seqs), np.int64)
+        if not have:
+            return np.empty(0, np.int64), counts
+        n = len(have)
+        positions, counts[have] = self.host.live_positions_in_flat([recs[i] for i in have], layer,
+                                                                   np.zeros(n, np.int64),
+                                                                   np.full(n, np.iinfo(np.int64).max))
+        return positions, counts
+
     def host_records(self, seqs: list[SeqKV]) -> list[SeqKV | None]:
         """Each request's host-tier record (a request of the host cache), None where it has none."""
         return [st.host if st is not None else None for st in map(self.seqs.get, (s.seq_id for s in seqs))]

@@ -124,8 +124,13 @@ class PolicyRequest(Protocol):
     def num_host(self, layer: int) -> int: ...
     def attended_positions(self, layer: int) -> np.ndarray:
         """Every position attention covers in one layer: device (paged + buffered) and host, ascending."""
+    def attended_positions_flat(self, layer: int, reqs: list["PolicyRequest"]) -> tuple[np.ndarray, np.ndarray]:
+        """``attended_positions`` of each of ``reqs`` (this one's batch) concatenated: ``(positions, counts)``."""
     def tier_of(self, layer: int, positions) -> np.ndarray:
         """Tier code per position: 0 device, 1 host, 2 host compressed, 3 evicted / never held."""
+    def on_device_flat(self, layer: int, reqs: list["PolicyRequest"], positions: np.ndarray,
+                       counts: np.ndarray) -> np.ndarray:
+        """Whether each of ``positions`` (``counts[i]`` of them ``reqs[i]``'s) has tier 0 (device) in ``layer``."""
     def place(self, layer: int | None, positions, tier: str) -> int:
         """Move positions of one layer (``None``: every layer) to ``tier``: ``"device"``, ``"host"``,
         ``"host-<format>"`` (e.g. ``host-int4``) or ``"evicted"``. Buffered positions stay where they are."""

@@ -130,10 +130,15 @@ class TieredPolicy(KVPolicy):
             self._event(req, stats.step)
 
     def on_decode_step_end_batch(self, reqs: list[PolicyRequest], stats: list[StepStats]) -> None:
-        if not (stats and stats[0].batch is not None):
-            return super().on_decode_step_end_batch(reqs, stats)
-        self._accumulate_batch(reqs, stats[0].batch, np.fromiter((st.row for st in stats), np.int64, len(stats)))
-        moves = [(req, self._decide(req, st.step)) for req, st in zip(reqs, stats) if st.step % self.interval == 0]
+        """Every request's accumulation, then the events due, decided and moved for the batch at once (a request's
+        scores and moves touch no other request's: the order of requests is free)."""
+        if stats and stats[0].batch is not None:
+            self._accumulate_batch(reqs, stats[0].batch, np.fromiter((st.row for st in stats), np.int64, len(stats)))
+        else:
+            for req, st in zip(reqs, stats):
+                self._accumulate(req, st)
+        due = [(req, st.step) for req, st in zip(reqs, stats) if st.step % self.interval == 0]
+        moves = [] if not due else zip([req for req, _ in due], self._decide_many(*map(list, zip(*due))))
         moves = [(req, m) for req, m in moves if m is not None]
         for i, tier in enumerate(("evicted", "device", self._host_tier)):  # the batch's moves, layer by layer
             jobs = [(req, m[i]) for req, m in moves if len(m[i])]
@@ -226,6 +231,67 @@ class TieredPolicy(KVPolicy):
         st.promoted += len(promote)
         st.demoted += len(demote)
         return evict, promote, demote
+
+    def _decide_many(self, reqs: list[PolicyRequest], steps: list[int]
+                     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        """``_decide`` of each of ``reqs`` (distinct, of one batch) at its step, by array operations over all of their
+        tokens: the same moves, in the same orders, and the same counters."""
+        st = [req.state for req in reqs]
+        b = len(reqs)
+        P = np.fromiter((req.prompt_len for req in reqs), np.int64, b)
+        p_now = P + np.asarray(steps, np.int64)
+        alive, n_alive = reqs[0].attended_positions_flat(0, reqs)
+        owner = np.repeat(np.arange(b), n_alive)
+        prot = (alive < (P + self.sinks)[owner]) | (alive > (p_now - self.window)[owner])
+        buffered = reqs[0].num_buffered_many(0, reqs)
+        if buffered.any():  # residual-buffer tokens are protected (a position keyed by its request: one isin)
+            top = int(alive.max(initial=0)) + 1
+            held = np.concatenate([reqs[i].buffered_positions(0) + i * top for i in np.flatnonzero(buffered).tolist()])
+            prot |= np.isin(owner * top + alive, held)
+        cand, who = alive[~prot], owner[~prot]
+        n_cand = np.bincount(who, minlength=b)
+        ever = np.maximum(0, (p_now - self.window + 1) - (P + self.sinks))
+        for s, e in zip(st, ever.tolist()):
+            s.candidates_ever = e
+        if not len(cand):
+            return [None] * b
+        rows = np.fromiter((s.score.row for s in st), np.int64, b)
+        table = st[0].score.table
+        score = table.take(0, table.flat(rows[who], cand)).numpy()
+        order = np.lexsort((cand, score, who))  # a request's candidates together: ascending score, then older first
+        start = np.cumsum(n_cand) - n_cand
+        rank = np.arange(len(cand)) - start[who[order]]
+        if self.evict_accounting == "per_event":
+            n_evict = np.floor(self.evict_ratio * n_cand).astype(np.int64)
+        else:
+            done = np.fromiter((s.evicted for s in st), np.int64, b)
+            n_evict = np.minimum(n_cand, np.maximum(0, np.floor(self.evict_ratio * ever).astype(np.int64) - done))
+        out = rank < n_evict[who[order]]
+        evict, evict_who = cand[order[out]], who[order[out]]
+        rest_idx = order[~out]
+        rest, rest_score, rest_who = cand[rest_idx], score[rest_idx], who[rest_idx]
+        n_rest = n_cand - n_evict
+        n_dev = np.floor(self.beta * n_rest).astype(np.int64)
+        keep_order = np.lexsort((-rest, -rest_score, rest_who))  # descending score, then newer first
+        ranked, ranked_who = rest[keep_order], rest_who[keep_order]
+        on_dev = reqs[0].on_device_flat(0, reqs, rest, n_rest)[keep_order]
+        to_dev = np.arange(len(ranked)) - (np.cumsum(n_rest) - n_rest)[ranked_who] < n_dev[ranked_who]
+        promote, demote = to_dev & ~on_dev, ~to_dev & on_dev
+        parts = [np.split(x, np.cumsum(np.bincount(w, minlength=b))[:-1])
+                 for x, w in ((evict, evict_who), (ranked[promote], ranked_who[promote]),
+                              (ranked[demote], ranked_who[demote]))]
+        out_moves: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = []
+        for i, s in enumerate(st):
+            if not n_cand[i]:
+                out_moves.append(None)
+                continue
+            e, p, d = parts[0][i], parts[1][i], parts[2][i]
+            s.events += 1
+            s.evicted += len(e)
+            s.promoted += len(p)
+            s.demoted += len(d)
+            out_moves.append((e, p, d))
+        return out_moves
 
     def extra_stats(self, req: PolicyRequest) -> dict[str, Any]:
         st = req.state

@@ -337,6 +337,37 @@ class RequestContext:
         dev = self.all_positions(layer)
         return np.sort(np.concatenate([dev, host])) if len(host) else dev
 
+    def attended_positions_flat(self, layer: int, reqs: list["RequestContext"]) -> tuple[np.ndarray, np.ndarray]:
+        """``attended_positions`` of each of ``reqs`` (this one's batch) concatenated, each ascending: ``(positions,
+        counts)``, one read of the device's and the host tier's position maps for all of them."""
+        seqs = self._seqs(reqs)
+        n = len(seqs)
+        parts = [self._cache.live_positions_in_flat(seqs, layer, np.zeros(n, np.int64),
+                                                    np.full(n, np.iinfo(np.int64).max))]
+        buffered = self._cache.buffered_many(seqs, layer)
+        if buffered.any():
+            parts.append((np.concatenate([req.buffered_positions(layer) for req in reqs]), buffered))
+        if self._cache.has_tiers:
+            parts.append(self._cache.tiers.host_positions_flat(seqs, layer))
+        if len(parts) == 1:
+            return parts[0]
+        positions = np.concatenate([p for p, _ in parts])
+        owner = np.concatenate([np.repeat(np.arange(n), c) for _, c in parts])
+        return positions[np.lexsort((positions, owner))], sum(c for _, c in parts)
+
+    def on_device_flat(self, layer: int, reqs: list["RequestContext"], positions: np.ndarray,
+                       counts: np.ndarray) -> np.ndarray:
+        """Whether each of ``positions`` (``counts[i]`` of them ``reqs[i]``'s) is on the device in ``layer`` (paged
+        there or buffered: ``tier_of``'s T0), one read for all of them."""
+        seqs = self._seqs(reqs)
+        owner = np.repeat(np.arange(len(seqs)), counts)
+        on = self._cache.held_flat(layer, self._cache.rows(seqs)[owner], positions)
+        buffered = self._cache.buffered_many(seqs, layer)
+        for i in np.flatnonzero(buffered).tolist():
+            mine = owner == i
+            on[mine] |= np.isin(positions[mine], reqs[i].buffered_positions(layer))
+        return on
+
     def tier_of(self, layer: int, positions) -> np.ndarray:
         return self._cache.tiers.tier_of(self._seq, layer, positions)
 
