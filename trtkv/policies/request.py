@@ -131,6 +131,9 @@ class PolicyRequest(Protocol):
     def on_device_flat(self, layer: int, reqs: list["PolicyRequest"], positions: np.ndarray,
                        counts: np.ndarray) -> np.ndarray:
         """Whether each of ``positions`` (``counts[i]`` of them ``reqs[i]``'s) has tier 0 (device) in ``layer``."""
+    def buffered_flat(self, layer: int, reqs: list["PolicyRequest"], positions: np.ndarray,
+                      counts: np.ndarray) -> np.ndarray:
+        """Whether each of ``positions`` (``counts[i]`` of them ``reqs[i]``'s) is in its residual buffer."""
     def place(self, layer: int | None, positions, tier: str) -> int:
         """Move positions of one layer (``None``: every layer) to ``tier``: ``"device"``, ``"host"``,
         ``"host-<format>"`` (e.g. ``host-int4``) or ``"evicted"``. Buffered positions stay where they are."""

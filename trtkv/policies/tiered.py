@@ -138,8 +138,9 @@ class TieredPolicy(KVPolicy):
             for req, st in zip(reqs, stats):
                 self._accumulate(req, st)
         due = [(req, st.step) for req, st in zip(reqs, stats) if st.step % self.interval == 0]
-        moves = [] if not due else zip([req for req, _ in due], self._decide_many(*map(list, zip(*due))))
-        moves = [(req, m) for req, m in moves if m is not None]
+        due_reqs = [req for req, _ in due]
+        decided = self._decide_many(due_reqs, [t for _, t in due]) if due else []
+        moves = [(req, m) for req, m in zip(due_reqs, decided) if m is not None]
         for i, tier in enumerate(("evicted", "device", self._host_tier)):  # the batch's moves, layer by layer
             jobs = [(req, m[i]) for req, m in moves if len(m[i])]
             if jobs:
@@ -243,11 +244,7 @@ class TieredPolicy(KVPolicy):
         alive, n_alive = reqs[0].attended_positions_flat(0, reqs)
         owner = np.repeat(np.arange(b), n_alive)
         prot = (alive < (P + self.sinks)[owner]) | (alive > (p_now - self.window)[owner])
-        buffered = reqs[0].num_buffered_many(0, reqs)
-        if buffered.any():  # residual-buffer tokens are protected (a position keyed by its request: one isin)
-            top = int(alive.max(initial=0)) + 1
-            held = np.concatenate([reqs[i].buffered_positions(0) + i * top for i in np.flatnonzero(buffered).tolist()])
-            prot |= np.isin(owner * top + alive, held)
+        prot |= reqs[0].buffered_flat(0, reqs, alive, n_alive)  # (residual-buffer tokens are never moved)
         cand, who = alive[~prot], owner[~prot]
         n_cand = np.bincount(who, minlength=b)
         ever = np.maximum(0, (p_now - self.window + 1) - (P + self.sinks))

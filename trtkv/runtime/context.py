@@ -361,12 +361,20 @@ class RequestContext:
         there or buffered: ``tier_of``'s T0), one read for all of them."""
         seqs = self._seqs(reqs)
         owner = np.repeat(np.arange(len(seqs)), counts)
-        on = self._cache.held_flat(layer, self._cache.rows(seqs)[owner], positions)
-        buffered = self._cache.buffered_many(seqs, layer)
-        for i in np.flatnonzero(buffered).tolist():
-            mine = owner == i
-            on[mine] |= np.isin(positions[mine], reqs[i].buffered_positions(layer))
-        return on
+        return self._cache.held_flat(layer, self._cache.rows(seqs)[owner], positions) | \
+            self.buffered_flat(layer, reqs, positions, counts)
+
+    def buffered_flat(self, layer: int, reqs: list["RequestContext"], positions: np.ndarray,
+                      counts: np.ndarray) -> np.ndarray:
+        """Whether each of ``positions`` (``counts[i]`` of them ``reqs[i]``'s) is in its request's residual buffer in
+        ``layer``: one ``isin`` over positions keyed by their request."""
+        buffered = np.flatnonzero(self._cache.buffered_many(self._seqs(reqs), layer)).tolist()
+        if not buffered:
+            return np.zeros(len(positions), bool)
+        top = int(positions.max(initial=0)) + 1
+        owner = np.repeat(np.arange(len(reqs)), counts)
+        held = np.concatenate([reqs[i].buffered_positions(layer) + i * top for i in buffered])
+        return np.isin(owner * top + positions, held)
 
     def tier_of(self, layer: int, positions) -> np.ndarray:
         return self._cache.tiers.tier_of(self._seq, layer, positions)
