@@ -681,3 +681,20 @@ def test_window_of_each_row_equals_one_at_a_time(window, hs, budget):
     pol = make_policy("ams", {"budget": budget, "window": window, "hs": hs})
     T = np.arange(0, 2 * budget + 3)
     assert pol._w_eff_rows(T).tolist() == [pol._w_eff(int(t)) for t in T]
+
+
+def test_layer_victims_in_request_order():
+    """An event's pieces of one layer (a request alone, groups of requests) come out by request, each request's
+    victims in the order listed."""
+    from trtkv.policies.ams import LayerVictims
+
+    v = LayerVictims()
+    v.add([3, 7], np.array([30, 31, 32, 70]), np.array([3, 1]))
+    v.add([5], np.array([50, 51]))
+    v.add([0, 4, 9], np.array([1, 40, 41, 42]), np.array([1, 3, 0]))
+    ids, positions, counts = v.in_request_order()
+    assert ids.tolist() == [0, 3, 4, 5, 7, 9] and counts.tolist() == [1, 3, 3, 2, 1, 0]
+    assert positions.tolist() == [1, 30, 31, 32, 40, 41, 42, 50, 51, 70]
+    one = LayerVictims()
+    one.add([1, 2], np.array([[5, 6], [8, 9]])[np.array([[True, False], [True, True]])], np.array([1, 2]))
+    assert [x.tolist() for x in one.in_request_order()] == [[1, 2], [5, 8, 9], [1, 2]]

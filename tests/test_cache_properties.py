@@ -14,7 +14,7 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import plugins  # noqa: F401
@@ -675,6 +675,35 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
                                             np.array([hi for _, _, hi in jobs]))
     for (seq, lo, hi), got in zip(jobs, many, strict=True):
         assert np.array_equal(got, caches[0].live_positions_in(seq, 1, lo, hi))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(6, 40), min_size=2, max_size=5), cls=st.integers(0, len(CLASSES) - 1),
+       victims=st.lists(st.lists(st.integers(0, 39), min_size=2, max_size=30), min_size=5, max_size=5))
+def test_evict_flat_compacting_distinct_requests_matches_one_at_a_time(lengths, cls, victims):
+    """A compacting cache's ``evict_flat`` of distinct requests (an AMS event's layer: one eviction and one
+    compaction of every request hit) leaves the state of evicting and compacting each request in turn."""
+    caches = [make_cache("compact"), make_cache("compact")]
+    next_pos: dict[int, int] = {}
+    for n in lengths:
+        add_everywhere(caches, next_pos)
+        write_everywhere(caches, next_pos, len(next_pos) - 1, n, CLASSES[cls])
+    picked = [(sid, sorted({p % n for p in v})) for sid, (n, v) in enumerate(zip(lengths, victims))]
+    assume(sum(len(v) for _, v in picked) >= 8 and max(len(v) for _, v in picked) > 1)
+    flat = caches[0].evict_flat(1, [caches[0].seqs[sid] for sid, _ in picked],
+                                np.array([p for _, v in picked for p in v], np.int64),
+                                np.array([len(v) for _, v in picked], np.int64))
+    want = [caches[1].evict(caches[1].seqs[sid], 1, v) for sid, v in picked]
+    assert flat == want
+    assert _state(caches[0]) == _state(caches[1])
+    for c in caches:
+        check_invariants(c)
+        _check_block_tables(c)
+    for sid, _ in picked:  # the codes moved with their tokens
+        live = caches[1].live_positions(caches[1].seqs[sid], 1)
+        assert np.array_equal(caches[0].live_positions(caches[0].seqs[sid], 1), live)
+        for x, y in zip(*(c.gather_kv(c.seqs[sid], 1, live) for c in caches)):
+            assert torch.equal(x, y)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -388,13 +388,18 @@ class KVCacheManager(CacheReads):
         counts = evict_private_many(self.pools[layer], self.columns, layer, items, self.cfg.eviction != "compact")
         if counted:
             self._count_evicted([s for s, _ in items], counts)
-        if self.cfg.eviction == "compact":  # every request that lost tokens, in order, each once
-            hit = list({id(seq): seq for (seq, _), n in zip(items, counts) if n}.values())
-            moved = self._compact_rows(layer, hit) if len(hit) > 1 and not len(self.refs) else None
-            if moved is None and hit:
-                moved = compaction.compact_many(self.pools[layer], self.refs, hit, layer)
-            self.compaction_moves += moved or 0
+        if self.cfg.eviction == "compact":
+            self._compact_hit(layer, [s for s, _ in items], counts)
         return counts
+
+    def _compact_hit(self, layer: int, seqs: list[SeqKV], counts: list[int]) -> None:
+        """Compaction after an eviction of ``seqs``' ``counts`` tokens: every request that lost tokens, in order, each
+        once."""
+        hit = list({id(seq): seq for seq, n in zip(seqs, counts) if n}.values())
+        moved = self._compact_rows(layer, hit) if len(hit) > 1 and not len(self.refs) else None
+        if moved is None and hit:
+            moved = compaction.compact_many(self.pools[layer], self.refs, hit, layer)
+        self.compaction_moves += moved or 0
 
     def _compact_rows(self, layer: int, seqs: list[SeqKV]) -> int | None:
         """``compaction.compact_rows`` of ``seqs`` from the batch's block tables (None: not done)."""
@@ -405,13 +410,18 @@ class KVCacheManager(CacheReads):
     def evict_flat(self, layer: int, seqs: list[SeqKV], positions: np.ndarray, lens: np.ndarray,
                    counted: bool = True) -> list[int]:
         """``evict_many`` with the victims concatenated, ``lens[i]`` of ``positions`` the ``i``-th job's (of
-        ``seqs[i]``, which may repeat): a batch's anneal or event without an array per job."""
-        if (self.cfg.eviction == "compact" or int(lens.sum()) < EVICT_BATCH_MIN or int(lens.max(initial=0)) <= 1
-                or any(s.fork_mode is not None for s in seqs)):
+        ``seqs[i]``, which may repeat): a batch's anneal or event without an array per job; a compacting cache
+        compacts every request hit once, after the eviction."""
+        compact = self.cfg.eviction == "compact"
+        repeated = len({id(s) for s in seqs}) != len(seqs)  # (compaction follows each of its jobs: one by one)
+        if (int(lens.sum()) < EVICT_BATCH_MIN or int(lens.max(initial=0)) <= 1
+                or any(s.fork_mode is not None for s in seqs) or (compact and repeated)):
             return self.evict_many(layer, list(zip(seqs, split_counts(positions, lens))), counted)
-        counts = evict_private_flat(self.pools[layer], self.columns, layer, seqs, positions, lens)
+        counts = evict_private_flat(self.pools[layer], self.columns, layer, seqs, positions, lens, not compact)
         if counted:
             self._count_evicted(seqs, counts)
+        if compact:
+            self._compact_hit(layer, seqs, counts)
         return counts
 
     def _count_evicted(self, seqs: list[SeqKV], counts: list[int]) -> None:

@@ -132,6 +132,30 @@ def _groups_by(idx: np.ndarray, T: np.ndarray, n_rec: np.ndarray) -> list[tuple[
     return [(idx[which == g], int(T[first[g]]), int(n_rec[first[g]])) for g in np.argsort(first).tolist()]
 
 
+class LayerVictims:
+    """An event's victims in one layer, gathered piece by piece (a request alone, or a scored group's requests with
+    their victims concatenated), handed to the cache as one flat eviction."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (requests, positions, counts)
+
+    def add(self, requests, positions: np.ndarray, counts=None) -> None:
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        counts = np.array([len(positions)]) if counts is None else counts
+        self.jobs.append((np.asarray(requests, np.int64), positions, np.asarray(counts, np.int64)))
+
+    def in_request_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(requests ascending, their victims concatenated, counts)``."""
+        ids, positions, counts = (np.concatenate(x) for x in zip(*self.jobs))
+        order = np.argsort(ids, kind="stable")
+        if (order != np.arange(len(order))).any():
+            starts = np.cumsum(counts) - counts
+            n = counts[order]
+            positions = positions[np.repeat(starts[order] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))]
+            ids, counts = ids[order], n
+        return ids, positions, counts
+
+
 # --- the policy ------------------------------------------------------------------------------------
 class CreditRows:
     """Every request's EMA credit in one ``RowTable``, a row each: made at the first use, when the layers and the
@@ -295,7 +319,7 @@ class AMSPolicy(KVPolicy):
         H = reqs[0].num_kv_heads
         acted = np.zeros(len(reqs), bool)
         window = EventQueries([req.state.queries for req in reqs])
-        victims: list[dict[int, np.ndarray]] = [{} for _ in range(reqs[0].num_layers)]
+        victims = [LayerVictims() for _ in range(reqs[0].num_layers)]
         scored: list[ScoredGroup] = []  # selected once they hold KEEP_CHUNK rows (a bound on the memory they hold)
         for layer in range(reqs[0].num_layers):
             T = reqs[0].num_live_many(layer, reqs)
@@ -304,7 +328,7 @@ class AMSPolicy(KVPolicy):
             n_rec = np.minimum(window.counts(layer)[over], np.maximum(self._w_eff_rows(T[over]), KVPRESS_WINDOW))
             grouped = (paged[over] == T[over]) & (n_rec > 0)
             for i in over[~grouped].tolist():  # residual-buffer tokens (never evicted) or no evidence: alone
-                victims[layer][i] = self._lone_victims(reqs[i], layer, H)
+                victims[layer].add([i], self._lone_victims(reqs[i], layer, H))
             for idx, n, m in _groups_by(over[grouped], T[over[grouped]], n_rec[grouped]):
                 pos = reqs[0].live_positions_each(layer, reqs, idx, n)
                 ids = idx.tolist()
@@ -312,14 +336,13 @@ class AMSPolicy(KVPolicy):
                     layer, [reqs[i] for i in ids], pos, H, window.last(layer, ids, m))))
             if sum(len(sg.requests) for sg in scored) >= KEEP_CHUNK or layer == reqs[0].num_layers - 1:
                 for sg, keeps in zip(scored, self._keep_rows(scored)):
-                    for i, p, keep in zip(sg.requests, sg.positions, keeps):
-                        victims[sg.layer][i] = p[~keep]
+                    victims[sg.layer].add(sg.requests, sg.positions[~keeps], (~keeps).sum(1))
                 scored.clear()
         for layer, chosen in enumerate(victims):
-            if chosen:
-                order = sorted(chosen)
-                reqs[0].evict_many(layer, [(reqs[i], chosen[i]) for i in order])
-                acted[order] = True
+            if chosen.jobs:
+                ids, positions, counts = chosen.in_request_order()
+                reqs[0].evict_flat(layer, [reqs[i] for i in ids.tolist()], positions, counts)
+                acted[ids] = True
         for req, a in zip(reqs, acted.tolist()):
             if a:
                 req.state.events += 1
