@@ -681,9 +681,10 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
 @given(lengths=st.lists(st.integers(6, 40), min_size=2, max_size=5), cls=st.integers(0, len(CLASSES) - 1),
        victims=st.lists(st.lists(st.integers(0, 39), min_size=2, max_size=30), min_size=5, max_size=5))
 def test_evict_flat_compacting_distinct_requests_matches_one_at_a_time(lengths, cls, victims):
-    """A compacting cache's ``evict_flat`` of distinct requests (an AMS event's layer: one eviction and one
-    compaction of every request hit) leaves the state of evicting and compacting each request in turn."""
-    caches = [make_cache("compact"), make_cache("compact")]
+    """A compacting cache's ``evict_flat`` and ``evict_many`` of distinct requests (an AMS or R-KV event's layer:
+    one eviction and one compaction of every request hit) leave the state of evicting and compacting each request
+    in turn."""
+    caches = [make_cache("compact"), make_cache("compact"), make_cache("compact")]
     next_pos: dict[int, int] = {}
     for n in lengths:
         add_everywhere(caches, next_pos)
@@ -694,16 +695,17 @@ def test_evict_flat_compacting_distinct_requests_matches_one_at_a_time(lengths, 
                                 np.array([p for _, v in picked for p in v], np.int64),
                                 np.array([len(v) for _, v in picked], np.int64))
     want = [caches[1].evict(caches[1].seqs[sid], 1, v) for sid, v in picked]
-    assert flat == want
-    assert _state(caches[0]) == _state(caches[1])
+    many = caches[2].evict_many(1, [(caches[2].seqs[sid], v) for sid, v in picked])
+    assert flat == want and many == want
+    assert _state(caches[0]) == _state(caches[1]) == _state(caches[2])
     for c in caches:
         check_invariants(c)
         _check_block_tables(c)
     for sid, _ in picked:  # the codes moved with their tokens
         live = caches[1].live_positions(caches[1].seqs[sid], 1)
         assert np.array_equal(caches[0].live_positions(caches[0].seqs[sid], 1), live)
-        for x, y in zip(*(c.gather_kv(c.seqs[sid], 1, live) for c in caches)):
-            assert torch.equal(x, y)
+        for x, y, z in zip(*(c.gather_kv(c.seqs[sid], 1, live) for c in caches)):
+            assert torch.equal(x, y) and torch.equal(x, z)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -805,8 +807,8 @@ def test_compaction_of_many_requests_matches_each_in_turn(lens, classes, data):
     check_invariants(caches[0])
     for sid in range(len(lens)):
         live = caches[1].live_positions(caches[1].seqs[sid], 1)
-        for x, y in zip(*(c.gather_kv(c.seqs[sid], 1, live) for c in caches)):
-            assert torch.equal(x, y)
+        for x, y, z in zip(*(c.gather_kv(c.seqs[sid], 1, live) for c in caches)):
+            assert torch.equal(x, y) and torch.equal(x, z)
 
 
 def test_block_tables_follow_a_page_joining_the_middle_of_its_format():
