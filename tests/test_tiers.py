@@ -603,3 +603,22 @@ def test_server_metrics_have_tier_gauges(tiny):
     text = render(m)
     for name in ("trtkv_kv_bytes_device", "trtkv_kv_bytes_host", "trtkv_tokens_host", "trtkv_kv_transfer_bytes_total"):
         assert name in text
+
+
+def test_buffered_flat_keys_do_not_reach_the_next_request():
+    """``buffered_flat`` keys a position by its request: a buffered position past every position asked about must
+    not match the next request's (a stride taken from the asked positions alone would collide)."""
+    from types import SimpleNamespace
+
+    from trtkv.runtime.context import RequestContext
+
+    bufs = [np.array([12]), np.array([], np.int64)]
+    reqs = [SimpleNamespace(buffered_positions=lambda layer, b=b: b) for b in bufs]
+    ctx = SimpleNamespace(_seqs=lambda rs: rs, _cache=SimpleNamespace(
+        buffered_many=lambda seqs, layer: np.array([len(b) for b in bufs])))
+    # request 0 asks about 3 and 6, request 1 about 5 and 1: with a stride of 7, request 1's 5 would key as 12
+    positions, counts = np.array([3, 6, 5, 1]), np.array([2, 2])
+    got = RequestContext.buffered_flat(ctx, 0, reqs, positions, counts)
+    assert got.tolist() == [False, False, False, False]
+    got = RequestContext.buffered_flat(ctx, 0, reqs, np.array([12, 6, 5, 1]), counts)
+    assert got.tolist() == [True, False, False, False]

@@ -371,9 +371,11 @@ class RequestContext:
         buffered = np.flatnonzero(self._cache.buffered_many(self._seqs(reqs), layer)).tolist()
         if not buffered:
             return np.zeros(len(positions), bool)
-        top = int(positions.max(initial=0)) + 1
+        mine = [np.asarray(reqs[i].buffered_positions(layer), np.int64) for i in buffered]
+        # (the key's stride past every position on either side, so no request's keys reach the next one's)
+        top = max(int(positions.max(initial=0)), *(int(b.max(initial=0)) for b in mine)) + 1
         owner = np.repeat(np.arange(len(reqs)), counts)
-        held = np.concatenate([reqs[i].buffered_positions(layer) + i * top for i in buffered])
+        held = np.concatenate([b + i * top for i, b in zip(buffered, mine)])
         return np.isin(owner * top + positions, held)
 
     def tier_of(self, layer: int, positions) -> np.ndarray:
