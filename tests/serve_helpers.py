@@ -81,6 +81,23 @@ def serve_command(*args) -> list[str]:
     return [sys.executable, "-m", "trtkv.serve", *map(str, args)]
 
 
+def scrape_until(port: int, done, timeout_s: float = 15) -> str:
+    """The metrics page at ``HOST:port`` once ``done(text)`` holds (or the last one read at the deadline).
+
+    tritonserver opens its metrics port after the HTTP one, so a model can answer ready while
+    the metrics port still refuses connections: a refusal is retried, not an error.
+    """
+    deadline, text = time.monotonic() + timeout_s, ""
+    while True:
+        try:
+            text = urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10).read().decode()
+        except OSError:
+            pass
+        if done(text) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.5)  # gauges refresh once a second
+
+
 def gauges(port: int) -> dict[str, float]:
     """trtkv's gauges from its metrics endpoint (the engine lives in the server process)."""
     text = urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10).read().decode()

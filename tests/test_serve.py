@@ -27,7 +27,7 @@ from trtkv.serve.client import ServerError  # noqa: E402
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow, pytest.mark.model]
 
-from serve_helpers import HOST, PROMPT, ROOT, free_ports, stop_process, wait_ready  # noqa: E402
+from serve_helpers import HOST, PROMPT, ROOT, free_ports, scrape_until, stop_process, wait_ready  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +239,7 @@ def test_malformed_requests_and_server_keeps_serving(service):
 def test_metrics_endpoints(service):
     _, grpc = urls(service)
     list(client.grpc_generate(grpc, PROMPT, max_tokens=2))
-    triton = urllib.request.urlopen(f"http://{HOST}:{service.metrics_port}/metrics", timeout=10).read().decode()
+    triton = scrape_until(service.metrics_port, lambda t: "nv_inference_request_success" in t)
     assert "nv_inference_request_success" in triton
     ours = urllib.request.urlopen(f"http://{HOST}:{service.trtkv_metrics_port}/metrics",
                                   timeout=10).read().decode()
@@ -266,13 +266,11 @@ def test_deployed_repository_under_tritonserver(engine_dir, engine, tmp_path):
                               metrics_port=metrics, backends=tmp_path / "backends")
     try:
         wait_ready(f"{HOST}:{http}", "smol", 180, proc)
-        deadline, pool = time.monotonic() + 15, 0.0  # gauges refresh once a second; no request made yet
-        while not pool and time.monotonic() < deadline:
-            text = urllib.request.urlopen(f"http://{HOST}:{metrics}/metrics", timeout=10).read().decode()
-            pool = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+        def pool_bytes(text):  # no request made yet: the pool gauge shows the warm-up
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith("trtkv_kv_pool_bytes{"))
-            time.sleep(0.5)
-        assert pool > 0, "the deployed model said ready before it was warm"
+
+        assert pool_bytes(scrape_until(metrics, pool_bytes)) > 0, "the deployed model said ready before it was warm"
         want = expected(engine, max_tokens=12)
         got = client.http_generate(f"{HOST}:{http}", PROMPT, model="smol", max_tokens=12)
         assert got["text_output"] == want.text
@@ -282,10 +280,7 @@ def test_deployed_repository_under_tritonserver(engine_dir, engine, tmp_path):
         assert streamed["text_output"] == want.text
         with pytest.raises(ServerError, match="max_tokens must be between 1"):
             client.http_generate(f"{HOST}:{http}", PROMPT, model="smol", max_tokens=-1)
-        deadline, text = time.monotonic() + 15, ""
-        while "trtkv_requests_total" not in text and time.monotonic() < deadline:
-            time.sleep(0.5)  # gauges refresh once a second
-            text = urllib.request.urlopen(f"http://{HOST}:{metrics}/metrics", timeout=10).read().decode()
+        text = scrape_until(metrics, lambda t: "trtkv_requests_total" in t)
         assert 'trtkv_live_requests{model="smol"' in text and "trtkv_requests_total" in text
     finally:
         assert stop_process(proc) == 0
