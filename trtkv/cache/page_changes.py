@@ -34,11 +34,13 @@ class PageChanges:
         self._last = np.zeros((num_layers, rows), np.int64)
         self._clock = 0
         self._layer_clock = np.zeros(num_layers, np.int64)  # the latest stamp handed out in each layer
+        self._emptied = np.zeros(rows, np.int64)  # each row's stamp when it last held no pages (0: as made)
 
     def grow_rows(self, rows: int) -> None:
         old = self._stamp.shape[1]
         self._stamp, self._last = (np.concatenate([a, np.zeros((a.shape[0], rows - old), np.int64)], axis=1)
                                    for a in (self._stamp, self._last))
+        self._emptied = np.concatenate([self._emptied, np.zeros(rows - old, np.int64)])
         self._before, self._removed = (np.concatenate([a, np.zeros((*a.shape[:2], rows - old), a.dtype)], axis=2)
                                        for a in (self._before, self._removed))
         self._pages = np.concatenate([self._pages, np.full((*self._pages.shape[:2], rows - old, CHANGE_MAX), -1,
@@ -50,6 +52,7 @@ class PageChanges:
         self._stamp[:, row] = self._clock
         self._layer_clock[:] = self._clock
         self._pages[:, :, row] = -1
+        self._emptied[row] = self._clock
 
     def touch(self, layer: int, row: int) -> None:
         self.touch_rows(layer, np.array([row], np.int64))
@@ -105,6 +108,12 @@ class PageChanges:
 
     def stamps(self, layer: int, rows: np.ndarray) -> np.ndarray:
         return self._stamp[layer, rows]
+
+    def emptied(self, rows: np.ndarray) -> np.ndarray:
+        """Each of ``rows``' stamp (every layer's) when it last held no pages: made, or its request freed. A block
+        table that read a row before then may take it as read empty at that stamp, and apply what was recorded
+        since (a new request's pages, or a host tier's first moves, need no rewrite from the lists)."""
+        return self._emptied[rows]
 
     def stamps_layers(self, rows: np.ndarray) -> np.ndarray:
         """``stamps`` of every layer: ``[layers, len(rows)]``."""

@@ -160,6 +160,13 @@ class _RowTables:
                 self.pages[fmt] = np.full((*self.seen.shape, FIRST_TABLE_WIDTH), -1, np.int32)
                 self.lens[fmt] = np.zeros(self.seen.shape, np.int64)
 
+    def empty_rows(self, layers: np.ndarray, rows: np.ndarray, stamps: np.ndarray) -> None:
+        """Rows ``rows`` of ``layers`` (pairs) read as holding no pages at ``stamps``."""
+        for fmt, lens in self.lens.items():
+            self.pages[fmt][layers, rows, :int(lens[layers, rows].max(initial=0))] = -1
+            lens[layers, rows] = 0
+        self.seen[layers, rows] = stamps
+
     def widen(self, fmt: str, width: int) -> np.ndarray:
         """Format ``fmt``'s tables, at least ``width`` columns wide (doubling)."""
         bt = self.pages[fmt]
@@ -234,6 +241,13 @@ class BlockTableCache:
         tables.fit(int(rows.max()) + 1, fmts)
         stamps = columns.changes.stamps_layers(rows)
         at_layer, at = np.nonzero(tables.seen[:, rows] != stamps)
+        if len(at):
+            emptied = columns.changes.emptied(rows[at])
+            before = tables.seen[at_layer, rows[at]] < emptied  # (never read, or read before its request was freed)
+            if before.any():  # read as empty when last emptied: what was recorded since applies in place
+                tables.empty_rows(at_layer[before], rows[at[before]], emptied[before])
+                still = tables.seen[at_layer, rows[at]] != stamps[at_layer, at]  # (unchanged since: done)
+                at_layer, at = at_layer[still], at[still]
         if len(at):
             self._bring_up_to_date(tables, at_layer, seqs, at, columns, rows[at])
             tables.seen[at_layer, rows[at]] = stamps[at_layer, at]
