@@ -113,7 +113,8 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
             q, [PagedFormat(pool.fields, pool.group_fields, pool.k_group, bits, bt, pool.fmt.code, sc.k, sc.v)
                 for (pool, bt, sc), bits in zip(sources, valid)], sm_scale, any_stats, dense_run=run)
         lap("bookkeeping")
-    buffered = cache.cfg.residual_group > 1 and bool(cache.buffered_many(seqs, layer).any())
+    held = cache.buffered_many(seqs, layer) if cache.cfg.residual_group > 1 else None  # (each row's buffered tokens)
+    buffered = held is not None and bool(held.any())
     own = len(sources) - len(staged or ())
     later = any_stats and batch_form and deferred is not None and shards is None and own == 1 and not buffered
     more = None
@@ -143,7 +144,8 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         arena = cache.residual
         rows = cache.residual_rows(seqs)
         rows_t = torch.from_numpy(rows) if q.device.type == "cpu" else torch.from_numpy(rows).to(q.device)
-        plugin_ops.buffer_attention(q, arena.k, arena.v, rows_t, layer, arena.counts_of(layer, rows),
+        counts_t = torch.from_numpy(held) if q.device.type == "cpu" else torch.from_numpy(held).to(q.device)
+        plugin_ops.buffer_attention(q, arena.k, arena.v, rows_t, layer, counts_t,
                                     sm_scale, out, lse)
     lap("policy" if any_stats else "bookkeeping")
     stats: list[LayerStats | None] | BatchLayerStats = [None] * len(seqs)
