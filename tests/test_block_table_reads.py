@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import plugins  # noqa: F401
-from trtkv.cache import reads
+from block_table_checks import check_block_tables
 from trtkv.cache.block_table import BlockTable
 from trtkv.cache.manager import CacheConfig, KVCacheManager
 
@@ -21,15 +21,6 @@ H, D, L = 2, 8, 2
 def _cache() -> KVCacheManager:
     return KVCacheManager(CacheConfig(num_layers=L, num_kv_heads=H, head_dim=D, block_size=4, residual_group=1,
                                       residual_dtype=torch.float32, max_pages=256))
-
-
-def _assert_tables_fresh(cache: KVCacheManager, batch: list) -> None:
-    """Every layer's cached tables of ``batch`` equal tables a new cache of block tables builds."""
-    for layer in range(L):
-        got = [(p.fmt.name, bt.tolist()) for p, bt in cache.block_tables(layer, batch)]
-        want = [(p.fmt.name, bt.tolist()) for p, bt in reads.BlockTableCache(L).get(
-            cache.pools[layer], layer, batch, cache.columns, cache.rows(batch))]
-        assert got == want
 
 
 def _step(cache: KVCacheManager, seqs: list, pos: dict[int, int], cls=("fp32", 0)) -> None:
@@ -70,8 +61,8 @@ def test_cached_tables_follow_requests_that_finish_and_rows_taken_again(ops):
                 cache.evict(seq, o[2], [o[3] % pos[seq.seq_id]])
         elif o[0] == "read":
             seqs = [cache.seqs[s] for s in ids]
-            _assert_tables_fresh(cache, [seqs, seqs[::-1], seqs[1::2] or seqs][o[1]])
-    _assert_tables_fresh(cache, [cache.seqs[s] for s in sorted(cache.seqs)])
+            check_block_tables(cache, [seqs, seqs[::-1], seqs[1::2] or seqs][o[1]])
+    check_block_tables(cache, [cache.seqs[s] for s in sorted(cache.seqs)])
 
 
 def test_a_row_taken_again_is_read_from_its_recorded_pages_not_rewritten():
@@ -84,7 +75,7 @@ def test_a_row_taken_again_is_read_from_its_recorded_pages_not_rewritten():
     seqs = [cache.seqs[s] for s in range(3)]
     for _ in range(6):
         _step(cache, seqs, pos)
-    _assert_tables_fresh(cache, seqs)
+    check_block_tables(cache, seqs)
     cache.free_sequence(1)
     for sid in (3, 4):  # 3 takes row 1 again; 4 a row never read
         cache.add_sequence(sid)
@@ -98,4 +89,4 @@ def test_a_row_taken_again_is_read_from_its_recorded_pages_not_rewritten():
         tables = [cache.block_tables(layer, seqs) for layer in range(L)]
     assert rewritten == []
     assert [(bt >= 0).sum(1).tolist() for (_, bt), in tables] == [[2, 2, 1, 1]] * L
-    _assert_tables_fresh(cache, seqs)
+    check_block_tables(cache, seqs)

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import plugins  # noqa: F401
+from block_table_checks import check_block_tables
 from trtkv.cache import reads
 from trtkv.cache.block_table import BlockTable
 from trtkv.cache.eviction import evict_private
@@ -462,8 +463,8 @@ def test_batched_write_through_matches_one_write_per_request(ops, cls_i):
                     other = other_cache.pools[layer][fmt]
                     for a, b in zip(pool.fields, other.fields):
                         assert torch.equal(a[:pool.fresh], b[:pool.fresh])
-        _check_block_tables(caches[0])
-        _check_block_tables(caches[2])
+        check_block_tables(caches[0])
+        check_block_tables(caches[2])
     check_invariants(caches[0])
 
 
@@ -519,28 +520,13 @@ def test_page_boundaries_pages_wait_in_the_columns_and_join_the_lists_when_read(
             for c in caches:
                 c.free_sequence(1)
     assert waited
-    _check_block_tables(caches[1])  # (before anything reads the lists)
+    check_block_tables(caches[1])  # (before anything reads the lists)
     for sid in caches[0].seqs:
         assert (caches[0].seqs[sid].kv_bytes, caches[0].seqs[sid].peak_bytes) == \
             (caches[1].seqs[sid].kv_bytes, caches[1].seqs[sid].peak_bytes)
     assert _state(caches[0]) == _state(caches[1])
     for pool0, pool1 in zip(caches[0].pools[0].values(), caches[1].pools[0].values()):
         assert pool0.free_pages == pool1.free_pages
-
-
-def _check_block_tables(cache: KVCacheManager) -> None:
-    """The cached block tables (rows brought up to date as pages join and leave) equal tables built anew, for the
-    batch and for batches sharing its rows."""
-    seqs = [cache.seqs[s] for s in sorted(cache.seqs)]
-    if len(seqs) < 2:
-        return
-    batches = [seqs, seqs[1::2], seqs[::-1]] if len(seqs) > 3 else [seqs]  # batches sharing rows, in any order
-    for batch in batches:
-        for layer in range(L):
-            got = [(p.fmt.name, bt.tolist()) for p, bt in cache.block_tables(layer, batch)]
-            want = [(p.fmt.name, bt.tolist()) for p, bt in reads.BlockTableCache(L).get(
-                cache.pools[layer], layer, batch, cache.columns, cache.rows(batch))]
-            assert got == want
 
 
 def assert_same_bytes(a: KVCacheManager, b: KVCacheManager) -> None:
@@ -623,7 +609,7 @@ def test_batched_flush_matches_one_write_per_request(ops, block, uniform):
             for c in (batched, each):
                 c.free_sequence(ids[o[1] % len(ids)])
         assert _ranked_state(batched) == _ranked_state(each)
-        _check_block_tables(batched)
+        check_block_tables(batched)
         assert_same_bytes(batched, each)
     check_invariants(batched)
 
@@ -647,7 +633,7 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
     picked = [(ids[i % len(ids)], [p % max(1, next_pos[ids[i % len(ids)]]) for p in victims]) for i, victims in jobs]
     picked = [(sid, list(dict.fromkeys(v))) for sid, v in picked]
     for c in caches:  # the batch's block tables read now follow the eviction in place (pages leaving their lists)
-        _check_block_tables(c)
+        check_block_tables(c)
     got = caches[0].evict_many(1, [(caches[0].seqs[sid], v) for sid, v in picked])
     want = [caches[1].evict(caches[1].seqs[sid], 1, v) for sid, v in picked]
     flat = caches[2].evict_flat(1, [caches[2].seqs[sid] for sid, _ in picked],
@@ -657,7 +643,7 @@ def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
     assert _state(caches[0]) == _state(caches[1]) == _state(caches[2])
     check_invariants(caches[2])
     for c in caches:
-        _check_block_tables(c)
+        check_block_tables(c)
     check_invariants(caches[0])
     for sid in ids:  # the codes moved with their tokens (compaction)
         live = caches[1].live_positions(caches[1].seqs[sid], 1)
@@ -700,7 +686,7 @@ def test_evict_flat_compacting_distinct_requests_matches_one_at_a_time(lengths, 
     assert _state(caches[0]) == _state(caches[1]) == _state(caches[2])
     for c in caches:
         check_invariants(c)
-        _check_block_tables(c)
+        check_block_tables(c)
     for sid, _ in picked:  # the codes moved with their tokens
         live = caches[1].live_positions(caches[1].seqs[sid], 1)
         assert np.array_equal(caches[0].live_positions(caches[0].seqs[sid], 1), live)
@@ -733,7 +719,7 @@ def test_evicting_every_layers_victims_at_once_matches_each_layer_in_turn(ops, p
     assert _state(caches[0]) == _state(caches[1])
     assert caches[0].evictions_total == caches[1].evictions_total
     check_invariants(caches[1])
-    _check_block_tables(caches[1])
+    check_block_tables(caches[1])
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -802,7 +788,7 @@ def test_compaction_of_many_requests_matches_each_in_turn(lens, classes, data):
     got = caches[0].evict_many(1, [(caches[0].seqs[sid], v) for sid, v in enumerate(victims)])
     want = [caches[1].evict(caches[1].seqs[sid], 1, v) for sid, v in enumerate(victims)]
     assert got == want
-    _check_block_tables(caches[0])
+    check_block_tables(caches[0])
     assert _state(caches[0]) == _state(caches[1])
     check_invariants(caches[0])
     for sid in range(len(lens)):
@@ -824,7 +810,7 @@ def test_block_tables_follow_a_page_joining_the_middle_of_its_format():
         for _ in range(n):  # a page of class 0, one of class 1, then class 0 again across a page boundary
             cache.write_through(0, seqs, k, v, [pos] * len(seqs), cls)
             pos += 1
-            _check_block_tables(cache)
+            check_block_tables(cache)
     (_, bt), = cache.block_tables(0, seqs)
     assert bt[0].tolist() == [p for c in (("fp32", 0), ("fp32", 1)) for p in seqs[0].layers[0].pages[c]]
 
@@ -845,7 +831,7 @@ def test_block_tables_of_a_layer_survive_another_layers_page_change():
     assert all(a is b for (_, a), (_, b) in zip(cache.block_tables(0, seqs), before[0]))
     (_, bt), = cache.block_tables(1, seqs)
     assert bt.tolist() != before[1][0][1].tolist()
-    _check_block_tables(cache)
+    check_block_tables(cache)
 
 
 @pytest.mark.parametrize("classes", [1, 2])
@@ -874,7 +860,7 @@ def test_block_tables_drop_an_events_emptied_pages_in_place(classes):
         (_, bt), = cache.block_tables(1, seqs)
     assert rewritten == [seqs[3].layers[1]]
     assert ((bt >= 0).sum(1) < 6).all()  # (every row lost pages)
-    _check_block_tables(cache)
+    check_block_tables(cache)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -905,7 +891,7 @@ def test_block_tables_follow_a_compacting_event_and_a_page_boundary_in_place(dep
         (_, bt), = cache.block_tables(1, seqs)
     assert rewritten == ([] if depth == 2 else [seqs[0].layers[1], seqs[1].layers[1], seqs[3].layers[1]])
     assert (bt >= 0).sum(1).tolist() == [5, 5, 7, 5]
-    _check_block_tables(cache)
+    check_block_tables(cache)
 
 
 def test_block_tables_follow_a_flushed_page_joining_the_middle_of_its_format():
@@ -922,7 +908,7 @@ def test_block_tables_follow_a_flushed_page_joining_the_middle_of_its_format():
             cache.buffer_append(0, seqs, k, k, [pos] * len(seqs))
             pos += 1
         cache.flush_many(0, seqs, [cls] * len(seqs), [-1] * len(seqs))
-        _check_block_tables(cache)
+        check_block_tables(cache)
     (_, bt), = cache.block_tables(0, seqs)
     assert bt[0].tolist() == [p for c in (("nvfp4", 0), ("nvfp4", 1)) for p in seqs[0].layers[0].pages[c]]
 
@@ -984,7 +970,7 @@ def test_alloc_slots_each_matches_alloc_slots_in_turn(ops, full):
             for c in caches:
                 c.free_sequence(ids[o[1] % len(ids)])
         assert _state(caches[0]) == _state(caches[1])
-        _check_block_tables(caches[1])
+        check_block_tables(caches[1])
     check_invariants(caches[1])
 
 
@@ -1085,7 +1071,7 @@ def test_catching_up_tables_with_pages_of_several_classes_waiting_matches_each_t
     for s in range(5):
         caches[1].seqs[s].layers[1].take_waiting_pages()
         assert list(caches[0].seqs[s].layers[1].pages.items()) == list(caches[1].seqs[s].layers[1].pages.items())
-    _check_block_tables(caches[0])
+    check_block_tables(caches[0])
 
 
 def test_releasing_pages_still_waiting_matches_releasing_them_after_each_table_took_its_pages():
@@ -1119,7 +1105,7 @@ def test_releasing_pages_still_waiting_matches_releasing_them_after_each_table_t
                     c.evict_flat(1, [c.seqs[s] for s in seq_ids], flat_positions, lens)
     assert any(d.any() for d in dropped) and any((~d).any() for d in dropped)  # (waiting and listed pages released)
     _assert_same_lists_bytes_and_pools(*caches)
-    _check_block_tables(caches[0])
+    check_block_tables(caches[0])
 
 
 def _assert_same_lists_bytes_and_pools(a: KVCacheManager, b: KVCacheManager) -> None:
@@ -1175,5 +1161,5 @@ def test_pages_an_event_released_leave_the_lists_when_read_as_if_released_at_onc
         assert all(f.all() for f in fits) == (depth == 16)  # (depth 2: some table dropped its pages at once)
         _assert_same_lists_bytes_and_pools(*caches)
         for c in caches:
-            _check_block_tables(c)
+            check_block_tables(c)
             check_invariants(c)

@@ -143,8 +143,7 @@ def decode_attention(cache: KVCacheManager, layer: int, seqs: list[SeqKV], q: to
         out, lse = out.contiguous(), lse.contiguous()
         arena = cache.residual
         rows = cache.residual_rows(seqs)
-        rows_t = torch.from_numpy(rows) if q.device.type == "cpu" else torch.from_numpy(rows).to(q.device)
-        counts_t = torch.from_numpy(held) if q.device.type == "cpu" else torch.from_numpy(held).to(q.device)
+        rows_t, counts_t = (torch.from_numpy(a).to(q.device) for a in (rows, held))  # (on the CPU: no copy)
         plugin_ops.buffer_attention(q, arena.k, arena.v, rows_t, layer, counts_t,
                                     sm_scale, out, lse)
     lap("policy" if any_stats else "bookkeeping")
