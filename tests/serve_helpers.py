@@ -104,16 +104,23 @@ def gauges(port: int) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(trtkv_\w+)\{[^}]*\} (\S+)$", text, re.M)}
 
 
-def wait_gauges_idle(port: int, timeout_s: float) -> tuple[float, dict]:
-    """Seconds until no live request and no live page remain (or the last reading on timeout)."""
+def wait_idle(read, timeout_s: float, prefix: str = "") -> tuple[float, dict]:
+    """Seconds until ``read()`` (an engine's metrics, or gauges named ``prefix`` + name) shows no live request and
+    no live page (or the last reading on timeout). Both, not the requests alone: the engine's thread frees a finished
+    request's pages just after the request leaves the scheduler."""
     t0 = time.monotonic()
     while True:
-        g = gauges(port)
-        if g.get("trtkv_live_requests") == 0 and g.get("trtkv_live_pages") == 0:
+        g = read()
+        if g.get(prefix + "live_requests") == 0 and g.get(prefix + "live_pages") == 0:
             return time.monotonic() - t0, g
         if time.monotonic() - t0 > timeout_s:
             return time.monotonic() - t0, g
         time.sleep(0.1)
+
+
+def wait_gauges_idle(port: int, timeout_s: float) -> tuple[float, dict]:
+    """``wait_idle`` of the gauges at a server's trtkv metrics ``port``."""
+    return wait_idle(lambda: gauges(port), timeout_s, "trtkv_")
 
 
 def group_processes(pgid: int, wait_s: float = 5.0) -> list[int]:

@@ -13,7 +13,6 @@ import queue
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +26,8 @@ from trtkv.serve.client import ServerError  # noqa: E402
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow, pytest.mark.model]
 
-from serve_helpers import HOST, PROMPT, ROOT, free_ports, scrape_until, stop_process, wait_ready  # noqa: E402
+from serve_helpers import (HOST, PROMPT, ROOT, free_ports, scrape_until, stop_process, wait_idle,  # noqa: E402
+                           wait_ready)
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +141,7 @@ def test_concurrent_streams_are_batched(service, engine, monkeypatch):
     assert len(running) < n_requests * n_tokens / 2, f"{len(running)} steps for {n_requests} requests"
     assert max(running) >= n_requests // 4, f"at most {max(running)} requests ran together"
 
-    deadline = time.monotonic() + 10
-    while engine.metrics()["live_requests"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    m = engine.metrics()
+    _, m = wait_idle(engine.metrics, 10)
     assert m["live_requests"] == 0 and m["live_pages"] == 0 and m["kv_bytes_in_use"] == 0
 
 
@@ -166,12 +163,8 @@ def test_cancelled_grpc_stream_stops_within_steps(service, engine, monkeypatch):
     running = count_steps(engine, monkeypatch)
     conn.stop_stream(cancel_requests=True)
     conn.close()
-    for _ in range(600):  # hang guard (60 s); the request leaves within a few steps
-        if engine.metrics()["live_requests"] == 0:
-            break
-        time.sleep(0.1)
+    _, m = wait_idle(engine.metrics, 60)  # hang guard; the request leaves within a few steps
     monkeypatch.undo()
-    m = engine.metrics()
     assert m["live_requests"] == 0 and m["live_pages"] == 0, m
     print(f"\ncancelled gRPC stream: {len(running)} scheduler steps after the cancel")
     assert len(running) <= 32, f"{len(running)} steps after the cancel (of up to 4,000)"
@@ -183,10 +176,8 @@ def test_abandoned_stream_does_not_break_server(service, engine):
     for event in client.grpc_generate(grpc, PROMPT, max_tokens=64, ignore_eos=True):
         assert event["text_output"]
         break  # the client goes away mid-generation
-    deadline = time.monotonic() + 60
-    while engine.metrics()["live_requests"] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert engine.metrics()["live_pages"] == 0
+    _, m = wait_idle(engine.metrics, 60)
+    assert m["live_pages"] == 0
     assert client.collect(client.grpc_generate(grpc, PROMPT, max_tokens=3))["generated_tokens"] >= 1
 
 
