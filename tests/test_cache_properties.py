@@ -924,11 +924,12 @@ many_op = st.one_of(st.tuples(st.just("add")),
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(many_op, min_size=5, max_size=30), full=st.booleans())
-def test_alloc_slots_each_matches_alloc_slots_in_turn(ops, full):
+@given(ops=st.lists(many_op, min_size=5, max_size=30), full=st.booleans(), queue=st.booleans())
+def test_alloc_slots_each_matches_alloc_slots_in_turn(ops, full, queue):
     """``alloc_slots_each`` (several slots for each request of a batch, new pages in one pool call: a host tier's
     moves) hands out the slots and leaves the state of each request's ``alloc_slots`` in turn: reusable slots
-    first, open tails, new pages in request order; page order, open pages, bytes, block tables. A small pool
+    first, open tails, new pages in request order; page order, open pages, bytes, block tables — whether the new
+    pages wait in ``FreshPages`` (``queue``) or join the tables' lists at once (a prompt's). A small pool
     (``full``) sends the batch back to table by table."""
     caches = [make_cache(g=1, max_pages=12 if full else 256) for _ in range(2)]
     next_pos: dict[int, int] = {}
@@ -949,9 +950,9 @@ def test_alloc_slots_each_matches_alloc_slots_in_turn(ops, full):
                     got.append(caches[0].alloc_slots(caches[0].seqs[sid], layer, cls, n))
             except OutOfKVMemory:
                 with pytest.raises(OutOfKVMemory):
-                    caches[1].alloc_slots_each([caches[1].seqs[s] for s in ids], layer, cls, counts)
+                    caches[1].alloc_slots_each([caches[1].seqs[s] for s in ids], layer, cls, counts, queue)
                 return  # (a full pool mid-batch: both raise; the states may differ only past this point)
-            pages, slots = caches[1].alloc_slots_each([caches[1].seqs[s] for s in ids], layer, cls, counts)
+            pages, slots = caches[1].alloc_slots_each([caches[1].seqs[s] for s in ids], layer, cls, counts, queue)
             assert pages.tolist() == np.concatenate([p for p, _ in got]).tolist()
             assert slots.tolist() == np.concatenate([s for _, s in got]).tolist()
             for c in caches:  # the tokens land in the slots (both caches the same)
@@ -972,6 +973,61 @@ def test_alloc_slots_each_matches_alloc_slots_in_turn(ops, full):
         assert _state(caches[0]) == _state(caches[1])
         check_block_tables(caches[1])
     check_invariants(caches[1])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("add")),
+    st.tuples(st.just("write"), st.integers(0, 3), st.integers(0, len(WT_CLASSES) - 1), st.integers(1, 4)),
+    st.tuples(st.just("evict"), st.integers(0, 3), st.integers(0, 1), st.lists(st.integers(0, 200), max_size=8)),
+    st.tuples(st.just("free"), st.integers(0, 3)),
+    st.tuples(st.just("prompts"), st.integers(0, len(WT_CLASSES) - 1), st.lists(st.integers(0, 20), min_size=1,
+                                                                                 max_size=5))), min_size=1, max_size=25))
+def test_prompts_write_many_matches_one_write_a_request(ops):
+    """``write_many`` (a packed prefill's prompts of one write-through class: slots for every request at once, one
+    kernel call) leaves exactly the state of ``write`` request after request: slots (reused after evictions,
+    open-page tails, fresh pages in request order), stored codes, bytes and block tables read in place."""
+    batched, each = make_cache(g=1, max_pages=512), make_cache(g=1, max_pages=512)
+    next_pos: dict[int, int] = {}
+    for o in ops:
+        ids = sorted(batched.seqs)
+        if o[0] == "add" or not ids:
+            add_everywhere([batched, each], next_pos)
+            continue
+        if o[0] == "write":
+            write_everywhere([batched, each], next_pos, ids[o[1] % len(ids)], o[3], WT_CLASSES[o[2]])
+            continue
+        if o[0] == "evict":
+            sid = ids[o[1] % len(ids)]
+            for c in (batched, each):
+                c.evict(c.seqs[sid], o[2], [p % max(1, next_pos[sid]) for p in o[3]])
+            continue
+        if o[0] == "free":
+            if len(ids) > 1:
+                for c in (batched, each):
+                    c.free_sequence(ids[o[1] % len(ids)])
+            continue
+        cls = WT_CLASSES[o[1]]
+        jobs = [(sid, n) for sid, n in zip(ids, o[2]) if n]
+        if not jobs:
+            continue
+        counts = np.array([n for _, n in jobs], np.int64)
+        pos = [list(range(next_pos[sid], next_pos[sid] + n)) for sid, n in jobs]
+        gen = torch.Generator().manual_seed(int(counts.sum()) + len(ids))
+        k, v = torch.randn(int(counts.sum()), H, D, generator=gen), torch.randn(int(counts.sum()), H, D, generator=gen)
+        for layer in range(L):
+            batched.write_many(layer, [batched.seqs[sid] for sid, _ in jobs], k, v, counts, np.concatenate(pos), cls,
+                               np.full(int(counts.sum()), -1, np.int32))
+            at = 0
+            for (sid, n), p in zip(jobs, pos):
+                each.write(each.seqs[sid], layer, k[at:at + n], v[at:at + n], p, cls)
+                at += n
+        for sid, n in jobs:
+            next_pos[sid] += n
+        assert _state(batched) == _state(each)
+        assert_same_bytes(batched, each)
+        check_block_tables(batched)
+    check_invariants(batched)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -60,11 +60,13 @@ def alloc_one_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray,
 
 
 def alloc_slots_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarray, pool: PagePool, cls: Cls,
-                     counts: np.ndarray, order: Iterator[int]) -> tuple[np.ndarray, np.ndarray]:
+                     counts: np.ndarray, order: Iterator[int], queue: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """``counts[i]`` slots of ``cls`` for each of ``rows`` (distinct requests ``seqs``, one layer; ``order``: the
     cache's page numbering), the ones each table's ``alloc_slots`` would give in turn: its reusable slots first,
     then its open page's tail, then new pages - taken from the pool in one call, in row order (a host tier's
-    batch of moves). Returns ``(pages, slots)`` of every row's slots, concatenated in row order."""
+    batch of moves, a packed prefill's prompts). New pages wait in ``FreshPages`` when ``queue`` and they fit,
+    else join the tables' lists at once. Returns ``(pages, slots)`` of every row's slots, concatenated in row
+    order."""
     counts = np.asarray(counts, np.int64)
     bounds = np.concatenate([[0], np.cumsum(counts)])
     pages, slots = np.empty(int(bounds[-1]), np.int64), np.empty(int(bounds[-1]), np.int64)
@@ -103,14 +105,15 @@ def alloc_slots_each(seqs: list, cols: TableColumns, layer: int, rows: np.ndarra
     partial = rest % pool.B != 0
     pool.hwm[last[partial]] = rest[partial] % pool.B
     cost = held_page_bytes(pool)
-    if per.max() > FRESH_DEPTH:  # more than a row's queue holds: each table takes its pages in its lists
-        for i, ps in zip(need.tolist(), split_counts(fresh, per)):
-            seqs[i].layers[layer].hold_fresh(cls, ps.tolist(), cost * len(ps))
-        cols.changes.touch_rows(layer, rows[need])
-    else:  # they wait in FreshPages, as a page boundary's do (row i's in its first per[i] columns)
-        grid = fresh[:, None] if (per == 1).all() else np.full((len(need), int(per.max())), -1, np.int64)
-        if grid.shape[1] > 1:
-            grid[np.repeat(np.arange(len(need)), per), _ranks(per)] = fresh
+    grid = fresh[:, None] if (per == 1).all() else np.full((len(need), int(per.max())), -1, np.int64)
+    if grid.shape[1] > 1:  # (row i's pages in its first per[i] columns)
+        grid[np.repeat(np.arange(len(need)), per), _ranks(per)] = fresh
+    if not queue or per.max() > FRESH_DEPTH:  # each table takes its pages in its lists (a prompt's are not
+        # queued: the queue would fill halfway to a later page boundary, and every table then takes its pages in)
+        at_end = np.fromiter((seqs[i].layers[layer].hold_fresh(cls, ps.tolist(), cost * len(ps))
+                              for i, ps in zip(need.tolist(), split_counts(fresh, per))), bool, len(need))
+        cols.changes.append_rows(layer, rows[need], cols.fmt_id(cls[0]), grid, at_end)
+    else:  # they wait in FreshPages, as a page boundary's do
         _queue_pages(lambda j: seqs[need[j]].layers[layer], cols, layer, rows[need], cols.fmt_id(cls[0]), cls, grid,
                      order)
         ByteAccount.add_each([seqs[i].account for i in need.tolist()], (cost * per).tolist())

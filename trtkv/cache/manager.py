@@ -194,12 +194,12 @@ class KVCacheManager(CacheReads):
         tail, and only then new pages (``BlockTable.alloc_slots``)."""
         return seq.layers[layer].alloc_slots(self.pool(layer, cls[0]), cls, n)
 
-    def alloc_slots_each(self, seqs: list[SeqKV], layer: int, cls: Cls, counts: np.ndarray
+    def alloc_slots_each(self, seqs: list[SeqKV], layer: int, cls: Cls, counts: np.ndarray, queue: bool = True
                          ) -> tuple[np.ndarray, np.ndarray]:
         """``alloc_slots`` of ``counts[i]`` slots for each of ``seqs`` (distinct) in turn, by array operations
         (``batch_alloc.alloc_slots_each``): the slots concatenated in request order."""
         return alloc_slots_each(seqs, self.columns, layer, self.rows(seqs), self.pool(layer, cls[0]), cls, counts,
-                                self._page_order)
+                                self._page_order, queue)
 
     def write(self, seq: SeqKV, layer: int, k: torch.Tensor, v: torch.Tensor, positions: list[int],
               cls: Cls, seg: int = -1) -> None:
@@ -216,6 +216,16 @@ class KVCacheManager(CacheReads):
         if clk is not None:
             clk.switch(prev)
         self.record_written(seq, layer, pool, cls[0], pages, slots, positions, seg)
+
+    def write_many(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor, counts: np.ndarray,
+                   positions: np.ndarray, cls: Cls, segs: np.ndarray) -> None:
+        """``write`` of the next ``counts[i]`` tokens of ``k, v [sum counts, H, D]`` (at ``positions``, of segments
+        ``segs``) for each of ``seqs`` (distinct) in turn, in a format without key-scale groups: the slots
+        ``alloc_slots_each`` gives them, one kernel call (a packed prefill's prompts)."""
+        pool = self.pool(layer, cls[0])
+        pages, slots = self.alloc_slots_each(seqs, layer, cls, counts, queue=False)
+        self._write_codes(layer, pool, k, v, _on(pool.device, pages), _on(pool.device, slots))
+        self.record_written_many(seqs, counts, layer, pool, cls[0], pages, slots, positions, segs)
 
     def write_groups(self, seq: SeqKV, layer: int, k: torch.Tensor, v: torch.Tensor, positions: list[int],
                      cls: Cls, seg: int, g: int) -> None:
@@ -267,7 +277,7 @@ class KVCacheManager(CacheReads):
 
     def _write_codes(self, layer: int, pool: PagePool, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
                      slots: torch.Tensor) -> None:
-        """One token a request into slots already allocated (no flush group), timed as "kv_write"."""
+        """Tokens into slots already allocated (no flush group), timed as "kv_write"."""
         sc = self.layer_scales(layer, pool.fmt.name)
         clk = self.clock
         prev = clk.switch("kv_write") if clk is not None else None

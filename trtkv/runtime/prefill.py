@@ -7,6 +7,7 @@ have the same length. Each prompt's K/V is stored in its own sequence, in the cl
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,12 +33,21 @@ def prefill_packed(core, reqs: list[Request]) -> None:
     classes = [core.policy.prefill_class(ctx) for ctx, _ in begun]
     pos_lists = {n: list(range(n)) for n in set(lens)}
     stats = [StepStats(step=-1) for _ in reqs]
+    together = _stored_together(core, classes)
+    if together:
+        counts = np.asarray(lens, np.int64)
+        flat_positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+        segs = np.repeat(np.asarray([seg for _, _, seg in classes], np.int32), counts)
     for layer in range(core.arch.num_hidden_layers):
         q, k, v = model.qkv(layer, x, cos, sin)
         attn = causal_attention(q, k, v, lens, core.sm_scale)
+        if together:
+            core.cache.write_many(layer, [ctx.seq for ctx, _ in begun], k, v, counts, flat_positions,
+                                  classes[0][:2], segs)
         for i, ((ctx, sreq), (fmt, thought, seg)) in enumerate(zip(begun, classes)):
             s, e = starts[i], ends[i]
-            core.store_prompt(ctx.seq, layer, k[s:e], v[s:e], pos_lists[lens[i]], (fmt, thought), seg)
+            if not together:
+                core.store_prompt(ctx.seq, layer, k[s:e], v[s:e], pos_lists[lens[i]], (fmt, thought), seg)
             if _wants_stats(sreq, layer):
                 qs, ks = (q[s:e], k[s:e]) if core.shards is None else (core.shards.gather(q[s:e], 1),
                                                                       core.shards.gather(k[s:e], 1))
@@ -46,6 +56,14 @@ def prefill_packed(core, reqs: list[Request]) -> None:
     logits = model.logits(x[torch.tensor(ends, device=dev) - 1])
     for i, r in enumerate(reqs):
         core.end_prefill(r, logits[i:i + 1], stats[i])
+
+
+def _stored_together(core, classes: list[tuple]) -> bool:
+    """Whether the prompts' K/V of a layer go to the cache in one ``write_many``: several prompts of one class, in a
+    write-through format (g = 1) without key-scale groups (else prompt by prompt, ``store_prompt``)."""
+    fmt, thought = classes[0][:2]
+    return (len(classes) > 1 and core.g == 1 and all(c[:2] == (fmt, thought) for c in classes)
+            and not core.cache.pool(0, fmt).group_specs)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], sm_scale: float
