@@ -1032,32 +1032,51 @@ def test_prompts_write_many_matches_one_write_a_request(ops):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.one_of(op, st.tuples(st.just("prompt"), st.integers(0, 3), st.integers(0, 3),
-                                            st.integers(1, 6))), min_size=1, max_size=30),
+                                            st.integers(1, 6)),
+                              st.tuples(st.just("prompts"), st.integers(0, 3), st.lists(st.integers(0, 3), min_size=1,
+                                                                                         max_size=5))),
+                    min_size=1, max_size=30),
        block=st.sampled_from([2, 4, 8]))
 def test_prompt_groups_write_matches_one_write_per_group(ops, block):
-    """``write_groups`` (a quantized prompt's groups: slots and key-scale groups at once, one kernel call) leaves
-    exactly the state of ``write`` group after group: slots (reused after evictions, open-page tails, fresh
-    pages), key-scale groups, stored codes and bytes."""
+    """``write_groups`` (a quantized prompt's groups: slots and key-scale groups at once, one kernel call) and
+    ``write_many`` with groups (several requests' prompts at once, a packed prefill's) leave exactly the state of
+    ``write`` group after group, request after request: slots (reused after evictions, open-page tails, fresh
+    pages), key-scale groups, stored codes, bytes and block tables."""
     g = 4
     batched, each = make_cache(block=block, g=g, max_pages=512), make_cache(block=block, g=g, max_pages=512)
     next_pos: dict[int, int] = {}
     for o in ops:
         ids = sorted(batched.seqs)
-        if o[0] != "prompt" or not ids:
+        if o[0] not in ("prompt", "prompts") or not ids:
             apply_op([batched, each], next_pos, o,
                      evict=lambda sid, layer, victims: [c.evict(c.seqs[sid], layer, victims) for c in (batched, each)])
             continue
-        sid, cls, n = ids[o[1] % len(ids)], CLASSES[o[2]], o[3] * g
-        pos = list(range(next_pos[sid], next_pos[sid] + n))
-        next_pos[sid] += n
-        gen = torch.Generator().manual_seed(n + pos[0])
-        k, v = torch.randn(n, H, D, generator=gen) * 3, torch.randn(n, H, D, generator=gen)
+        cls = CLASSES[o[2] if o[0] == "prompt" else o[1]]
+        jobs = [(ids[o[1] % len(ids)], o[3] * g)] if o[0] == "prompt" else [
+            (sid, n * g) for sid, n in zip(ids, o[2]) if n]
+        if not jobs:
+            continue
+        pos = [list(range(next_pos[sid], next_pos[sid] + n)) for sid, n in jobs]
+        for sid, n in jobs:
+            next_pos[sid] += n
+        total = sum(n for _, n in jobs)
+        gen = torch.Generator().manual_seed(total + pos[0][0])
+        k, v = torch.randn(total, H, D, generator=gen) * 3, torch.randn(total, H, D, generator=gen)
         for layer in range(L):
-            batched.write_groups(batched.seqs[sid], layer, k, v, pos, cls, 5, g)
-            for s in range(0, n, g):
-                each.write(each.seqs[sid], layer, k[s:s + g], v[s:s + g], pos[s:s + g], cls, 5)
+            if o[0] == "prompt":
+                batched.write_groups(batched.seqs[jobs[0][0]], layer, k, v, pos[0], cls, 5, g)
+            else:
+                batched.write_many(layer, [batched.seqs[sid] for sid, _ in jobs], k, v,
+                                   np.array([n for _, n in jobs], np.int64), np.concatenate(pos), cls,
+                                   np.full(total, 5, np.int32), g)
+            at = 0
+            for (sid, n), p in zip(jobs, pos):
+                for s in range(0, n, g):
+                    each.write(each.seqs[sid], layer, k[at + s:at + s + g], v[at + s:at + s + g], p[s:s + g], cls, 5)
+                at += n
         assert _state(batched) == _state(each)
         assert_same_bytes(batched, each)
+        check_block_tables(batched)
     check_invariants(batched)
 
 

@@ -22,6 +22,7 @@ import torch
 from plugins.formats import LayerScales
 from plugins import ops as plugin_ops  # the ops' entry points; see plugins/ops.py
 from trtkv.cache import compaction, reads
+from trtkv.cache.accounting import ByteAccount
 from trtkv.cache.batch_alloc import alloc_one_each, alloc_slots_each
 from trtkv.cache.block_table import Cls
 from trtkv.cache.budget import PoolPlan
@@ -218,25 +219,42 @@ class KVCacheManager(CacheReads):
         self.record_written(seq, layer, pool, cls[0], pages, slots, positions, seg)
 
     def write_many(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor, counts: np.ndarray,
-                   positions: np.ndarray, cls: Cls, segs: np.ndarray) -> None:
-        """``write`` of the next ``counts[i]`` tokens of ``k, v [sum counts, H, D]`` (at ``positions``, of segments
-        ``segs``) for each of ``seqs`` (distinct) in turn, in a format without key-scale groups: the slots
-        ``alloc_slots_each`` gives them, one kernel call (a packed prefill's prompts)."""
+                   positions: np.ndarray, cls: Cls, segs: np.ndarray, g: int = 1) -> None:
+        """The next ``counts[i]`` tokens of ``k, v [sum counts, H, D]`` (at ``positions``, of segments ``segs``) for
+        each of ``seqs`` (distinct) in turn, with the slots ``alloc_slots_each`` gives them and one kernel call (a
+        packed prefill's prompts): ``write`` of each (a format without key-scale groups), or with ``g > 1`` (every
+        count a multiple of it) ``write_groups`` of each, its key-scale groups taken in that order."""
         pool = self.pool(layer, cls[0])
         pages, slots = self.alloc_slots_each(seqs, layer, cls, counts, queue=False)
-        self._write_codes(layer, pool, k, v, _on(pool.device, pages), _on(pool.device, slots))
+        if g == 1:
+            self._write_codes(layer, pool, k, v, _on(pool.device, pages), _on(pool.device, slots))
+        else:
+            per = counts // g
+            gids = pool.alloc_groups(int(per.sum()), g)
+            if gids is None:  # (the arena lacks them, or would grow: request by request, a full one names it)
+                gids = np.fromiter((seq.alloc_group(layer, pool, g) for seq, n in zip(seqs, per.tolist())
+                                    for _ in range(n)), np.int64)
+            elif pool.group_specs:
+                ByteAccount.add_each([seq.account for seq in seqs], (per * pool.group_bytes).tolist())
+            self._write_group_codes(layer, pool, k, v, pages, slots, torch.from_numpy(gids), g)
         self.record_written_many(seqs, counts, layer, pool, cls[0], pages, slots, positions, segs)
 
     def write_groups(self, seq: SeqKV, layer: int, k: torch.Tensor, v: torch.Tensor, positions: list[int],
                      cls: Cls, seg: int, g: int) -> None:
         """``write`` of ``len(positions) // g`` consecutive groups of ``g`` tokens of one request (a quantized
         prompt): the slots and key-scale groups that ``write`` group after group takes, one kernel call."""
-        n = len(positions)
-        G = n // g
         pool = self.pool(layer, cls[0])
-        pages, slots = self.alloc_slots(seq, layer, cls, n)
-        gids = torch.tensor([seq.alloc_group(layer, pool, g) for _ in range(G)], dtype=torch.int64)
-        sc = self.layer_scales(layer, cls[0])
+        pages, slots = self.alloc_slots(seq, layer, cls, len(positions))
+        gids = torch.tensor([seq.alloc_group(layer, pool, g) for _ in range(len(positions) // g)], dtype=torch.int64)
+        self._write_group_codes(layer, pool, k, v, pages, slots, gids, g)
+        self.record_written(seq, layer, pool, cls[0], pages, slots, positions, seg)
+
+    def _write_group_codes(self, layer: int, pool: PagePool, k: torch.Tensor, v: torch.Tensor, pages: np.ndarray,
+                           slots: np.ndarray, gids: torch.Tensor, g: int) -> None:
+        """Consecutive groups of ``g`` tokens into slots already allocated, group ``i`` with key-scale group
+        ``gids[i]``, timed as "kv_write"."""
+        G = len(gids)
+        sc = self.layer_scales(layer, pool.fmt.name)
         clk = self.clock
         prev = clk.switch("kv_write") if clk is not None else None
         H, D = k.shape[1:]
@@ -246,7 +264,6 @@ class KVCacheManager(CacheReads):
                                    sc.v)
         if clk is not None:
             clk.switch(prev)
-        self.record_written(seq, layer, pool, cls[0], pages, slots, positions, seg)
 
     def write_through(self, layer: int, seqs: list[SeqKV], k: torch.Tensor, v: torch.Tensor,
                       positions: list[int], cls: Cls) -> None:

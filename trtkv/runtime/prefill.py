@@ -34,20 +34,28 @@ def prefill_packed(core, reqs: list[Request]) -> None:
     pos_lists = {n: list(range(n)) for n in set(lens)}
     stats = [StepStats(step=-1) for _ in reqs]
     together = _stored_together(core, classes)
-    if together:
-        counts = np.asarray(lens, np.int64)
-        flat_positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+    g = core.g
+    if together:  # every prompt's whole groups (g = 1: every token) in one write a layer; the tails prompt by prompt
+        counts = np.asarray([n - n % g for n in lens], np.int64)
+        flat_positions = np.concatenate([np.arange(n, dtype=np.int64) for n in counts.tolist()])
         segs = np.repeat(np.asarray([seg for _, _, seg in classes], np.int32), counts)
+        rows = None if (counts == lens).all() else torch.from_numpy(
+            np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts.tolist())])).to(dev)
     for layer in range(core.arch.num_hidden_layers):
         q, k, v = model.qkv(layer, x, cos, sin)
         attn = causal_attention(q, k, v, lens, core.sm_scale)
         if together:
-            core.cache.write_many(layer, [ctx.seq for ctx, _ in begun], k, v, counts, flat_positions,
-                                  classes[0][:2], segs)
+            kw, vw = (k, v) if rows is None else (k[rows], v[rows])
+            if g > 1:  # (quantized groups are encoded from fp32, as ``store_prompt`` does)
+                kw, vw = kw.float(), vw.float()
+            core.cache.write_many(layer, [ctx.seq for ctx, _ in begun], kw, vw, counts, flat_positions,
+                                  classes[0][:2], segs, g)
         for i, ((ctx, sreq), (fmt, thought, seg)) in enumerate(zip(begun, classes)):
             s, e = starts[i], ends[i]
-            if not together:
-                core.store_prompt(ctx.seq, layer, k[s:e], v[s:e], pos_lists[lens[i]], (fmt, thought), seg)
+            done = int(counts[i]) if together else 0  # (a tail shorter than a group: ``store_prompt`` buffers it)
+            if done < e - s:
+                core.store_prompt(ctx.seq, layer, k[s + done:e], v[s + done:e], pos_lists[lens[i]][done:],
+                                  (fmt, thought), seg)
             if _wants_stats(sreq, layer):
                 qs, ks = (q[s:e], k[s:e]) if core.shards is None else (core.shards.gather(q[s:e], 1),
                                                                       core.shards.gather(k[s:e], 1))
@@ -59,11 +67,12 @@ def prefill_packed(core, reqs: list[Request]) -> None:
 
 
 def _stored_together(core, classes: list[tuple]) -> bool:
-    """Whether the prompts' K/V of a layer go to the cache in one ``write_many``: several prompts of one class, in a
-    write-through format (g = 1) without key-scale groups (else prompt by prompt, ``store_prompt``)."""
+    """Whether the prompts' K/V of a layer go to the cache in one ``write_many``: several prompts of one class, in
+    groups of g tokens, or in a write-through format (g = 1) without key-scale groups (else prompt by prompt,
+    ``store_prompt``)."""
     fmt, thought = classes[0][:2]
-    return (len(classes) > 1 and core.g == 1 and all(c[:2] == (fmt, thought) for c in classes)
-            and not core.cache.pool(0, fmt).group_specs)
+    return (len(classes) > 1 and all(c[:2] == (fmt, thought) for c in classes)
+            and (core.g > 1 or not core.cache.pool(0, fmt).group_specs))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], sm_scale: float
