@@ -55,6 +55,30 @@ def test_batch_row_stats_equals_row_stats_per_request():
     assert torch.equal(w2, w) and none_h is None and none_u is None
 
 
+@pytest.mark.parametrize("T,window,Hq,H", [(24, 8, 4, 2), (5, 8, 4, 4), (40, 1, 6, 2)])
+def test_prefill_stats_of_many_prompts_equal_each_prompts_own(T, window, Hq, H):
+    """A packed prefill's statistics of prompts of one length, in one batched call, equal (bit for bit) each
+    prompt's computed alone by the one-prompt formula: the window's weights over the prompt (causal), the last
+    query's logits and its sparsity statistics."""
+    import math
+
+    from trtkv.runtime.attention import prefill_stats_many, row_stats
+
+    torch.manual_seed(T)
+    b, D, scale = 5, 16, 0.25
+    q, k = torch.randn(b, T, Hq, D) * 2, torch.randn(b, T, H, D)
+    got = prefill_stats_many(q, k, window, scale)
+    w = min(window, T)
+    for i in range(b):  # (the one-prompt formula, written out)
+        logits = torch.einsum("whgd,thd->whgt", q[i, T - w:].reshape(w, H, Hq // H, D), k[i]) * scale
+        causal = torch.arange(T)[None, :] > torch.arange(T - w, T)[:, None]
+        logits = logits.masked_fill(causal[:, None, None, :], -math.inf).reshape(w, Hq, T)
+        _, sh, u = row_stats(logits[-1], torch.logsumexp(logits[-1], -1), H)
+        assert torch.equal(got[i].weights, torch.softmax(logits, -1)) and torch.equal(got[i].logits, logits[-1])
+        assert torch.equal(got[i].sparsity_heads, sh) and got[i].sparsity == u
+        assert got[i].positions.tolist() == list(range(T))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_lookup_dense_table_equals_sorted_search(seed, monkeypatch):
     """The dense position table and the sorted search (forced by a zero span) read the same values."""

@@ -301,13 +301,25 @@ def _no_clock(phase: str) -> str:
 def prefill_stats(q: torch.Tensor, k: torch.Tensor, window: int, sm_scale: float) -> LayerStats:
     """A prompt's statistics: weights of the last ``window`` queries over all prompt keys ``[w, Hq, T]``, and the
     sparsity statistics of the last query."""
-    T, Hq, D = q.shape
-    H = k.shape[1]
+    return prefill_stats_many(q[None], k[None], window, sm_scale)[0]
+
+
+def prefill_stats_many(q: torch.Tensor, k: torch.Tensor, window: int, sm_scale: float) -> list[LayerStats]:
+    """``prefill_stats`` of ``b`` prompts of one length at once: ``q [b, T, Hq, D]``, ``k [b, T, H, D]`` (one batched
+    matmul and softmax; each prompt's numbers as alone)."""
+    b, T, Hq, D = q.shape
+    H = k.shape[2]
     w = min(window, T)
-    qw = q[T - w:].float().view(w, H, Hq // H, D)
-    logits = torch.einsum("whgd,thd->whgt", qw, k.float()) * sm_scale
+    g = Hq // H
+    # one matmul per (prompt, KV head), [w * g, D] @ [D, T], as one bmm: each prompt's result is what it gets alone
+    # (an einsum's own plan varies with the batch: different rounding for some shapes)
+    qh = q[:, T - w:].float().reshape(b, w, H, g, D).permute(0, 2, 1, 3, 4).reshape(b * H, w * g, D)
+    kh = k.float().permute(0, 2, 1, 3).reshape(b * H, T, D)
+    logits = torch.bmm(qh, kh.transpose(1, 2)).view(b, H, w, g, T).permute(0, 2, 1, 3, 4) * sm_scale
     causal = torch.arange(T, device=q.device)[None, :] > torch.arange(T - w, T, device=q.device)[:, None]
-    logits = logits.masked_fill(causal[:, None, None, :], -math.inf).reshape(w, Hq, T)
+    logits = logits.masked_fill(causal[None, :, None, None, :], -math.inf).reshape(b, w, Hq, T)
     weights = torch.softmax(logits, -1)
-    _, sh, u = row_stats(logits[-1], torch.logsumexp(logits[-1], -1), H)
-    return LayerStats(positions=np.arange(T), weights=weights, logits=logits[-1], sparsity_heads=sh, sparsity=u)
+    last = logits[:, -1]
+    _, sh, u = batch_row_stats(last, torch.logsumexp(last, -1), H)
+    return [LayerStats(positions=np.arange(T), weights=weights[i], logits=last[i], sparsity_heads=sh[i],
+                       sparsity=float(u[i])) for i in range(b)]

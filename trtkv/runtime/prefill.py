@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from trtkv.policies.base import StatsRequest, StepStats
-from trtkv.runtime.attention import prefill_stats
+from trtkv.runtime.attention import prefill_stats, prefill_stats_many
 from trtkv.runtime.request import Request
 
 
@@ -33,6 +33,7 @@ def prefill_packed(core, reqs: list[Request]) -> None:
     classes = [core.policy.prefill_class(ctx) for ctx, _ in begun]
     pos_lists = {n: list(range(n)) for n in set(lens)}
     stats = [StepStats(step=-1) for _ in reqs]
+    same_len = len(set(lens)) == 1
     together = _stored_together(core, classes)
     g = core.g
     if together:  # every prompt's whole groups (g = 1: every token) in one write a layer; the tails prompt by prompt
@@ -50,13 +51,22 @@ def prefill_packed(core, reqs: list[Request]) -> None:
                 kw, vw = kw.float(), vw.float()
             core.cache.write_many(layer, [ctx.seq for ctx, _ in begun], kw, vw, counts, flat_positions,
                                   classes[0][:2], segs, g)
+        wants = [_wants_stats(sreq, layer) for _, sreq in begun]
+        windows = {max(sreq.prefill_window, 1) for _, sreq in begun}
+        stats_together = len(reqs) > 1 and all(wants) and same_len and len(windows) == 1 and core.shards is None
+        if stats_together:  # (one batched call: each prompt's numbers as alone)
+            T = lens[0]
+            for st, ls in zip(stats, prefill_stats_many(q.reshape(len(reqs), T, *q.shape[1:]),
+                                                        k.reshape(len(reqs), T, *k.shape[1:]), next(iter(windows)),
+                                                        core.sm_scale)):
+                st.layers[layer] = ls
         for i, ((ctx, sreq), (fmt, thought, seg)) in enumerate(zip(begun, classes)):
             s, e = starts[i], ends[i]
             done = int(counts[i]) if together else 0  # (a tail shorter than a group: ``store_prompt`` buffers it)
             if done < e - s:
                 core.store_prompt(ctx.seq, layer, k[s + done:e], v[s + done:e], pos_lists[lens[i]][done:],
                                   (fmt, thought), seg)
-            if _wants_stats(sreq, layer):
+            if wants[i] and not stats_together:
                 qs, ks = (q[s:e], k[s:e]) if core.shards is None else (core.shards.gather(q[s:e], 1),
                                                                       core.shards.gather(k[s:e], 1))
                 stats[i].layers[layer] = prefill_stats(qs, ks, max(sreq.prefill_window, 1), core.sm_scale)
