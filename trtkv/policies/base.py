@@ -9,6 +9,8 @@ Each policy is a dataclass whose fields are its parameters, so it serialises int
 Hooks, in the order the runtime calls them:
     begin(req) -> on_request_init(req)   once, before prefill (``req.state`` is a fresh ``State()``)
     on_prefill_end(req, stats)           after the prompt is in the cache and the first token sampled
+                                         (called through on_prefill_end_batch(reqs, stats), once for the
+                                         prompts prefilled together)
     on_decode_step_begin(req)            before each decode step's forward (room for the new token)
     before_attention(req, layer)         per layer, after the step's write/flush, before attention
                                          (called through before_attention_batch(reqs, layer), once per layer
@@ -345,6 +347,12 @@ class KVPolicy:
 
     def on_prefill_end(self, req: PolicyRequest, stats: StepStats) -> None:
         pass
+
+    def on_prefill_end_batch(self, reqs: list[PolicyRequest], stats: list[StepStats]) -> None:
+        """``on_prefill_end`` for the prompts prefilled together (the runtime's call, once a packed group). A policy
+        that cuts each prompt by a token or so a layer overrides this to cut them all at once."""
+        for req, st in zip(reqs, stats):
+            self.on_prefill_end(req, st)
 
     def on_decode_step_begin(self, req: PolicyRequest) -> None:
         pass

@@ -134,6 +134,21 @@ class ScorerPolicy(KVPolicy):
         if self._prompt_is_cut(req):
             self.event(req)
 
+    def on_prefill_end_batch(self, reqs, stats) -> None:
+        """Every prompt observed, then the cut ones' events together (``events_rows``, as at a decode step whose
+        statistics are not in batch form): a request's observation and cut touch no other request's."""
+        if (type(self).on_prefill_end is not ScorerPolicy.on_prefill_end
+                or not (self.batched_events and self.keeps_best_scores and self.scorer.batches
+                        and self.scorer.rows_any_step)):
+            return super().on_prefill_end_batch(reqs, stats)
+        for req, st in zip(reqs, stats):
+            self.scorer.observe(req, req.state.memo, st, "prefill")
+        due = [req for req in reqs if self._prompt_is_cut(req)]
+        if len(due) > 1:
+            self.events_rows(due)
+        elif due:
+            self.event(due[0])
+
     def on_decode_step_end(self, req, stats) -> None:
         self.scorer.observe(req, req.state.memo, stats, "decode")
         if self.cadence.is_event(req.step):

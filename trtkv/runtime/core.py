@@ -145,16 +145,22 @@ class EngineCore:
 
     def end_prefill(self, req: Request, logits: torch.Tensor, stats: StepStats) -> None:
         """After the prompt is in the cache: observers, the first sampled token, the policy's prefill end."""
-        ctx = req.ctx
-        req.last_logits = logits[0]  # what a fork of this request samples its first token from
-        for o in self.observers:
-            o.on_prefill(req, logits, stats)
-        tok = self.sample(logits, [req.params], [req.generator], [req.prompt_ids])[0]
-        req.t_first = time.perf_counter()
-        ctx.step = 0
-        self._append_token(req, tok)
-        self.policy.on_prefill_end(ctx, stats)
-        req.peak_live_tokens = max(req.peak_live_tokens, ctx.num_live(0))
+        self.end_prefill_many([req], logits, [stats])
+
+    def end_prefill_many(self, reqs: list[Request], logits: torch.Tensor, stats: list[StepStats]) -> None:
+        """``end_prefill`` of prompts prefilled together (``logits[i]``: ``reqs[i]``'s last row), the policy's prefill
+        end in one call for them all (its cuts of the prompts at once)."""
+        for i, req in enumerate(reqs):
+            req.last_logits = logits[i]  # what a fork of this request samples its first token from
+            for o in self.observers:
+                o.on_prefill(req, logits[i:i + 1], stats[i])
+            tok = self.sample(logits[i:i + 1], [req.params], [req.generator], [req.prompt_ids])[0]
+            req.t_first = time.perf_counter()
+            req.ctx.step = 0
+            self._append_token(req, tok)
+        self.policy.on_prefill_end_batch([req.ctx for req in reqs], stats)
+        for req in reqs:
+            req.peak_live_tokens = max(req.peak_live_tokens, req.ctx.num_live(0))
 
     def prefill(self, req: Request) -> None:
         """``req``'s prompt into the cache and its first token sampled."""

@@ -72,8 +72,7 @@ def prefill_packed(core, reqs: list[Request]) -> None:
                 stats[i].layers[layer] = prefill_stats(qs, ks, max(sreq.prefill_window, 1), core.sm_scale)
         x = model.finish_layer(layer, x, attn)
     logits = model.logits(x[torch.tensor(ends, device=dev) - 1])
-    for i, r in enumerate(reqs):
-        core.end_prefill(r, logits[i:i + 1], stats[i])
+    core.end_prefill_many(reqs, logits, stats)
 
 
 def _stored_together(core, classes: list[tuple]) -> bool:
