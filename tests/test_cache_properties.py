@@ -245,14 +245,15 @@ def write_everywhere(caches: list[KVCacheManager], next_pos: dict[int, int], sid
             c.write(c.seqs[sid], layer, k, v, pos, cls)
 
 
-def apply_op(caches: list[KVCacheManager], next_pos: dict[int, int], o, evict=None) -> None:
-    """One drawn op on side-by-side caches: add, write and free happen in every cache; an eviction is
-    ``evict(sid, layer, victims)`` (what each test compares), skipped when None. The last request stays."""
+def apply_op(caches: list[KVCacheManager], next_pos: dict[int, int], o, evict=None, classes=CLASSES) -> None:
+    """One drawn op on side-by-side caches: add, write (of ``classes[o[2]]``) and free happen in every cache; an
+    eviction is ``evict(sid, layer, victims)`` (what each test compares), skipped when None. The last request
+    stays."""
     ids = sorted(caches[0].seqs)
     if o[0] == "add" or not ids:
         add_everywhere(caches, next_pos)
     elif o[0] == "write":
-        write_everywhere(caches, next_pos, ids[o[1] % len(ids)], o[3], CLASSES[o[2]])
+        write_everywhere(caches, next_pos, ids[o[1] % len(ids)], o[3], classes[o[2]])
     elif o[0] == "evict":
         if evict is not None:
             sid = ids[o[1] % len(ids)]
@@ -991,21 +992,9 @@ def test_prompts_write_many_matches_one_write_a_request(ops):
     next_pos: dict[int, int] = {}
     for o in ops:
         ids = sorted(batched.seqs)
-        if o[0] == "add" or not ids:
-            add_everywhere([batched, each], next_pos)
-            continue
-        if o[0] == "write":
-            write_everywhere([batched, each], next_pos, ids[o[1] % len(ids)], o[3], WT_CLASSES[o[2]])
-            continue
-        if o[0] == "evict":
-            sid = ids[o[1] % len(ids)]
-            for c in (batched, each):
-                c.evict(c.seqs[sid], o[2], [p % max(1, next_pos[sid]) for p in o[3]])
-            continue
-        if o[0] == "free":
-            if len(ids) > 1:
-                for c in (batched, each):
-                    c.free_sequence(ids[o[1] % len(ids)])
+        if o[0] != "prompts" or not ids:
+            apply_op([batched, each], next_pos, o, classes=WT_CLASSES,
+                     evict=lambda sid, layer, victims: [c.evict(c.seqs[sid], layer, victims) for c in (batched, each)])
             continue
         cls = WT_CLASSES[o[1]]
         jobs = [(sid, n) for sid, n in zip(ids, o[2]) if n]

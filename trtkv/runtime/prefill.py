@@ -34,6 +34,7 @@ def prefill_packed(core, reqs: list[Request]) -> None:
     pos_lists = {n: list(range(n)) for n in set(lens)}
     stats = [StepStats(step=-1) for _ in reqs]
     same_len = len(set(lens)) == 1
+    windows = {max(sreq.prefill_window, 1) for _, sreq in begun}
     together = _stored_together(core, classes)
     g = core.g
     if together:  # every prompt's whole groups (g = 1: every token) in one write a layer; the tails prompt by prompt
@@ -52,7 +53,6 @@ def prefill_packed(core, reqs: list[Request]) -> None:
             core.cache.write_many(layer, [ctx.seq for ctx, _ in begun], kw, vw, counts, flat_positions,
                                   classes[0][:2], segs, g)
         wants = [_wants_stats(sreq, layer) for _, sreq in begun]
-        windows = {max(sreq.prefill_window, 1) for _, sreq in begun}
         stats_together = len(reqs) > 1 and all(wants) and same_len and len(windows) == 1 and core.shards is None
         if stats_together:  # (one batched call: each prompt's numbers as alone)
             T = lens[0]
