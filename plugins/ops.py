@@ -28,6 +28,7 @@ from plugins.mri_track.reference import mri_track_ref
 from plugins.head_sums.reference import head_sums_ref
 from plugins.table_positions.reference import table_positions_layers_ref, table_positions_ref
 from plugins.held_columns.reference import held_columns_ref
+from plugins.compact_slots.reference import compact_slots_ref
 from plugins.paged_attention.reference import _FLOAT_CODES, PagedFormat, dense_attention_cpu, paged_attention_ref
 from plugins.residual_append.reference import residual_append_ref
 from plugins.int4_linear.reference import Int4Weight, int4_linear_ref
@@ -54,6 +55,9 @@ SCHEMAS = {
     "table_positions": "(Tensor slot_pos, Tensor block_table) -> (Tensor, Tensor)",
     "table_positions_layers": "(Tensor slot_pos, Tensor[] block_tables) -> (Tensor, Tensor)",
     "held_columns": "(Tensor where, Tensor rows, int n) -> Tensor",
+    "compact_slots": "(Tensor(a!)[] slot_fields, Tensor(b!) k_group, Tensor(c!) valid, Tensor(d!) live, "
+                     "Tensor(e!) hwm, Tensor(f!) slot_pos, Tensor(g!) slot_seg, Tensor pages, Tensor lens, "
+                     "Tensor(h!) out_tokens, Tensor(i!) out_lists) -> ()",
     "gather_rows": "(Tensor data, Tensor rows, Tensor positions, int layer0) -> Tensor",
     "gather_keys": "(Tensor[] slot_fields, Tensor[] group_fields, Tensor k_group, Tensor flat, int fmt_code, "
                    "float scale_k) -> Tensor",
@@ -326,6 +330,20 @@ def head_sums(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return head_sums_ref(logits, lse)
 
 
+def compact_slots(slot_fields: list[torch.Tensor], k_group: torch.Tensor, valid: torch.Tensor, live: torch.Tensor,
+                  hwm: torch.Tensor, slot_pos: torch.Tensor, slot_seg: torch.Tensor, pages: torch.Tensor,
+                  lens: torch.Tensor, out_tokens: torch.Tensor, out_lists: torch.Tensor) -> None:
+    """Move each page list's live tokens to the front of its pages, codes and slot state in place (see
+    compact_slots/reference.py): the compiled CPU kernel for a pool on CPU, else the reference."""
+    if use_cpu_kernels(k_group) and all(t.is_cpu for t in slot_fields):
+        from plugins.cpu_kernels.ops import compact_slots_cpu
+
+        compact_slots_cpu(slot_fields, k_group, valid, live, hwm, slot_pos, slot_seg, pages, lens, out_tokens,
+                          out_lists)
+        return
+    compact_slots_ref(slot_fields, k_group, valid, live, hwm, slot_pos, slot_seg, pages, lens, out_tokens, out_lists)
+
+
 def table_positions(slot_pos: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The token position behind every column of a layer's paged-attention logits, ``[b, P * B]``, and each row's
     held count ``[b]`` (see table_positions/reference.py): the compiled CPU kernel on CPU, else the reference."""
@@ -415,12 +433,13 @@ _PYTHON_KERNELS = {"kv_write": kv_write, "kv_write_groups": kv_write_groups, "pa
                    "finite_rows": finite_rows,
                    "head_sums": head_sums,
                    "table_positions": table_positions, "table_positions_layers": table_positions_layers,
-                   "held_columns": held_columns,
+                   "held_columns": held_columns, "compact_slots": compact_slots,
                    "gather_rows": gather_rows, "gather_keys": gather_keys,
                    "buffer_attention": buffer_attention,
                    "residual_append": residual_append, "int8_linear": int8_linear, "int4_linear": _int4_linear_op}
 _META_KERNELS = {"kv_write": lambda *a: None, "kv_write_groups": lambda *a: None, "residual_append": lambda *a: None,
                  "scatter_add_rows": lambda *a: None, "fold_add_rows": lambda *a: None, "mri_track": lambda *a: None,
+                 "compact_slots": lambda *a: None,
                  "buffer_attention": lambda *a: None, "paged_attention": _paged_attention_meta,
                  "int8_linear": _int8_linear_meta, "int4_linear": _int4_linear_meta,
                  "lowest_victim": lambda scores, positions, blocked: positions.new_empty(positions.shape[:1]),

@@ -87,6 +87,13 @@ def table_positions_layers_cpu(slot_pos, block_tables):
     return cpu_kernels().table_positions_layers(slot_pos, list(block_tables))
 
 
+def compact_slots_cpu(slot_fields, k_group, valid, live, hwm, slot_pos, slot_seg, pages, lens, out_tokens,
+                      out_lists) -> None:
+    """Same contract as ``compact_slots_ref``: updates the pool and fills the outputs in place."""
+    cpu_kernels().compact_slots(list(slot_fields), k_group, valid, live, hwm, slot_pos, slot_seg, pages, lens,
+                                out_tokens, out_lists)
+
+
 def held_columns_cpu(where, rows, n):
     """Same contract as ``held_columns_ref``: ``[layers, k, n]`` int64."""
     return cpu_kernels().held_columns(where, rows, int(n))

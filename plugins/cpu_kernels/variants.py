@@ -35,8 +35,8 @@ LDFLAGS = ["-fopenmp"]
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "kv_write.cpp", "kmeans_select.cpp", "lowest_victim.cpp",
            "table_victims.cpp",
            "scatter_add_rows.cpp", "gather_rows.cpp", "mri_track.cpp", "head_sums.cpp", "table_positions.cpp",
-           "held_columns.cpp", "buffer_attention.cpp", "rotary.cpp", "residual_append.cpp", "int8_linear.cpp",
-           "int4_linear.cpp", "rms_norm.cpp", "gather_keys.cpp", "registrations.cpp")
+           "held_columns.cpp", "compact_slots.cpp", "buffer_attention.cpp", "rotary.cpp", "residual_append.cpp",
+           "int8_linear.cpp", "int4_linear.cpp", "rms_norm.cpp", "gather_keys.cpp", "registrations.cpp")
 MARCH = {
     "native": ["-march=native"],
     "x86-64-v4-vbmi": ["-march=x86-64-v4", "-mavx512vbmi"],

@@ -19,6 +19,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from plugins import ops as plugin_ops
 from plugins.formats import KVFormat
 from trtkv.cache.host_memory import host_empty
 from trtkv.cache.index_ops import add_at, clear_at, max_at, or_at
@@ -477,35 +478,15 @@ class PagePool:
 
     def compact_pages_flat(self, pg: np.ndarray, lens: np.ndarray
                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-        """``compact_pages_many`` of the lists concatenated: ``lens[j]`` of ``pg`` (int64) are list ``j``'s."""
-        B = self.B
-        at, ss = self._live_at(pg)  # page, then slot order
-        sp = pg[at]
-        job = np.repeat(np.arange(len(lens)), lens)[at]
-        counts = np.bincount(job, minlength=len(lens))
-        i = np.arange(len(sp)) - (np.cumsum(counts) - counts)[job]  # each token's rank in its own list
-        dp, ds = pg[(np.cumsum(lens) - lens)[job] + i // B], i % B
-        move = np.flatnonzero((sp != dp) | (ss != ds))
-        if len(move):  # by flat slot index: one index_select and index_copy_ a field
-            src, dst = (torch.from_numpy(x[move] * B + y[move]).to(self.device) for x, y in ((sp, ss), (dp, ds)))
-            for t in (*self.fields, self.k_group):
-                flat = t.view(-1, *t.shape[2:])
-                flat.index_copy_(0, dst, flat.index_select(0, src))
-        pos, segs = self.slot_pos[sp, ss], self.slot_seg[sp, ss]  # (copies: fancy indexing)
-        self.valid[pg] = 0
-        self.live[pg] = 0
-        self.hwm[pg] = 0
-        self.slot_pos[pg] = -1
-        self.slot_seg[pg] = -1
-        first = np.flatnonzero(ds == 0)  # each kept page is filled from slot 0: its tokens are one run of dp
-        kept, n = dp[first], np.diff(np.append(first, len(dp))).astype(np.int32)
-        self.valid[kept] = (np.int64(1) << n) - 1
-        self.live[kept] = n
-        self.hwm[kept] = n
-        self.slot_pos[dp, ds] = pos
-        self.slot_seg[dp, ds] = segs
+        """``compact_pages_many`` of the lists concatenated: ``lens[j]`` of ``pg`` (int64) are list ``j``'s (the
+        ``compact_slots`` plugin: codes and slot state in one pass)."""
+        t = int(self.live[pg].sum())
+        tokens, lists = np.empty((3, t), np.int64), np.empty(len(lens) + 1, np.int64)
+        plugin_ops.compact_slots(self.fields, self.k_group, *map(torch.from_numpy, (
+            self.valid, self.live, self.hwm, self.slot_pos, self.slot_seg, np.ascontiguousarray(pg, np.int64),
+            np.ascontiguousarray(lens, np.int64), tokens, lists)))
         self._valid_dirty = True
-        return pos, dp, ds, counts, len(move)
+        return tokens[0], tokens[1], tokens[2], lists[:-1], int(lists[-1])
 
     def valid_bits(self) -> torch.Tensor:
         """Device int32 ``[capacity]`` validity words for the attention kernel (on a GPU, a preallocated

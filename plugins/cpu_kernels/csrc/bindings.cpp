@@ -29,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the token position behind every column of a layer's paged-attention logits, and each row's held count (CPU)");
   m.def("table_positions_layers", &trtkv::table_positions_layers_cpu,
         "table_positions of every layer at once, one block table a layer (CPU)");
+  m.def("compact_slots", &trtkv::compact_slots_cpu,
+        "each page list's live tokens moved to the front of its pages, codes and slot state, in place (CPU)");
   m.def("held_columns", &trtkv::held_columns_cpu,
         "the held columns of a batch's position-map rows in every layer, ascending (CPU)");
   m.def("mri_track", &trtkv::mri_track_cpu,

@@ -37,6 +37,10 @@ at::Tensor head_sums_cpu(const at::Tensor& logits, const at::Tensor& lse);
 std::tuple<at::Tensor, at::Tensor> table_positions_cpu(const at::Tensor& slot_pos, const at::Tensor& block_table);
 std::tuple<at::Tensor, at::Tensor> table_positions_layers_cpu(const at::Tensor& slot_pos,
                                                               const std::vector<at::Tensor>& block_tables);
+void compact_slots_cpu(const std::vector<at::Tensor>& slot_fields, at::Tensor& k_group, at::Tensor& valid,
+                       at::Tensor& live, at::Tensor& hwm, at::Tensor& slot_pos, at::Tensor& slot_seg,
+                       const at::Tensor& pages, const at::Tensor& lens, at::Tensor& out_tokens,
+                       at::Tensor& out_lists);
 at::Tensor held_columns_cpu(const at::Tensor& where, const at::Tensor& rows, int64_t n);
 at::Tensor lowest_victim_cpu(const at::Tensor& scores, const at::Tensor& positions, const at::Tensor& blocked);
 at::Tensor table_victims_cpu(const at::Tensor& data, const at::Tensor& rows, const at::Tensor& positions,
