@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from trtkv.policies.scoring import PositionTable, lookup, lowest, sorted_member, top_keep
+from trtkv.policies.scoring import PositionTable, lookup, lowest, pool1d, sorted_member, top_keep
 from trtkv.runtime.attention import live_first, live_views
 
 
@@ -121,3 +121,18 @@ def test_live_first_views_keep_each_rows_live_columns_in_slot_order():
         assert p2[i, :counts[i]].tolist() == pos[i, cols].tolist()
         assert torch.equal(rw, w[i][:, cols]) and torch.equal(rl, -w[i][:, cols])
         assert torch.equal(rs, w[i].sum(0)[cols])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_avg_pool1d_is_torchs_bit_for_bit(seed):
+    """pool1d's shifted adds give F.avg_pool1d's bits (zero padding, divided by the kernel): the policies that pool
+    (AMS, SnapKV) keep their golden tokens."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(60):
+        kernel, T, b = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((2, 12), (1, 300), (1, 40)))
+        x = torch.softmax(torch.randn(b, 3, T, generator=g) * 5, -1) if seed % 2 else \
+            torch.rand(b, 3, T, generator=g) * 10 ** float(torch.randint(-8, 8, (1,), generator=g))
+        left, right = (kernel - 1) // 2, kernel // 2
+        want = torch.nn.functional.avg_pool1d(torch.nn.functional.pad(x.reshape(-1, 1, T), (left, right)), kernel,
+                                              stride=1).reshape(b, 3, T)
+        assert torch.equal(pool1d(x, kernel, "avg"), want)
