@@ -1,12 +1,12 @@
 """The per-index updates equal numpy's ``ufunc.at`` on drawn indices with repeats, short lists and long; a batch's
-byte charges equal one ``add`` each."""
+byte charges equal one ``add`` each; the runs of a sorted array equal ``np.unique``'s counts."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from trtkv.cache.accounting import ByteAccount
-from trtkv.cache.index_ops import add_at, clear_at, max_at, or_at, split_counts
+from trtkv.cache.index_ops import add_at, clear_at, max_at, or_at, sorted_runs, split_counts
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -57,3 +57,12 @@ def test_byte_account_add_each_is_add_of_each(seed):
         for a in each[::2]:
             a.add(int(same))
     assert [(a.bytes, a.peak) for a in one] == [(a.bytes, a.peak) for a in each]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n", [0, 1, 7, 500])
+def test_sorted_runs_equal_unique_counts(seed, n):
+    a = np.sort(np.random.default_rng(seed).integers(0, max(1, n // 3), n))
+    values, counts = sorted_runs(a)
+    want_values, want_counts = np.unique(a, return_counts=True)
+    assert np.array_equal(values, want_values) and np.array_equal(counts, want_counts)

@@ -20,7 +20,7 @@ import numpy as np
 from trtkv.cache.accounting import ByteAccount
 from trtkv.cache.columns import Cls, PositionView, TableColumns, Where
 from trtkv.cache.fresh_pages import group_waiting
-from trtkv.cache.index_ops import add_at, split_counts
+from trtkv.cache.index_ops import add_at, sorted_runs, split_counts
 from trtkv.cache.pool import PagePool
 from trtkv.errors import OutOfKVMemory
 
@@ -369,9 +369,13 @@ class BlockTable:
         if freed is not None:
             add_at(freed, owners, counts * cost)
         else:
-            u, inv = np.unique(owners, return_inverse=True)  # each request's bytes once
+            if len(owners) < 2 or (owners[1:] > owners[:-1]).all():  # (distinct already: a job a request)
+                u, back = owners, counts
+            else:
+                u, inv = np.unique(owners, return_inverse=True)  # each request's bytes once
+                back = np.bincount(inv, weights=counts).astype(np.int64)
             ByteAccount.add_each([table_of(i)._account for i in u.tolist()],  # noqa: SLF001
-                                 (-cost * np.bincount(inv, weights=counts).astype(np.int64)).tolist())
+                                 (-cost * np.asarray(back, np.int64)).tolist())
         one = classes.min() == classes.max()
         for c in [int(classes[0])] if one else np.unique(classes).tolist():
             mine = pages if one else pages[np.repeat(classes == c, counts)]
@@ -381,7 +385,7 @@ class BlockTable:
         # each row's emptied pages, recorded so the batch's block tables drop them in place
         row_of_page = np.repeat(rows, counts)
         order = np.argsort(row_of_page, kind="stable")
-        changed, per_row = np.unique(row_of_page[order], return_counts=True)
+        changed, per_row = sorted_runs(row_of_page[order])
         cols.changes.remove_rows(layer, changed, fid, pages[order], per_row)
 
     def _unlist(self, cls: Cls, pages: list[int], cost: int) -> int:

@@ -1,5 +1,6 @@
 """Per-index updates of 1-D state arrays where an index may repeat (``np.add.at`` and its kin), and
-``split_counts``, ``np.split`` by piece lengths without its cost.
+``split_counts``, ``np.split`` by piece lengths without its cost, and ``sorted_runs``, ``np.unique`` of a sorted array
+without its sort.
 
 numpy's ``ufunc.at`` has a fast loop (numpy >= 1.25: ~1.5 ns an element for sums and maxima, ~8 for bit
 operations) that it takes only when the values are an array or a numpy scalar of the target's own dtype; given a
@@ -42,3 +43,12 @@ def split_counts(a: np.ndarray, counts) -> list[np.ndarray]:
     without its per-piece cost (microseconds a piece: an event splits thousands)."""
     ends = np.cumsum(counts).tolist()
     return [a[lo:hi] for lo, hi in zip([0, *ends], ends)]
+
+
+def sorted_runs(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(a, return_counts=True)`` of an ascending ``a``: its distinct values and how many of each, without
+    the sort ``np.unique`` makes (an event releases pages row by row, already in row order)."""
+    if not len(a):
+        return a[:0], np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], a[1:] != a[:-1]]))
+    return a[starts], np.diff(np.append(starts, len(a)))

@@ -26,9 +26,10 @@ class LeavingPages(PageQueues):
     def fits(self, layer: int, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Whether each job (row ``rows[j]`` leaving ``counts[j]`` pages; a row may repeat) fits its row's room, with
         every job of the row counted."""
-        u, inv = np.unique(rows, return_inverse=True)
-        total = np.bincount(inv, weights=counts, minlength=len(u)).astype(np.int64)
-        return (self._n[layer, u] + total <= self._page.shape[2])[inv]
+        if not len(rows):
+            return np.zeros(0, bool)
+        total = np.bincount(rows, weights=counts).astype(np.int64)  # (by row number: no sort of the rows)
+        return self._n[layer, rows] + total[rows] <= self._page.shape[2]
 
     def add(self, layer: int, rows: np.ndarray, fmt_id: int, classes: np.ndarray, pages: np.ndarray) -> None:
         """Page ``pages[i]`` (format ``fmt_id``, class ``classes[i]``) leaves row ``rows[i]``'s lists in ``layer`` (rows
