@@ -89,7 +89,7 @@ def evict_private_flat(pools: dict[str, PagePool], columns: TableColumns, layer:
         return counts
     owner = owner_of_item[item]
     order = np.argsort(owner, kind="stable")  # request by request, each in the order its victims were listed
-    owner, fids, pages, slots = owner[order], fids[order], pages[order], slots[order]
+    owner, fids, pages, slots, item = owner[order], fids[order], pages[order], slots[order], item[order]
     seq_rows = np.fromiter((seq.row for seq in seqs), np.int64, len(seqs))
     names = columns.fmt_names
     for f in sorted(np.unique(fids).tolist(), key=names.__getitem__):  # formats by name, as listed before
@@ -98,8 +98,11 @@ def evict_private_flat(pools: dict[str, PagePool], columns: TableColumns, layer:
         o, p, sl = (owner, pages, slots) if sel.all() else (owner[sel], pages[sel], slots[sel])
         gids = pool.key_groups(p, sl) if pool.group_specs else None
         pool.mark_evicted_many(p, sl)
-        if gids is not None:
-            decref_groups_many(seqs, pool, gids, np.concatenate([[0], np.cumsum(np.bincount(o, minlength=len(seqs)))]))
+        if gids is not None:  # in job order: a request listed twice frees a group at its last job, as in turn
+            back = np.argsort(order if sel.all() else order[sel], kind="stable")
+            jobs = (item if sel.all() else item[sel])[back]
+            decref_groups_many(item_seqs, pool, gids[back],
+                               np.concatenate([[0], np.cumsum(np.bincount(jobs, minlength=n_items))]))
         _free_slots(pool, columns, layer, fmt, seq_rows[o], p, sl, reuse,
                     lambda first, cls, gone, counts, o=o, pool=pool: BlockTable.release_each(
                         pool, lambda i: seqs[i].layers[layer], o[first], seq_rows[o[first]], cls, gone, counts))
