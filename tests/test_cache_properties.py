@@ -14,7 +14,7 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import plugins  # noqa: F401
@@ -619,6 +619,8 @@ def test_batched_flush_matches_one_write_per_request(ops, block, uniform):
 @given(ops=st.lists(op, min_size=1, max_size=30), jobs=st.lists(st.tuples(st.integers(0, 3), st.lists(
     st.integers(0, 200), min_size=0, max_size=40)), min_size=1, max_size=5),
        eviction=st.sampled_from(["inplace", "compact"]))
+@example(ops=[("add",), ("add",), ("write", 0, 2, 4), ("write", 1, 2, 2)],  # a request's groups freed at its last job
+         jobs=[(0, [0]), (0, [0, 3]), (1, [0, 1]), (0, [0, 1, 2])], eviction="inplace")
 def test_evict_many_matches_one_request_at_a_time(ops, jobs, eviction):
     """``evict_many`` (a batch's anneal: one key-group read and one validity update per format, a request
     possibly listed twice; compaction of every request hit in one gather a format) and ``evict_flat`` (the same
