@@ -77,6 +77,7 @@ PRESETS = {
     "code": dict(delta=0.02, l_min=32, l_max=1024, q_min=8, lam=0.8, beta=0.7, window=32),
 }
 SCORER_ALIASES = {"expected": "expected_attention"}
+QUERIES = StatsRequest(queries=True)  # what a scorer that reads only the evidence needs of an observed step
 KEEP_CHUNK = 1024  # rows (request × layer) an event's selection takes per call
 
 
@@ -244,6 +245,8 @@ class AMSPolicy(KVPolicy):
         self._scorer = SCORERS[self.scorer].for_ams(self)
         self._sm_scale: float | None = None
         self._credit = CreditRows()
+        # (read a few times per request and step: built once, from the settings fixed above)
+        self._cadence = Cadence(self.interval, max(self.n_record, 1))
 
     # --- engine integration ------------------------------------------------------------------
     def bind_model(self, arch) -> None:
@@ -270,17 +273,24 @@ class AMSPolicy(KVPolicy):
 
     @property
     def cadence(self) -> Cadence:
-        return Cadence(self.interval, max(self.n_record, 1))
+        return self._cadence
 
     def stats_request(self, req, phase: str) -> StatsRequest | None:
-        if phase != "decode" or not self.cadence.observing(req.step + 1):
+        if phase != "decode" or not self._cadence.observing(req.step + 1):
             return None
-        own = StatsRequest(queries=True)
+        own = QUERIES
         if self._scorer.evidence_suffices:
             return own
         extra = self._scorer.stats_request(req, phase, True)
         return own if extra is None else StatsRequest(layers=extra.layers, weights=extra.weights,
                                                       sparsity=extra.sparsity, queries=True)
+
+    def stats_requests(self, reqs, phase: str) -> list[StatsRequest | None]:
+        """``stats_request`` of each; a scorer that needs nothing but the evidence: one shared answer."""
+        if phase != "decode" or not self._scorer.evidence_suffices:
+            return super().stats_requests(reqs, phase)
+        observing = self._cadence.observing
+        return [QUERIES if observing(r.step + 1) else None for r in reqs]
 
     def on_request_init(self, req) -> None:
         req.state.queries = QueryLog()
@@ -297,7 +307,13 @@ class AMSPolicy(KVPolicy):
 
     def on_decode_step_end_batch(self, reqs, stats) -> None:
         """The step's events of every request at once: a lockstep batch's requests all fall due together."""
-        due = [req for req, st in zip(reqs, stats) if self._record(req, st)]
+        if self._scorer.evidence_suffices:  # (``_record`` inlined: 256 requests a step)
+            is_event = self._cadence.is_event
+            for req, st in zip(reqs, stats):
+                req.state.queries.add(req.position - 1, st)
+            due = [req for req in reqs if is_event(req.step)]
+        else:
+            due = [req for req, st in zip(reqs, stats) if self._record(req, st)]
         if due:
             self._events(due)
 
@@ -306,7 +322,7 @@ class AMSPolicy(KVPolicy):
         req.state.queries.add(req.position - 1, stats)  # (the token this step wrote)
         if not self._scorer.evidence_suffices:
             self._scorer.observe(req, req.state.memo, stats, "decode")
-        return self.cadence.is_event(req.step)
+        return self._cadence.is_event(req.step)
 
     # --- events -------------------------------------------------------------------------------
     def _events(self, reqs: list) -> None:
