@@ -128,11 +128,13 @@ def test_5_segments_partition_and_bounds():
        delta=hst.sampled_from([0.02, 0.1, 0.3, 1.0]), l_min=hst.integers(1, 40), l_max=hst.integers(1, 300),
        q_min=hst.integers(0, 8), n_sink=hst.integers(0, 8), n_last=hst.integers(0, 40),
        ablation=hst.sampled_from(["none", "fixed_segments", "no_mass", "global_topk"]),
-       mode=hst.sampled_from(["reserve", "reserve", "reference"]), ties=hst.booleans(), odd=hst.booleans())
+       mode=hst.sampled_from(["reserve", "reserve", "reference"]), ties=hst.booleans(), odd=hst.booleans(),
+       f32=hst.sampled_from([None, "float32", "values"]))
 def test_keep_rows_match_one_request_at_a_time(seed, k, T, keep, delta, l_min, l_max, q_min, n_sink, n_last, ablation,
-                                               mode, ties, odd):
+                                               mode, ties, odd, f32):
     """``ams_keep_rows`` (every request's selection of a layer by array operations) keeps what ``ams_select`` keeps
-    for each row: sparse and zero masses, tied scores, NaN and negative masses (the reference's path)."""
+    for each row: sparse and zero masses, tied scores, NaN and negative masses (the reference's path); scores that
+    are float32 values (as float32, or as float64 holding them: the one-sort ranking), with -0, infinities and NaN."""
     rng = np.random.default_rng(seed)
     T_keep = max(1, int(T * keep))
     mu = rng.gamma(0.3, 1.0, (k, T)) * (rng.random((k, T)) < 0.7)
@@ -142,6 +144,12 @@ def test_keep_rows_match_one_request_at_a_time(seed, k, T, keep, delta, l_min, l
     if odd:
         mu[0] = 0.0
         mu[-1, rng.integers(0, T)] = -0.5 if k > 1 else np.nan
+    if f32 is not None:
+        g = g.astype(np.float32)
+        if odd:  # (the ranking's edge cases: -0 ties +0, NaN after every number)
+            g[rng.random(g.shape) < 0.2] = rng.choice(np.array([0.0, -0.0, np.inf, -np.inf, np.nan], np.float32))
+        if f32 == "values":
+            g = g.astype(np.float64)
     cfg = dict(delta=delta, l_min=l_min, l_max=l_max, q_min=q_min, n_sink=n_sink, n_last=n_last, mode=mode,
                ablation=ablation)
     mask = ams_keep_rows(mu, g, T_keep, **cfg)
@@ -698,3 +706,27 @@ def test_layer_victims_in_request_order():
     one = LayerVictims()
     one.add([1, 2], np.array([[5, 6], [8, 9]])[np.array([[True, False], [True, True]])], np.array([1, 2]))
     assert [x.tolist() for x in one.in_request_order()] == [[1, 2], [5, 8, 9], [1, 2]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_sort_ranking_equals_two_sorts(seed):
+    """The batch selection's one-sort ranking of float32 scores (packed integer keys) orders every row's slots as
+    the two stable sorts do: segment, then score descending, then the higher index; -0 ties +0, infinities order
+    as numbers, NaN comes after every number."""
+    from trtkv.policies.ams_selection_rows import _ranked_keys, _ranked_two_sorts
+
+    rng = np.random.default_rng(seed)
+    for case in range(150):
+        k, T, S = int(rng.integers(1, 20)), int(rng.integers(1, 300)), int(rng.integers(1, 12))
+        g = rng.normal(size=(k, T)).astype(np.float32)
+        if case % 2:
+            g = np.round(g, 1).astype(np.float32)  # ties
+        draw = rng.random((k, T))
+        for lo, value in zip((0.0, 0.05, 0.1, 0.13, 0.15), (0.0, -0.0, np.nan, np.inf, -np.inf)):
+            g[(draw >= lo) & (draw < lo + 0.04)] = value
+        seg_of = np.sort(rng.integers(0, S + 1, (k, T)), axis=1)
+        seg_of[:, rng.random(T) < 0.1] = S  # (must slots: past every segment)
+        seg, slots = _ranked_keys(g, seg_of, S)
+        want_seg, want_slots = _ranked_two_sorts(g.astype(np.float64), seg_of)
+        assert np.array_equal(seg, want_seg) and np.array_equal(slots, want_slots), (seed, case)
+    assert _ranked_keys(np.zeros((1, 1 << 20), np.float32), np.zeros((1, 1 << 20), np.int64), 1 << 12) is None

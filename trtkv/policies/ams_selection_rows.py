@@ -5,9 +5,10 @@ An event selects in every layer for every request; one ``ams_select`` costs ~100
 so at 32 layers × 256 requests an event spent about a second there. Here the segments of all rows are one flat
 list (cuts, ``l_max`` splits and the forward ``l_min`` merge advance every row together, one round per segment),
 the quotas' ±1 adjustment is solved in closed form per row (how many full passes, then the first segments of the
-last one), and the in-segment top-k of every segment of every row is one sort. The segments, quotas and keep
-sets equal the reference's (tests/test_ams.py draws rows against it); rows the closed forms do not cover (a
-negative mass, a reserve that outgrows the budget, a backfill) go through the reference.
+last one), and the in-segment top-k of every segment of every row is one sort (of packed integer keys when the
+scores are float32 values, as the scorers' are; else a stable float sort, then the keys). The segments, quotas
+and keep sets equal the reference's (tests/test_ams.py draws rows against it); rows the closed forms do not cover
+(a negative mass, a reserve that outgrows the budget, a backfill) go through the reference.
 """
 from __future__ import annotations
 
@@ -24,7 +25,13 @@ def ams_keep_rows(mu: np.ndarray, g: np.ndarray, T_keep: int, *, delta: float, l
     """Which slots ``ams_select(mu[j], g[j], T_keep, ...)`` keeps, for every row ``j`` of ``mu, g [k, T]``: a
     ``[k, T]`` mask."""
     mu = np.asarray(mu, np.float64)
-    g = np.asarray(g, np.float64)
+    g = np.asarray(g)
+    g32 = g if g.dtype == np.float32 else None  # (scores that are float32 values sort in one pass: _ranked_keys)
+    g = g.astype(np.float64)
+    if g32 is None:
+        with np.errstate(over="ignore"):  # (a value past float32's range: not one of them)
+            as32 = g.astype(np.float32)
+        g32 = as32 if np.array_equal(as32.astype(np.float64), g, equal_nan=True) else None
     k, T = mu.shape
     cfg = dict(delta=delta, l_min=l_min, l_max=l_max, q_min=q_min, n_sink=n_sink, n_last=n_last, mode=mode,
                ablation=ablation)
@@ -50,7 +57,7 @@ def ams_keep_rows(mu: np.ndarray, g: np.ndarray, T_keep: int, *, delta: float, l
     is_must = np.zeros(T, bool)
     is_must[must] = True
     q, fine = _quotas(mu, seg_row, seg_a, seg_b, is_must, T_keep - len(must), q_min)
-    rows, idx = _top_in_segments(g, seg_row, seg_a, seg_b, q, is_must)
+    rows, idx = _top_in_segments(g, seg_row, seg_a, seg_b, q, is_must, g32)
     keep[:, must] = True
     keep[rows, idx] = True
     # a reserve past the budget, or a backfill (the capacities ran out): the reference's rules
@@ -163,24 +170,61 @@ def _passes(row: np.ndarray, room: np.ndarray, need: np.ndarray, on: np.ndarray)
 
 
 def _top_in_segments(g: np.ndarray, row: np.ndarray, a: np.ndarray, b: np.ndarray, q: np.ndarray,
-                     is_must: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                     is_must: np.ndarray, g32: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Each segment's ``q`` best non-must slots (score descending, ties to the higher index): ``(rows, slots)``.
-    Every row's slots sorted by score once (a stable sort of the reversed row: ties to the higher index), then by
-    segment with that order kept (one sort of packed integer keys), so each segment's best come first."""
+    Every row's slots are ordered segment by segment, best first (``_ranked_keys``, or ``_ranked_two_sorts`` when
+    the scores are not all float32 values), and each segment's first ``q`` taken. ``g32``: ``g`` as float32, when it
+    holds the same values."""
     k, T = g.shape
     first = np.searchsorted(row, np.arange(k))
     local = np.arange(len(a)) - first[row]  # each segment's number within its row
     S = int(local.max()) + 1
     seg_of = np.repeat(local, b - a).reshape(k, T)  # (each row's segments partition [0, T) in order)
     seg_of[:, is_must] = S  # must slots sort past every segment
+    ranked = None if g32 is None else _ranked_keys(g32, seg_of, S)
+    seg, slots = ranked if ranked is not None else _ranked_two_sorts(g, seg_of)
+    cell = (seg_of + (S + 1) * np.arange(k)[:, None]).reshape(-1)
+    size = np.bincount(cell, minlength=k * (S + 1))  # non-must slots of each (row, segment)
+    quota = np.zeros(k * (S + 1), np.int64)
+    quota[row * (S + 1) + local] = q
+    # the j-th slot of a row's order is chosen when it is among its segment's first q: j < start + q
+    end = (np.cumsum(size.reshape(k, S + 1), axis=1) - size.reshape(k, S + 1)).reshape(-1) + quota
+    chosen = np.arange(T) < end[seg + (S + 1) * np.arange(k)[:, None]]
+    return np.nonzero(chosen)[0], slots[chosen]
+
+
+def _ranked_two_sorts(g: np.ndarray, seg_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every row's slots by segment, then score descending, then the higher index: ``(segments, slots) [k, T]``.
+    A stable sort of each reversed row by score, then one sort of packed integer keys (segment, place in it)."""
+    k, T = g.shape
     by_score = T - 1 - torch.sort(torch.from_numpy(-g[:, ::-1].copy()), dim=1, stable=True).indices.numpy()
     key = np.sort(np.take_along_axis(seg_of, by_score, 1) * T + np.arange(T), axis=1)
-    seg, at = key // T, key % T
-    quota = np.zeros((k, S + 1), np.int64)
-    quota[row, local] = q
-    cell = (seg_of + (S + 1) * np.arange(k)[:, None]).reshape(-1)
-    size = np.bincount(cell, minlength=k * (S + 1)).reshape(k, S + 1)  # non-must slots of each segment
-    start = np.cumsum(size, axis=1) - size
-    rows = np.arange(k)[:, None]
-    chosen = np.arange(T) - start[rows, seg] < quota[rows, seg]
-    return np.nonzero(chosen)[0], np.take_along_axis(by_score, at, 1)[chosen]
+    return key // T, np.take_along_axis(by_score, key % T, 1)
+
+
+def _ranked_keys(g32: np.ndarray, seg_of: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``_ranked_two_sorts`` in one sort, for float32 scores: each slot's key packs its segment, its score's bits
+    mapped to an unsigned order (descending; -0 is +0, NaN after every number, as the sorts take them) and its
+    index counted from the end, so one integer sort a row gives the order. None when the key needs 63 bits."""
+    k, T = g32.shape
+    t_bits, s_bits = max(1, (T - 1).bit_length()), S.bit_length()
+    if t_bits + 32 + s_bits > 63:
+        return None
+    # (in place where it can: fresh [k, T] temporaries cost their first touch)
+    down = (g32 + np.float32(0.0)).view(np.uint32)  # (+0.0: -0 becomes +0)
+    flip = down >> 31
+    np.negative(flip, out=flip)  # all ones for a negative score, else 0
+    flip |= np.uint32(1 << 31)
+    down ^= flip  # ascending with the score
+    np.invert(down, out=down)  # descending
+    down[np.isnan(g32)] = np.uint32((1 << 32) - 1)
+    key = seg_of.astype(np.int64)
+    key <<= 32
+    key |= down
+    key <<= t_bits
+    key |= T - 1 - np.arange(T)
+    key.sort(axis=1)
+    slots = key & ((1 << t_bits) - 1)
+    np.subtract(T - 1, slots, out=slots)
+    key >>= 32 + t_bits
+    return key, slots
