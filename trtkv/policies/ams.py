@@ -307,13 +307,13 @@ class AMSPolicy(KVPolicy):
 
     def on_decode_step_end_batch(self, reqs, stats) -> None:
         """The step's events of every request at once: a lockstep batch's requests all fall due together."""
-        if self._scorer.evidence_suffices:  # (``_record`` inlined: 256 requests a step)
-            is_event = self._cadence.is_event
-            for req, st in zip(reqs, stats):
-                req.state.queries.add(req.position - 1, st)
-            due = [req for req in reqs if is_event(req.step)]
-        else:
-            due = [req for req, st in zip(reqs, stats) if self._record(req, st)]
+        observe = None if self._scorer.evidence_suffices else self._scorer.observe
+        for req, st in zip(reqs, stats):  # (``_record`` inlined: 256 requests a step)
+            req.state.queries.add(req.position - 1, st)
+            if observe is not None:
+                observe(req, req.state.memo, st, "decode")
+        is_event = self._cadence.is_event
+        due = [req for req in reqs if is_event(req.step)]
         if due:
             self._events(due)
 
