@@ -306,10 +306,11 @@ class AMSPolicy(KVPolicy):
             self._events([req])
 
     def on_decode_step_end_batch(self, reqs, stats) -> None:
-        """The step's events of every request at once: a lockstep batch's requests all fall due together."""
+        """Buffer each request's queries (and the scorer's observations), then the step's events of every request at
+        once: a lockstep batch's requests all fall due together."""
         observe = None if self._scorer.evidence_suffices else self._scorer.observe
-        for req, st in zip(reqs, stats):  # (``_record`` inlined: 256 requests a step)
-            req.state.queries.add(req.position - 1, st)
+        for req, st in zip(reqs, stats):
+            req.state.queries.add(req.position - 1, st)  # (the token this step wrote)
             if observe is not None:
                 observe(req, req.state.memo, st, "decode")
         is_event = self._cadence.is_event
@@ -318,7 +319,8 @@ class AMSPolicy(KVPolicy):
             self._events(due)
 
     def _record(self, req, stats) -> bool:
-        """Buffer the step's queries (and the scorer's observations); whether an event is due now."""
+        """Buffer the step's queries (and the scorer's observations); whether an event is due now (the one-by-one
+        path; ``on_decode_step_end_batch`` does the same for a batch in one loop)."""
         req.state.queries.add(req.position - 1, stats)  # (the token this step wrote)
         if not self._scorer.evidence_suffices:
             self._scorer.observe(req, req.state.memo, stats, "decode")

@@ -27,7 +27,7 @@ def ams_keep_rows(mu: np.ndarray, g: np.ndarray, T_keep: int, *, delta: float, l
     mu = np.asarray(mu, np.float64)
     g = np.asarray(g)
     g32 = g if g.dtype == np.float32 else None  # (scores that are float32 values sort in one pass: _ranked_keys)
-    g = g.astype(np.float64)
+    g = np.asarray(g, np.float64)
     if g32 is None:
         with np.errstate(over="ignore"):  # (a value past float32's range: not one of them)
             as32 = g.astype(np.float32)
